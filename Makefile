@@ -1,0 +1,53 @@
+# Dartboard. `make run` installs everything and starts the main job; `make test` runs the suite.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick python3-tk fonts-dejavu-core
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint format bench system-deps install install-dev clean
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "==> installing system packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	else echo "==> system packages present"; fi
+
+$(PY):
+	@echo "==> creating $(VENV) with $(PYTHON)"
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.lock requirements-dev.txt | $(PY)
+	@echo "==> installing pinned Python packages (torch==2.13.0 CPU)"
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	@touch $(STAMP)
+
+install: system-deps $(STAMP)
+
+run: install
+	@echo "==> starting Dartboard (Ctrl-C stops everything)"
+	$(PY) manage.py run_dartboard
+
+test: install
+	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy dartboard datamanager envmanager rollout training
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	$(PY) bench/envs.py
+	$(PY) bench/inference.py
+
+clean:
+	rm -rf $(VENV) var

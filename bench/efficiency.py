@@ -1,0 +1,214 @@
+"""Decoupled (DART) versus synchronous batch loop, same machine, slots, policy and tasks.
+
+    .venv/bin/python bench/efficiency.py --minutes 3 --slots 4 --latency osworld --scale 0.1
+
+Starts a private stack (embedded Redis, SQLite under a temporary DARTBOARD_HOME, one solo
+Celery env worker per slot, a trainer worker, inference workers behind the router), runs
+each mode for the same wall time, and reads the figures back from the database:
+
+- environment utilisation: share of slot time spent in reset/step/evaluate (finished
+  trajectories' env time, injected latency included) over slots x wall time;
+- inference utilisation: the inference workers' busy time (from their /health) over
+  workers x wall time;
+- trainer utilisation: update time over wall time;
+- actions trained per minute (steps that received a gradient) and trajectories per minute.
+
+`--latency osworld` makes resets take 20-60 s and steps 2-5 s (times `--scale`), the
+OSWorld-like setting the targets are stated for. Writes bench/results/efficiency.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stack import PrivateStack  # noqa: E402
+
+
+def call_command(*args, **kwargs):
+    from django.core.management import call_command as django_call
+
+    return django_call(*args, **kwargs)
+
+TASKS = [
+    "click-test",
+    "click-test-2",
+    "click-button",
+    "click-link",
+    "focus-text",
+    "click-dialog",
+    "click-color",
+]
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _busy_seconds(worker_urls: list[str]) -> float:
+    total = 0.0
+    for url in worker_urls:
+        with contextlib.suppress(OSError):
+            total += float(_health(url).get("busy_seconds", 0.0))
+    return total
+
+
+def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy: str) -> dict:
+    from django.db.models import Sum
+
+    from datamanager.config import RunConfig
+    from datamanager.models import Run, Step, TrainUpdate, Trajectory
+    from datamanager.runs import run_start_workers
+    from datamanager.services import run_control, run_create
+
+    cfg = RunConfig.from_dict(
+        {
+            "mode": mode,
+            "policy": policy,
+            "tasks": {"names": [f"miniwob/{t}" for t in TASKS]},
+            "env": {"miniwob_slots": slots, "step_timeout_s": 600},
+            # Episodes run to their step cap (the untrained policy rarely parses), and the caps
+            # are heavy-tailed per task (set below), like OSWorld's trajectory lengths.
+            "rollout": {"max_new_tokens": 32, "request_timeout_s": 300, "max_parse_errors": 15},
+            "curation": {"n_max": 4, "n_min": 2, "dynamic_step_cap": False},
+            "trainer": {"min_groups": 2, "kl_coef": 0.0, "micro_batch": 8},
+        }
+    )
+    run = run_create(name=f"bench {mode}", config=cfg)
+    busy0 = _busy_seconds(workers)
+    run_control(run_id=run.pk, action="start")
+    run_start_workers(run_id=run.pk)
+    started = time.monotonic()
+    t0 = Run.objects.get(pk=run.pk).started_at
+    time.sleep(minutes * 60)
+    wall = time.monotonic() - started
+    busy = _busy_seconds(workers) - busy0
+    run_control(run_id=run.pk, action="stop")
+    finished = Trajectory.objects.filter(
+        run=run, finished_at__isnull=False, finished_at__lte=t0 + _td(wall)
+    )
+    env_ms = finished.aggregate(s=Sum("env_ms"))["s"] or 0.0
+    updates = [u for u in TrainUpdate.objects.filter(run=run) if u.created_at <= t0 + _td(wall)]
+    trained = Step.objects.filter(trajectory__run=run, trained_in_update__in=updates).count()
+    train_s = sum(u.metrics.get("duration_s", 0.0) for u in updates)
+    return {
+        "mode": mode,
+        "wall_s": wall,
+        "env_util": env_ms / 1000.0 / (slots * wall),
+        "inference_util": busy / (len(workers) * wall) if busy else None,
+        "trainer_util": train_s / wall,
+        "actions_trained_per_min": trained / (wall / 60),
+        "trajectories_per_min": finished.count() / (wall / 60),
+        "updates": len(updates),
+    }
+
+
+def heavy_tailed_step_budgets() -> None:
+    """OSWorld-like trajectory lengths: each bench task declares a Pareto-distributed step
+    budget (seeded, so both modes see the same), 2 to 15 steps."""
+    from datamanager.models import Task
+
+    rng = random.Random(0)
+    for name in TASKS:
+        task = Task.objects.get(name=f"miniwob/{name}")
+        task.env_config = {
+            **task.env_config,
+            "max_steps": min(15, max(2, round(2 * rng.paretovariate(1.2)))),
+        }
+        task.save(update_fields=["env_config"])
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--inference-workers", type=int, default=1)
+    parser.add_argument("--latency", default="osworld", choices=["off", "osworld"])
+    parser.add_argument("--scale", type=float, default=0.1, help="multiplies the injected latency")
+    parser.add_argument("--modes", default="decoupled,synchronous")
+    parser.add_argument("--home", type=Path, default=None)
+    args = parser.parse_args()
+
+    env = {"DARTBOARD_ENV_LATENCY": args.latency, "DARTBOARD_ENV_LATENCY_SCALE": str(args.scale)}
+    results = []
+    with PrivateStack(
+        slots=args.slots, inference_workers=args.inference_workers, env=env, home=args.home
+    ) as stack:
+        heavy_tailed_step_budgets()
+        # Pool successes join all-failed groups, so updates carry a gradient (an untrained
+        # policy alone fails everything and every group would be skipped).
+        call_command("collect_demos", per_task=2, tasks=",".join(f"miniwob/{t}" for t in TASKS))
+        for mode in args.modes.split(","):
+            print(f"measuring {mode} for {args.minutes} min ...", flush=True)
+            results.append(
+                measure(
+                    mode,
+                    minutes=args.minutes,
+                    slots=args.slots,
+                    workers=stack.workers,
+                    policy=stack.policy,
+                )
+            )
+            time.sleep(10)  # let the stopped run's last episodes drain
+    print_table(results, args)
+    write_figure(results)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.1%}" if isinstance(v, float) and v <= 1.5 else f"{v:.1f}"
+
+
+def print_table(results: list[dict], args) -> None:
+    keys = [
+        ("env_util", "environment utilisation"),
+        ("inference_util", "inference utilisation"),
+        ("trainer_util", "trainer utilisation"),
+        ("actions_trained_per_min", "actions trained / min"),
+        ("trajectories_per_min", "trajectories / min"),
+    ]
+    by = {r["mode"]: r for r in results}
+    print(f"\nslots={args.slots} latency={args.latency} scale={args.scale} minutes={args.minutes}")
+    print("| metric | decoupled | synchronous | ratio |\n|---|---|---|---|")
+    for key, label in keys:
+        d, s = by.get("decoupled", {}).get(key), by.get("synchronous", {}).get(key)
+        ratio = f"{d / s:.2f}x" if d and s else "n/a"
+        print(f"| {label} | {_fmt(d)} | {_fmt(s)} | {ratio} |")
+
+
+def write_figure(results: list[dict]) -> None:
+    import plotly.graph_objects as go
+
+    metrics = ["env_util", "inference_util", "trainer_util"]
+    fig = go.Figure(
+        [go.Bar(name=r["mode"], x=metrics, y=[r.get(m) or 0 for m in metrics]) for r in results]
+    )
+    fig.update_layout(
+        title="Decoupled vs synchronous: utilisation", yaxis_tickformat=".0%", barmode="group"
+    )
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    fig.write_html(out / "efficiency.html", include_plotlyjs=True)
+    (out / "efficiency.json").write_text(json.dumps(results, indent=2))
+    print(f"figure: {out / 'efficiency.html'}")
+
+
+if __name__ == "__main__":
+    main()

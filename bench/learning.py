@@ -1,0 +1,127 @@
+"""Does RL lift success over the behaviour-cloning warm start, and what does each curation
+feature contribute?
+
+    .venv/bin/python bench/learning.py --minutes 30 --variants full,no_pool,no_entropy,...
+
+For each variant a run on a private stack (bench/stack.py) does the behaviour-cloning warm
+start on oracle demonstrations (published as version 1), then DART RL for `--minutes`; then
+version 1 and the last version are evaluated on held-out seeds of the same tasks through the
+evaluation harness (greedy, fixed seeds). Prints success before/after RL per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stack import PrivateStack  # noqa: E402
+
+VARIANTS = {
+    "full": {},
+    "no_dynamic_budget": {"dynamic_budget": False},
+    "no_dynamic_length": {"dynamic_step_cap": False},
+    "no_high_entropy": {"high_entropy": False},
+    "no_truncated_is": {"truncated_is": False},
+    "no_experience_pool": {"experience_pool": False},
+}
+DEFAULT_TASKS = (
+    "click-test,click-test-2,click-button,click-link,focus-text,click-dialog,click-color"
+)
+
+
+def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
+    from datamanager.config import RunConfig
+    from datamanager.models import PolicyVersion, Task
+    from datamanager.runs import run_apply
+    from datamanager.services import run_control, run_create
+    from envmanager.evaluate import eval_job_create, eval_job_run
+
+    tasks = [f"miniwob/{t}" for t in args.tasks.split(",")]
+    cfg = RunConfig.from_dict({
+        "policy": args.policy,
+        "tasks": {"names": tasks},
+        "env": {"miniwob_slots": args.slots},
+        "rollout": {"max_new_tokens": 48, "max_images": 3},
+        "curation": VARIANTS[name],
+        "trainer": {"warm_start_bc_updates": args.warm_start, "kl_coef": 0.0, "micro_batch": 4,
+                    "max_steps_per_update": 32, "lr": args.lr},
+    })  # fmt: skip
+    run = run_create(name=f"learning {name}", config=cfg)
+    from django.core.management import call_command
+
+    call_command("collect_demos", per_task=3, tasks=",".join(tasks), kinds="miniwob")
+    run_apply(run_id=run.pk, action="start")
+    deadline = time.monotonic() + 3600
+    while not PolicyVersion.objects.filter(run=run).exists():  # the warm start's version
+        if time.monotonic() > deadline:
+            raise SystemExit("the warm start did not finish within an hour")
+        time.sleep(5)
+    print(f"{name}: warm start done; RL for {args.minutes} min", flush=True)
+    time.sleep(args.minutes * 60)
+    run_control(run_id=run.pk, action="stop")
+    time.sleep(10)
+    first = PolicyVersion.objects.filter(run=run).order_by("version").first().version
+    last = PolicyVersion.objects.filter(run=run).order_by("-version").first().version
+    task_rows = list(Task.objects.filter(name__in=tasks))
+    out = {"variant": name, "versions": (first, last)}
+    for label, version in (("warm_start", first), ("after_rl", last)):
+        job = eval_job_create(
+            name=f"{name} v{version}",
+            policy=f"run:{run.pk}:v{version}",
+            tasks=task_rows,
+            k=args.k,
+            seed=args.eval_seed,
+        )
+        job = eval_job_run(job_id=job.pk)
+        out[label] = job.report["summary"]["success_rate"]
+        out[f"{label}_tasks"] = {r["task"]: r["success_rate"] for r in job.report["tasks"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--variants", default="full")
+    ap.add_argument("--tasks", default=DEFAULT_TASKS)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--policy", default="shipped")
+    ap.add_argument("--warm-start", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--k", type=int, default=5, help="held-out episodes per task")
+    ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")
+    args = ap.parse_args()
+    results = []
+    with PrivateStack(slots=args.slots, policy=args.policy) as stack:
+        for name in args.variants.split(","):
+            if name not in VARIANTS:
+                raise SystemExit(f"unknown variant {name!r}; use {', '.join(VARIANTS)}")
+            results.append(run_variant(name, args=args, stack=stack))
+    print(
+        f"\nRL for {args.minutes} min after a {args.warm_start}-update warm start; "
+        f"held-out seeds {args.eval_seed}000+i, k={args.k}, greedy"
+    )
+    print("| variant | versions | success after warm start | after RL | change (points) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        delta = 100 * (r["after_rl"] - r["warm_start"])
+        print(
+            f"| {r['variant']} | v{r['versions'][0]} -> v{r['versions'][1]} | "
+            f"{r['warm_start']:.1%} | {r['after_rl']:.1%} | {delta:+.1f} |"
+        )
+    for r in results:
+        print(
+            f"\n{r['variant']} per task: "
+            + ", ".join(
+                f"{t.removeprefix('miniwob/')} {r['warm_start_tasks'][t]:.0%}->{r['after_rl_tasks'].get(t, 0):.0%}"
+                for t in sorted(r["warm_start_tasks"])
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""A private Dartboard stack for benchmarks: a temporary DARTBOARD_HOME (SQLite), an
+embedded Redis, env workers, a trainer worker, inference workers behind the router.
+
+    with PrivateStack(slots=4, policy="untrained", env={"DARTBOARD_ENV_LATENCY": "osworld"}) as stack:
+        ...  # Django is set up; create runs, start them, read the database
+
+Must be entered before anything imports Django settings (it sets the environment first).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class PrivateStack:
+    ROUTER_PORT = 18100
+
+    def __init__(
+        self,
+        *,
+        slots: int,
+        policy: str = "untrained",
+        inference_workers: int = 1,
+        env: dict[str, str] | None = None,
+        home: Path | None = None,
+    ) -> None:
+        self.slots = slots
+        self.policy_name = policy
+        self.inference_workers = inference_workers
+        self.home = home or Path(tempfile.mkdtemp(prefix="dartboard-bench-"))
+        self.env = env or {}
+        self.workers = [
+            f"http://127.0.0.1:{self.ROUTER_PORT + 1 + i}" for i in range(inference_workers)
+        ]
+
+    def __enter__(self) -> PrivateStack:
+        os.environ.update({
+            "DARTBOARD_HOME": str(self.home), "DJANGO_SETTINGS_MODULE": "dartboard.settings",
+            "DARTBOARD_INFERENCE_URLS": f"http://127.0.0.1:{self.ROUTER_PORT}", **self.env,
+        })  # fmt: skip
+        for var in ("DATABASE_URL", "REDIS_URL"):
+            os.environ.pop(var, None)
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        from dartboard.embedded_redis import EmbeddedRedis
+        from dartboard.launcher import Supervisor, default_specs, wait_http
+        from datamanager.runs import policy_path
+
+        self.redis = EmbeddedRedis(self.home / "redis" / "redis.sock")
+        self.redis.start()
+        call_command("migrate", verbosity=0)
+        call_command("make_tiny_policy")
+        call_command("import_builtin_tasks")
+        self.policy = str(policy_path(self.policy_name))
+        specs = default_specs(
+            host="127.0.0.1",
+            port=18000,
+            env_slots=self.slots,
+            inference_policy=self.policy,
+            inference_workers=self.inference_workers,
+            router_port=self.ROUTER_PORT,
+        )
+        self.supervisor = Supervisor(home=self.home, specs=[s for s in specs if s.name != "web"])
+        self.supervisor.start()
+        if not wait_http(f"http://127.0.0.1:{self.ROUTER_PORT}/health", timeout=300):
+            self.__exit__()
+            raise SystemExit(f"the router did not come up; see {self.home / 'logs'}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.supervisor.stop()
+        self.redis.stop()

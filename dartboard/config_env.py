@@ -1,0 +1,113 @@
+"""Reading Dartboard's settings from the environment, failing loudly with a fix.
+
+Pure helpers (no Django import) so the launcher and the settings module share them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class SettingsError(Exception):
+    """A setting read from the environment is missing or malformed."""
+
+
+def dartboard_home() -> Path:
+    """DARTBOARD_HOME (default ./var): SQLite file, media, checkpoints, logs, Redis socket."""
+    raw = os.environ.get("DARTBOARD_HOME", "var")
+    home = Path(raw).expanduser().resolve()
+    if home.exists() and not home.is_dir():
+        raise SettingsError(
+            f"DARTBOARD_HOME={raw!r} is a file, not a directory. "
+            "Point DARTBOARD_HOME at a directory (it is created if missing), e.g. DARTBOARD_HOME=./var."
+        )
+    return home
+
+
+def embedded_redis_socket(home: Path) -> Path:
+    return home / "redis" / "redis.sock"
+
+
+def redis_url(home: Path) -> tuple[str, bool]:
+    """(url, embedded). REDIS_URL if set, else the embedded Redis socket under DARTBOARD_HOME."""
+    raw = os.environ.get("REDIS_URL", "").strip()
+    if not raw:
+        return f"unix://{embedded_redis_socket(home)}", True
+    parsed = urlparse(raw)
+    if parsed.scheme not in ("redis", "rediss", "unix"):
+        raise SettingsError(
+            f"REDIS_URL={raw!r} has scheme {parsed.scheme!r}; use redis://HOST:PORT/DB, "
+            "rediss://... or unix:///path/to/redis.sock (or unset it for the embedded Redis)."
+        )
+    if parsed.scheme in ("redis", "rediss") and not parsed.hostname:
+        raise SettingsError(f"REDIS_URL={raw!r} names no host; use e.g. redis://127.0.0.1:6379/0.")
+    return raw, False
+
+
+def celery_url(url: str) -> str:
+    """Celery/kombu spell a unix socket `redis+socket:///path`."""
+    if url.startswith("unix://"):
+        return "redis+socket://" + url[len("unix://") :]
+    return url
+
+
+def database_url(home: Path) -> str:
+    raw = os.environ.get("DATABASE_URL", "").strip()
+    if not raw:
+        return f"sqlite:///{home / 'dartboard.sqlite3'}"
+    scheme = urlparse(raw).scheme
+    if scheme not in ("sqlite", "postgres", "postgresql", "pgsql"):
+        raise SettingsError(
+            f"DATABASE_URL={raw!r}: scheme {scheme!r} is not supported. Use "
+            "postgres://USER:PASSWORD@HOST:5432/NAME or sqlite:////absolute/path.sqlite3 "
+            "(or unset it for SQLite under DARTBOARD_HOME)."
+        )
+    return raw
+
+
+def secret_key(home: Path, *, production: bool) -> str:
+    """SECRET_KEY from the environment; generated once under DARTBOARD_HOME for local use."""
+    raw = os.environ.get("SECRET_KEY", "").strip()
+    if raw:
+        if production and len(raw) < 32:
+            raise SettingsError(
+                "SECRET_KEY is shorter than 32 characters; generate a long random one."
+            )
+        return raw
+    if production:
+        raise SettingsError(
+            "DARTBOARD_ENV=production needs SECRET_KEY set explicitly, e.g. "
+            "SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))')."
+        )
+    path = home / "secret_key"
+    if path.exists():
+        return path.read_text().strip()
+    home.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    # Written with O_EXCL so two processes starting at once agree on one key.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key)
+    return key
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no or on/off.")
+
+
+def env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]

@@ -1,0 +1,29 @@
+"""Channels consumers: the live feed of one run (env wall tiles, charts, statuses)."""
+
+from __future__ import annotations
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from dartboard.events import run_group
+
+
+class RunEventsConsumer(AsyncJsonWebsocketConsumer):
+    """Forwards a run's events to a logged-in browser. Anonymous sockets are closed (4401)."""
+
+    group: str | None = None
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=4401)
+            return
+        self.group = run_group(int(self.scope["url_route"]["kwargs"]["run_id"]))
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if self.group is not None:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def run_event(self, event: dict) -> None:
+        await self.send_json({"kind": event["kind"], "data": event["data"]})

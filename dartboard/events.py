@@ -1,0 +1,79 @@
+"""Dashboard events: published to a run's Channels group after the DB transaction commits.
+
+Producers (env slots, the trainer) call `publish_on_commit`; the consumer in
+`dartboard/consumers.py` forwards each event to the browsers watching the run.
+
+Publishing is fire-and-forget on one background event loop per process: a step never waits
+for Redis (measured: ~3 ms per event with a fresh `async_to_sync` loop, ~0.05 ms queued).
+Events are live-view hints; the database stays the record, so an event lost to a Redis
+outage or a process exit costs a stale tile until the next one, never data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from channels.layers import get_channel_layer
+from django.db import transaction
+
+log = logging.getLogger(__name__)
+
+
+def run_group(run_id: int) -> str:
+    return f"run-{run_id}"
+
+
+class _Publisher:
+    """A daemon thread running an asyncio loop that owns this process's channel layer."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or not self._loop.is_running():
+                loop = asyncio.new_event_loop()
+                started = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(started.set)
+                    loop.run_forever()
+
+                threading.Thread(target=run, name="dartboard-events", daemon=True).start()
+                started.wait(5)
+                self._loop = loop
+            return self._loop
+
+    def send(self, group: str, message: dict[str, Any]) -> Future:
+        layer = get_channel_layer()
+        if layer is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        future = asyncio.run_coroutine_threadsafe(layer.group_send(group, message), self._ensure_loop())
+        future.add_done_callback(_log_failure)
+        return future
+
+
+def _log_failure(future: Future) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.error("could not publish a dashboard event: %s: %s", type(exc).__name__, exc)
+
+
+_publisher = _Publisher()
+
+
+def publish(*, run_id: int, kind: str, data: dict[str, Any]) -> Future:
+    """Queue one event for the run's watchers now; returns a future (tests may wait on it)."""
+    return _publisher.send(run_group(run_id), {"type": "run.event", "kind": kind, "data": data})
+
+
+def publish_on_commit(*, run_id: int, kind: str, data: dict[str, Any]) -> None:
+    transaction.on_commit(lambda: publish(run_id=run_id, kind=kind, data=data))

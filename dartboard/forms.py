@@ -1,0 +1,197 @@
+"""Dashboard forms. The run form is generated from `datamanager.config.RunConfig`, so every
+setting appears with its default and help text, and a `ConfigError` lands on its field."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from django import forms
+
+from datamanager.config import ConfigError, RunConfig
+from datamanager.models import (
+    EnvKind,
+    Task,
+    TrajectorySource,
+    TrajectoryStatus,
+)
+
+_TITLES = {"": "Run", "tasks": "Tasks", "env": "Environments"}
+
+
+def sections() -> list[str]:
+    """RunConfig's nested settings groups (every dataclass-typed field), in order."""
+    hints = typing.get_type_hints(RunConfig)
+    return [
+        f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])
+    ]
+
+
+def section_title(section: str) -> str:
+    return _TITLES.get(section, section.replace("_", " ").capitalize())
+
+
+def _form_field(tp: Any, f: dataclasses.Field, default: Any) -> forms.Field:
+    help_text = f.metadata.get("help", "")
+    if get_origin(tp) is Literal:
+        choices = [(c, c) for c in get_args(tp)]
+        return forms.ChoiceField(choices=choices, initial=default, help_text=help_text)
+    if tp is bool:
+        return forms.BooleanField(required=False, initial=default, help_text=help_text)
+    if tp is int:
+        return forms.IntegerField(initial=default, help_text=help_text)
+    if tp is float:
+        return forms.FloatField(initial=default, help_text=help_text)
+    if tp is str:
+        return forms.CharField(initial=default, help_text=help_text, max_length=500)
+    if get_origin(tp) is list:
+        if f.name == "env_kinds":
+            return forms.MultipleChoiceField(
+                choices=EnvKind.choices,
+                initial=default,
+                required=False,
+                widget=forms.CheckboxSelectMultiple,
+                help_text=help_text,
+            )
+        return forms.CharField(
+            required=False,
+            initial=", ".join(default),
+            help_text=f"{help_text} Comma-separated.",
+        )
+    raise TypeError(f"no form field for {tp!r}")  # a new config type needs a branch here
+
+
+def config_fields() -> list[tuple[str, str, Any, dataclasses.Field]]:
+    """(section, dotted name, type, dataclass field) for every RunConfig setting."""
+    out = []
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub = hints[f.name]
+            sub_hints = typing.get_type_hints(sub)
+            out.extend(
+                (f.name, f"{f.name}.{g.name}", sub_hints[g.name], g)
+                for g in dataclasses.fields(sub)
+            )
+        else:
+            out.append(("", f.name, hints[f.name], f))
+    return out
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    flat = {}
+    for section, name, _, _ in config_fields():
+        if section:
+            value = config.get(section, {}).get(name.split(".", 1)[1])
+        else:
+            value = config.get(name)
+        if value is not None:
+            flat[name] = (
+                ", ".join(value) if isinstance(value, list) and "env_kinds" not in name else value
+            )
+    return flat
+
+
+class RunForm(forms.Form):
+    """Name + every RunConfig setting (dotted field names, e.g. 'trainer.lr')."""
+
+    name = forms.CharField(max_length=200, help_text="A name to find the run by.")
+
+    def __init__(self, *args: Any, from_config: dict[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        defaults = RunConfig().to_dict()
+        for section, name, tp, f in config_fields():
+            key = name.split(".", 1)[1] if section else name
+            default = defaults[section][key] if section else defaults[key]
+            self.fields[name] = _form_field(tp, f, default)
+        if from_config:
+            self.initial.update(_flatten(from_config))
+
+    def sections(self) -> list[tuple[str, list[forms.BoundField]]]:
+        groups: dict[str, list[forms.BoundField]] = {"": [self["name"]]}
+        for section, name, _, _ in config_fields():
+            groups.setdefault(section, []).append(self[name])
+        return [(section_title(s), fields) for s, fields in groups.items()]
+
+    def config_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {s: {} for s in sections()}
+        for section, name, tp, _ in config_fields():
+            if name not in self.cleaned_data:
+                continue
+            value = self.cleaned_data[name]
+            if get_origin(tp) is list and isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            elif get_origin(tp) is list:
+                value = list(value)
+            if section:
+                data[section][name.split(".", 1)[1]] = value
+            else:
+                data[name] = value
+        return data
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        if self.errors:
+            return cleaned
+        try:
+            self.config = RunConfig.from_dict(self.config_dict())
+        except ConfigError as exc:
+            field = exc.path if exc.path in self.fields else None
+            self.add_error(field, exc.message if field else str(exc))
+            return cleaned
+        names = self.config.tasks.names
+        if names:
+            known = set(Task.objects.filter(name__in=names).values_list("name", flat=True))
+            missing = [n for n in names if n not in known]
+            if missing:
+                self.add_error("tasks.names", f"no task named {', '.join(missing)}")
+        return cleaned
+
+
+class TaskOverrideForm(forms.Form):
+    pinned_budget = forms.IntegerField(
+        required=False, min_value=1, max_value=64, help_text="Empty: the curation rule decides."
+    )
+    boost = forms.FloatField(
+        initial=1.0, min_value=0.01, max_value=100, help_text="Sampling weight multiplier."
+    )
+    retired = forms.BooleanField(required=False, help_text="Never sample this task again.")
+    reason = forms.CharField(max_length=500, help_text="Recorded with your name and the time.")
+
+
+class RewardOverrideForm(forms.Form):
+    reward = forms.FloatField(min_value=0.0, max_value=1.0)
+    reason = forms.CharField(max_length=1000, widget=forms.Textarea(attrs={"rows": 2}))
+
+
+class TrimForm(forms.Form):
+    keep_steps = forms.IntegerField(min_value=1, help_text="Steps kept from the start.")
+
+
+class UploadForm(forms.Form):
+    archive = forms.FileField(help_text="A .zip with manifest.json and PNG screenshots.")
+    in_pool = forms.BooleanField(
+        required=False, initial=True, help_text="Successful ones join their task's pool."
+    )
+
+
+def _choices(choices: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [("", "any"), *choices]
+
+
+class TrajectoryFilterForm(forms.Form):
+    run = forms.IntegerField(required=False, min_value=1)
+    task = forms.CharField(required=False, max_length=200)
+    status = forms.ChoiceField(required=False, choices=_choices(TrajectoryStatus.choices))
+    reward = forms.ChoiceField(
+        required=False,
+        choices=_choices(
+            [("positive", "> 0"), ("zero", "0"), ("none", "none"), ("human", "overridden")]
+        ),
+    )
+    source = forms.ChoiceField(required=False, choices=_choices(TrajectorySource.choices))
+    policy_version = forms.IntegerField(required=False, min_value=0, label="Policy version")
+    in_pool = forms.ChoiceField(
+        required=False, choices=[("", "any"), ("yes", "in pool"), ("no", "not in pool")]
+    )

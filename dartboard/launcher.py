@@ -1,0 +1,228 @@
+"""The single-machine launcher behind `make run`: embedded Redis, web, Celery workers.
+
+Every child gets a parent-death signal, and their pids are kept in DARTBOARD_HOME/run/,
+so a launcher killed with SIGKILL leaves nothing behind for long and a new launcher reaps
+any survivor (only processes whose command line matches what we started). A child that
+dies is restarted (with backoff); Ctrl-C or SIGTERM stops everything in order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dartboard.procutil import die_with_parent, pid_cmdline, terminate_pid
+
+log = logging.getLogger("dartboard.launcher")
+
+
+@dataclass
+class ProcSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Child:
+    spec: ProcSpec
+    proc: subprocess.Popen[bytes]
+    started: float
+    restarts: int = 0
+
+
+class Supervisor:
+    """Starts, watches and stops the stack's processes."""
+
+    def __init__(self, *, home: Path, specs: list[ProcSpec]) -> None:
+        self.home = home
+        self.specs = specs
+        self.run_dir = home / "run"
+        self.log_dir = home / "logs"
+        self.pid_file = self.run_dir / "children.json"
+        self.children: dict[str, _Child] = {}
+        self._stopping = False
+
+    def reap_stale(self) -> list[int]:
+        """Stop children recorded by a previous launcher that was killed."""
+        try:
+            recorded = json.loads(self.pid_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+        reaped = []
+        for item in recorded:
+            cmd = pid_cmdline(int(item["pid"]))
+            if cmd is not None and cmd == item["cmdline"]:
+                terminate_pid(int(item["pid"]), timeout=10)
+                reaped.append(int(item["pid"]))
+        self.pid_file.unlink(missing_ok=True)
+        return reaped
+
+    def _record(self) -> None:
+        items = []
+        for child in self.children.values():
+            cmd = pid_cmdline(child.proc.pid)
+            if cmd:
+                items.append({"name": child.spec.name, "pid": child.proc.pid, "cmdline": cmd})
+        self.pid_file.write_text(json.dumps(items))
+
+    def _spawn(self, spec: ProcSpec) -> subprocess.Popen[bytes]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        logfile = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115  (owned by the child)
+        env = {**os.environ, **spec.env}
+        proc = subprocess.Popen(
+            spec.argv,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
+        logfile.close()
+        return proc
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for spec in self.specs:
+            self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
+            log.info(
+                "started %s (pid %d), log %s",
+                spec.name,
+                self.children[spec.name].proc.pid,
+                self.log_dir / f"{spec.name}.log",
+            )
+        time.sleep(0.5)  # let argv settle (the pidfile records the command line)
+        self._record()
+
+    def watch_once(self) -> None:
+        """Restart any child that exited, with a backoff of up to 30 s."""
+        for name, child in list(self.children.items()):
+            code = child.proc.poll()
+            if code is None or self._stopping:
+                continue
+            delay = min(30.0, 2.0**child.restarts)
+            if time.monotonic() - child.started < delay:
+                continue
+            log.warning(
+                "%s exited with %s; restarting (see %s)", name, code, self.log_dir / f"{name}.log"
+            )
+            child.proc = self._spawn(child.spec)
+            child.started = time.monotonic()
+            child.restarts += 1
+            self._record()
+
+    def stop(self) -> None:
+        """Celery workers first (their current episode or update still needs the inference
+        service and the database), then everything else."""
+        self._stopping = True
+        workers = [c for c in self.children.values() if c.spec.name.startswith("worker-")]
+        others = [c for c in self.children.values() if not c.spec.name.startswith("worker-")]
+        for group in (workers, list(reversed(others))):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60  # a trainer update or an episode may be finishing
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", child.spec.name)
+                    child.proc.kill()
+                    child.proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+
+def python_argv(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def default_specs(
+    *,
+    host: str,
+    port: int,
+    env_slots: int,
+    inference_policy: str | None = None,
+    inference_version: int = 0,
+    inference_workers: int = 1,
+    router_port: int = 8100,
+) -> list[ProcSpec]:
+    """web (daphne), Celery workers (rollout, train, one solo worker per env slot) and,
+    with a policy, the rollout service: inference workers behind the router."""
+    celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
+    specs = [
+        ProcSpec(
+            "web",
+            python_argv("-m", "daphne", "-b", host, "-p", str(port), "dartboard.asgi:application"),
+        ),
+        ProcSpec(
+            "worker-rollout",
+            [
+                *celery,
+                "-Q",
+                "rollout,default",
+                "--pool=threads",
+                "--concurrency=4",
+                "-n",
+                "rollout@%h",
+            ],
+        ),
+        ProcSpec("worker-train", [*celery, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
+    ]
+    for i in range(env_slots):
+        specs.append(
+            ProcSpec(f"worker-env-{i}", [*celery, "-Q", "env", "--pool=solo", "-n", f"env{i}@%h"])
+        )
+    if inference_policy is not None:
+        workers = []
+        for i in range(inference_workers):
+            wport = router_port + 1 + i
+            workers.append(f"http://127.0.0.1:{wport}")
+            specs.append(
+                ProcSpec(
+                    f"inference-{i}",
+                    python_argv(
+                        "-m",
+                        "rollout.server",
+                        "--policy",
+                        inference_policy,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(wport),
+                        "--version",
+                        str(inference_version),
+                        "--threads",
+                        "1",
+                    ),
+                )
+            )
+        router = python_argv(
+            "-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port)
+        )
+        for url in workers:
+            router += ["--worker", url]
+        specs.append(ProcSpec("router", router))
+    return specs
+
+
+def wait_http(url: str, *, timeout: float) -> bool:
+    """Poll `url` until it answers 200, up to `timeout` seconds."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False

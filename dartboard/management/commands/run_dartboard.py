@@ -1,0 +1,142 @@
+"""`python manage.py run_dartboard`: the whole stack on one machine (what `make run` runs).
+
+Starts the embedded Redis (unless REDIS_URL is set), migrates, creates the local admin on
+first start (printing its password once), then web + Celery workers under a supervisor.
+Ctrl-C (or SIGTERM) stops everything; a new start reaps what a killed launcher left.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import time
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from dartboard.embedded_redis import EmbeddedRedis
+from dartboard.launcher import Supervisor, default_specs, wait_http
+from dartboard.main_job import prepare_main_run
+from datamanager.config import RunConfig
+from datamanager.models import Run, RunStatus
+from datamanager.runs import run_current_policy, run_start_workers
+from datamanager.services import run_control
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signal.Signals(signum).name)
+
+
+class Command(BaseCommand):
+    help = "Run Dartboard on this machine: embedded Redis, web, Celery workers."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument(
+            "--env-slots",
+            type=int,
+            default=None,
+            help="Env worker processes (default: the main run's slot count, or 2 with --shell-only).",
+        )
+        parser.add_argument(
+            "--shell-only",
+            action="store_true",
+            help="Only the dashboard and workers: no main job, no inference workers.",
+        )
+        parser.add_argument(
+            "--exit-after",
+            type=float,
+            default=0,
+            help="Stop after this many seconds (0: run until Ctrl-C). For smoke tests.",
+        )
+
+    def handle(self, *args, host, port, env_slots, exit_after, shell_only, **options):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        home = settings.DARTBOARD_HOME
+        home.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
+        redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
+        supervisor = Supervisor(home=home, specs=[])
+        run = None
+        try:
+            reaped = supervisor.reap_stale()
+            if reaped:
+                self.stdout.write(f"reaped {len(reaped)} processes left by a killed launcher")
+            if redis is not None:
+                self.stdout.write(f"starting embedded Redis on {redis.socket_path}")
+                redis.start()
+            else:
+                self.stdout.write(f"using Redis at {settings.REDIS_URL}")
+            self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE']}")
+            call_command("migrate", interactive=False, verbosity=0)
+            self._ensure_admin()
+            if shell_only:
+                supervisor.specs = default_specs(host=host, port=port, env_slots=env_slots or 2)
+            else:
+                run = prepare_main_run(write=self.stdout.write)
+                cfg = RunConfig.from_dict(run.config)
+                version, checkpoint = run_current_policy(run=run)
+                supervisor.specs = default_specs(
+                    host=host,
+                    port=port,
+                    env_slots=env_slots or cfg.env.miniwob_slots + cfg.env.desktop_slots,
+                    inference_policy=str(checkpoint),
+                    inference_version=version,
+                    inference_workers=cfg.rollout.inference_workers,
+                )
+            supervisor.start()
+            if run is not None:
+                self._start_run(run.pk)
+            self.stdout.write(self.style.SUCCESS(f"Dartboard is up: http://{host}:{port}/"))
+            self.stdout.write(f"logs: {home / 'logs'}; stop with Ctrl-C")
+            started = time.monotonic()
+            while not exit_after or time.monotonic() - started < exit_after:
+                supervisor.watch_once()
+                time.sleep(1.0)
+        except _Stop as stop:
+            self.stdout.write(f"{stop}: stopping")
+        finally:
+            # A second Ctrl-C/SIGTERM must not interrupt the clean-up half way.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            supervisor.stop()
+            if redis is not None:
+                redis.stop()
+            self.stdout.write("stopped")
+
+    def _start_run(self, run_id: int) -> None:
+        """Start the main run (or re-enqueue its workers if it was running) once the
+        router answers."""
+        router = settings.DARTBOARD_INFERENCE_URLS[0]
+        if not wait_http(f"{router}/health", timeout=180):
+            self.stderr.write(f"the router at {router} did not come up; see the logs")
+            return
+        run = Run.objects.get(pk=run_id)
+        if run.status in (RunStatus.CREATED, RunStatus.STOPPED, RunStatus.FAILED):
+            run_control(run_id=run_id, action="start")
+        if Run.objects.get(pk=run_id).status == RunStatus.RUNNING:
+            run_start_workers(run_id=run_id)
+            self.stdout.write(f"run #{run_id} is running: /runs/{run_id}/")
+        else:
+            self.stdout.write(f"run #{run_id} is {run.status}; resume it from the dashboard")
+
+    def _ensure_admin(self) -> None:
+        User = get_user_model()
+        if User.objects.filter(username="admin").exists():
+            self.stdout.write(
+                "login: admin (password printed at first start; "
+                "reset it with `.venv/bin/python manage.py changepassword admin`)"
+            )
+            return
+        password = secrets.token_urlsafe(12)
+        User.objects.create_superuser("admin", "", password)
+        self.stdout.write(self.style.WARNING(f"login: admin / {password}  (shown once)"))

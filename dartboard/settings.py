@@ -1,0 +1,205 @@
+"""Django settings, read from the environment. Each bad value fails with the fix in its message.
+
+Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, ALLOWED_HOSTS,
+DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
+DARTBOARD_DEBUG. See README.md, "Configuration".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from dartboard import config_env
+
+try:
+    DARTBOARD_HOME = config_env.dartboard_home()
+    PRODUCTION = os.environ.get("DARTBOARD_ENV", "local").strip().lower() == "production"
+    if os.environ.get("DARTBOARD_ENV", "local").strip().lower() not in ("local", "production", ""):
+        raise config_env.SettingsError(
+            f"DARTBOARD_ENV={os.environ['DARTBOARD_ENV']!r}: use 'local' (default) or 'production'."
+        )
+    SECRET_KEY = config_env.secret_key(DARTBOARD_HOME, production=PRODUCTION)
+    DEBUG = config_env.env_bool("DARTBOARD_DEBUG", default=False)
+    ALLOWED_HOSTS = config_env.env_list("ALLOWED_HOSTS")
+    if PRODUCTION and not ALLOWED_HOSTS:
+        raise config_env.SettingsError(
+            "DARTBOARD_ENV=production needs ALLOWED_HOSTS, e.g. ALLOWED_HOSTS=dartboard.example.org."
+        )
+    if not ALLOWED_HOSTS:
+        ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "testserver"]
+    REDIS_URL, REDIS_EMBEDDED = config_env.redis_url(DARTBOARD_HOME)
+    _database_url = config_env.database_url(DARTBOARD_HOME)
+except config_env.SettingsError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+REDIS_SOCKET = config_env.embedded_redis_socket(DARTBOARD_HOME)
+MEDIA_ROOT = DARTBOARD_HOME / "media"
+CHECKPOINT_ROOT = DARTBOARD_HOME / "checkpoints"
+LOG_ROOT = DARTBOARD_HOME / "logs"
+
+try:
+    DATABASES = {"default": dj_database_url.parse(_database_url, conn_max_age=60)}
+except Exception as exc:  # dj_database_url raises several types for a malformed URL
+    raise ImproperlyConfigured(
+        f"DATABASE_URL could not be parsed ({exc}). Use postgres://USER:PASSWORD@HOST:5432/NAME."
+    ) from None
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several worker processes write at once: wait for the lock instead of failing at once,
+    # and let readers proceed while one writer writes (WAL).
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "datamanager",
+    "envmanager",
+    "rollout",
+    "dartboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Every page and API needs a login; views opt out with @login_not_required.
+    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dartboard.urls"
+ASGI_APPLICATION = "dartboard.asgi.application"
+WSGI_APPLICATION = None
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = DARTBOARD_HOME / "static"
+MEDIA_URL = "/media/"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Media (screenshots, checkpoints): the filesystem under DARTBOARD_HOME, or S3-compatible
+# object storage so workers on other machines share files without a shared filesystem.
+S3_BUCKET = os.environ.get("DARTBOARD_S3_BUCKET", "").strip()
+if S3_BUCKET:
+    _default_storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": S3_BUCKET,
+            "endpoint_url": os.environ.get("AWS_S3_ENDPOINT_URL") or None,
+            "default_acl": None,
+            "querystring_auth": True,
+        },
+    }
+else:
+    _default_storage = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(MEDIA_ROOT), "base_url": MEDIA_URL},
+    }
+STORAGES = {
+    "default": _default_storage,
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
+# Redis carries the Celery broker and results and the Channels layer in every mode.
+CELERY_BROKER_URL = config_env.celery_url(REDIS_URL)
+CELERY_RESULT_BACKEND = config_env.celery_url(REDIS_URL)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True  # a killed worker's task is redelivered, not lost
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_ROUTES = {
+    "envmanager.tasks.*": {"queue": "env"},
+    "rollout.tasks.*": {"queue": "rollout"},
+    "training.*": {"queue": "train"},
+    "datamanager.tasks.train_*": {"queue": "train"},
+}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL}],
+            # channels_redis drops group messages past capacity silently; the dashboard
+            # sends small events at a high rate, so leave room.
+            "capacity": 2000,
+            "expiry": 30,
+        },
+    }
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("DARTBOARD_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = config_env.env_bool("DARTBOARD_SECURE_COOKIES", default=True)
+    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+
+# The rollout service: the router (or inference workers) env slots send requests to, and
+# the image bounds of the policy's processor (to map model coordinates back to the screen).
+DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
+    "http://127.0.0.1:8100"
+]
+DARTBOARD_IMAGE_MIN_PIXELS = int(os.environ.get("DARTBOARD_IMAGE_MIN_PIXELS", 4 * 28 * 28))
+DARTBOARD_IMAGE_MAX_PIXELS = int(os.environ.get("DARTBOARD_IMAGE_MAX_PIXELS", 16384 * 28 * 28))
+
+# Benchmarks: emulate slow (OSWorld-like) environments; see envmanager/latency.py.
+DARTBOARD_ENV_LATENCY = os.environ.get("DARTBOARD_ENV_LATENCY", "off")
+DARTBOARD_ENV_LATENCY_SCALE = float(os.environ.get("DARTBOARD_ENV_LATENCY_SCALE", "1"))
+
+# CPU threads of each torch process started by the launcher's workers (trainer).
+DARTBOARD_TORCH_THREADS = int(os.environ.get("DARTBOARD_TORCH_THREADS", "1"))

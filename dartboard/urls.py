@@ -1,0 +1,34 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from dartboard import views
+
+urlpatterns = [
+    path("", views.runs_list, name="runs"),
+    path("runs/new/", views.run_new, name="run_new"),
+    path("runs/<int:run_id>/", views.run_detail, name="run_detail"),
+    path("runs/<int:run_id>/control/", views.run_control, name="run_control"),
+    path("runs/<int:run_id>/charts.json", views.run_charts, name="run_charts"),
+    path("runs/<int:run_id>/slots.json", views.run_slots_json, name="run_slots"),
+    path("runs/<int:run_id>/tasks/", views.task_board, name="task_board"),
+    path(
+        "runs/<int:run_id>/tasks/<int:stat_id>/override/",
+        views.task_override,
+        name="task_override",
+    ),
+    path("trajectories/", views.trajectory_list, name="trajectories"),
+    path("trajectories/upload/", views.upload, name="upload"),
+    path("trajectories/<int:trajectory_id>/", views.trajectory_detail, name="trajectory_detail"),
+    path(
+        "trajectories/<int:trajectory_id>/<str:action>/",
+        views.trajectory_curate,
+        name="trajectory_curate",
+    ),
+    path("health/", views.health, name="health"),
+    path("media/<path:key>", views.media, name="media"),
+    path("vendor/plotly.min.js", views.plotly_js, name="plotly_js"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,311 @@
+"""Dashboard views: thin interfaces over datamanager selectors/services.
+
+Every view needs a login (LoginRequiredMiddleware); changes are POST with CSRF.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_not_required
+from django.core.files.storage import default_storage
+from django.http import (
+    FileResponse,
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    JsonResponse,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views.decorators.cache import cache_control
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from dartboard import figures
+from dartboard.forms import (
+    RewardOverrideForm,
+    RunForm,
+    TaskOverrideForm,
+    TrajectoryFilterForm,
+    TrimForm,
+    UploadForm,
+)
+from datamanager import curate, dashboard, runs, services
+from datamanager.archive import InvalidUpload
+from datamanager.models import Run, TaskStat, Trajectory
+
+
+@require_GET
+def runs_list(request: HttpRequest) -> HttpResponse:
+    runs = list(dashboard.runs_overview()[:200])
+    for run in runs:
+        run.success_rate = dashboard.success_rate(run.n_succeeded, run.n_finished)
+    return render(request, "dashboard/runs.html", {"runs": runs})
+
+
+@require_http_methods(["GET", "POST"])
+def run_new(request: HttpRequest) -> HttpResponse:
+    """The run form. GET ?from=<run id> pre-fills it from that run's resolved config."""
+    if request.method == "POST":
+        form = RunForm(request.POST)
+        if form.is_valid():
+            run = services.run_create(
+                name=form.cleaned_data["name"], config=form.config, owner=request.user
+            )
+            messages.success(request, f"Run {run.name} created.")
+            return redirect("run_detail", run_id=run.pk)
+        return render(request, "dashboard/run_form.html", {"form": form}, status=400)
+    source = None
+    if request.GET.get("from", "").isdigit():
+        source = Run.objects.filter(pk=int(request.GET["from"])).first()
+    form = RunForm(
+        initial={"name": f"{source.name} (copy)"} if source else {},
+        from_config=source.config if source else None,
+    )
+    return render(request, "dashboard/run_form.html", {"form": form, "source": source})
+
+
+@require_GET
+def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = get_object_or_404(Run, pk=run_id)
+    slots = dashboard.run_slots(run=run)
+    task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+    return render(
+        request,
+        "dashboard/run_detail.html",
+        {
+            "run": run,
+            "summary": dashboard.run_summary(run=run),
+            "slots": slots,
+            "task_names": task_names,
+            "config_json": json.dumps(run.config, indent=2),
+        },
+    )
+
+
+@require_POST
+def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
+    get_object_or_404(Run, pk=run_id)
+    action = request.POST.get("action", "")
+    try:
+        run = runs.run_apply(run_id=run_id, action=action)
+    except (services.InvalidTransition, runs.RunNotStartable) as exc:
+        messages.error(request, f"Could not {action or 'change'} the run: {exc}.")
+    else:
+        messages.success(request, f"Run {run.name} is {run.status}.")
+    return redirect("run_detail", run_id=run_id)
+
+
+@require_GET
+def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
+    """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
+    run = get_object_or_404(Run, pk=run_id)
+    return JsonResponse(figures.run_figures(dashboard.chart_data(run=run)))
+
+
+@require_GET
+def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
+    """The env wall as JSON (the wall's fallback when the WebSocket is down)."""
+    run = get_object_or_404(Run, pk=run_id)
+    tasks = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+    return JsonResponse(
+        {"slots": [t.__dict__ for t in dashboard.run_slots(run=run)], "tasks": tasks}
+    )
+
+
+@require_GET
+def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = get_object_or_404(Run, pk=run_id)
+    rows = dashboard.task_board(run=run)
+    for row in rows:
+        row["spark"] = figures.sparkline_svg(row["history"])
+    return render(request, "dashboard/task_board.html", {"run": run, "rows": rows})
+
+
+@require_http_methods(["GET", "POST"])
+def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpResponse:
+    stat = get_object_or_404(
+        TaskStat.objects.select_related("task", "run"), pk=stat_id, run_id=run_id
+    )
+    if request.method == "POST":
+        form = TaskOverrideForm(request.POST)
+        if form.is_valid():
+            try:
+                curate.taskstat_override(
+                    stat_id=stat.pk,
+                    pinned_budget=form.cleaned_data["pinned_budget"],
+                    boost=form.cleaned_data["boost"],
+                    retired=form.cleaned_data["retired"],
+                    reason=form.cleaned_data["reason"],
+                    user=request.user,
+                )
+            except curate.CurationError as exc:
+                form.add_error(None, str(exc))
+            else:
+                messages.success(request, f"Task {stat.task.name} updated.")
+                return redirect("task_board", run_id=run_id)
+        status = 400
+    else:
+        form = TaskOverrideForm(
+            initial={
+                "pinned_budget": stat.pinned_budget,
+                "boost": stat.boost,
+                "retired": stat.retired,
+            }
+        )
+        status = 200
+    return render(
+        request, "dashboard/task_override.html", {"stat": stat, "form": form}, status=status
+    )
+
+
+@require_GET
+def trajectory_list(request: HttpRequest) -> HttpResponse:
+    form = TrajectoryFilterForm(request.GET or None)
+    flt = dashboard.TrajectoryFilter()
+    if form.is_bound and form.is_valid():
+        d = form.cleaned_data
+        pool = {"yes": True, "no": False}.get(d["in_pool"])
+        flt = dashboard.TrajectoryFilter(
+            run_id=d["run"],
+            task=d["task"],
+            status=d["status"],
+            reward=d["reward"],
+            source=d["source"],
+            policy_version=d["policy_version"],
+            in_pool=pool,
+        )
+    page = dashboard.trajectory_page(flt=flt, page=request.GET.get("page", 1))
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "dashboard/trajectory_list.html",
+        {"form": form, "page": page, "query": query.urlencode()},
+        status=200 if not form.errors else 400,
+    )
+
+
+def _trajectory_context(trajectory_id: int, **forms) -> dict:
+    try:
+        traj, steps = dashboard.trajectory_detail(trajectory_id=trajectory_id)
+    except Trajectory.DoesNotExist:
+        raise Http404(f"no trajectory {trajectory_id}") from None
+    for s in steps:
+        s.overlay = figures.action_overlay_svg(
+            s.action, width=s.screen_width, height=s.screen_height, uid=str(s.pk)
+        )
+        lp = s.rollout_logprobs or []
+        s.logprob_sum = sum(lp) if lp else None
+        s.logprob_mean = sum(lp) / len(lp) if lp else None
+    return {
+        "traj": traj,
+        "steps": steps,
+        "overrides": traj.reward_overrides.select_related("user").order_by("-created_at"),
+        "copies": traj.curated_copies.only("pk", "length", "source"),
+        "reward_form": RewardOverrideForm(initial={"reward": traj.reward}),
+        "trim_form": TrimForm(initial={"keep_steps": max(1, traj.length - 1)}),
+        **forms,
+    }
+
+
+@require_GET
+def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
+    return render(request, "dashboard/trajectory_detail.html", _trajectory_context(trajectory_id))
+
+
+@require_POST
+def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> HttpResponse:
+    """promote / unpool / reject / trim / reward, each one service call."""
+    traj = get_object_or_404(Trajectory, pk=trajectory_id)
+    target = reverse("trajectory_detail", args=[traj.pk])
+    try:
+        if action == "promote":
+            curate.trajectory_promote(trajectory_id=traj.pk)
+            messages.success(request, "Added to the task's experience pool.")
+        elif action == "unpool":
+            curate.trajectory_unpool(trajectory_id=traj.pk)
+            messages.success(request, "Removed from the experience pool.")
+        elif action == "reject":
+            curate.trajectory_reject(trajectory_id=traj.pk)
+            messages.success(request, "Rejected: it will never be trained on.")
+        elif action == "trim":
+            form = TrimForm(request.POST)
+            if not form.is_valid():
+                return _invalid(request, traj, "trim_form", form)
+            copy = curate.trajectory_trim(
+                trajectory_id=traj.pk, keep_steps=form.cleaned_data["keep_steps"]
+            )
+            messages.success(request, f"Curated copy #{copy.pk} with {copy.length} steps.")
+            target = reverse("trajectory_detail", args=[copy.pk])
+        elif action == "reward":
+            form = RewardOverrideForm(request.POST)
+            if not form.is_valid():
+                return _invalid(request, traj, "reward_form", form)
+            curate.trajectory_override_reward(
+                trajectory_id=traj.pk,
+                reward=form.cleaned_data["reward"],
+                reason=form.cleaned_data["reason"],
+                user=request.user,
+            )
+            messages.success(request, "Reward overridden.")
+        else:
+            raise Http404(f"no curation action {action!r}")
+    except curate.CurationError as exc:
+        messages.error(request, f"Not done: {exc}.")
+    return HttpResponseRedirect(target)
+
+
+def _invalid(request: HttpRequest, traj: Trajectory, name: str, form) -> HttpResponse:
+    """Re-render the trajectory page with the invalid form's errors at its fields."""
+    ctx = _trajectory_context(traj.pk, **{name: form})
+    return render(request, "dashboard/trajectory_detail.html", ctx, status=400)
+
+
+@require_http_methods(["GET", "POST"])
+def upload(request: HttpRequest) -> HttpResponse:
+    """Import pre-collected trajectories from a .zip (format: datamanager/archive.py)."""
+    errors: list[str] = []
+    if request.method == "POST":
+        form = UploadForm(request.POST, request.FILES)
+        if form.is_valid():
+            try:
+                imported = curate.trajectories_import(
+                    fileobj=form.cleaned_data["archive"], in_pool=form.cleaned_data["in_pool"]
+                )
+            except InvalidUpload as exc:
+                errors = exc.errors
+                form.add_error("archive", f"{len(exc.errors)} problem(s); nothing was imported.")
+            else:
+                messages.success(request, f"Imported {len(imported)} trajectories.")
+                return redirect(reverse("trajectories") + "?source=precollected")
+        return render(
+            request, "dashboard/upload.html", {"form": form, "errors": errors}, status=400
+        )
+    return render(request, "dashboard/upload.html", {"form": UploadForm(), "errors": errors})
+
+
+@login_not_required
+@require_GET
+def health(request: HttpRequest) -> JsonResponse:
+    """Liveness for load balancers; says nothing about the data."""
+    return JsonResponse({"status": "ok"})
+
+
+@require_GET
+def media(request: HttpRequest, key: str) -> HttpResponse:
+    """Screenshots and other media, for logged-in users only (never a public directory)."""
+    if ".." in key.split("/") or not default_storage.exists(key):
+        raise Http404(f"no media file {key!r}")
+    return FileResponse(default_storage.open(key, "rb"))
+
+
+@require_GET
+@cache_control(max_age=86400)
+def plotly_js(request: HttpRequest) -> HttpResponse:
+    """plotly.js from the installed plotly package (the dashboard works offline)."""
+    path = resources.files("plotly") / "package_data" / "plotly.min.js"
+    return FileResponse(path.open("rb"), content_type="application/javascript")

@@ -1,0 +1,1 @@
+"""Data manager: the models, services (writes), selectors (reads) and curation policies."""

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class DatamanagerConfig(AppConfig):
+    name = "datamanager"
+    verbose_name = "Data manager"

@@ -1,0 +1,271 @@
+"""Run configuration: typed dataclasses, one line of help per field, validated on creation.
+
+The resolved config (every default filled in) is stored on the Run row as JSON, so a run can
+be reproduced from the database alone. `RunConfig.from_dict` reports the exact field path of a
+bad value ("trainer.lr: must be > 0, got -1.0"); the dashboard's run form shows that message
+next to the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A config value is invalid. `path` is the dotted field name, e.g. 'trainer.lr'."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.message = message
+
+
+def knob(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002  (help text, not builtins.help)
+    """A config field with its one-line help (shown in the run form)."""
+    if isinstance(default, list | dict):
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs}
+        )
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+def _check(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(path, message)
+
+
+@dataclass
+class TaskSelection:
+    split: Literal["train", "eval"] = knob("train", "Which split's tasks the run trains on.")
+    tags: list[str] = knob([], "Only tasks with all of these tags (empty: no tag filter).")
+    names: list[str] = knob([], "Only these task names (empty: every task of the split/tags).")
+    env_kinds: list[str] = knob(
+        ["miniwob"], "Environment backends whose tasks are included: miniwob, desktop."
+    )
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop"})
+        _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob and/or desktop")
+        _check(bool(self.env_kinds), "env_kinds", "name at least one backend")
+
+
+@dataclass
+class EnvConfig:
+    miniwob_slots: int = knob(2, "MiniWoB++ browser slots (one chromium each).", min=0, max=64)
+    desktop_slots: int = knob(0, "Xvfb desktop slots.", min=0, max=16)
+    step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
+    heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
+    quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.miniwob_slots <= 64, "miniwob_slots", "must be between 0 and 64")
+        _check(0 <= self.desktop_slots <= 16, "desktop_slots", "must be between 0 and 16")
+        _check(
+            self.miniwob_slots + self.desktop_slots > 0,
+            "miniwob_slots",
+            "a run needs at least one slot",
+        )
+        _check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
+        _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
+        _check(self.quarantine_after >= 1, "quarantine_after", "must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    max_images: int = knob(5, "Screenshots kept in the prompt (the last K).")
+    max_prompt_tokens: int = knob(4096, "Token budget of a prompt; oldest text turns drop first.")
+    max_new_tokens: int = knob(64, "Tokens the policy may generate per step.")
+    temperature: float = knob(1.0, "Sampling temperature for training rollouts.")
+    top_p: float = knob(1.0, "Nucleus sampling for training rollouts.")
+    max_parse_errors: int = knob(3, "Consecutive unparsable outputs that end an episode as failed.")
+    request_timeout_s: float = knob(
+        60.0, "An episode with no policy answer in this time ends as error."
+    )
+    inference_workers: int = knob(1, "Transformers inference workers started for the run (CPU).")
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.max_images <= 32, "max_images", "must be between 1 and 32")
+        _check(self.max_prompt_tokens >= 256, "max_prompt_tokens", "must be >= 256")
+        _check(1 <= self.max_new_tokens <= 4096, "max_new_tokens", "must be between 1 and 4096")
+        _check(
+            self.temperature > 0, "temperature", "must be > 0 (use evaluation for greedy decoding)"
+        )
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.max_parse_errors >= 1, "max_parse_errors", "must be >= 1")
+        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(1 <= self.inference_workers <= 16, "inference_workers", "must be between 1 and 16")
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = knob(1e-5, "AdamW learning rate.")
+    weight_decay: float = knob(0.0, "AdamW weight decay.")
+    grad_clip: float = knob(1.0, "Gradient norm clipping.")
+    micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
+    min_groups: int = knob(2, "Ready task groups needed before an update.")
+    max_steps_per_update: int = knob(128, "Most steps trained in one update.")
+    loss_type: Literal["ppo", "gspo"] = knob(
+        "ppo", "Token-level PPO clipping or GSPO sequence ratio."
+    )
+    clip_low: float = knob(0.2, "Lower clip range of the ratio.")
+    clip_high: float = knob(0.28, "Upper clip range of the ratio (clip-higher).")
+    kl_coef: float = knob(
+        0.1, "KL to the initial policy (0 disables and frees the reference model)."
+    )
+    bc_weight: float = knob(0.0, "Weight of the behaviour-cloning loss on experience-pool demos.")
+    warm_start_bc_updates: int = knob(0, "Behaviour-cloning updates on the pool before RL.")
+    checkpoint_every: int = knob(1, "Publish a PolicyVersion every N updates.")
+    max_updates: int = knob(0, "Stop after N updates (0: until stopped).")
+    bf16: bool = knob(True, "bf16 autocast on GPU (ignored on CPU).")
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(self.grad_clip > 0, "grad_clip", "must be > 0")
+        _check(self.micro_batch >= 1, "micro_batch", "must be >= 1")
+        _check(self.min_groups >= 1, "min_groups", "must be >= 1")
+        _check(self.max_steps_per_update >= 1, "max_steps_per_update", "must be >= 1")
+        _check(self.clip_low > 0, "clip_low", "must be > 0")
+        _check(self.clip_high > 0, "clip_high", "must be > 0")
+        _check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _check(self.bc_weight >= 0, "bc_weight", "must be >= 0")
+        _check(self.warm_start_bc_updates >= 0, "warm_start_bc_updates", "must be >= 0")
+        _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        _check(self.max_updates >= 0, "max_updates", "must be >= 0")
+
+
+@dataclass
+class CurationConfig:
+    dynamic_budget: bool = knob(True, "Rollouts per task follow its success rate (DART rule).")
+    n_max: int = knob(8, "Rollout budget of a task below the success threshold.")
+    n_min: int = knob(2, "Smallest rollout budget.")
+    budget_threshold: float = knob(0.6, "Success rate at which the budget starts to shrink.")
+    dynamic_step_cap: bool = knob(True, "A task's step cap follows its longest success.")
+    default_step_cap: int = knob(15, "Step cap while a task has no success yet.")
+    step_cap_margin: int = knob(2, "Steps allowed beyond the longest success.")
+    experience_pool: bool = knob(
+        True, "Pool successes join groups whose online rollouts all failed."
+    )
+    pool_ratio: float = knob(0.25, "Share of a failed group replaced by pool trajectories.")
+    high_entropy: bool = knob(True, "Train only on the highest-entropy steps.")
+    entropy_top_q: float = knob(0.8, "Fraction of steps kept by the entropy filter.")
+    truncated_is: bool = knob(True, "Truncated importance sampling for rollout/trainer mismatch.")
+    is_cap: float = knob(1.0, "Truncation C of the IS weight.")
+    staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
+    max_uses_per_step: int = knob(1, "How often one step may be trained on.")
+    success_window: int = knob(16, "Trajectories in a task's rolling success rate.")
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.n_min <= self.n_max, "n_min", "must satisfy 1 <= n_min <= n_max")
+        _check(self.n_max <= 64, "n_max", "must be <= 64")
+        _check(0 < self.budget_threshold <= 1, "budget_threshold", "must be in (0, 1]")
+        _check(self.default_step_cap >= 1, "default_step_cap", "must be >= 1")
+        _check(self.step_cap_margin >= 0, "step_cap_margin", "must be >= 0")
+        _check(0 <= self.pool_ratio <= 1, "pool_ratio", "must be in [0, 1]")
+        _check(0 < self.entropy_top_q <= 1, "entropy_top_q", "must be in (0, 1]")
+        _check(self.is_cap > 0, "is_cap", "must be > 0")
+        _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
+        _check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
+        _check(self.success_window >= 1, "success_window", "must be >= 1")
+
+
+@dataclass
+class EvaluationConfig:
+    every_n_versions: int = knob(
+        0, "Evaluate every N-th policy version on the eval split (0: off)."
+    )
+    k: int = knob(1, "Episodes per eval task (fixed seeds).")
+    slot_share: float = knob(0.5, "Share of the run's env slots an evaluation may use.")
+    greedy: bool = knob(True, "Greedy decoding in scheduled evaluations.")
+
+    def __post_init__(self) -> None:
+        _check(self.every_n_versions >= 0, "every_n_versions", "must be >= 0")
+        _check(1 <= self.k <= 64, "k", "must be between 1 and 64")
+        _check(0 < self.slot_share <= 1, "slot_share", "must be in (0, 1]")
+
+
+@dataclass
+class RunConfig:
+    mode: Literal["decoupled", "synchronous"] = knob(
+        "decoupled", "DART's asynchronous design, or the synchronous batch-loop baseline."
+    )
+    policy: str = knob(
+        "shipped", "Starting checkpoint: 'shipped', 'untrained' or a local HF directory."
+    )
+    seed: int = knob(0, "Seed of task sampling and decoding.")
+    tasks: TaskSelection = field(default_factory=TaskSelection)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    curation: CurationConfig = field(default_factory=CurationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.policy.strip()), "policy", "name a checkpoint")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:
+        """Build and validate from (partial) JSON; missing fields take their defaults."""
+        return _build(cls, data or {}, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip("."), f"must be an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            prefix + unknown[0], f"unknown setting (known: {', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], prefix + f.name)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if exc.path.startswith(prefix) and prefix:
+            raise
+        raise ConfigError(prefix + exc.path, exc.message) from None
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path + ".")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin in (list, types.GenericAlias) or tp is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(path, f"must be a list of strings, got {value!r}")
+        return list(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported type {tp!r}")  # a programming error in this module

@@ -1,0 +1,74 @@
+"""DART's curation policies as small pure functions (the services in `datamanager.episodes`
+and `datamanager.batches` apply them to the database).
+
+1. rollout-wise sampling: `pick_task` — the task with the largest outstanding budget;
+2. dynamic rollout number: `rollout_budget` — n_max below a threshold, else
+   max(n_min, floor(9/s - 7)) (s=0.7 -> 5, 0.8 -> 4, 0.9 -> 3, 1.0 -> 2);
+3. dynamic trajectory length: `step_cap` — the longest success plus a margin;
+4. experience pool: `pool_fill_count` — how many pool successes join an all-failed group;
+5. staleness: `is_stale` — steps from versions older than current - k are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def rollout_budget(
+    *, success_rate: float | None, n_max: int, n_min: int, threshold: float, dynamic: bool
+) -> int:
+    """Rollouts for a task's next group. No history yet (None) counts as 'below threshold'."""
+    if not dynamic or success_rate is None or success_rate < threshold:
+        return n_max
+    # 9/s - 7 is DART's rule; the epsilon keeps floor(9/0.9 - 7) at 3 despite float error.
+    n = math.floor(9.0 / success_rate - 7.0 + 1e-9)
+    return max(n_min, min(n_max, n))
+
+
+def step_cap(*, longest_success: int | None, default_cap: int, margin: int, dynamic: bool) -> int:
+    """A task's step cap: its longest successful trajectory plus a margin, else the default."""
+    if not dynamic or longest_success is None:
+        return default_cap
+    return max(1, longest_success + margin)
+
+
+def rolling_success_rate(outcomes: Sequence[bool], window: int) -> float | None:
+    """Success rate over the last `window` outcomes (oldest first); None when there are none."""
+    recent = list(outcomes)[-window:]
+    if not recent:
+        return None
+    return sum(recent) / len(recent)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    task_id: int
+    outstanding: int
+    boost: float = 1.0
+
+
+def pick_task(candidates: Sequence[Candidate]) -> int | None:
+    """The task with the largest (boosted) outstanding budget; ties go to the lowest id."""
+    live = [c for c in candidates if c.outstanding > 0 and c.boost > 0]
+    if not live:
+        return None
+    best = max(live, key=lambda c: (c.outstanding * c.boost, -c.task_id))
+    return best.task_id
+
+
+def pool_fill_count(
+    *, group_size: int, all_failed: bool, pool_size: int, ratio: float, enabled: bool
+) -> int:
+    """Pool successes that join a group: only when every online rollout failed."""
+    if not enabled or not all_failed or pool_size == 0 or group_size == 0 or ratio <= 0:
+        return 0
+    return min(pool_size, max(1, round(ratio * group_size)))
+
+
+def is_stale(*, step_version: int | None, current_version: int, k: int) -> bool:
+    """True when a step was produced by a version older than current - k."""
+    if step_version is None:
+        return False  # demonstrations carry no policy version and never go stale
+    return step_version < current_version - k

@@ -1,0 +1,379 @@
+"""The data manager's tables: tasks, runs, per-task statistics, trajectories, steps,
+policy versions, env slots and trainer updates.
+
+Writes go through `datamanager.services`, reads through `datamanager.selectors`.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class Split(models.TextChoices):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class EnvKind(models.TextChoices):
+    MINIWOB = "miniwob"
+    DESKTOP = "desktop"
+
+
+class Task(models.Model):
+    name = models.CharField(max_length=200, unique=True)
+    env_kind = models.CharField(max_length=32, choices=EnvKind.choices)
+    env_config = models.JSONField(default=dict, blank=True)
+    instruction = models.TextField(blank=True, help_text="Empty when the environment sets it.")
+    split = models.CharField(max_length=8, choices=Split.choices, default=Split.TRAIN)
+    tags = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [models.Index(fields=["split", "env_kind"])]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RunStatus(models.TextChoices):
+    CREATED = "created"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Run(models.Model):
+    name = models.CharField(max_length=200)
+    config = models.JSONField(help_text="Resolved RunConfig (datamanager.config).")
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.CREATED)
+    status_message = models.TextField(
+        blank=True, help_text="What the run is doing or waiting for, or why it failed."
+    )
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (#{self.pk})"
+
+
+class TaskStat(models.Model):
+    """Per (run, task) statistics and the curation state derived from them."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="task_stats")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="stats")
+    attempts = models.PositiveIntegerField(default=0)
+    successes = models.PositiveIntegerField(default=0)
+    success_rate = models.FloatField(default=0.0, help_text="Rolling success rate.")
+    rollout_budget = models.PositiveIntegerField(default=8)
+    step_cap = models.PositiveIntegerField(default=15)
+    pool_size = models.PositiveIntegerField(default=0)
+    outstanding = models.IntegerField(
+        default=0, help_text="Rollouts still to claim in the task's current group."
+    )
+    group_index = models.PositiveIntegerField(default=0)
+    longest_success = models.PositiveIntegerField(null=True, blank=True)
+    override_note = models.TextField(blank=True, help_text="Who changed pin/boost/retire, and why.")
+    pinned_budget = models.PositiveIntegerField(null=True, blank=True)
+    retired = models.BooleanField(default=False)
+    boost = models.FloatField(default=1.0)
+    last_success_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "task"], name="uniq_taskstat")]
+        indexes = [models.Index(fields=["run", "-outstanding"])]
+
+
+class GroupStatus(models.TextChoices):
+    OPEN = "open"
+    READY = "ready"
+    TRAINED = "trained"
+    SKIPPED = "skipped"
+
+
+class TaskGroup(models.Model):
+    """A GRPO group: the online rollouts of one task that share an advantage baseline."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="groups")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
+    index = models.PositiveIntegerField()
+    budget = models.PositiveIntegerField()
+    claimed = models.PositiveIntegerField(default=0)
+    status = models.CharField(max_length=8, choices=GroupStatus.choices, default=GroupStatus.OPEN)
+    pool_members = models.JSONField(
+        default=list, blank=True, help_text="Experience-pool trajectory ids joined to the group."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    note = models.TextField(blank=True, help_text="Why it was skipped, or what it is waiting for.")
+
+    class Meta:
+        ordering = ["run_id", "task_id", "index"]
+        constraints = [models.UniqueConstraint(fields=["run", "task", "index"], name="uniq_group")]
+        indexes = [models.Index(fields=["run", "status"])]
+
+
+class TaskStatHistory(models.Model):
+    """A task's curation state after each finished group (the budget/step-cap charts)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
+    at = models.DateTimeField(auto_now_add=True)
+    success_rate = models.FloatField(null=True)
+    rollout_budget = models.PositiveIntegerField()
+    step_cap = models.PositiveIntegerField()
+    pool_size = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["run_id", "at"]
+        indexes = [models.Index(fields=["run", "task", "at"])]
+
+
+class TrajectoryStatus(models.TextChoices):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ERROR = "error"
+    ABORTED = "aborted"
+
+
+class TrajectorySource(models.TextChoices):
+    ONLINE = "online"
+    PRECOLLECTED = "precollected"
+    HUMAN = "human"
+    CURATED = "curated"
+
+
+class RewardSource(models.TextChoices):
+    ENVIRONMENT = "environment"
+    HUMAN = "human"
+
+
+class Purpose(models.TextChoices):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Trajectory(models.Model):
+    run = models.ForeignKey(
+        Run, null=True, blank=True, on_delete=models.CASCADE, related_name="trajectories"
+    )
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="trajectories")
+    env_slot = models.ForeignKey(
+        "EnvSlot", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    status = models.CharField(
+        max_length=16, choices=TrajectoryStatus.choices, default=TrajectoryStatus.RUNNING
+    )
+    reward = models.FloatField(null=True, blank=True)
+    reward_source = models.CharField(
+        max_length=16, choices=RewardSource.choices, default=RewardSource.ENVIRONMENT
+    )
+    reward_override_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    reward_override_reason = models.TextField(blank=True)
+    length = models.PositiveIntegerField(default=0)
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    source = models.CharField(
+        max_length=16, choices=TrajectorySource.choices, default=TrajectorySource.ONLINE
+    )
+    purpose = models.CharField(max_length=8, choices=Purpose.choices, default=Purpose.TRAIN)
+    in_pool = models.BooleanField(default=False, help_text="In its task's experience pool.")
+    rejected = models.BooleanField(
+        default=False, help_text="Rejected by a curator: never trained on."
+    )
+    curated_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="curated_copies"
+    )
+    policy_versions = models.JSONField(default=list, blank=True)
+    error = models.TextField(blank=True, help_text="Why the trajectory ended in error.")
+    details = models.JSONField(default=dict, blank=True, help_text="The evaluator's details.")
+    instruction = models.TextField(blank=True, help_text="The instruction the policy saw.")
+    group = models.ForeignKey(
+        "TaskGroup", null=True, blank=True, on_delete=models.SET_NULL, related_name="trajectories"
+    )
+    step_cap = models.PositiveIntegerField(default=0, help_text="Step cap it ran under.")
+    env_ms = models.FloatField(default=0.0, help_text="Time in reset/step/evaluate.")
+    model_ms = models.FloatField(default=0.0, help_text="Time waiting for the policy.")
+    seed = models.BigIntegerField(null=True, blank=True)
+    eval_job = models.ForeignKey(
+        "EvalJob", null=True, blank=True, on_delete=models.CASCADE, related_name="trajectories"
+    )
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [
+            models.Index(fields=["task", "-started_at"]),
+            models.Index(fields=["run", "status"]),
+            models.Index(fields=["run", "-started_at"]),
+            models.Index(fields=["task", "in_pool"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"trajectory #{self.pk} ({self.task_id}, {self.status})"
+
+
+class Step(models.Model):
+    trajectory = models.ForeignKey(Trajectory, on_delete=models.CASCADE, related_name="steps")
+    index = models.PositiveIntegerField()
+    screenshot = models.FileField(upload_to="screenshots/%Y/%m/%d/", blank=True)
+    screen_width = models.PositiveIntegerField(default=0)
+    screen_height = models.PositiveIntegerField(default=0)
+    raw_output = models.TextField(blank=True)
+    thought = models.TextField(blank=True)
+    action = models.JSONField(null=True, blank=True)
+    parse_error = models.TextField(blank=True)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    response_tokens = models.PositiveIntegerField(default=0)
+    rollout_logprobs = models.JSONField(default=list, blank=True)
+    response_token_ids = models.JSONField(
+        default=list, blank=True, help_text="The sampled token ids (training re-uses them exactly)."
+    )
+    mean_entropy = models.FloatField(null=True, blank=True)
+    policy_version = models.IntegerField(null=True, blank=True)
+    env_ms = models.FloatField(null=True, blank=True)
+    model_ms = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # The trainer's view of the step, filled when an update uses (or rejects) it.
+    trained_in_update = models.ForeignKey(
+        "TrainUpdate", null=True, blank=True, on_delete=models.SET_NULL, related_name="steps"
+    )
+    entropy_kept = models.BooleanField(null=True, blank=True)
+    advantage = models.FloatField(null=True, blank=True)
+    is_weight = models.FloatField(null=True, blank=True)
+    stale = models.BooleanField(default=False)
+    train_uses = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["trajectory_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["trajectory", "index"], name="uniq_step_index")
+        ]
+        indexes = [models.Index(fields=["policy_version", "trained_in_update"])]
+
+
+class PolicyVersion(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="policy_versions")
+    version = models.PositiveIntegerField()
+    checkpoint = models.CharField(max_length=500, help_text="Checkpoint location (storage key).")
+    created_at = models.DateTimeField(auto_now_add=True)
+    reached_workers = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "version"], name="uniq_policy_version")
+        ]
+
+
+class SlotStatus(models.TextChoices):
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    RECOVERING = "recovering"
+    QUARANTINED = "quarantined"
+    STOPPED = "stopped"
+
+
+class EnvSlot(models.Model):
+    name = models.CharField(max_length=200, unique=True, help_text="host:pid:index")
+    host = models.CharField(max_length=200)
+    backend = models.CharField(max_length=32, choices=EnvKind.choices)
+    status = models.CharField(
+        max_length=16, choices=SlotStatus.choices, default=SlotStatus.STARTING
+    )
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    current_trajectory = models.ForeignKey(
+        Trajectory, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+
+class TrainUpdate(models.Model):
+    """One trainer update of a run, with the metrics the dashboard charts."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="updates")
+    number = models.PositiveIntegerField()
+    policy_version = models.PositiveIntegerField(help_text="Version being trained (pi_old).")
+    created_at = models.DateTimeField(auto_now_add=True)
+    metrics = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["run_id", "number"]
+        constraints = [models.UniqueConstraint(fields=["run", "number"], name="uniq_update")]
+
+
+class RewardOverride(models.Model):
+    """Audit record of a human reward override."""
+
+    trajectory = models.ForeignKey(
+        Trajectory, on_delete=models.CASCADE, related_name="reward_overrides"
+    )
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    old_reward = models.FloatField(null=True)
+    new_reward = models.FloatField()
+    reason = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+
+class EvalStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class EvalJob(models.Model):
+    """Evaluation of one policy on a task set: k episodes per task with fixed seeds."""
+
+    name = models.CharField(max_length=200)
+    policy = models.CharField(
+        max_length=500, help_text="'oracle', a local HF checkpoint directory, or run:ID:vN."
+    )
+    run = models.ForeignKey(
+        Run, null=True, blank=True, on_delete=models.CASCADE, related_name="eval_jobs"
+    )
+    policy_version = models.IntegerField(null=True, blank=True)
+    task_names = models.JSONField(default=list)
+    k = models.PositiveIntegerField(default=1)
+    seed = models.BigIntegerField(default=0)
+    greedy = models.BooleanField(default=True)
+    temperature = models.FloatField(default=0.0)
+    status = models.CharField(max_length=16, choices=EvalStatus.choices, default=EvalStatus.QUEUED)
+    error = models.TextField(blank=True)
+    done = models.PositiveIntegerField(default=0)
+    total = models.PositiveIntegerField(default=0)
+    report = models.JSONField(default=dict, blank=True)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["run", "policy_version"])]
+
+    def __str__(self) -> str:
+        return f"{self.name} (#{self.pk})"

@@ -1,0 +1,117 @@
+"""The task file format and its validation (no database access here).
+
+A task file is JSON Lines (one object per line; blank lines and lines starting with '#'
+are skipped) or a JSON array of objects. Each object:
+
+    {"name": "miniwob/click-test",          # unique; importing again updates the task
+     "env_kind": "miniwob",                  # miniwob | desktop
+     "env_config": {"task": "click-test"},   # backend-specific, an object (optional)
+     "instruction": "",                      # optional; empty when the environment sets it
+     "split": "train",                       # train | eval (optional, default train)
+     "tags": ["click", "easy"]}              # optional list of strings
+
+A malformed record raises `InvalidTaskRecord` naming the line (JSONL) or the record index
+(JSON array) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_KINDS = ("miniwob", "desktop")
+SPLITS = ("train", "eval")
+FIELDS = {"name", "env_kind", "env_config", "instruction", "split", "tags"}
+
+
+class InvalidTaskRecord(ValueError):
+    """A task record is malformed; the message names where and why."""
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    name: str
+    env_kind: str
+    env_config: dict[str, Any] = field(default_factory=dict)
+    instruction: str = ""
+    split: str = "train"
+    tags: tuple[str, ...] = ()
+
+
+def parse_task_record(data: Any, where: str) -> TaskRecord:
+    """Validate one decoded record. `where` is e.g. 'tasks.jsonl line 3'."""
+    if not isinstance(data, dict):
+        raise InvalidTaskRecord(f"{where}: a task must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise InvalidTaskRecord(
+            f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(sorted(FIELDS))})"
+        )
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidTaskRecord(f"{where}: field 'name' must be a non-empty string")
+    if len(name) > 200:
+        raise InvalidTaskRecord(f"{where}: field 'name' is longer than 200 characters")
+    env_kind = data.get("env_kind")
+    if env_kind not in ENV_KINDS:
+        raise InvalidTaskRecord(
+            f"{where}: field 'env_kind' must be one of {', '.join(ENV_KINDS)}, got {env_kind!r}"
+        )
+    env_config = data.get("env_config", {})
+    if not isinstance(env_config, dict):
+        raise InvalidTaskRecord(f"{where}: field 'env_config' must be an object")
+    instruction = data.get("instruction", "")
+    if not isinstance(instruction, str):
+        raise InvalidTaskRecord(f"{where}: field 'instruction' must be a string")
+    split = data.get("split", "train")
+    if split not in SPLITS:
+        raise InvalidTaskRecord(f"{where}: field 'split' must be train or eval, got {split!r}")
+    tags = data.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
+        raise InvalidTaskRecord(f"{where}: field 'tags' must be a list of non-empty strings")
+    return TaskRecord(
+        name=name.strip(),
+        env_kind=env_kind,
+        env_config=env_config,
+        instruction=instruction,
+        split=split,
+        tags=tuple(tags),
+    )
+
+
+def read_task_file(path: Path) -> list[TaskRecord]:
+    """Read and validate a whole file; raise on the first bad record (nothing is returned)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidTaskRecord(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidTaskRecord(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    records: list[TaskRecord] = []
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidTaskRecord(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        for i, item in enumerate(items):
+            records.append(parse_task_record(item, f"{path} record {i + 1}"))
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#"):
+                continue
+            try:
+                item = json.loads(stripped)
+            except json.JSONDecodeError as exc:
+                raise InvalidTaskRecord(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+            records.append(parse_task_record(item, f"{path} line {lineno}"))
+    seen: set[str] = set()
+    for rec in records:
+        if rec.name in seen:
+            raise InvalidTaskRecord(f"{path}: task {rec.name!r} appears twice")
+        seen.add(rec.name)
+    return records

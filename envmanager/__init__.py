@@ -1,0 +1,1 @@
+"""Environment cluster: GUI environments behind one protocol, env slots, their Celery tasks."""

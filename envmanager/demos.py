@@ -1,0 +1,55 @@
+"""Pre-collecting oracle demonstrations: real episodes in real environments, solved by the
+scripted oracles, stored as the model would have written them (model-space coordinates)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envmanager.oracles import oracle_action
+from envmanager.protocol import Action, Env, TaskSpec
+from rollout.actions import format_action, from_screen, model_image_size
+
+
+@dataclass(frozen=True)
+class DemoOutcome:
+    steps: list[tuple[bytes, int, int, str, str, dict]]  # png, w, h, raw_output, thought, action
+    instruction: str
+    reward: float
+    success: bool
+
+
+def thought_for(action: Action) -> str:
+    return f"I will {action.type.value.replace('_', ' ')} to do what the instruction asks."
+
+
+def collect_demo(
+    *,
+    env: Env,
+    task: TaskSpec,
+    max_steps: int = 15,
+    min_pixels: int,
+    max_pixels: int,
+    coords: str = "pixel",
+) -> DemoOutcome:
+    """One oracle episode. Each step's text is exactly what parse_output reads back."""
+    obs = env.reset(task)
+    instruction = obs.instruction or task.instruction
+    steps = []
+    for _ in range(max_steps):
+        action = oracle_action(env_kind=task.env_kind, task_name=task.name, observation=obs)
+        if action is None:
+            break
+        model_size = model_image_size(
+            width=obs.width, height=obs.height, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        model_action = from_screen(
+            action, screen_size=(obs.width, obs.height), model_size=model_size, coords=coords
+        )
+        thought = thought_for(action)
+        raw = format_action(model_action, thought=thought, coords=coords)
+        steps.append((obs.screenshot_png, obs.width, obs.height, raw, thought, action.to_json()))
+        if action.ends_episode:
+            break
+        obs = env.step(action)
+    ev = env.evaluate()
+    return DemoOutcome(steps=steps, instruction=instruction, reward=ev.reward, success=ev.success)

@@ -1,0 +1,317 @@
+"""Env slots: a worker process owns one long-lived environment and runs episodes on it.
+
+`serve_slot` is called by the Celery task in `envmanager.tasks` (queue `env`, one solo
+worker process per slot). It claims tasks rollout-wise, runs episodes, records every step,
+and keeps a heartbeat on its `EnvSlot` row. A reset/step that raises or times out marks the
+trajectory `error` with the exception text, recreates the environment and goes on; after
+`quarantine_after` failures in a row the slot is quarantined with its last error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import connection
+
+from datamanager import episodes
+from datamanager import slots as slot_services
+from datamanager.config import RunConfig
+from datamanager.dbutil import refresh_connection
+from datamanager.lifecycle import shutdown_requested
+from datamanager.models import Run, RunStatus, SlotStatus
+from envmanager.latency import LatencyEnv, profile_from_settings
+from envmanager.protocol import Env, EnvUnavailable, TaskSpec
+from envmanager.threaded import ThreadedEnv
+from rollout.client import InferenceError, PolicyClient
+from rollout.episode import EpisodeConfig, PolicyEndpoint, StepRecord, run_episode
+from rollout.oracle_policy import ObservedEnv, OracleEndpoint
+
+ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
+
+log = logging.getLogger("dartboard.slots")
+
+# One environment per worker process and backend, reused across episodes and tasks.
+_ENVS: dict[str, Env] = {}
+
+
+def make_env(backend: str, *, timeout_s: float = 30.0) -> Env:
+    """A backend on its own thread, every call limited to `timeout_s` (envmanager.threaded)."""
+    if backend == "miniwob":
+        from envmanager.miniwob_env import MiniWoBEnv
+
+        return ThreadedEnv(MiniWoBEnv, timeout_s=timeout_s)
+    if backend == "desktop":
+        from envmanager.desktop_env import DesktopEnv
+
+        return ThreadedEnv(DesktopEnv, timeout_s=timeout_s)
+    raise ValueError(f"unknown env backend {backend!r}; use miniwob or desktop")
+
+
+def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
+    env = _ENVS.get(backend)
+    if env is None:
+        env = make_env(backend, timeout_s=timeout_s)
+        profile = profile_from_settings(
+            settings.DARTBOARD_ENV_LATENCY, settings.DARTBOARD_ENV_LATENCY_SCALE
+        )
+        if profile is not None:
+            env = LatencyEnv(env, profile, seed=os.getpid())
+        _ENVS[backend] = env
+    return env
+
+
+def discard_env(backend: str) -> None:
+    """Close (best effort) and forget the process's env; the next use creates a fresh one."""
+    env = _ENVS.pop(backend, None)
+    if env is not None:
+        try:
+            env.close()
+        except Exception:
+            log.exception("closing a broken %s env failed (it is replaced anyway)", backend)
+
+
+class DbRecorder:
+    """Records an episode's steps through the data manager's services."""
+
+    def __init__(self, trajectory_id: int) -> None:
+        self.trajectory_id = trajectory_id
+
+    def set_instruction(self, instruction: str) -> None:
+        episodes.trajectory_set_instruction(
+            trajectory_id=self.trajectory_id, instruction=instruction
+        )
+
+    def record_step(self, record: StepRecord) -> None:
+        episodes.step_record(
+            trajectory_id=self.trajectory_id,
+            index=record.index,
+            screenshot_png=record.screenshot_png,
+            width=record.width,
+            height=record.height,
+            raw_output=record.raw_output,
+            thought=record.thought,
+            action=record.action,
+            parse_error=record.parse_error,
+            prompt_tokens=record.prompt_tokens,
+            response_tokens=record.response_tokens,
+            rollout_logprobs=record.rollout_logprobs,
+            response_token_ids=record.response_token_ids,
+            mean_entropy=record.mean_entropy,
+            policy_version=record.policy_version,
+            env_ms=record.env_ms,
+            model_ms=record.model_ms,
+        )
+
+
+class SlotLease:
+    """At most one live worker serves a (run, backend, index) slot: a Redis key with a TTL,
+    renewed by the heartbeat. A duplicate slot task (re-enqueued by a worker that shut down
+    while the launcher also started the run again) finds it held and ends."""
+
+    TTL_S = 30
+
+    def __init__(self, *, run_id: int, backend: str, index: int, holder: str) -> None:
+        import redis
+
+        self.key = f"dartboard:slot-lease:{run_id}:{backend}:{index}"
+        self.holder = holder
+        self.redis = redis.Redis.from_url(settings.REDIS_URL)
+
+    def acquire(self) -> str | None:
+        """None when acquired, else the name of the live worker holding it. A lease left by
+        a killed worker expires within TTL_S, so this waits that long before giving up."""
+        deadline = time.monotonic() + self.TTL_S + 5
+        while True:
+            if self.redis.set(self.key, self.holder, nx=True, ex=self.TTL_S):
+                return None
+            current = self.redis.get(self.key)
+            if current is not None and current.decode() == self.holder:
+                self.redis.expire(self.key, self.TTL_S)
+                return None
+            if time.monotonic() > deadline:
+                return current.decode() if current else "another worker"
+            time.sleep(1.0)
+
+    def renew(self) -> None:
+        current = self.redis.get(self.key)
+        if current is None or current.decode() == self.holder:
+            self.redis.set(self.key, self.holder, ex=self.TTL_S)
+
+    def release(self) -> None:
+        current = self.redis.get(self.key)
+        if current is not None and current.decode() == self.holder:
+            self.redis.delete(self.key)
+        self.redis.close()
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, slot_id: int, period: float, lease: SlotLease) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{slot_id}")
+        self.slot_id = slot_id
+        self.period = min(period, SlotLease.TTL_S / 3)
+        self.lease = lease
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.wait(self.period):
+                slot_services.env_slot_heartbeat(slot_id=self.slot_id)
+                self.lease.renew()
+        except Exception:
+            log.exception("slot %s heartbeat stopped", self.slot_id)
+        finally:
+            connection.close()
+
+
+@dataclass(frozen=True)
+class SlotOutcome:
+    keep_going: bool  # re-enqueue the slot task
+    reason: str
+
+
+def slot_name(backend: str, index: int) -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{backend}:{index}"
+
+
+def inference_urls() -> list[str]:
+    return list(settings.DARTBOARD_INFERENCE_URLS)
+
+
+def episode_config(cfg: RunConfig, *, step_cap: int, seed: int) -> EpisodeConfig:
+    return EpisodeConfig(
+        step_cap=step_cap,
+        max_images=cfg.rollout.max_images,
+        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_parse_errors=cfg.rollout.max_parse_errors,
+        image_min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
+        image_max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+        seed=seed,
+    )
+
+
+def serve_slot(
+    *, run_id: int, backend: str, index: int, max_seconds: float, max_episodes: int | None = None
+) -> SlotOutcome:
+    """Run episodes for `run_id` on this process's env until the run stops, time is up or
+    `max_episodes` episodes ran (the synchronous baseline runs one per slot per round)."""
+    run = Run.objects.get(pk=run_id)
+    cfg = RunConfig.from_dict(run.config)
+    name = slot_name(backend, index)
+    lease = SlotLease(run_id=run_id, backend=backend, index=index, holder=name)
+    holder = lease.acquire()
+    if holder is not None:
+        return SlotOutcome(False, f"slot {backend}:{index} of run {run_id} is served by {holder}")
+    slot = slot_services.env_slot_register(
+        name=name, host=socket.gethostname(), backend=backend, run_id=run_id
+    )
+    heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease)
+    heartbeat.start()
+    client = PolicyClient(inference_urls(), timeout=cfg.rollout.request_timeout_s)
+    deadline = time.monotonic() + max_seconds
+    episodes_run = 0
+    try:
+        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        while time.monotonic() < deadline:
+            if shutdown_requested.is_set():
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
+                return SlotOutcome(True, "worker shutting down")
+            refresh_connection()
+            claim = episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,))
+            if claim is None:
+                status = Run.objects.values_list("status", flat=True).get(pk=run_id)
+                if status != RunStatus.RUNNING:
+                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
+                    return SlotOutcome(False, f"run is {status}")
+                time.sleep(1.0)
+                continue
+            quarantined = _run_claim(claim, slot.pk, backend, cfg, client)
+            if quarantined:
+                return SlotOutcome(False, "slot quarantined")
+            episodes_run += 1
+            if max_episodes is not None and episodes_run >= max_episodes:
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+                return SlotOutcome(False, f"{episodes_run} episodes done")
+        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        return SlotOutcome(True, "time slice over")
+    finally:
+        heartbeat.stop_event.set()
+        heartbeat.join(timeout=5)
+        lease.release()
+        client.close()
+
+
+def _run_claim(
+    claim: episodes.Claim, slot_id: int, backend: str, cfg: RunConfig, client: PolicyClient
+) -> bool:
+    """One episode of a claim; returns True when the slot got quarantined."""
+    slot_services.env_slot_set(
+        slot_id=slot_id, status=SlotStatus.BUSY, trajectory_id=claim.trajectory_id
+    )
+    task = TaskSpec(
+        name=claim.task_name,
+        env_kind=claim.env_kind,
+        env_config=claim.env_config,
+        instruction=claim.instruction,
+        seed=claim.seed,
+    )
+    try:
+        env = process_env(backend, timeout_s=cfg.env.step_timeout_s)
+        policy: PolicyEndpoint = client
+        if cfg.policy == ORACLE_POLICY:
+            oracle = OracleEndpoint(
+                min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
+                max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+            )
+            env, policy = ObservedEnv(env, oracle), oracle
+        result = run_episode(
+            env=env,
+            policy=policy,
+            recorder=DbRecorder(claim.trajectory_id),
+            task=task,
+            config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.seed),
+        )
+    except InferenceError as exc:
+        # The policy did not answer: the episode is lost, but the env is fine.
+        episodes.trajectory_finish(
+            trajectory_id=claim.trajectory_id,
+            status="error",
+            reward=None,
+            error=f"inference: {exc}",
+        )
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        time.sleep(2.0)
+        return False
+    except Exception as exc:
+        # Anything else came from the environment (or its driver): record it, recreate.
+        reason = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, EnvUnavailable):
+            reason += "\n" + traceback.format_exc(limit=5)
+        log.warning("slot %s: %s on %s", slot_id, reason.splitlines()[0], claim.task_name)
+        episodes.trajectory_finish(
+            trajectory_id=claim.trajectory_id, status="error", reward=None, error=reason
+        )
+        discard_env(backend)
+        return slot_services.env_slot_failure(
+            slot_id=slot_id, error=reason, quarantine_after=cfg.env.quarantine_after
+        )
+    episodes.trajectory_finish(
+        trajectory_id=claim.trajectory_id,
+        status=result.status,
+        reward=result.reward,
+        details=result.details,
+        env_ms=result.env_ms,
+        model_ms=result.model_ms,
+    )
+    slot_services.env_slot_success(slot_id=slot_id)
+    slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+    return False

@@ -1,0 +1,32 @@
+"""Celery tasks of the environment cluster (queue `env`)."""
+
+from celery import shared_task
+
+from envmanager.slots import serve_slot
+
+SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked for long
+
+
+@shared_task(name="envmanager.tasks.slot_serve", acks_late=True)
+def slot_serve(run_id: int, backend: str, index: int) -> str:
+    outcome = serve_slot(run_id=run_id, backend=backend, index=index, max_seconds=SLICE_SECONDS)
+    if outcome.keep_going:
+        slot_serve.apply_async(args=(run_id, backend, index), queue="env")
+    return outcome.reason
+
+
+@shared_task(name="envmanager.tasks.episode_once", acks_late=True)
+def episode_once(run_id: int, backend: str, index: int) -> str:
+    """One episode on this slot (the synchronous baseline's rollout phase)."""
+    return serve_slot(
+        run_id=run_id, backend=backend, index=index, max_seconds=3600, max_episodes=1
+    ).reason
+
+
+@shared_task(name="envmanager.tasks.eval_shard", acks_late=True)
+def eval_shard(job_id: int, shard: int, shards: int) -> str:
+    """One env slot's share of an evaluation job."""
+    from envmanager.evaluate import eval_job_run
+
+    job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
+    return f"eval #{job_id} shard {shard}/{shards}: {job.done}/{job.total}"

@@ -1,0 +1,1 @@
+"""Rollout service: action grammar and prompts, policy client, inference servers, episode runner."""

@@ -1,0 +1,191 @@
+"""The policy client the episode runner calls: one OpenAI chat-completions request per step.
+
+    client = PolicyClient(["http://127.0.0.1:8100", "http://127.0.0.1:8101"], timeout=60)
+    completion = client.complete(messages, max_tokens=256, temperature=1.0)
+
+It speaks to the transformers server (rollout.server), a vLLM OpenAI server or a router
+in front of several. A 503 (worker draining for a weight reload), a 502/504 or a
+connection failure is retried on the next URL (the same one after a short pause when only
+one is given) until `timeout` seconds have passed, then `InferenceUnavailable` is raised.
+Any other error status raises `InferenceError` with the server's message, unretried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+class InferenceError(Exception):
+    """The server rejected or failed a request; the message is the server's."""
+
+
+class InferenceUnavailable(InferenceError):
+    """No worker answered within the client's timeout."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One assistant turn as the rollout records it.
+
+    token_logprobs[i] is log p(token_ids[i]) under the serving model at temperature 1;
+    token_ids include the stop token when finish_reason == "stop". token_ids is empty
+    when the server returned neither `token_id` fields nor "token_id:N" token strings.
+    """
+
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    mean_entropy: float
+    policy_version: int | None
+    prompt_tokens: int
+    response_tokens: int
+    finish_reason: str
+    latency_ms: float
+    served_by: str
+    image_bounds: tuple[int, int] | None = None  # the server's [min_pixels, max_pixels]
+
+
+class PolicyClient:
+    """Thread-safe client over one or several inference base URLs (or one router URL)."""
+
+    def __init__(self, base_urls: str | list[str], *, timeout: float = 60.0, model: str = "policy"):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("PolicyClient needs at least one base URL")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.timeout = timeout
+        self.model = model
+        self._http = httpx.Client(timeout=timeout)
+        self._next = itertools.cycle(range(len(self.base_urls)))
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def complete(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+    ) -> Completion:
+        """Send one chat completion; retry elsewhere on 503/connection errors (see module)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": True,
+            # vLLM: tokens come back as "token_id:N"; rollout.server sends token_id anyway.
+            "return_tokens_as_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if top_logprobs:
+            body["top_logprobs"] = top_logprobs
+        started = time.monotonic()
+        deadline = started + self.timeout
+        with self._lock:
+            first = next(self._next)
+        order = [
+            self.base_urls[(first + i) % len(self.base_urls)] for i in range(len(self.base_urls))
+        ]
+        errors: list[str] = []
+        for attempt in itertools.count():
+            url = order[attempt % len(order)]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                response = self._http.post(
+                    f"{url}/v1/chat/completions", json=body, timeout=remaining
+                )
+            except httpx.HTTPError as exc:
+                errors.append(f"{url}: {type(exc).__name__}: {exc}")
+            else:
+                if response.status_code == 200:
+                    latency_ms = (time.monotonic() - started) * 1000
+                    served_by = response.headers.get("X-Dartboard-Worker") or url
+                    return _parse_completion(response.json(), latency_ms, served_by)
+                message = _error_message(response)
+                if response.status_code not in RETRYABLE_STATUS:
+                    raise InferenceError(f"{url} answered {response.status_code}: {message}")
+                errors.append(f"{url}: {response.status_code} {message}")
+            if (attempt + 1) % len(order) == 0:
+                # Every worker refused once: wait a little before the next round.
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        raise InferenceUnavailable(
+            f"no inference worker answered within {self.timeout:g} s "
+            f"({len(errors)} attempts; last: {errors[-1] if errors else 'none'})"
+        )
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except Exception:
+        return response.text[:200]
+
+
+def _parse_completion(body: dict[str, Any], latency_ms: float, served_by: str) -> Completion:
+    choice = body["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    token_ids = [_token_id(entry) for entry in content]
+    mean_entropy = body.get("mean_entropy")
+    if mean_entropy is None:
+        mean_entropy = _entropy_from_top_logprobs(content)
+    usage = body.get("usage") or {}
+    return Completion(
+        text=choice["message"]["content"] or "",
+        token_ids=[t for t in token_ids if t is not None] if None not in token_ids else [],
+        token_logprobs=[float(entry["logprob"]) for entry in content],
+        mean_entropy=float(mean_entropy),
+        policy_version=body.get("policy_version"),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        response_tokens=int(usage.get("completion_tokens", len(content))),
+        finish_reason=choice.get("finish_reason") or "stop",
+        latency_ms=latency_ms,
+        served_by=served_by,
+        image_bounds=tuple(body["image_bounds"]) if body.get("image_bounds") else None,
+    )
+
+
+def _token_id(entry: dict[str, Any]) -> int | None:
+    if isinstance(entry.get("token_id"), int):
+        return entry["token_id"]
+    token = entry.get("token", "")
+    if token.startswith("token_id:") and token[9:].isdigit():
+        return int(token[9:])
+    return None
+
+
+def _entropy_from_top_logprobs(content: list[dict[str, Any]]) -> float:
+    """Entropy estimate for servers without `mean_entropy` (vLLM): the top-k alternatives
+    renormalised, a lower bound of the true entropy; NaN without top_logprobs."""
+    per_token = []
+    for entry in content:
+        top = [float(t["logprob"]) for t in entry.get("top_logprobs") or []]
+        if not top:
+            return math.nan
+        z = math.log(sum(math.exp(x) for x in top))
+        per_token.append(-sum(math.exp(x - z) * (x - z) for x in top))
+    return sum(per_token) / len(per_token) if per_token else math.nan

@@ -1,0 +1,214 @@
+"""The multi-turn episode runner: reset, then prompt -> policy -> parse -> step -> record,
+until `finished` / `call_user` / the step cap; then the task's own evaluation.
+
+It receives the environment, the policy client and a recorder as arguments, so tests pass
+real small ones (a real browser, the tiny policy's server, the database recorder).
+
+Failures: an unparsable output is recorded on its step (the step is a no-op) and
+`max_parse_errors` in a row end the episode as failed; `EnvUnavailable` (the env died or
+timed out) and `InferenceUnavailable` (no policy answer in time) propagate to the caller,
+which marks the trajectory `error` with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from envmanager.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
+from rollout.actions import ActionParseError, CoordSpace, model_image_size, parse_output, to_screen
+from rollout.client import Completion
+from rollout.prompts import HistoryTurn, build_messages
+
+
+class PolicyEndpoint(Protocol):
+    def complete(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        seed: int | None = ...,
+    ) -> Completion: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as stored: the screen the policy saw, what it said, what was done."""
+
+    index: int
+    screenshot_png: bytes
+    width: int
+    height: int
+    raw_output: str
+    thought: str
+    action: dict[str, Any] | None
+    parse_error: str
+    prompt_tokens: int
+    response_tokens: int
+    rollout_logprobs: list[float]
+    response_token_ids: list[int]
+    mean_entropy: float | None
+    policy_version: int | None
+    env_ms: float | None
+    model_ms: float | None
+
+
+class Recorder(Protocol):
+    def set_instruction(self, instruction: str) -> None: ...
+
+    def record_step(self, record: StepRecord) -> None: ...
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    step_cap: int = 15
+    max_images: int = 5
+    max_prompt_tokens: int | None = 4096
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_parse_errors: int = 3
+    coords: CoordSpace = "pixel"
+    image_min_pixels: int = 4 * 28 * 28
+    image_max_pixels: int = 16384 * 28 * 28
+    seed: int | None = None
+
+
+@dataclass
+class EpisodeResult:
+    status: str  # succeeded | failed
+    reward: float
+    end_reason: str  # finished | call_user | step_cap | parse_errors
+    steps: int
+    details: dict[str, Any] = field(default_factory=dict)
+    env_ms: float = 0.0
+    model_ms: float = 0.0
+
+
+def _env_call(fn, *args) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = fn(*args)
+    return out, (time.perf_counter() - started) * 1000.0
+
+
+def run_episode(
+    *,
+    env: Env,
+    policy: PolicyEndpoint,
+    recorder: Recorder,
+    task: TaskSpec,
+    config: EpisodeConfig,
+) -> EpisodeResult:
+    """Run one episode to its end and evaluate it. See the module docstring for failures."""
+    obs, reset_ms = _env_call(env.reset, task)
+    instruction = obs.instruction or task.instruction
+    recorder.set_instruction(instruction)
+    history: list[HistoryTurn] = []
+    screenshots: list[bytes] = [obs.screenshot_png]
+    env_total, model_total = reset_ms, 0.0
+    parse_errors_in_a_row = 0
+    end_reason = "step_cap"
+    index = 0
+    for index in range(config.step_cap):
+        messages = build_messages(
+            instruction=instruction,
+            history=history,
+            screenshots=screenshots[-config.max_images :],
+            max_images=config.max_images,
+            max_prompt_tokens=config.max_prompt_tokens,
+        )
+        completion = policy.complete(
+            messages,
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=None if config.seed is None else config.seed * 1000 + index,
+        )
+        model_total += completion.latency_ms
+        action, thought, parse_error = _parse(completion, obs, config)
+        env_ms = None
+        next_obs = obs
+        if action is not None and not action.ends_episode:
+            try:
+                next_obs, env_ms = _env_call(env.step, action)
+                env_total += env_ms
+            except ActionNotSupported as exc:
+                # The backend cannot do this action: a policy mistake, recorded like a
+                # parse error (the step is a no-op), not an environment failure.
+                parse_error = f"action not supported: {exc}"
+                action = None
+        recorder.record_step(
+            StepRecord(
+                index=index,
+                screenshot_png=obs.screenshot_png,
+                width=obs.width,
+                height=obs.height,
+                raw_output=completion.text,
+                thought=thought,
+                action=action.to_json() if action is not None else None,
+                parse_error=parse_error,
+                prompt_tokens=completion.prompt_tokens,
+                response_tokens=completion.response_tokens,
+                rollout_logprobs=list(completion.token_logprobs),
+                response_token_ids=list(completion.token_ids),
+                mean_entropy=completion.mean_entropy,
+                policy_version=completion.policy_version,
+                env_ms=env_ms,
+                model_ms=completion.latency_ms,
+            )
+        )
+        history.append(HistoryTurn.from_output(completion.text))
+        if parse_error:
+            parse_errors_in_a_row += 1
+            if parse_errors_in_a_row >= config.max_parse_errors:
+                end_reason = "parse_errors"
+                break
+        else:
+            parse_errors_in_a_row = 0
+        if action is not None and action.type == ActionType.FINISHED:
+            end_reason = "finished"
+            break
+        if action is not None and action.type == ActionType.CALL_USER:
+            end_reason = "call_user"
+            break
+        obs = next_obs
+        screenshots.append(obs.screenshot_png)
+    evaluation, eval_ms = _env_call(env.evaluate)
+    env_total += eval_ms
+    details = {**evaluation.details, "end_reason": end_reason}
+    return EpisodeResult(
+        status="succeeded" if evaluation.success else "failed",
+        reward=evaluation.reward,
+        end_reason=end_reason,
+        steps=index + 1,
+        details=details,
+        env_ms=env_total,
+        model_ms=model_total,
+    )
+
+
+def _parse(
+    completion: Completion, obs: Observation, config: EpisodeConfig
+) -> tuple[Action | None, str, str]:
+    """(screen-space action or None, thought, parse error message or '').
+
+    The model image size comes from the serving processor's pixel bounds when the server
+    reports them (so a policy with other bounds maps correctly), else from the config."""
+    try:
+        parsed = parse_output(completion.text, coords=config.coords)
+    except ActionParseError as exc:
+        return None, "", str(exc)
+    low, high = completion.image_bounds or (config.image_min_pixels, config.image_max_pixels)
+    model_size = model_image_size(
+        width=obs.width, height=obs.height, min_pixels=low, max_pixels=high
+    )
+    action = to_screen(
+        parsed.action,
+        screen_size=(obs.width, obs.height),
+        model_size=model_size,
+        coords=config.coords,
+    )
+    return action, parsed.thought, ""

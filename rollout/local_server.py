@@ -1,0 +1,101 @@
+"""Start a transformers inference server for one checkpoint as a child process (evaluation of
+an arbitrary checkpoint, tests, benchmarks) and stop it again."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from dartboard.procutil import die_with_parent, terminate_pid
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalPolicyServer:
+    """`with LocalPolicyServer(checkpoint) as url:` serves it on 127.0.0.1 until the block ends."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        *,
+        version: int = 0,
+        threads: int = 1,
+        log_path: Path | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.version = version
+        self.threads = threads
+        self.log_path = log_path
+        self.extra_args = extra_args or []
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> str:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rollout.server",
+                "--policy",
+                str(self.checkpoint),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--version",
+                str(self.version),
+                "--threads",
+                str(self.threads),
+                *self.extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"inference server for {self.checkpoint} exited with {self.proc.returncode}"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise ServerStartError(
+            f"inference server for {self.checkpoint} did not answer in {timeout:.0f} s"
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate_pid(self.proc.pid, timeout=10)
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,526 @@
+"""A transformers inference server speaking the OpenAI chat-completions subset the rollout
+workers use, with dynamic batching and weight reload without a restart.
+
+Run (CPU, tiny policy built with training.tiny_policy.build_tiny_policy):
+
+    .venv/bin/python -m rollout.server --policy var/policies/tiny --port 8100 \\
+        --host 127.0.0.1 --version 0 [--max-batch 8 --max-wait-ms 50 | --no-batching]
+
+Endpoints:
+- POST /v1/chat/completions: model, messages (inline data-URL images), max_tokens,
+  temperature, top_p, seed, logprobs, top_logprobs. The reply is an OpenAI
+  chat.completion; each logprobs entry also carries `token_id`, and the body adds
+  `policy_version` and `mean_entropy`. Log-probs are those of the model at temperature 1.
+- POST /v1/reload {"checkpoint": dir, "version": int}: stops taking requests (503 +
+  Retry-After), finishes the accepted ones, copies the new weights in, resumes.
+- GET /health: {"status": "ok"|"draining"|"loading", "policy_version", "in_flight",
+  "queued", "pid", ...}; GET /v1/models.
+
+Dynamic batching: one background thread takes the first waiting request, takes whatever
+else is queued, and waits up to max_wait_ms (default 50) for more only while the batch is
+smaller than the number of requests recently in flight together (capped by max_batch);
+then it runs one batched generate. A lone client is never held back, and closed-loop
+clients that return a few ms apart after their batch share the next one. No Django here: this
+runs on inference hosts without the database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger("rollout.server")
+
+
+class RequestError(ValueError):
+    """A malformed request; `param` names the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChatRequest:
+    """One validated chat-completions request waiting for its generation."""
+
+    messages: list[dict[str, Any]]
+    model: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    logprobs: bool
+    top_logprobs: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: str | None = None
+
+
+def parse_chat_request(body: Any, *, default_model: str, max_tokens_limit: int) -> ChatRequest:
+    """Validate a decoded JSON body; raise RequestError with an exact message."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    if body.get("stream"):
+        raise RequestError("stream is not supported", param="stream")
+    if body.get("n", 1) != 1:
+        raise RequestError("n must be 1", param="n")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256))
+    if (
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= max_tokens_limit
+    ):
+        raise RequestError(
+            f"max_tokens must be an integer from 1 to {max_tokens_limit}", param="max_tokens"
+        )
+    temperature = body.get("temperature", 1.0)
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise RequestError("temperature must be a number from 0 to 2", param="temperature")
+    top_p = body.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise RequestError("top_p must be a number in (0, 1]", param="top_p")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("seed must be an integer", param="seed")
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise RequestError("logprobs must be a boolean", param="logprobs")
+    top_logprobs = body.get("top_logprobs") or 0
+    if not _is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
+        raise RequestError("top_logprobs must be an integer from 0 to 20", param="top_logprobs")
+    model = body.get("model", default_model)
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", param="model")
+    # Decode images now, so a bad one is this client's 400 and not the batch's failure.
+    from training.model import to_qwen_messages
+
+    try:
+        to_qwen_messages(messages)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="messages") from exc
+    return ChatRequest(
+        messages=messages,
+        model=model,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+class InferenceServer:
+    """Holds the policy, the request queue, the batching thread and the reload state.
+
+    `_cond` guards status, in_flight, version and the arrival log; a request counts as in flight from the
+    moment it is accepted until its reply is ready, so a reload drains exactly those.
+    """
+
+    CONCURRENCY_WINDOW_S = 2.0  # how far back "recently in flight together" looks
+
+    def __init__(
+        self,
+        *,
+        policy_dir: str,
+        version: int = 0,
+        device: str = "cpu",
+        max_batch: int = 8,
+        max_wait_ms: float = 50.0,
+        max_tokens_limit: int = 1024,
+        model_name: str | None = None,
+    ):
+        from training.model import load_policy
+
+        self.policy = load_policy(policy_dir, device=device)
+        self.version = version
+        self.max_batch = max(1, max_batch)
+        self.max_wait_s = max_wait_ms / 1000
+        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
+        self.max_tokens_limit = max_tokens_limit
+        self.model_name = model_name or os.path.basename(os.path.normpath(policy_dir))
+        self.status = "ok"
+        self.in_flight = 0
+        self.worker_name = ""
+        self.busy_seconds = 0.0  # time spent generating (inference utilisation)
+        self.batches_run = 0
+        self.requests_served = 0
+        self._queue: queue.Queue[ChatRequest | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._reload_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._batch_loop, name="batcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # --------------------------------------------------------- requests
+
+    def submit(self, request: ChatRequest) -> bool:
+        """Queue a request; False when the server is draining or loading (caller sends 503)."""
+        with self._cond:
+            if self.status != "ok":
+                return False
+            self.in_flight += 1
+            self._arrivals.append((time.monotonic(), self.in_flight))
+        self._queue.put(request)
+        return True
+
+    def finish(self) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            self._cond.notify_all()
+
+    @property
+    def image_bounds(self) -> list[int]:
+        """[min_pixels, max_pixels] of the policy's image processor."""
+        # Qwen2-VL processors keep them as size.shortest_edge / size.longest_edge (pixels).
+        size = self.policy.image_processor.size
+        return [int(size.shortest_edge), int(size.longest_edge)]
+
+    def health(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "status": self.status,
+                "policy_version": self.version,
+                "in_flight": self.in_flight,
+                "queued": self._queue.qsize(),
+                "max_batch": self.max_batch,
+                "batches_run": self.batches_run,
+                "requests_served": self.requests_served,
+                "busy_seconds": self.busy_seconds,
+                "image_bounds": self.image_bounds,
+                "model": self.model_name,
+                "pid": os.getpid(),
+            }
+
+    def _batch_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            # Wait (at most max_wait) only for as many requests as were recently in flight
+            # together: closed-loop clients come back a few ms after their batch, and
+            # waiting for them gives full batches; a lone client is never held back.
+            target = min(self.max_batch, self._recent_concurrency())
+            deadline = time.monotonic() + self.max_wait_s
+            while len(batch) < self.max_batch:
+                remaining = deadline - time.monotonic()
+                try:
+                    if len(batch) < target and remaining > 0:
+                        item = self._queue.get(timeout=remaining)
+                    else:
+                        item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            self._run_batch(batch)
+
+    def _recent_concurrency(self) -> int:
+        """The most requests in flight at once during the last CONCURRENCY_WINDOW_S."""
+        with self._cond:
+            horizon = time.monotonic() - self.CONCURRENCY_WINDOW_S
+            while self._arrivals and self._arrivals[0][0] < horizon:
+                self._arrivals.popleft()
+            return max((n for _, n in self._arrivals), default=1)
+
+    def _run_batch(self, batch: list[ChatRequest]) -> None:
+        from training.model import generate
+
+        started = time.monotonic()
+        try:
+            gens = generate(
+                self.policy,
+                [r.messages for r in batch],
+                max_new_tokens=[r.max_tokens for r in batch],
+                temperature=[r.temperature for r in batch],
+                top_p=[r.top_p for r in batch],
+                seed=[r.seed for r in batch],
+                top_logprobs=max(r.top_logprobs for r in batch),
+            )
+            with self._cond:
+                version = self.version
+                self.batches_run += 1
+                self.requests_served += len(batch)
+                self.busy_seconds += time.monotonic() - started
+            for request, gen in zip(batch, gens, strict=True):
+                request.result = (gen, version)
+        except Exception as exc:  # reported to every client of the batch, and logged
+            log.exception("batch of %d failed", len(batch))
+            for request in batch:
+                request.error = f"generation failed: {type(exc).__name__}: {exc}"
+        for request in batch:
+            request.done.set()
+
+    # --------------------------------------------------------- reload
+
+    def reload(self, *, checkpoint: str, version: int) -> float:
+        """Drain, load `checkpoint` into the live model, resume; returns seconds spent.
+
+        Raises RuntimeError when another reload runs; a failed load keeps the old weights
+        and version and re-raises.
+        """
+        from training.model import load_weights_into
+
+        if not self._reload_lock.acquire(blocking=False):
+            raise RuntimeError("a reload is already running")
+        started = time.monotonic()
+        try:
+            with self._cond:
+                self.status = "draining"
+                self._cond.wait_for(lambda: self.in_flight == 0)
+                self.status = "loading"
+            load_weights_into(self.policy, checkpoint)
+            with self._cond:
+                self.version = version
+            return time.monotonic() - started
+        finally:
+            with self._cond:
+                self.status = "ok"
+            self._reload_lock.release()
+
+
+def completion_body(request: ChatRequest, result: Any, *, server: InferenceServer) -> dict:
+    """The OpenAI chat.completion JSON for one finished request."""
+    gen, version = result
+    tok = server.policy.tokenizer
+    logprobs = None
+    if request.logprobs:
+        content = []
+        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.token_logprobs, strict=True)):
+            text = tok.decode([tid], skip_special_tokens=False)
+            entry = {
+                "token": text,
+                "token_id": tid,
+                "logprob": lp,
+                "bytes": list(text.encode("utf-8")),
+            }
+            if request.top_logprobs:
+                entry["top_logprobs"] = [
+                    {
+                        "token": tok.decode([t], skip_special_tokens=False),
+                        "token_id": t,
+                        "logprob": p,
+                    }
+                    for t, p in gen.top_logprobs[i][: request.top_logprobs]
+                ]
+            content.append(entry)
+        logprobs = {"content": content}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "finish_reason": gen.finish_reason,
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": gen.response_tokens,
+            "total_tokens": gen.prompt_tokens + gen.response_tokens,
+        },
+        "policy_version": version,
+        "mean_entropy": gen.mean_entropy,
+        # The processor's pixel bounds decide the model image size, hence what the
+        # coordinates in the text mean: the client maps them back to the screen with these.
+        "image_bounds": server.image_bounds,
+    }
+
+
+class Handler(BaseHTTPRequestHandler):
+    """HTTP edge: parse, call the InferenceServer, map errors to status codes."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "dartboard-inference/1"
+    app: InferenceServer  # set on the subclass made in serve()
+    request_timeout_s = 600.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Dartboard-Worker", self.app.worker_name)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, *, param: str | None = None, **headers) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        self._send(status, body, {k.replace("_", "-"): v for k, v in headers.items()})
+
+    def _json_body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, self.app.health())
+        elif self.path == "/v1/models":
+            self._send(
+                200, {"object": "list", "data": [{"id": self.app.model_name, "object": "model"}]}
+            )
+        else:
+            self._error(404, f"no route GET {self.path}")
+
+    def do_POST(self) -> None:
+        try:
+            body = self._json_body()
+            if self.path == "/v1/chat/completions":
+                self._chat(body)
+            elif self.path == "/v1/reload":
+                self._reload(body)
+            else:
+                self._error(404, f"no route POST {self.path}")
+        except RequestError as exc:
+            self._error(400, str(exc), param=exc.param)
+
+    def _chat(self, body: Any) -> None:
+        app = self.app
+        request = parse_chat_request(
+            body, default_model=app.model_name, max_tokens_limit=app.max_tokens_limit
+        )
+        if not app.submit(request):
+            self._error(503, f"worker is {app.status}: retry on another", Retry_After="1")
+            return
+        try:
+            if not request.done.wait(self.request_timeout_s):
+                self._error(504, f"generation did not finish in {self.request_timeout_s:.0f} s")
+                return
+        finally:
+            app.finish()
+        if request.error:
+            self._error(500, request.error)
+        else:
+            self._send(200, completion_body(request, request.result, server=app))
+
+    def _reload(self, body: Any) -> None:
+        if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str):
+            raise RequestError("checkpoint must be a directory path string", param="checkpoint")
+        if not _is_int(body.get("version")):
+            raise RequestError("version must be an integer", param="version")
+        if not os.path.isfile(os.path.join(body["checkpoint"], "config.json")):
+            raise RequestError(
+                f"checkpoint {body['checkpoint']} is not a model directory (no config.json)",
+                param="checkpoint",
+            )
+        try:
+            seconds = self.app.reload(checkpoint=body["checkpoint"], version=body["version"])
+        except RuntimeError as exc:
+            self._error(409, str(exc))
+            return
+        except Exception as exc:
+            log.exception("reload from %s failed", body["checkpoint"])
+            self._error(500, f"reload failed, kept version {self.app.version}: {exc}")
+            return
+        self._send(200, {"policy_version": body["version"], "reload_s": round(seconds, 3)})
+
+
+def serve(app: InferenceServer, *, host: str, port: int) -> ThreadingHTTPServer:
+    """Bind the HTTP server (port 0 picks a free one) and start the batching thread."""
+    handler = type("BoundHandler", (Handler,), {"app": app})
+    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd.daemon_threads = True
+    app.worker_name = f"{host}:{httpd.server_address[1]}"
+    app.start()
+    return httpd
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.server", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--policy", required=True, help="model directory (tiny policy or Qwen2.5-VL)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
+    parser.add_argument("--version", type=int, default=0, help="policy version now loaded")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=50.0, help="longest a request waits for batch-mates"
+    )
+    parser.add_argument("--no-batching", action="store_true", help="batch size 1 (benchmarks)")
+    parser.add_argument("--max-tokens-limit", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--model-name", default=None, help="name echoed in replies")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    app = InferenceServer(
+        policy_dir=args.policy,
+        version=args.version,
+        device=args.device,
+        max_batch=1 if args.no_batching else args.max_batch,
+        max_wait_ms=0 if args.no_batching else args.max_wait_ms,
+        max_tokens_limit=args.max_tokens_limit,
+        model_name=args.model_name,
+    )
+    httpd = serve(app, host=args.host, port=args.port)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())
+    print(
+        f"serving {args.policy} v{args.version} on http://{app.worker_name}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+        app.stop()
+
+
+if __name__ == "__main__":
+    main()

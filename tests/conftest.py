@@ -1,0 +1,84 @@
+"""Shared fixtures: the Redis the suite uses, personas, and subprocess environments."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+from django.conf import settings
+
+from dartboard.embedded_redis import EmbeddedRedis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_server() -> Iterator[str]:
+    """The embedded Redis (default) or the server named by TEST_REDIS_URL."""
+    if not settings.REDIS_EMBEDDED:
+        yield settings.REDIS_URL
+        return
+    with EmbeddedRedis(settings.REDIS_SOCKET) as redis:
+        yield redis.url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_home() -> Iterator[None]:
+    yield
+    shutil.rmtree(settings.DARTBOARD_HOME, ignore_errors=True)
+
+
+@pytest.fixture
+def researcher(django_user_model):
+    """Ada, a logged-in RL researcher."""
+    return django_user_model.objects.create_user("ada", password="lovelace-pass-1")
+
+
+@pytest.fixture
+def ada_client(client, researcher):
+    client.force_login(researcher)
+    return client
+
+
+@pytest.fixture
+def subprocess_env(transactional_db) -> dict[str, str]:
+    """Environment for worker processes a test starts: same home, test DB, same Redis."""
+    from django.db import connection
+
+    env = dict(os.environ)
+    env["DJANGO_SETTINGS_MODULE"] = "dartboard.settings"
+    env["DARTBOARD_HOME"] = str(settings.DARTBOARD_HOME)
+    s = connection.settings_dict
+    if s["ENGINE"] == "django.db.backends.sqlite3":
+        env["DATABASE_URL"] = f"sqlite:///{s['NAME']}"
+    else:
+        user = s["USER"] or ""
+        auth = f"{user}:{s['PASSWORD']}@" if s["PASSWORD"] else (f"{user}@" if user else "")
+        env["DATABASE_URL"] = (
+            f"postgres://{auth}{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+        )
+    if settings.REDIS_EMBEDDED:
+        env.pop("REDIS_URL", None)
+    else:
+        env["REDIS_URL"] = settings.REDIS_URL
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """The untrained tiny Qwen2.5-VL policy, built once per test session."""
+    from training.tiny_policy import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("policies") / "untrained")
+
+
+def png_bytes(
+    width: int = 160, height: int = 210, color: tuple[int, int, int] = (250, 250, 250)
+) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return buf.getvalue()

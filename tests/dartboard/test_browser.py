@@ -1,0 +1,177 @@
+"""The dashboard in a real chromium against daphne (HTTP + WebSockets), with events from the
+services an env worker calls: create and start a run, watch a tile update live, inspect the
+trajectory with the arrow keys, promote it and override its reward."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.hashers import PBKDF2PasswordHasher
+from PIL import Image
+
+from dartboard.procutil import terminate_pid
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking"]  # fmt: skip
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run Django ORM/Channels code outside Playwright's event loop (a fresh thread)."""
+    box: dict = {}
+
+    def target():
+        from django.db import connection
+
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            connection.close()
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def daphne(subprocess_env):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+         "dartboard.asgi:application"],
+        cwd=ROOT, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health/", timeout=1).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"daphne did not start: {proc.stderr.read().decode()[-2000:]}"
+                    ) from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        terminate_pid(proc.pid, timeout=10)
+
+
+@pytest.fixture
+def page(monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        try:
+            pg = browser.new_page(viewport={"width": 1300, "height": 900})
+            pg.set_default_timeout(15000)
+            yield pg
+        finally:
+            browser.close()
+
+
+def png(color) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (160, 210), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def record(trajectory_id: int, index: int, action: dict) -> None:
+    from datamanager.episodes import step_record
+
+    step_record(
+        trajectory_id=trajectory_id, index=index, screenshot_png=png((40 * index, 120, 200)),
+        width=160, height=210, raw_output=f"Thought: go {index}\nAction: click(...)",
+        thought=f"go {index}", action=action, parse_error="", prompt_tokens=10,
+        response_tokens=5, rollout_logprobs=[-0.2, -0.1], mean_entropy=0.4, policy_version=0,
+        env_ms=30.0, model_ms=80.0,
+    )  # fmt: skip
+
+
+def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page):
+    from datamanager.episodes import task_claim, taskstats_ensure, trajectory_finish
+    from datamanager.models import EnvSlot, Run, Task, Trajectory
+
+    in_thread(Task.objects.create, name="click-button", env_kind="miniwob", instruction="Click OK")
+    # The server runs the project's settings (PBKDF2), the suite MD5: store a PBKDF2 hash.
+    hashed = PBKDF2PasswordHasher().encode("lovelace-pass-1", "saltsalt", iterations=1000)
+    in_thread(type(researcher).objects.filter(pk=researcher.pk).update, password=hashed)
+
+    page.goto(f"{daphne}/accounts/login/")
+    page.fill("input[name=username]", "ada")
+    page.fill("input[name=password]", "lovelace-pass-1")
+    page.click("button[type=submit]")
+    page.goto(f"{daphne}/runs/new/")
+    page.fill("input[name=name]", "browser run")
+    page.fill("input[name='trainer.lr']", "-3")
+    page.click("text=Create run")
+    page.wait_for_selector("[data-field='trainer.lr'] .errorlist >> text=must be > 0, got -3.0")
+    page.fill("input[name='trainer.lr']", "0.00002")
+    page.click("text=Create run")
+    page.wait_for_selector("h1 >> text=browser run")
+    page.click("button[value=start]")
+    page.wait_for_selector("#run-status.running")
+    page.wait_for_selector("#ws-state >> text=live")
+
+    run = in_thread(Run.objects.get, name="browser run")
+    assert run.config["trainer"]["lr"] == 2e-5
+    in_thread(taskstats_ensure, run=run)
+    slot = in_thread(
+        EnvSlot.objects.create, name="h:1:0", host="h", backend="miniwob", run=run, status="busy"
+    )
+    claim = in_thread(task_claim, run_id=run.pk, slot_id=slot.pk, env_kinds=("miniwob",))
+    in_thread(record, claim.trajectory_id, 0, {"type": "click", "x": 30, "y": 40})
+    tile = page.locator(f".tile[data-slot='{slot.pk}']")
+    tile.locator(".shot img").wait_for()
+    assert f"/traj-{claim.trajectory_id}/000" in tile.locator("img").get_attribute("src")
+    in_thread(record, claim.trajectory_id, 1, {"type": "type", "text": "hello"})
+    page.wait_for_selector(f".tile[data-slot='{slot.pk}'] .step >> text=1")
+    assert f"/traj-{claim.trajectory_id}/001" in tile.locator("img").get_attribute("src")
+    page.wait_for_selector(f".tile[data-slot='{slot.pk}'] .task >> text=click-button")
+
+    tile.click()
+    page.wait_for_selector(f"h1 >> text=Trajectory #{claim.trajectory_id}")
+    time.sleep(1.0)  # let the inspector's socket connect before the event is sent
+    in_thread(trajectory_finish, trajectory_id=claim.trajectory_id, status="succeeded", reward=1.0)
+    page.wait_for_selector("#traj-status.succeeded")  # the page refreshed itself live
+
+    visible = "#steps .step:not([hidden])"
+    assert page.locator(visible).get_attribute("data-index") == "1"
+    page.keyboard.press("ArrowLeft")
+    assert page.locator(visible).get_attribute("data-index") == "0"
+    assert page.locator(f"{visible} svg.overlay circle").count() >= 1
+    page.keyboard.press("ArrowRight")
+    assert page.locator(visible).get_attribute("data-index") == "1"
+    assert "type: 'hello'" in page.locator(f"{visible} svg.overlay text").text_content()
+
+    page.click("#promote")
+    page.wait_for_selector("#pool-badge")
+    page.fill("#reward-form input[name=reward]", "0.5")
+    page.fill("#reward-form textarea[name=reason]", "only half of the form filled")
+    page.click("#reward-form button")
+    page.wait_for_selector("table.overrides >> text=only half of the form filled")
+    traj = in_thread(Trajectory.objects.get, pk=claim.trajectory_id)
+    assert (traj.in_pool, traj.reward, traj.reward_source) == (True, 0.5, "human")

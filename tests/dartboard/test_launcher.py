@@ -1,0 +1,104 @@
+"""`run_dartboard` brings the stack up, and a killed launcher leaves no stray redis-server."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dartboard.procutil import pid_cmdline, terminate_pid
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(home: Path, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"DJANGO_SETTINGS_MODULE": "dartboard.settings", "DARTBOARD_HOME": str(home)})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "manage.py",
+            "run_dartboard",
+            "--port",
+            str(port),
+            "--env-slots",
+            "1",
+            "--shell-only",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_login_page(port: int, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/accounts/login/", timeout=2) as r:
+                return r.read().decode()
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the dashboard did not come up")
+
+
+def _our_redis_pids(home: Path) -> list[int]:
+    sock = str(home / "redis" / "redis.sock")
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            cmd = pid_cmdline(int(entry))
+            if cmd and "redis-server" in cmd and sock in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+def _all_children_gone(home: Path, pids: list[int], timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _our_redis_pids(home) and all(pid_cmdline(p) is None for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
+    port = _free_port()
+    first = _launch(tmp_path, port)
+    try:
+        page = _wait_for_login_page(port)
+        assert "Log in" in page
+        redis_pids = _our_redis_pids(tmp_path)
+        assert len(redis_pids) == 1
+        first.kill()  # SIGKILL: the launcher gets no chance to clean up
+        first.wait()
+        # Parent-death signals take the children down; a restart reaps anything left.
+        second = _launch(tmp_path, port)
+        try:
+            _wait_for_login_page(port)
+            assert len(_our_redis_pids(tmp_path)) == 1
+            assert redis_pids[0] not in _our_redis_pids(tmp_path)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            out, _ = second.communicate(timeout=60)
+        assert "stopped" in out
+        assert "login: admin (password printed at first start" in out
+        assert _all_children_gone(tmp_path, redis_pids)
+    finally:
+        if first.poll() is None:
+            terminate_pid(first.pid, timeout=5)

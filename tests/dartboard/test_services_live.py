@@ -1,0 +1,68 @@
+"""The real Redis carries Celery tasks between processes and Channels events to a socket."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from channels.testing import WebsocketCommunicator
+
+from dartboard.asgi import application
+from dartboard.events import publish
+from dartboard.procutil import terminate_pid
+from dartboard.tasks import ping
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_celery_task_round_trips_through_a_worker_process(subprocess_env):
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "dartboard",
+            "worker",
+            "-Q",
+            "default",
+            "--pool=solo",
+            "-n",
+            "t1@%h",
+            "--without-mingle",
+            "--without-gossip",
+        ],
+        cwd=ROOT,
+        env=subprocess_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        result = ping.apply_async(queue="default").get(timeout=60)
+        assert "pong" in result
+    finally:
+        terminate_pid(worker.pid, timeout=10)
+        worker.wait()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_published_event_reaches_a_logged_in_socket(client, researcher):
+    client.force_login(researcher)
+    headers = [
+        (b"origin", b"http://127.0.0.1"),
+        (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()),
+    ]
+
+    async def go():
+        comm = WebsocketCommunicator(application, "/ws/runs/7/", headers=headers)
+        connected, _ = await comm.connect()
+        assert connected
+        await sync_to_async(publish)(run_id=7, kind="step", data={"slot": "s0", "step": 3})
+        msg = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return msg
+
+    msg = async_to_sync(go)()
+    assert msg == {"kind": "step", "data": {"slot": "s0", "step": 3}}

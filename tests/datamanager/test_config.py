@@ -1,0 +1,38 @@
+"""Run configs validate every field and name the exact path of a bad value."""
+
+import pytest
+
+from datamanager.config import ConfigError, RunConfig
+
+
+def test_defaults_resolve_and_round_trip():
+    cfg = RunConfig.from_dict({"trainer": {"lr": 3e-4}})
+    assert cfg.trainer.lr == 3e-4
+    assert cfg.curation.entropy_top_q == 0.8 and cfg.curation.is_cap == 1.0
+    assert cfg.trainer.clip_low == 0.2 and cfg.trainer.clip_high == 0.28
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "text"),
+    [
+        ({"trainer": {"lr": 0}}, "trainer.lr", "must be > 0"),
+        ({"trainer": {"lr": "fast"}}, "trainer.lr", "must be a number"),
+        ({"curation": {"entropy_top_q": 1.5}}, "curation.entropy_top_q", "(0, 1]"),
+        ({"curation": {"n_min": 9, "n_max": 8}}, "curation.n_min", "n_min <= n_max"),
+        ({"mode": "sync"}, "mode", "one of decoupled, synchronous"),
+        (
+            {"env": {"miniwob_slots": 0, "desktop_slots": 0}},
+            "env.miniwob_slots",
+            "at least one slot",
+        ),
+        ({"tasks": {"env_kinds": ["android"]}}, "tasks.env_kinds", "unknown backend"),
+        ({"trainer": {"optimiser": "sgd"}}, "trainer.optimiser", "unknown setting"),
+        ({"curation": {"dynamic_budget": "yes"}}, "curation.dynamic_budget", "true or false"),
+    ],
+)
+def test_bad_values_name_their_field(data, path, text):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(data)
+    assert err.value.path == path
+    assert text in str(err.value)

@@ -1,0 +1,150 @@
+"""The episode lifecycle applies DART's curation to the data a user sees."""
+
+import pytest
+
+from datamanager import episodes
+from datamanager.models import GroupStatus, Step, TaskGroup, TaskStat, TaskStatHistory, Trajectory
+from tests.datamanager.factories import make_running_run, make_tasks, play
+
+pytestmark = pytest.mark.django_db
+
+
+def test_rollout_wise_claims_spread_over_tasks_without_a_barrier():
+    make_tasks(2)
+    run = make_running_run({"curation": {"n_max": 3}})
+    claims = [
+        episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) for _ in range(6)
+    ]
+    names = [c.task_name for c in claims]
+    assert sorted(names) == ["miniwob/t0"] * 3 + ["miniwob/t1"] * 3
+    # Nothing finished yet, yet a seventh claim is served: the next groups open at once.
+    seventh = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+    assert seventh is not None
+    assert TaskGroup.objects.filter(run=run).count() == 4
+
+
+def test_group_becomes_ready_when_all_its_rollouts_finish_and_budget_shrinks_with_success():
+    (task,) = make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 4, "n_min": 2, "budget_threshold": 0.6}})
+    for _ in range(4):
+        play(run, success=True, steps=3)
+    group = TaskGroup.objects.get(run=run, index=1)
+    assert group.status == GroupStatus.READY and group.budget == 4
+    stat = TaskStat.objects.get(run=run, task=task)
+    assert stat.success_rate == 1.0 and stat.rollout_budget == 2  # floor(9/1 - 7)
+    assert stat.step_cap == 3 + 2  # longest success + margin
+    assert TaskStatHistory.objects.filter(run=run, task=task).last().rollout_budget == 2
+    # The next group uses the shrunken budget.
+    play(run, success=True)
+    assert TaskGroup.objects.get(run=run, index=2).budget == 2
+
+
+def test_dynamic_budget_and_step_cap_can_be_switched_off():
+    (task,) = make_tasks(1)
+    run = make_running_run(
+        {
+            "curation": {
+                "n_max": 2,
+                "n_min": 2,
+                "dynamic_budget": False,
+                "dynamic_step_cap": False,
+                "default_step_cap": 9,
+            }
+        }
+    )
+    play(run, success=True, steps=3)
+    play(run, success=True, steps=3)
+    stat = TaskStat.objects.get(run=run, task=task)
+    assert stat.rollout_budget == 2 and stat.step_cap == 9
+
+
+def test_all_failed_group_gets_pool_successes_and_not_when_disabled():
+    (task,) = make_tasks(1)
+    demo = Trajectory.objects.create(
+        task=task, status="succeeded", reward=1.0, source="precollected", in_pool=True
+    )
+    run = make_running_run({"curation": {"n_max": 4, "pool_ratio": 0.25}})
+    for _ in range(4):
+        play(run, success=False)
+    assert TaskGroup.objects.get(run=run, index=1).pool_members == [demo.pk]
+
+    off = make_running_run({"curation": {"n_max": 4, "experience_pool": False}})
+    for _ in range(4):
+        play(off, success=False)
+    assert TaskGroup.objects.get(run=off, index=1).pool_members == []
+
+
+def test_environment_errors_do_not_count_as_policy_failures():
+    (task,) = make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 2}})
+    claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+    episodes.trajectory_finish(
+        trajectory_id=claim.trajectory_id,
+        status="error",
+        reward=None,
+        error="EnvUnavailable: chromium died",
+    )
+    play(run, success=True)
+    stat = TaskStat.objects.get(run=run, task=task)
+    assert stat.attempts == 1 and stat.successes == 1
+    traj = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert traj.status == "error" and "chromium died" in traj.error
+    assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
+
+
+def test_steps_record_version_screenshot_and_trajectory_versions():
+    make_tasks(1)
+    run = make_running_run()
+    tid = play(run, success=True, steps=2, version=3)
+    steps = list(Step.objects.filter(trajectory_id=tid))
+    assert [s.index for s in steps] == [0, 1]
+    assert all(s.policy_version == 3 and s.screenshot.name.endswith(".png") for s in steps)
+    traj = Trajectory.objects.get(pk=tid)
+    assert traj.policy_versions == [3] and traj.length == 2
+
+
+def test_finishing_twice_counts_once():
+    (task,) = make_tasks(1)
+    run = make_running_run()
+    tid = play(run, success=True)
+    episodes.trajectory_finish(trajectory_id=tid, status="failed", reward=0.0)
+    assert Trajectory.objects.get(pk=tid).status == "succeeded"
+    assert TaskStat.objects.get(run=run, task=task).attempts == 1
+
+
+def test_a_killed_workers_episode_is_aborted_with_the_reason_and_its_group_completes():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from datamanager.models import EnvSlot
+
+    make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 2}})
+    dead = EnvSlot.objects.create(
+        name="h:1:miniwob:0",
+        host="h",
+        backend="miniwob",
+        last_heartbeat=timezone.now() - timedelta(minutes=5),
+    )
+    live = EnvSlot.objects.create(
+        name="h:2:miniwob:1", host="h", backend="miniwob", last_heartbeat=timezone.now()
+    )
+    stuck = episodes.task_claim(run_id=run.pk, slot_id=dead.pk, env_kinds=("miniwob",))
+    busy = episodes.task_claim(run_id=run.pk, slot_id=live.pk, env_kinds=("miniwob",))
+    assert episodes.trajectories_abort_orphans(run_id=run.pk, stale_after_s=25) == 1
+    aborted = Trajectory.objects.get(pk=stuck.trajectory_id)
+    assert aborted.status == "aborted" and "stopped mid-episode" in aborted.error
+    assert Trajectory.objects.get(pk=busy.trajectory_id).status == "running"
+    episodes.trajectory_finish(trajectory_id=busy.trajectory_id, status="succeeded", reward=1.0)
+    assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
+
+
+def test_a_task_may_declare_its_own_step_budget():
+    (task,) = make_tasks(1)
+    task.env_config = {**task.env_config, "max_steps": 4}
+    task.save()
+    run = make_running_run({"curation": {"default_step_cap": 15, "dynamic_step_cap": False}})
+    assert episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)).step_cap == 4
+    play(run, success=False)
+    assert TaskStat.objects.get(run=run, task=task).step_cap == 4

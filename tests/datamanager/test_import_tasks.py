@@ -1,0 +1,86 @@
+"""`manage.py import_tasks`: all-or-nothing per file, names the bad line, idempotent."""
+
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from datamanager.models import Task
+
+pytestmark = pytest.mark.django_db
+
+
+def _write(path, records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+GOOD = [
+    {
+        "name": "miniwob/click-test",
+        "env_kind": "miniwob",
+        "env_config": {"task": "click-test"},
+        "split": "train",
+        "tags": ["click", "easy"],
+    },
+    {
+        "name": "desktop/save-note",
+        "env_kind": "desktop",
+        "instruction": "Save a note",
+        "split": "eval",
+    },
+]
+
+
+def test_import_creates_tasks_and_is_idempotent(tmp_path, capsys):
+    path = _write(tmp_path / "tasks.jsonl", ["# comment", "", *GOOD])
+    call_command("import_tasks", str(path))
+    call_command("import_tasks", str(path))
+    assert Task.objects.count() == 2
+    t = Task.objects.get(name="miniwob/click-test")
+    assert t.tags == ["click", "easy"] and t.env_config == {"task": "click-test"}
+    assert Task.objects.get(name="desktop/save-note").split == "eval"
+    assert "0 tasks created, 2 updated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ('{"name": "x", "env_kind": "miniwob"', "line 3: invalid JSON"),
+        (
+            {"name": "x", "env_kind": "android"},
+            "line 3: field 'env_kind' must be one of miniwob, desktop",
+        ),
+        ({"name": "", "env_kind": "miniwob"}, "line 3: field 'name' must be a non-empty string"),
+        (
+            {"name": "x", "env_kind": "miniwob", "split": "test"},
+            "line 3: field 'split' must be train or eval",
+        ),
+        (
+            {"name": "x", "env_kind": "miniwob", "tags": "a,b"},
+            "line 3: field 'tags' must be a list",
+        ),
+        ({"name": "x", "env_kind": "miniwob", "colour": 1}, "line 3: unknown field 'colour'"),
+    ],
+)
+def test_one_bad_line_writes_nothing_and_names_the_line(tmp_path, bad, message):
+    path = _write(tmp_path / "tasks.jsonl", [*GOOD, bad])
+    with pytest.raises(CommandError) as err:
+        call_command("import_tasks", str(path))
+    assert message in str(err.value)
+    assert "nothing was imported" in str(err.value)
+    assert Task.objects.count() == 0
+
+
+def test_json_array_file_names_the_record(tmp_path):
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps([GOOD[0], {"env_kind": "miniwob"}]))
+    with pytest.raises(CommandError, match="record 2: field 'name'"):
+        call_command("import_tasks", str(path))
+    assert not Task.objects.exists()
+
+
+def test_duplicate_names_in_one_file_are_rejected(tmp_path):
+    path = _write(tmp_path / "tasks.jsonl", [GOOD[0], GOOD[0]])
+    with pytest.raises(CommandError, match="appears twice"):
+        call_command("import_tasks", str(path))

@@ -1,0 +1,51 @@
+"""Live environments shared by the envmanager tests: one chromium and one X desktop per session.
+
+Fault-injection tests build their own envs so a killed browser never leaks into others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from envmanager.desktop_env import DesktopEnv
+from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.protocol import Action, Evaluation, Observation, TaskSpec
+
+
+@pytest.fixture(scope="session")
+def miniwob_env() -> Iterator[MiniWoBEnv]:
+    env = MiniWoBEnv()
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="session")
+def desktop_env() -> Iterator[DesktopEnv]:
+    env = DesktopEnv(evaluate_wait_s=0.5)
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="session")
+def oracle_episode():
+    """run_oracle_episode(env, spec) -> (Evaluation, steps), as a fixture for the test modules."""
+    return run_oracle_episode
+
+
+def run_oracle_episode(env, spec: TaskSpec, *, max_steps: int = 20) -> tuple[Evaluation, int]:
+    """Reset, follow the oracle until it stops, evaluate. Returns (evaluation, steps)."""
+    from envmanager.oracles import oracle_action
+
+    obs: Observation = env.reset(spec)
+    steps = 0
+    while steps < max_steps:
+        action: Action | None = oracle_action(
+            env_kind=spec.env_kind, task_name=spec.name, observation=obs
+        )
+        if action is None:
+            break
+        obs = env.step(action)
+        steps += 1
+    return env.evaluate(), steps

@@ -1,0 +1,155 @@
+"""MiniWoB++ backend on real headless chromium: oracles, rewards, observations, faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from envmanager.miniwob_env import SCREEN_HEIGHT, SCREEN_WIDTH, MiniWoBEnv, png_size
+from envmanager.miniwob_tasks import (
+    ALWAYS_TRAIN,
+    miniwob_split,
+    miniwob_task_names,
+    miniwob_task_records,
+)
+from envmanager.protocol import Action, ActionType, EnvUnavailable, TaskSpec
+
+
+def miniwob_spec(subdomain: str, seed: int = 0) -> TaskSpec:
+    return TaskSpec(
+        name=f"miniwob/{subdomain}", env_kind="miniwob", env_config={"task": subdomain}, seed=seed
+    )
+
+
+ORACLE_TASKS = [
+    "click-test",
+    "click-test-2",
+    "click-button",
+    "click-link",
+    "focus-text",
+    "click-dialog",
+    "click-color",
+    "enter-text",
+    "click-checkboxes",
+    "login-user",
+]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("subdomain", ORACLE_TASKS)
+def test_oracle_episode_reaches_reward_one(
+    miniwob_env: MiniWoBEnv, oracle_episode, subdomain: str
+) -> None:
+    for seed in (1, 2):
+        evaluation, steps = oracle_episode(miniwob_env, miniwob_spec(subdomain, seed))
+        assert evaluation.reward == 1.0, evaluation.details
+        assert evaluation.success and evaluation.details["raw_reward"] > 0
+        assert steps >= 1
+
+
+@pytest.mark.browser
+def test_random_actions_score_lower_than_the_oracle(miniwob_env: MiniWoBEnv) -> None:
+    rng = random.Random(0)
+    tasks = ["click-link", "click-button", "enter-text", "click-checkboxes", "login-user"]
+    rewards = []
+    for i, subdomain in enumerate(tasks):
+        miniwob_env.reset(miniwob_spec(subdomain, seed=100 + i))
+        for _ in range(3):
+            miniwob_env.step(
+                Action(
+                    type=ActionType.CLICK,
+                    x=rng.randrange(SCREEN_WIDTH),
+                    y=rng.randrange(SCREEN_HEIGHT),
+                )
+            )
+        rewards.append(miniwob_env.evaluate().reward)
+    assert sum(rewards) / len(rewards) < 0.5, rewards
+
+
+@pytest.mark.browser
+def test_observation_has_screenshot_instruction_fields_and_dom(miniwob_env: MiniWoBEnv) -> None:
+    obs = miniwob_env.reset(miniwob_spec("click-button", seed=7))
+    assert (obs.width, obs.height) == (160, 210)
+    assert png_size(png=obs.screenshot_png) == (160, 210)
+    assert obs.instruction.startswith("Click on the")
+    target = obs.metadata["fields"]["target"]
+    assert target in obs.instruction
+    buttons = [e for e in obs.metadata["dom_elements"] if e["tag"] == "button"]
+    assert any(b["text"] == target for b in buttons)
+    assert all(0 <= b["left"] < 160 and 0 <= b["top"] < 210 for b in buttons)
+    assert obs.metadata["done"] is False
+
+
+@pytest.mark.browser
+def test_same_seed_gives_same_task_instance(miniwob_env: MiniWoBEnv) -> None:
+    first = miniwob_env.reset(miniwob_spec("click-button", seed=42)).instruction
+    miniwob_env.reset(miniwob_spec("click-link", seed=3))
+    again = miniwob_env.reset(miniwob_spec("click-button", seed=42)).instruction
+    assert first == again
+
+
+@pytest.mark.browser
+def test_switching_tasks_reuses_one_browser(miniwob_env: MiniWoBEnv) -> None:
+    miniwob_env.reset(miniwob_spec("click-test"))
+    pid = miniwob_env.browser_pid()
+    miniwob_env.reset(miniwob_spec("focus-text"))
+    assert pid is not None and miniwob_env.browser_pid() == pid
+
+
+@pytest.mark.browser
+def test_unfinished_and_failed_episodes_score_zero(miniwob_env: MiniWoBEnv) -> None:
+    miniwob_env.reset(miniwob_spec("click-test-2", seed=5))
+    unfinished = miniwob_env.evaluate()
+    assert unfinished.reward == 0.0 and unfinished.details["reason"] == "episode not finished"
+    obs = miniwob_env.reset(miniwob_spec("click-test-2", seed=5))
+    target = obs.metadata["fields"]["target"]
+    wrong = next(
+        e for e in obs.metadata["dom_elements"] if e["tag"] == "button" and e["text"] != target
+    )
+    miniwob_env.step(
+        Action(type=ActionType.CLICK, x=int(wrong["left"] + 5), y=int(wrong["top"] + 5))
+    )
+    failed = miniwob_env.evaluate()
+    assert failed.reward == 0.0 and not failed.success
+    assert failed.details["raw_reward"] == -1.0
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_killed_browser_surfaces_as_unavailable_then_recreate_works(oracle_episode) -> None:
+    env = MiniWoBEnv(timeout_s=5.0)
+    try:
+        env.reset(miniwob_spec("click-test"))
+        pid = env.browser_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EnvUnavailable, match="miniwob"):
+            env.step(Action(type=ActionType.CLICK, x=10, y=10))
+        assert time.monotonic() - started < 10
+        env.recreate()
+        evaluation, _ = oracle_episode(env, miniwob_spec("click-button", seed=1))
+        assert evaluation.reward == 1.0
+    finally:
+        env.close()
+
+
+def test_task_catalogue_and_split_are_deterministic() -> None:
+    names = miniwob_task_names()
+    assert len(names) == 125 and "click-test" in names
+    records = miniwob_task_records()
+    assert [r["name"] for r in records] == [f"miniwob/{n}" for n in names]
+    assert all(r["env_kind"] == "miniwob" and r["instruction"] == "" for r in records)
+    assert all(
+        r["env_config"] == {"task": r["name"].removeprefix("miniwob/"), "episode_seconds": 60}
+        for r in records
+    )
+    assert all(r["split"] in ("train", "eval") and r["tags"] for r in records)
+    eval_share = sum(r["split"] == "eval" for r in records) / len(records)
+    assert 0.1 < eval_share < 0.3
+    assert all(miniwob_split(name=n) == "train" for n in ALWAYS_TRAIN)
+    assert miniwob_task_records() == records

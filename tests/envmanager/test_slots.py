@@ -1,0 +1,183 @@
+"""Env slots on real Celery worker processes with real chromium: concurrent episodes,
+heartbeats, and recovery from a browser killed mid-episode. The scripted oracle stands in
+for the policy (through the same parse -> map -> step path a model's output takes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from dartboard.procutil import pid_cmdline, terminate_pid
+from datamanager.config import RunConfig
+from datamanager.models import EnvSlot, Run, Task, Trajectory
+from datamanager.runs import run_start_workers
+from datamanager.services import run_control, run_create
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _worker(env: dict[str, str], name: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "dartboard",
+            "worker",
+            "-Q",
+            "env",
+            "--pool=solo",
+            "-n",
+            f"{name}@%h",
+            "--without-mingle",
+            "--without-gossip",
+            "--loglevel=WARNING",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _oracle_run(slots: int) -> Run:
+    for name in ("click-test", "click-button"):
+        Task.objects.create(
+            name=f"miniwob/{name}",
+            env_kind="miniwob",
+            env_config={"task": name, "episode_seconds": 60},
+        )
+    run = run_create(
+        name="slots",
+        config=RunConfig.from_dict(
+            {
+                "policy": "oracle",
+                "tasks": {"names": ["miniwob/click-test", "miniwob/click-button"]},
+                "env": {"miniwob_slots": slots, "heartbeat_s": 0.5},
+            }
+        ),
+    )
+    run_control(run_id=run.pk, action="start")
+    run_start_workers(run_id=run.pk)
+    return run
+
+
+def _stop(run: Run, workers: list[subprocess.Popen]) -> None:
+    run_control(run_id=run.pk, action="stop")
+    for w in workers:
+        terminate_pid(w.pid, timeout=20)
+        w.wait()
+
+
+def test_two_worker_processes_run_episodes_at_once_with_heartbeats(subprocess_env):
+    workers = [_worker(subprocess_env, f"envA{i}") for i in range(2)]
+    try:
+        run = _oracle_run(slots=2)
+        _wait(
+            lambda: Trajectory.objects.filter(run=run, status="succeeded").count() >= 6,
+            120,
+            "six successful oracle episodes",
+        )
+        slots = list(EnvSlot.objects.filter(run=run))
+        assert len(slots) == 2 and len({s.name.split(":")[1] for s in slots}) == 2  # two pids
+        assert all((timezone.now() - s.last_heartbeat).total_seconds() < 10 for s in slots)
+        # Episodes of the two slots overlapped in time: they ran at once.
+        by_slot = {}
+        for t in Trajectory.objects.filter(run=run, status="succeeded"):
+            by_slot.setdefault(t.env_slot_id, []).append((t.started_at, t.finished_at))
+        assert len(by_slot) == 2
+        (a, b) = by_slot.values()
+        assert any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
+        assert not Trajectory.objects.filter(run=run, status="error").exists()
+    finally:
+        _stop(run, workers)
+
+
+def _our_chromium_children(worker_pid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        cmd = pid_cmdline(int(entry)) or ""
+        # the browser's main process: a direct child of the Playwright driver, which is a
+        # child of the worker; match on the ancestry, never on the name alone
+        if "chromium" in cmd and "--type=" not in cmd and _has_ancestor(int(entry), worker_pid):
+            pids.append(int(entry))
+    return pids
+
+
+def _has_ancestor(pid: int, ancestor: int) -> bool:
+    for _ in range(10):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if ppid == ancestor:
+            return True
+        if ppid <= 1:
+            return False
+        pid = ppid
+    return False
+
+
+def test_browser_killed_mid_episode_errors_that_trajectory_and_the_slot_recovers(subprocess_env):
+    env = {
+        **subprocess_env,
+        "DARTBOARD_ENV_LATENCY": "osworld",
+        "DARTBOARD_ENV_LATENCY_SCALE": "0.05",
+    }
+    worker = _worker(env, "envK")
+    try:
+        run = _oracle_run(slots=1)
+        _wait(
+            lambda: Trajectory.objects.filter(run=run, status="succeeded").exists(),
+            120,
+            "a first successful episode",
+        )
+        running = _wait(
+            lambda: Trajectory.objects.filter(run=run, status="running").first(),
+            60,
+            "an episode in progress",
+        )
+        browsers = _wait(lambda: _our_chromium_children(worker.pid), 10, "the worker's chromium")
+        for pid in browsers:
+            os.kill(pid, signal.SIGKILL)
+        broken = _wait(
+            lambda: Trajectory.objects.filter(pk=running.pk, status="error").first(),
+            90,
+            "the killed episode to be marked error",
+        )
+        assert broken.error  # the reason is recorded
+        before = Trajectory.objects.filter(run=run, status="succeeded").count()
+        _wait(
+            lambda: Trajectory.objects.filter(run=run, status="succeeded").count() > before,
+            120,
+            "a successful episode after recovery",
+        )
+        slot = EnvSlot.objects.get(run=run)
+        assert slot.status in ("idle", "busy") and slot.consecutive_failures == 0
+        assert "EnvUnavailable" in slot.last_error or "Error" in slot.last_error
+        finished = Trajectory.objects.filter(run=run).exclude(status="running")
+        assert finished.filter(status="error").count() >= 1
+    finally:
+        _stop(run, [worker])

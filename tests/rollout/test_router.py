@@ -1,0 +1,388 @@
+"""The inference router in front of real inference worker processes on the tiny policy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rollout.client import Completion, PolicyClient
+from rollout.router import RouterAdmin
+from training.model import load_policy, save_checkpoint
+from training.tiny_policy import build_tiny_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+SERVER = [sys.executable, "-m", "rollout.server"]
+MESSAGES = [{"role": "user", "content": "Click the submit button."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, *, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_process(args: list[str], *, health_url: str) -> subprocess.Popen:
+    # stderr goes to a file: a pipe nobody reads would block a chatty server once full.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - must outlive this function, like proc
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log
+    )
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(health_url, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"{args[0]} did not start: {log.read().decode()[-2000:]}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny policy (v0) and a perturbed copy of it (v1)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    v0 = build_tiny_policy(root / "v0")
+    policy = load_policy(v0)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return v0, save_checkpoint(policy, root / "v1")
+
+
+@dataclass
+class Cluster:
+    router: str
+    workers: list[str]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+@pytest.fixture
+def cluster(checkpoints) -> Iterator[Cluster]:
+    """Two inference workers at v0 and a router over them, as the launcher starts them."""
+    started: list[subprocess.Popen] = []
+    try:
+        ports = [free_port(), free_port()]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for port in ports:  # start both before waiting, so they load in parallel
+            started.append(
+                subprocess.Popen(
+                    [
+                        *SERVER,
+                        "--policy",
+                        str(checkpoints[0]),
+                        "--port",
+                        str(port),
+                        "--threads",
+                        "1",
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        router_port = free_port()
+        router = f"http://127.0.0.1:{router_port}"
+        args = ["rollout.router", "--port", str(router_port), "--probe-interval", "0.5"]
+        for url in urls:
+            args += ["--worker", url]
+        started.append(start_process(args, health_url=f"{router}/health"))
+        admin = RouterAdmin(router)
+        wait_until(
+            lambda: [w.status for w in admin.workers()] == ["active", "active"],
+            timeout=90,
+            what="both workers active",
+        )
+        admin.close()
+        yield Cluster(router=router, workers=urls, procs=dict(zip(urls, started, strict=False)))
+    finally:
+        for proc in started:
+            stop_process(proc)
+
+
+@dataclass
+class Call:
+    started: float
+    finished: float
+    completion: Completion
+
+
+class ClientLoops:
+    """`n` threads, each an episode-like loop of policy calls through the router."""
+
+    def __init__(self, router: str, n: int = 4):
+        self.calls: list[list[Call]] = [[] for _ in range(n)]
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(router, i)) for i in range(n)]
+
+    def _loop(self, router: str, i: int) -> None:
+        with PolicyClient(router, timeout=60) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    completion = client.complete(MESSAGES, max_tokens=4)
+                except Exception as exc:
+                    self.errors.append(exc)
+                    continue
+                self.calls[i].append(Call(started, time.monotonic(), completion))
+
+    def __enter__(self) -> ClientLoops:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+
+    def all(self) -> list[Call]:
+        return [c for calls in self.calls for c in calls]
+
+    def each_has(self, n: int, *, after: float = 0.0) -> bool:
+        return all(sum(c.started > after for c in calls) >= n for calls in self.calls)
+
+
+def replay_active_counts(events: list[dict], *, since_seq: int) -> list[int]:
+    """Active-worker count after every event from `since_seq` on, from the router's log."""
+    status: dict[str, str] = {}
+    counts = []
+    for event in events:
+        if event["status"] == "registered":
+            status[event["worker"]] = "dead"
+        elif event["status"] == "unregistered":
+            status.pop(event["worker"], None)
+        else:
+            status[event["worker"]] = event["status"]
+        if event["seq"] >= since_seq:
+            counts.append(sum(s == "active" for s in status.values()))
+    return counts
+
+
+def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoints):
+    admin = RouterAdmin(cluster.router)
+    polls: list[tuple[float, dict]] = []
+    with ClientLoops(cluster.router, n=4) as loops:
+        wait_until(lambda: loops.each_has(1), what="first answers")
+        seq_before = max(e["seq"] for e in httpx.get(f"{cluster.router}/admin/events").json())
+        t_sync = time.monotonic()
+        reply = admin.sync(str(checkpoints[1]), 1)
+        assert reply["target_version"] == 1
+
+        def converged() -> bool:
+            health = admin.health()
+            polls.append((time.monotonic(), health))
+            return not health["syncing"] and all(
+                w["status"] == "active" and w["policy_version"] == 1 for w in health["workers"]
+            )
+
+        wait_until(converged, timeout=90, what="both workers at v1")
+        t_done = time.monotonic()
+        wait_until(lambda: loops.each_has(2, after=t_done), what="answers after the sync")
+
+    assert loops.errors == []
+    calls = loops.all()
+    assert {c.completion.policy_version for c in calls} == {0, 1}
+    # Rollout never stopped: answers kept arriving while the workers were reloaded.
+    assert any(t_sync < c.finished < t_done for c in calls)
+    for client_calls in loops.calls:
+        after = [c.completion.policy_version for c in client_calls if c.started > t_done]
+        assert after and all(v == 1 for v in after)
+    # Each step records the version that produced it: once a worker reports v1, every
+    # request sent afterwards and answered by that worker says v1.
+    for url in cluster.workers:
+        at_v1 = min(
+            t
+            for t, h in polls
+            if any(w["url"] == url and w["policy_version"] == 1 for w in h["workers"])
+        )
+        served = [c for c in calls if c.completion.served_by == url]
+        assert served, f"{url} served nothing"
+        assert all(c.completion.policy_version == 1 for c in served if c.started > at_v1)
+
+    # At least W-1 = 1 worker active at every moment, by polling and by the router's log.
+    events = httpx.get(f"{cluster.router}/admin/events").json()
+    assert min(h["active"] for _, h in polls) >= 1
+    assert min(replay_active_counts(events, since_seq=seq_before + 1)) >= 1
+    reloaded = [e["worker"] for e in events if e["status"] == "loading"]
+    assert sorted(reloaded) == sorted(cluster.workers)  # each worker reloaded exactly once
+    for url in cluster.workers:  # the workers themselves agree
+        assert httpx.get(f"{url}/health").json()["policy_version"] == 1
+
+    # The router never moves the policy backwards.
+    r = httpx.post(
+        f"{cluster.router}/admin/sync", json={"checkpoint": str(checkpoints[0]), "version": 0}
+    )
+    assert r.status_code == 409
+    assert r.json()["error"]["message"] == (
+        "version 0 is older than version 1 already published: "
+        "the router never moves the policy backwards"
+    )
+    admin.close()
+
+
+def test_killing_a_worker_mid_run_loses_no_request(cluster):
+    victim, survivor = cluster.workers
+    victim_pid = httpx.get(f"{victim}/health").json()["pid"]
+    admin = RouterAdmin(cluster.router)
+    with ClientLoops(cluster.router, n=4) as loops:
+        wait_until(lambda: all(w.served >= 2 for w in admin.workers()), what="both workers serving")
+        os.kill(victim_pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: loops.each_has(3, after=t_kill), what="answers after the kill")
+
+    assert loops.errors == []
+    # Sent after the kill: routed to the dead worker at first, maybe, but answered by the other.
+    after = [c for c in loops.all() if c.started > t_kill]
+    assert after and {c.completion.served_by for c in after} == {survivor}
+    states = {w.url: w for w in admin.workers()}
+    assert states[victim].status == "dead"
+    assert states[victim].last_error  # the reason is on the worker row
+    assert states[survivor].status == "active"
+    admin.close()
+
+
+def test_single_worker_sync_pauses_without_failing_and_late_worker_joins_at_target(
+    checkpoints,
+):
+    ports = [free_port(), free_port(), free_port()]
+    first, late, router = (f"http://127.0.0.1:{p}" for p in ports)
+    procs: list[subprocess.Popen] = []
+    try:
+        worker_args = ["--policy", str(checkpoints[0]), "--threads", "1"]
+        procs.append(
+            start_process(
+                ["rollout.server", *worker_args, "--port", str(ports[0])],
+                health_url=f"{first}/health",
+            )
+        )
+        procs.append(
+            start_process(
+                ["rollout.router", "--port", str(ports[2]), "--worker", first],
+                health_url=f"{router}/health",
+            )
+        )
+        admin = RouterAdmin(router)
+        with ClientLoops(router, n=2) as loops:
+            wait_until(lambda: loops.each_has(1), what="first answers")
+            admin.sync(str(checkpoints[1]), 1)
+            admin.wait_for_version(1, timeout=60)
+            t_done = time.monotonic()
+            # A worker started later at v0 is reloaded to v1 before it serves anything.
+            procs.append(
+                start_process(
+                    ["rollout.server", *worker_args, "--port", str(ports[1])],
+                    health_url=f"{late}/health",
+                )
+            )
+            assert admin.register(late).status in ("stale", "draining", "loading", "active")
+            workers = admin.wait_for_version(1, timeout=60)
+            assert {(w.url, w.policy_version, w.status) for w in workers} == {
+                (first, 1, "active"),
+                (late, 1, "active"),
+            }
+            t_joined = time.monotonic()
+            wait_until(lambda: loops.each_has(2, after=t_joined), what="later answers")
+
+        assert loops.errors == []  # requests waited out the only worker's reload
+        versions = [c.completion.policy_version for c in loops.all() if c.started > t_done]
+        assert versions and set(versions) == {1}
+        admin.unregister(late)
+        assert [w.url for w in admin.workers()] == [first]
+        admin.close()
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def test_no_worker_answers_503_with_a_clear_message_after_the_wait_bound():
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    proc = start_process(
+        ["rollout.router", "--port", str(port), "--wait-timeout", "1"],
+        health_url=f"{router}/health",
+    )
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 4}
+        started = time.monotonic()
+        r = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=30)
+        assert 1.0 <= time.monotonic() - started < 5
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            "no inference worker is registered (waited 1 s); "
+            'register one with POST /admin/workers {"url": ...}'
+        )
+
+        dead = f"http://127.0.0.1:{free_port()}"
+        with RouterAdmin(router) as admin:
+            assert admin.register(dead).status == "dead"
+        r = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            f"no active inference worker within 1 s ({dead} dead)"
+        )
+        assert httpx.get(f"{router}/health").json()["status"] == "unavailable"
+    finally:
+        stop_process(proc)
+
+
+def test_all_at_once_sync_drains_every_worker_and_a_new_run_starts_its_own_versions(
+    cluster, checkpoints
+):
+    admin = RouterAdmin(cluster.router)
+    # The synchronous baseline: both workers drain before either reloads.
+    admin.sync(str(checkpoints[1]), 1, run=7, rolling=False)
+    admin.wait_for_version(1, timeout=120)
+    events = httpx.get(f"{cluster.router}/admin/events").json()
+    order = [(e["worker"], e["status"]) for e in events if e["status"] in ("draining", "loading")]
+    first_loading = next(i for i, (_, s) in enumerate(order) if s == "loading")
+    assert {w for w, s in order[:first_loading] if s == "draining"} == set(cluster.workers)
+    # Within run 7 the policy never moves backwards...
+    with pytest.raises(RuntimeError, match="never moves the policy backwards"):
+        admin.sync(str(checkpoints[0]), 0, run=7)
+    # ...but run 8 starts at its own version 0, and every worker loads its checkpoint.
+    admin.sync(str(checkpoints[0]), 0, run=8)
+    wait_until(
+        lambda: all(w.policy_version == 0 and w.status == "active" for w in admin.workers()),
+        timeout=120,
+        what="both workers on run 8's v0",
+    )
+    with PolicyClient(cluster.router, timeout=60) as client:
+        assert client.complete(MESSAGES, max_tokens=4).policy_version == 0
+    admin.close()

@@ -1,0 +1,233 @@
+"""The transformers inference server, run as a real subprocess on the tiny policy."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from rollout.client import InferenceUnavailable, PolicyClient
+from training.model import load_policy, save_checkpoint
+from training.tiny_policy import build_tiny_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def screenshot_url() -> str:
+    image = Image.new("RGB", (160, 210), "white")
+    ImageDraw.Draw(image).rectangle([20, 150, 100, 180], fill="blue")
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Click the submit button."},
+            {"type": "image_url", "image_url": {"url": screenshot_url()}},
+        ],
+    }
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny policy (v0) and a perturbed copy of it (v1)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    v0 = build_tiny_policy(root / "v0")
+    policy = load_policy(v0)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return v0, save_checkpoint(policy, root / "v1")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "rollout.server", "--policy", str(checkpoints[0])),
+            *("--port", str(port), "--version", "0", "--threads", "1"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_until(condition, *, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_concurrent_clients_get_sampled_answers_with_policy_version(server):
+    results, errors = [], []
+
+    def ask(seed: int) -> None:
+        try:
+            with PolicyClient(server, timeout=60) as client:
+                results.append(client.complete(MESSAGES, max_tokens=8, seed=seed))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(results) == 4
+    for c in results:
+        assert c.policy_version == 0
+        assert c.response_tokens == len(c.token_logprobs) == len(c.token_ids) >= 1
+        assert c.mean_entropy > 0
+        assert c.prompt_tokens > 48
+        assert c.served_by.endswith(server.rsplit(":", 1)[1])
+    health = httpx.get(f"{server}/health").json()
+    assert health["in_flight"] == 0 and health["status"] == "ok"
+
+
+def test_malformed_requests_get_400_naming_the_field(server):
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("request body is not valid JSON")
+
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny"})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "messages must be a non-empty list",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": 400,
+    }
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES, "top_p": 0})
+    assert r.json()["error"]["message"] == "top_p must be a number in (0, 1]"
+    bad_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": bad_image})
+    assert r.status_code == 400
+    assert "messages[0].content[0].image_url.url" in r.json()["error"]["message"]
+
+
+def test_client_skips_a_dead_worker_and_gives_up_clearly(server):
+    dead = f"http://127.0.0.1:{free_port()}"
+    with PolicyClient([dead, server], timeout=30) as client:
+        for _ in range(2):  # round-robin start: one of the two calls begins at the dead one
+            assert client.complete(MESSAGES, max_tokens=2).text is not None
+    with (
+        PolicyClient([dead], timeout=1) as client,
+        pytest.raises(InferenceUnavailable, match="no inference worker answered within 1 s"),
+    ):
+        client.complete(MESSAGES, max_tokens=2)
+
+
+def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints):
+    pid = httpx.get(f"{server}/health").json()["pid"]
+    greedy = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    before = httpx.post(f"{server}/v1/chat/completions", json=greedy, timeout=60).json()
+
+    stop = threading.Event()
+    done, errors = [], []
+
+    def loop() -> None:
+        with PolicyClient(server, timeout=60) as client:
+            while not stop.is_set():
+                try:
+                    done.append(client.complete(MESSAGES, max_tokens=6))
+                except Exception as exc:
+                    errors.append(exc)
+
+    workers = [threading.Thread(target=loop) for _ in range(3)]
+    for w in workers:
+        w.start()
+    wait_until(lambda: len(done) >= 3)
+    # One long request keeps the worker draining long enough to watch it refuse new work.
+    long_reply: list[httpx.Response] = []
+    long = threading.Thread(
+        target=lambda: long_reply.append(
+            httpx.post(
+                f"{server}/v1/chat/completions",
+                json={"messages": MESSAGES, "max_tokens": 200},
+                timeout=120,
+            )
+        )
+    )
+    long.start()
+    # Accepted once in_flight exceeds what the three closed-loop clients can hold.
+    wait_until(lambda: httpx.get(f"{server}/health").json()["in_flight"] >= 4)
+    reload_reply: list[httpx.Response] = []
+    reloader = threading.Thread(
+        target=lambda: reload_reply.append(
+            httpx.post(
+                f"{server}/v1/reload",
+                json={"checkpoint": str(checkpoints[1]), "version": 1},
+                timeout=120,
+            )
+        )
+    )
+    reloader.start()
+    while httpx.get(f"{server}/health").json()["status"] == "ok" and reloader.is_alive():
+        time.sleep(0.01)
+    refused = httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES})
+    reloader.join()
+    long.join()
+    n_after = len(done)
+    wait_until(lambda: len(done) >= n_after + 3)
+    stop.set()
+    for w in workers:
+        w.join()
+
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert reload_reply[0].status_code == 200
+    assert reload_reply[0].json()["policy_version"] == 1
+    assert long_reply[0].status_code == 200  # in flight when the reload began: finished
+    assert long_reply[0].json()["policy_version"] == 0
+    assert errors == []
+    assert {c.policy_version for c in done} == {0, 1}
+    health = httpx.get(f"{server}/health").json()
+    assert health["pid"] == pid and health["policy_version"] == 1
+    after = httpx.post(f"{server}/v1/chat/completions", json=greedy, timeout=60).json()
+    assert after["policy_version"] == 1
+    assert [t["logprob"] for t in after["choices"][0]["logprobs"]["content"]] != [
+        t["logprob"] for t in before["choices"][0]["logprobs"]["content"]
+    ]

@@ -1,0 +1,26 @@
+"""Test settings: the project's settings with a throwaway DARTBOARD_HOME.
+
+TEST_DATABASE_URL / TEST_REDIS_URL select a PostgreSQL server and a Redis server; without
+them the suite runs on SQLite and an embedded Redis (started by tests/conftest.py).
+"""
+
+import os
+import tempfile
+
+_home = tempfile.mkdtemp(prefix="dartboard-test-")
+os.environ["DARTBOARD_HOME"] = _home
+os.environ.pop("DARTBOARD_ENV", None)
+for _var, _test_var in (("DATABASE_URL", "TEST_DATABASE_URL"), ("REDIS_URL", "TEST_REDIS_URL")):
+    if os.environ.get(_test_var):
+        os.environ[_var] = os.environ[_test_var]
+    else:
+        os.environ.pop(_var, None)
+
+from dartboard.settings import *  # noqa: E402,F403
+from dartboard.settings import DARTBOARD_HOME, DATABASES  # noqa: E402
+
+# Worker processes started by tests must reach the test database: a file, not :memory:.
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["TEST"] = {"NAME": str(DARTBOARD_HOME / "test.sqlite3")}
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins in tests

@@ -1,0 +1,68 @@
+"""The repository layout keeps the standard library importable and the deployment honest."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_standard_platform_module_is_not_shadowed():
+    # Run from the repository root, where a top-level `platform` package would win.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import platform; print(platform.__file__); print(platform.system())",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert not out[0].startswith(str(ROOT)), f"platform resolves to the repository: {out[0]}"
+    assert out[1] == "Linux"
+
+
+def test_every_compose_service_runs_a_real_entry_point():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {
+        "postgres",
+        "redis",
+        "web",
+        "worker-env",
+        "worker-rollout",
+        "worker-train",
+        "vllm",
+    } <= set(services)
+    assert services["vllm"]["profiles"] == ["gpu"]
+    queues = set()
+    for name, svc in services.items():
+        cmd = svc.get("command")
+        if svc.get("image", "").startswith(("postgres", "redis", "minio", "vllm")):
+            continue
+        assert cmd and cmd[0] == "python", f"{name}: command {cmd!r} does not run the project"
+        if cmd[1] == "manage.py":
+            from django.core.management import get_commands
+
+            assert cmd[2] in get_commands(), f"{name}: no management command {cmd[2]!r}"
+        elif cmd[1] == "-m":
+            module = cmd[2]
+            if module == "celery":
+                assert cmd[3:5] == ["-A", "dartboard"]
+                queues.update(cmd[cmd.index("-Q") + 1].split(","))
+            elif module == "daphne":
+                target = cmd[-1]
+                mod, attr = target.split(":")
+                assert importlib.util.find_spec(mod) is not None
+                assert attr == "application"
+            else:
+                assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+                assert (ROOT / (module.replace(".", "/") + ".py")).exists()
+        else:
+            raise AssertionError(f"{name}: unexpected command {cmd!r}")
+    assert {"env", "rollout", "train"} <= queues

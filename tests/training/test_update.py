@@ -1,0 +1,293 @@
+"""policy_update on a real tiny causal LM (GPT-2 architecture, random init, toy vocabulary)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from training.samples import TrainSample
+from training.update import UpdateConfig, plan_update, policy_update
+
+VOCAB = "abcdefghijklmnop"  # one token per character
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB.index(ch) for ch in text]
+
+
+def tiny_lm(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(VOCAB), n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def toy_logprob_fn(
+    model: torch.nn.Module, samples: Sequence[TrainSample]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token log-probs of each response given its prompt (the last message's content)."""
+    prompts = [encode(s.messages[-1]["content"]) for s in samples]
+    responses = [encode(s.response_text) for s in samples]
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    attention = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        attention[b, : len(p) + len(r)] = 1
+        mask[b, len(p) - 1 : len(p) + len(r) - 1] = True  # position t predicts token t + 1
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    token_logprobs = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+    return token_logprobs * mask, entropy * mask, mask
+
+
+def sample(
+    step_id: int, task: int, prompt: str, response: str, reward: float, *,
+    trajectory: int | None = None, version: int = 0, entropy: float = 1.0,
+    rollout: list[float] | None = None, demo: bool = False,
+) -> TrainSample:  # fmt: skip
+    return TrainSample(
+        step_id=step_id,
+        trajectory_id=step_id if trajectory is None else trajectory,
+        group_id=task,
+        messages=[{"role": "user", "content": prompt}],
+        response_text=response,
+        reward=reward,
+        rollout_logprobs=[] if rollout is None else rollout,
+        mean_entropy=entropy,
+        policy_version=version,
+        is_demo=demo,
+    )
+
+
+def with_rollout_logprobs(model: torch.nn.Module, samples: list[TrainSample]) -> list[TrainSample]:
+    """What the inference server would report: the current policy's token log-probs."""
+    with torch.no_grad():
+        logprobs, _, mask = toy_logprob_fn(model, samples)
+    return [
+        dataclasses.replace(s, rollout_logprobs=logprobs[b][mask[b]].tolist())
+        for b, s in enumerate(samples)
+    ]
+
+
+def response_logprob(model: torch.nn.Module, prompt: str, response: str) -> float:
+    with torch.no_grad():
+        logprobs, _, mask = toy_logprob_fn(model, [sample(0, 0, prompt, response, 0.0)])
+    return float(logprobs[mask].sum())
+
+
+# Two tasks; each has rewarded and unrewarded responses of different lengths.
+GOOD = {1: ("ab", "cdc"), 2: ("ba", "gh")}
+BAD = {1: ("ab", "effe"), 2: ("ba", "i")}
+
+
+def bandit_batch() -> list[TrainSample]:
+    batch, step = [], 0
+    for task in (1, 2):
+        for table, reward in ((GOOD, 1.0), (BAD, 0.0), (GOOD, 1.0), (BAD, 0.0)):
+            step += 1
+            prompt, response = table[task]
+            batch.append(sample(step, task, prompt, response, reward))
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "kl_coef"), [("ppo", 0.0), ("gspo", 0.0), ("ppo", 0.05)]
+)  # fmt: skip
+def test_policy_update_raises_rewarded_and_lowers_unrewarded_responses(
+    loss_type: str, kl_coef: float
+) -> None:
+    model = tiny_lm()
+    ref = copy.deepcopy(model).requires_grad_(False) if kl_coef else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = UpdateConfig(loss_type=loss_type, kl_coef=kl_coef, entropy_top_q=1.0, micro_batch=3)
+    before = {
+        t: (response_logprob(model, *GOOD[t]), response_logprob(model, *BAD[t])) for t in GOOD
+    }
+    for _ in range(15):
+        batch = with_rollout_logprobs(model, bandit_batch())
+        metrics = policy_update(
+            model=model, ref_model=ref, optimizer=optimizer, samples=batch,
+            logprob_fn=toy_logprob_fn, config=config,
+        )  # fmt: skip
+        assert metrics.optimizer_steps == 1 and metrics.skipped_groups == 0
+    for task, (good_before, bad_before) in before.items():
+        assert response_logprob(model, *GOOD[task]) > good_before + 1.0
+        assert response_logprob(model, *BAD[task]) < bad_before - 1.0
+    if kl_coef:
+        assert metrics.kl > 0
+
+
+def test_kl_coef_zero_needs_no_ref_model_but_positive_kl_does() -> None:
+    model = tiny_lm()
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+    )  # fmt: skip
+    assert metrics.optimizer_steps == 1 and metrics.kl == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference model.*set kl_coef=0"):
+        policy_update(
+            model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
+            samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.1),
+        )  # fmt: skip
+
+
+def test_gradient_accumulation_matches_one_big_batch() -> None:
+    """Token-mean over the whole batch, whatever the micro-batch size (SGD exposes the grad)."""
+    base = tiny_lm(seed=1)
+    batch = with_rollout_logprobs(base, bandit_batch())
+    # Make the rollout policy differ so the IS weights are not all 1.
+    batch = [
+        dataclasses.replace(
+            s, rollout_logprobs=[lp + 0.3 * (k % 2) for k, lp in enumerate(s.rollout_logprobs)]
+        )
+        for s in batch
+    ]
+    ref = tiny_lm(seed=2).requires_grad_(False)
+    results = []
+    for micro_batch in (1, 3, 8):
+        model = copy.deepcopy(base)
+        config = UpdateConfig(micro_batch=micro_batch, kl_coef=0.1, max_grad_norm=1e6)
+        metrics = policy_update(
+            model=model, ref_model=ref, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            samples=batch, logprob_fn=toy_logprob_fn, config=config,
+        )  # fmt: skip
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics))
+    (p1, m1), (p3, _), (p8, m8) = results
+    assert torch.allclose(p1, p8, atol=1e-5) and torch.allclose(p3, p8, atol=1e-5)
+    assert m1.loss == pytest.approx(m8.loss, abs=1e-5)
+    assert m1.kl == pytest.approx(m8.kl, abs=1e-6) and m8.kl > 0
+    assert m8.is_weight_min < 1.0 and m8.is_weight_max == pytest.approx(1.0)
+    assert not torch.equal(p8, torch.cat([p.flatten() for p in base.parameters()]))
+
+
+def test_entropy_filter_groups_and_per_step_decisions() -> None:
+    samples = [
+        # task 1: two-step trajectory 10 (reward 1) vs trajectory 11 (reward 0)
+        sample(1, 1, "ab", "cd", 1.0, trajectory=10, entropy=0.9, version=3),
+        sample(2, 1, "abcd", "e", 1.0, trajectory=10, entropy=0.1, version=3),
+        sample(3, 1, "ab", "ff", 0.0, trajectory=11, entropy=0.5, version=2),
+        # task 2: all failed -> skipped group
+        sample(4, 2, "ba", "g", 0.0, entropy=2.0, version=1),
+        sample(5, 2, "ba", "h", 0.0, entropy=2.0, version=3),
+        # task 3: a single trajectory -> skipped group
+        sample(6, 3, "ca", "i", 1.0, entropy=3.0, version=3),
+    ]
+    model = tiny_lm()
+    config = UpdateConfig(kl_coef=0.0, entropy_top_q=0.6)
+    metrics = policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
+        samples=samples, logprob_fn=toy_logprob_fn, config=config, policy_version=3,
+    )  # fmt: skip
+    # Ranked: steps 1, 2, 3 of task 1 (others skipped); ceil(0.6 * 3) = 2 keep -> 1 and 3.
+    assert metrics.step_entropy_kept == {1: True, 2: False, 3: True}
+    assert metrics.step_kept == {1: True, 2: False, 3: True, 4: False, 5: False, 6: False}
+    assert metrics.kept_step_fraction == pytest.approx(2 / 6)
+    assert (metrics.n_groups, metrics.skipped_groups) == (3, 2)
+    # Trajectory rewards [1, 0] -> +-0.5 / (sqrt(0.5) + eps), shared by both steps of 10.
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert metrics.step_advantage[1] == pytest.approx(a) and metrics.step_advantage[
+        2
+    ] == pytest.approx(a)
+    assert metrics.step_advantage[3] == pytest.approx(-a) and metrics.step_advantage[4] == 0.0
+    assert metrics.staleness == {0: 4, 1: 1, 2: 1}
+    assert metrics.as_json()["staleness"] == {"0": 4, "1": 1, "2": 1}
+    # Empty rollout log-probs on online steps are reported, with IS weight 1.
+    assert metrics.is_misaligned_steps == 2 and metrics.step_is_weight == {1: 1.0, 3: 1.0}
+    assert metrics.n_tokens == 4 and metrics.optimizer_steps == 1 and metrics.mean_entropy > 0
+
+
+def test_nothing_to_train_takes_no_optimizer_step() -> None:
+    samples = [
+        sample(1, 1, "ab", "c", 1.0),
+        sample(2, 1, "ab", "d", 1.0),
+        sample(3, 2, "ba", "e", 0.0),
+    ]
+    model = tiny_lm()
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
+        samples=samples, logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+    )  # fmt: skip
+    assert metrics.optimizer_steps == 0 and metrics.skipped_groups == 2
+    assert metrics.step_kept == {1: False, 2: False, 3: False}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_experience_pool_demo_is_learned_in_an_all_failed_group() -> None:
+    """Every online rollout failed; a pool success joins the group and BC pulls it up."""
+    model = tiny_lm(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    demo = sample(9, 1, "ab", "kkl", 1.0, demo=True, entropy=0.0)
+    online = [sample(i, 1, "ab", r, 0.0) for i, r in ((1, "mm"), (2, "n"), (3, "mm"))]
+    config = UpdateConfig(kl_coef=0.0, bc_weight=0.5, entropy_top_q=0.5, micro_batch=2)
+    demo_before = response_logprob(model, "ab", "kkl")
+    for _ in range(10):
+        batch = [*with_rollout_logprobs(model, online), demo]
+        metrics = policy_update(
+            model=model, ref_model=None, optimizer=optimizer, samples=batch,
+            logprob_fn=toy_logprob_fn, config=config,
+        )  # fmt: skip
+    # The demo is never dropped by the entropy filter and has the positive advantage.
+    assert metrics.step_kept[9] and metrics.step_advantage[9] > 0 > metrics.step_advantage[1]
+    assert metrics.n_demo_steps == 1 and metrics.bc_loss > 0 and metrics.is_misaligned_steps == 0
+    assert response_logprob(model, "ab", "kkl") > demo_before + 1.0
+
+
+def test_several_epochs_and_mini_batches_clip_the_drifting_ratio() -> None:
+    model = tiny_lm()
+    config = UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, ppo_epochs=3, mini_batches=2)
+    metrics = policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-2),
+        samples=with_rollout_logprobs(model, bandit_batch()), logprob_fn=toy_logprob_fn,
+        config=config,
+    )  # fmt: skip
+    assert metrics.optimizer_steps == 6
+    assert 0 < metrics.clip_fraction < 1  # pi_theta moved away from pi_old after the first step
+
+
+def test_plan_rejects_a_trajectory_with_two_rewards() -> None:
+    samples = [
+        sample(1, 1, "ab", "c", 1.0, trajectory=5),
+        sample(2, 1, "ab", "d", 0.0, trajectory=5),
+    ]
+    with pytest.raises(ValueError, match="all steps of a trajectory share its reward and group"):
+        plan_update(samples, UpdateConfig())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_type": "grpo"}, "loss_type must be 'ppo' or 'gspo'"),
+        ({"clip_low": 0.0}, r"clip_low must be in \(0, 1\)"),
+        ({"clip_high": -0.1}, "clip_high must be > 0"),
+        ({"gspo_clip_high": 0.0}, "gspo_clip_high must be > 0"),
+        ({"entropy_top_q": 0.0}, r"entropy_top_q must be in \(0, 1\]"),
+        ({"entropy_top_q": 1.5}, r"entropy_top_q must be in \(0, 1\]"),
+        ({"is_cap": 0.0}, "is_cap must be > 0"),
+        ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
+        ({"micro_batch": 0}, "micro_batch must be >= 1"),
+        ({"ppo_epochs": 0}, "ppo_epochs must be >= 1"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0"),
+    ],
+)
+def test_update_config_validation_messages(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"^UpdateConfig\.{message}"):
+        UpdateConfig(**kwargs)
+
+
+def test_train_sample_rejects_missing_reward() -> None:
+    with pytest.raises(ValueError, match="step 7: reward must be a finite number"):
+        sample(7, 1, "ab", "c", float("nan"))

@@ -1,0 +1,223 @@
+"""Build the tiny CPU policy: a Qwen2.5-VL-architecture model with random weights and a
+tokenizer trained here, saved as a normal Hugging Face directory that `load_policy` loads.
+
+    .venv/bin/python -c "from training.tiny_policy import build_tiny_policy; \
+        print(build_tiny_policy('var/policies/tiny'))"
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers`
+library over a corpus of UI-TARS-style outputs generated in this module. Digits are split
+one per token, so a coordinate `(123,45)` is the digit sequence a real Qwen tokenizer makes.
+
+Image budget (Qwen2-VL `smart_resize`, patch 14, merge 2, so one image token = 28x28 px):
+`min_pixels` = 4 tokens, `max_pixels` = 256 tokens. A 160x210 MiniWoB screenshot becomes
+168x224 px = 48 image tokens; a 1024x768 desktop is scaled to 504x364 px = 234 tokens, which
+keeps a 5-screenshot context under ~1.2k tokens for the tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+
+PIXELS_PER_IMAGE_TOKEN = 28 * 28
+MIN_PIXELS = 4 * PIXELS_PER_IMAGE_TOKEN
+MAX_PIXELS = 256 * PIXELS_PER_IMAGE_TOKEN
+
+# Order fixes the ids: <|endoftext|> is 0 (pad), <|im_end|> is 2 (eos).
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# The Qwen2-VL chat template (as shipped with Qwen2-VL / UI-TARS), minus nothing.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORD_TEXT = (
+    "click the button submit ok cancel search box text field enter type select option menu "
+    "checkbox radio tab link item list scroll down up left right drag slider date next "
+    "previous close open file edit view window page form input password username email "
+    "login sign in out name first last number value color shape circle square triangle red "
+    "blue green yellow black white large small top bottom middle center find then and "
+    "with from to of on at is it a an this that I need should now will see found task done "
+    "screen desktop terminal browser settings save copy paste delete undo home start"
+)
+_WORDS = _WORD_TEXT.split()
+_ACTIONS = (
+    "click(start_box='{p}')",
+    "left_double(start_box='{p}')",
+    "right_single(start_box='{p}')",
+    "drag(start_box='{p}', end_box='{q}')",
+    "hotkey(key='{k}')",
+    "type(content='{t}')",
+    "scroll(start_box='{p}', direction='{d}')",
+    "wait()",
+    "finished(content='{t}')",
+    "call_user()",
+)
+_KEYS = ("enter", "ctrl c", "ctrl v", "ctrl a", "tab", "esc", "backspace", "alt f4")
+
+
+def _corpus(*, rng: random.Random, lines: int) -> list[str]:
+    """UI-TARS-style outputs and instructions, the text the tiny tokenizer is fitted to."""
+
+    def sentence(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    def point() -> str:
+        return f"<|box_start|>({rng.randint(0, 1023)},{rng.randint(0, 767)})<|box_end|>"
+
+    out = [" ".join(_WORDS), "0123456789 ,.:;!?'\"()[]{}<>=+-*/_\\|@#$%&~`^\n\t"]
+    for _ in range(lines):
+        action = rng.choice(_ACTIONS).format(
+            p=point(),
+            q=point(),
+            k=rng.choice(_KEYS),
+            t=sentence(rng.randint(1, 4)),
+            d=rng.choice(("up", "down", "left", "right")),
+        )
+        thought = sentence(rng.randint(3, 15)).capitalize() + "."
+        out.append(f"Thought: {thought}\nAction: {action}")
+        out.append(f"Instruction: {sentence(rng.randint(3, 12))}.")
+    return out
+
+
+def _train_tokenizer(*, seed: int, vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    # Digits first, one per pre-token, so no merge can join two digits.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(rng=random.Random(seed), lines=4000), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        padding_side="left",
+        model_max_length=32768,
+    )
+
+
+def build_tiny_policy(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 1024,
+    vision_hidden: int = 128,
+    vision_depth: int = 2,
+    vision_heads: int = 4,
+    vocab_size: int = 2048,
+) -> Path:
+    """Write a random-weight Qwen2.5-VL model (~5M params by default) plus tokenizer,
+    image processor config and chat template to `out_dir`; return the directory.
+
+    `hidden / heads` is the text head_dim; its half is split over Qwen's three mrope
+    sections (temporal, height, width) in the 1:1.5:1.5 ratio of the released models.
+    """
+    head_dim = hidden // heads
+    if hidden % heads or head_dim % 8:
+        raise ValueError(f"hidden ({hidden}) / heads ({heads}) must be a multiple of 8")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+
+    tokenizer = _train_tokenizer(seed=seed, vocab_size=vocab_size)
+    ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # type: ignore[arg-type]
+    half = head_dim // 2
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "max_position_embeddings": 32768,
+            "max_window_layers": layers,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": mrope,
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": vision_depth,
+            "hidden_size": vision_hidden,
+            "intermediate_size": 2 * vision_hidden,
+            "num_heads": vision_heads,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [vision_depth - 1],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+    # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
+    (out / "chat_template.json").write_text(
+        json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"
+    )
+    return out

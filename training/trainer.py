@@ -1,0 +1,149 @@
+"""The policy trainer: holds the model, its frozen reference and the optimizer; runs updates;
+saves versioned checkpoints and resumes from the newest one.
+
+Pure PyTorch (+ transformers model I/O): it never imports Django. The Celery task in
+`datamanager.training_loop` feeds it `TrainSample`s and records what it returns.
+
+Checkpoints: `run_dir/v00003/` is a normal HF directory (loadable by the inference server)
+plus `trainer_state.pt` (optimizer state, update counter). A directory is written under a
+temporary name and renamed when complete, so a crash never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from training.model import (
+    Policy,
+    encode_batch,
+    load_policy,
+    response_token_ids,
+    save_checkpoint,
+    sequence_logprobs,
+)
+from training.samples import TrainSample, UpdateMetrics
+from training.update import UpdateConfig, policy_update
+
+STATE_FILE = "trainer_state.pt"
+
+
+def version_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / f"v{version:05d}"
+
+
+@dataclass
+class TrainerState:
+    updates: int = 0  # updates applied to the weights held now
+    version: int = 0  # policy version of the weights held now (0 = the start checkpoint)
+
+
+class PolicyTrainer:
+    """One run's trainer. Resume rule: the newest checkpoint whose version `accept(version)`
+    confirms (the DB knows it was published); anything newer is an orphan of a crash."""
+
+    def __init__(
+        self,
+        *,
+        start_checkpoint: Path,
+        run_dir: Path,
+        lr: float,
+        weight_decay: float = 0.0,
+        kl_coef: float = 0.1,
+        device: str = "cpu",
+        bf16: bool = True,
+        published_versions: Sequence[int] = (),
+    ) -> None:
+        self.run_dir = run_dir
+        self.device = device
+        self.use_bf16 = bf16 and device.startswith("cuda")
+        self.state = TrainerState()
+        resume = self._resume_dir(published_versions)
+        self.policy: Policy = load_policy(resume or start_checkpoint, device=device)
+        self.policy.model.train()
+        self._disable_dropout(self.policy.model)
+        self.ref_model: nn.Module | None = None
+        if kl_coef > 0:
+            self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.model.parameters(), lr=lr, weight_decay=weight_decay
+        )
+        if resume is not None:
+            state = torch.load(resume / STATE_FILE, map_location=device, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.state = TrainerState(updates=state["updates"], version=state["version"])
+
+    def _resume_dir(self, published: Sequence[int]) -> Path | None:
+        for version in sorted(published, reverse=True):
+            path = version_dir(self.run_dir, version)
+            if (path / STATE_FILE).exists():
+                return path
+        return None
+
+    @staticmethod
+    def _disable_dropout(model: nn.Module) -> None:
+        # pi_old and the training pass must agree exactly (see training.update).
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+
+    def logprob_fn(
+        self, model: nn.Module, samples: Sequence[TrainSample]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Response-token log-probs, entropies and mask [B, T] for a micro-batch."""
+        responses = [
+            list(s.response_token_ids)
+            if s.response_token_ids
+            else response_token_ids(self.policy, s.response_text)
+            for s in samples
+        ]
+        batch = encode_batch(self.policy, [s.messages for s in samples], responses=responses)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.use_bf16
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            return sequence_logprobs(model, batch)
+
+    def update(self, samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateMetrics:
+        metrics = policy_update(
+            model=self.policy.model,
+            ref_model=self.ref_model,
+            optimizer=self.optimizer,
+            samples=samples,
+            logprob_fn=self.logprob_fn,
+            config=config,
+            policy_version=self.state.version,
+        )
+        self.state.updates += 1
+        return metrics
+
+    def save_version(self, version: int) -> Path:
+        """Write the current weights as `version` (atomically) and return the directory."""
+        final = version_dir(self.run_dir, version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.policy, tmp)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "updates": self.state.updates,
+                "version": version,
+            },
+            tmp / STATE_FILE,
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self.state.version = version
+        return final

@@ -1,0 +1,465 @@
+"""One trainer update: step-level GRPO with DART's curation, over injected model and log-probs.
+
+`policy_update` takes step samples (see `training.samples.TrainSample`), decides which steps
+train (group advantages over trajectories of a task, high-entropy selection), computes pi_old
+(and reference) log-probs once with no gradient, then runs `ppo_epochs` x `mini_batches`
+optimizer steps with gradient accumulation over micro-batches of `micro_batch` samples.
+
+The model layer supplies `logprob_fn(model, samples) -> (logprobs[B, T], entropy[B, T], mask[B, T])`
+where `mask` marks the response tokens; the i-th True position of row b is the i-th token of
+`samples[b].response_text`, which is how the inference server's `rollout_logprobs` line up.
+`logprob_fn` must be deterministic for a given model state (dropout off) so the pi_old pass and
+the training pass agree; `entropy` needs no gradient.
+
+Run the tests: `.venv/bin/pytest -p no:django tests/training/test_update.py -q`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from training.losses import (
+    broadcast_to_steps,
+    group_advantages,
+    high_entropy_mask,
+    policy_loss,
+    truncated_is_weights,
+)
+from training.samples import TrainSample, UpdateMetrics
+
+logger = logging.getLogger(__name__)
+
+LogprobFn = Callable[[nn.Module, Sequence[TrainSample]], tuple[Tensor, Tensor, Tensor]]
+
+
+@dataclass
+class UpdateConfig:
+    """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here)."""
+
+    loss_type: str = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
+    clip_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_low.
+    clip_high: float = 0.28  # PPO: ratio clipped above at 1 + clip_high (clip-higher).
+    gspo_clip_low: float = 3e-4  # GSPO: sequence ratio clipped below at 1 - gspo_clip_low.
+    gspo_clip_high: float = 4e-4  # GSPO: sequence ratio clipped above at 1 + gspo_clip_high.
+    kl_coef: float = 0.1  # Weight of the k3 KL to the reference policy (0: no ref model needed).
+    bc_weight: float = 0.0  # Weight of behaviour cloning on experience-pool (demo) steps.
+    entropy_top_q: float = 0.8  # Train on this top fraction of steps by entropy (1.0: all).
+    truncated_is: bool = True  # Multiply the loss by min(pi_old / pi_rollout, is_cap).
+    is_cap: float = 1.0  # Truncation C of the importance weight.
+    adv_eps: float = 1e-6  # Added to the group reward std before dividing.
+    micro_batch: int = 8  # Samples per forward/backward (gradient accumulation unit).
+    mini_batches: int = 1  # Optimizer steps per epoch (the batch split into this many parts).
+    ppo_epochs: int = 1  # Passes over the batch; >1 makes pi_theta drift from pi_old.
+    max_grad_norm: float = 1.0  # Gradient norm clipping before each optimizer step.
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"UpdateConfig.{message}")
+
+        check(
+            self.loss_type in ("ppo", "gspo"),
+            f"loss_type must be 'ppo' or 'gspo', got {self.loss_type!r}",
+        )
+        for name in ("clip_low", "gspo_clip_low"):
+            value = getattr(self, name)
+            check(
+                0 < value < 1,
+                f"{name} must be in (0, 1) (the ratio's lower bound is 1 - {name}), got {value}",
+            )
+        for name in ("clip_high", "gspo_clip_high"):
+            value = getattr(self, name)
+            check(
+                value > 0,
+                f"{name} must be > 0 (the ratio's upper bound is 1 + {name}), got {value}",
+            )
+        check(self.kl_coef >= 0, f"kl_coef must be >= 0 (0 disables the KL), got {self.kl_coef}")
+        check(self.bc_weight >= 0, f"bc_weight must be >= 0 (0 disables BC), got {self.bc_weight}")
+        check(
+            0 < self.entropy_top_q <= 1,
+            f"entropy_top_q must be in (0, 1] (1.0 keeps every step), got {self.entropy_top_q}",
+        )
+        check(self.is_cap > 0, f"is_cap must be > 0 (DART uses 1.0), got {self.is_cap}")
+        check(self.adv_eps > 0, f"adv_eps must be > 0, got {self.adv_eps}")
+        check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
+        check(self.mini_batches >= 1, f"mini_batches must be >= 1, got {self.mini_batches}")
+        check(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    @property
+    def pg_clip(self) -> tuple[float, float]:
+        """(clip_low, clip_high) of the configured loss type."""
+        if self.loss_type == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_low, self.clip_high
+
+
+@dataclass
+class UpdatePlan:
+    """Which steps train and with what advantage (index-aligned with the samples)."""
+
+    advantage: list[float]
+    pg_keep: list[bool]  # Gets policy-gradient signal.
+    entropy_kept: dict[int, bool]  # step_id -> decision, for steps the entropy filter ranked.
+    n_groups: int
+    skipped_groups: int
+
+
+@dataclass
+class _TokenStats:
+    """Per-sample results of the pi_old pass: 1-D tensors over the response tokens."""
+
+    old: Tensor
+    ref: Tensor | None
+    is_weight: Tensor | None
+    entropy_sum: float
+
+
+def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdatePlan:
+    """Group advantages over trajectories (group = task), then the high-entropy step filter.
+
+    The entropy filter ranks the online steps of non-skipped groups by their rollout-time
+    `mean_entropy` and keeps the top `entropy_top_q`; demo steps (experience pool) are always
+    kept, since their entropy was measured under another policy, if at all.
+
+    Raises:
+        ValueError: steps of one trajectory disagree on its reward or task.
+    """
+    traj_pos: dict[int, int] = {}
+    rewards: list[float] = []
+    tasks: list[int] = []
+    for s in samples:
+        pos = traj_pos.get(s.trajectory_id)
+        if pos is None:
+            traj_pos[s.trajectory_id] = len(rewards)
+            rewards.append(s.reward)
+            tasks.append(s.group_id)
+        elif rewards[pos] != s.reward or tasks[pos] != s.group_id:
+            raise ValueError(
+                f"step {s.step_id} of trajectory {s.trajectory_id} has reward {s.reward} / group "
+                f"{s.group_id}, but an earlier step of it has {rewards[pos]} / {tasks[pos]}: all "
+                "steps of a trajectory share its reward and group"
+            )
+    traj_adv, traj_keep, skipped = group_advantages(
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(tasks), eps=config.adv_eps
+    )
+    step_index = torch.tensor([traj_pos[s.trajectory_id] for s in samples], dtype=torch.long)
+    advantage = broadcast_to_steps(traj_adv, step_index).tolist()
+    group_keep = broadcast_to_steps(traj_keep, step_index).tolist()
+
+    ranked = [i for i, s in enumerate(samples) if group_keep[i] and not s.is_demo]
+    entropy_kept: dict[int, bool] = {}
+    if ranked:
+        entropies = torch.tensor([samples[i].mean_entropy for i in ranked], dtype=torch.float64)
+        keep = high_entropy_mask(entropies, q=config.entropy_top_q).tolist()
+        entropy_kept = {samples[i].step_id: k for i, k in zip(ranked, keep, strict=True)}
+    pg_keep = [
+        bool(group_keep[i]) and (s.is_demo or entropy_kept[s.step_id])
+        for i, s in enumerate(samples)
+    ]
+    return UpdatePlan(
+        advantage=[float(a) for a in advantage],
+        pg_keep=pg_keep,
+        entropy_kept=entropy_kept,
+        n_groups=len(set(tasks)),
+        skipped_groups=skipped,
+    )
+
+
+def _chunks(items: Sequence[int], n_parts: int) -> list[list[int]]:
+    """Split into n_parts near-equal consecutive parts, dropping empty ones."""
+    size, extra = divmod(len(items), n_parts)
+    parts, start = [], 0
+    for p in range(n_parts):
+        end = start + size + (1 if p < extra else 0)
+        if end > start:
+            parts.append(list(items[start:end]))
+        start = end
+    return parts
+
+
+def _batches(items: Sequence[int], size: int) -> list[list[int]]:
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def _scatter(rows: Sequence[Tensor], mask: Tensor) -> Tensor:
+    """Place per-sample 1-D token values at the True positions of mask [B, T] -> [B, T]."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    # Boolean indexing walks row-major: row b's True positions in order, then row b+1's.
+    out[mask] = torch.cat([r.to(out.device, torch.float32) for r in rows])
+    return out
+
+
+def _pi_old_pass(
+    *,
+    model: nn.Module,
+    ref_model: nn.Module | None,
+    samples: Sequence[TrainSample],
+    order: Sequence[int],
+    logprob_fn: LogprobFn,
+    config: UpdateConfig,
+) -> tuple[dict[int, _TokenStats], int]:
+    """Log-probs of pi_old (and pi_ref) for the samples in `order`, no gradient, plus IS weights.
+
+    Returns per-sample stats (keyed by sample index) and the count of steps whose
+    `rollout_logprobs` do not line up with their response tokens (their IS weight is 1).
+    """
+    stats: dict[int, _TokenStats] = {}
+    misaligned = 0
+    with torch.no_grad():
+        for micro in _batches(order, config.micro_batch):
+            micro_samples = [samples[i] for i in micro]
+            logprobs, entropy, mask = logprob_fn(model, micro_samples)
+            mask = mask.bool()
+            ref_logprobs = None
+            if ref_model is not None and config.kl_coef > 0:
+                ref_logprobs, _, _ = logprob_fn(ref_model, micro_samples)
+            for b, i in enumerate(micro):
+                row = mask[b]
+                old = logprobs[b][row].float()
+                sample = samples[i]
+                weight = None
+                if config.truncated_is:
+                    rollout = sample.rollout_logprobs
+                    if len(rollout) == old.numel():
+                        rollout_t = torch.tensor(rollout, dtype=torch.float32, device=old.device)
+                        ones = torch.ones_like(old)
+                        weight = truncated_is_weights(
+                            old[None], rollout_t[None], ones[None], cap=config.is_cap
+                        )[0]
+                    else:
+                        # Demos from the pool often have no rollout log-probs: nothing to correct.
+                        if not (sample.is_demo and not rollout):
+                            misaligned += 1
+                            logger.warning(
+                                "step %s: %d rollout logprobs for %d response tokens; "
+                                "IS weight set to 1",
+                                sample.step_id, len(rollout), old.numel(),
+                            )  # fmt: skip
+                        weight = torch.ones_like(old)
+                stats[i] = _TokenStats(
+                    old=old,
+                    ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
+                    is_weight=weight,
+                    entropy_sum=float(entropy[b][row].float().sum().item()),
+                )
+    return stats, misaligned
+
+
+@dataclass
+class _StepTotals:
+    """Sums over one optimizer step's micro-batches (each already normalised)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    bc_loss: float = 0.0
+    clipped: float = 0.0  # Clipped tokens (PPO) or sequences (GSPO).
+    clip_units: float = 0.0  # Their denominator.
+
+
+def _optimizer_step(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[TrainSample],
+    part: Sequence[int],
+    plan: UpdatePlan,
+    stats: dict[int, _TokenStats],
+    logprob_fn: LogprobFn,
+    config: UpdateConfig,
+) -> tuple[_StepTotals, float]:
+    """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm."""
+    use_bc = config.bc_weight > 0
+    pg_items = [i for i in part if plan.pg_keep[i]]
+    token_norm = float(sum(stats[i].old.numel() for i in pg_items))
+    seq_norm = float(sum(1 for i in pg_items if stats[i].old.numel() > 0))
+    bc_norm = float(sum(stats[i].old.numel() for i in part if use_bc and samples[i].is_demo))
+    clip_low, clip_high = config.pg_clip
+    totals = _StepTotals()
+    optimizer.zero_grad(set_to_none=True)
+    for micro in _batches(part, config.micro_batch):
+        micro_samples = [samples[i] for i in micro]
+        logprobs, _, mask = logprob_fn(model, micro_samples)
+        mask = mask.bool()
+        for b, i in enumerate(micro):
+            if int(mask[b].sum().item()) != stats[i].old.numel():
+                raise RuntimeError(
+                    f"logprob_fn gave step {samples[i].step_id} {int(mask[b].sum().item())} "
+                    f"response tokens in the training pass but {stats[i].old.numel()} in the "
+                    "pi_old pass: it must tokenize a sample the same way every time"
+                )
+        device = logprobs.device
+        pg_rows = torch.tensor([plan.pg_keep[i] for i in micro], device=device)
+        pg_mask = mask & pg_rows[:, None]
+        bc_mask = None
+        if use_bc:
+            demo_rows = torch.tensor([samples[i].is_demo for i in micro], device=device)
+            bc_mask = mask & demo_rows[:, None]
+        advantages = torch.tensor(
+            [plan.advantage[i] if plan.pg_keep[i] else 0.0 for i in micro],
+            dtype=torch.float32,
+            device=device,
+        )
+        is_weights = None
+        if config.truncated_is:
+            is_weights = _scatter([stats[i].is_weight for i in micro], mask)  # type: ignore[misc]
+        ref = None
+        if config.kl_coef > 0:
+            ref = _scatter([stats[i].ref for i in micro], mask)  # type: ignore[misc]
+        out = policy_loss(
+            logprobs=logprobs.float(),
+            old_logprobs=_scatter([stats[i].old for i in micro], mask),
+            advantages=advantages,
+            pg_mask=pg_mask,
+            loss_type=config.loss_type,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            is_weights=is_weights,
+            ref_logprobs=ref,
+            kl_coef=config.kl_coef,
+            bc_mask=bc_mask,
+            bc_weight=config.bc_weight,
+            token_normalizer=token_norm,
+            sequence_normalizer=seq_norm,
+            bc_normalizer=bc_norm,
+        )
+        if out.loss.requires_grad:
+            out.loss.backward()
+        totals.loss += float(out.loss.item())
+        totals.pg_loss += float(out.pg_loss.item())
+        totals.kl += float(out.kl.item())
+        totals.bc_loss += float(out.bc_loss.item())
+        units = out.n_pg_tokens if config.loss_type == "ppo" else int(pg_mask.any(dim=1).sum())
+        totals.clipped += out.clip_fraction * units
+        totals.clip_units += units
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals, float(grad_norm)
+
+
+def policy_update(
+    *,
+    model: nn.Module,
+    ref_model: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[TrainSample],
+    logprob_fn: LogprobFn,
+    config: UpdateConfig,
+    policy_version: int | None = None,
+) -> UpdateMetrics:
+    """Run one policy update on `samples` and return what it did.
+
+    Args:
+        model: the policy pi_theta (trained in place; dropout should be off).
+        ref_model: frozen reference policy for the KL term; may be None when kl_coef == 0.
+        optimizer: over model's parameters (AdamW in the trainer).
+        samples: the batch's steps; every trajectory's steps should be present together with
+            the other trajectories of its task (the group).
+        logprob_fn: see the module docstring.
+        policy_version: the version being trained (pi_old), for the staleness histogram;
+            default: the newest version among the online samples.
+    Returns:
+        UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
+        taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
+    Raises:
+        ValueError: no samples, kl_coef > 0 without ref_model, inconsistent trajectory rewards.
+    """
+    if not samples:
+        raise ValueError("policy_update needs at least one sample")
+    if config.kl_coef > 0 and ref_model is None:
+        raise ValueError(
+            f"UpdateConfig.kl_coef={config.kl_coef} needs a reference model: pass ref_model "
+            "(a frozen copy of the initial policy), or set kl_coef=0 to train without the KL term"
+        )
+    started = time.perf_counter()
+    plan = plan_update(samples, config)
+    use_bc = config.bc_weight > 0
+    order = [i for i, s in enumerate(samples) if plan.pg_keep[i] or (use_bc and s.is_demo)]
+    online = [s for s in samples if not s.is_demo]
+    if policy_version is None:
+        policy_version = max((s.policy_version for s in online), default=0)
+    metrics = UpdateMetrics(
+        n_samples=len(samples),
+        n_trained_steps=sum(plan.pg_keep),
+        n_demo_steps=len(samples) - len(online),
+        n_groups=plan.n_groups,
+        skipped_groups=plan.skipped_groups,
+        kept_step_fraction=sum(plan.pg_keep) / len(samples),
+        staleness=dict(Counter(policy_version - s.policy_version for s in online)),
+        step_kept={s.step_id: plan.pg_keep[i] for i, s in enumerate(samples)},
+        step_entropy_kept=dict(plan.entropy_kept),
+        step_advantage={s.step_id: plan.advantage[i] for i, s in enumerate(samples)},
+    )
+    trained_adv = torch.tensor([a for a, k in zip(plan.advantage, plan.pg_keep, strict=True) if k])
+    if trained_adv.numel():
+        metrics.advantage_mean = float(trained_adv.mean())
+        metrics.advantage_std = float(trained_adv.std(correction=0))
+        metrics.advantage_min = float(trained_adv.min())
+        metrics.advantage_max = float(trained_adv.max())
+    if not order:
+        metrics.duration_s = time.perf_counter() - started
+        return metrics
+
+    stats, metrics.is_misaligned_steps = _pi_old_pass(
+        model=model,
+        ref_model=ref_model,
+        samples=samples,
+        order=order,
+        logprob_fn=logprob_fn,
+        config=config,
+    )
+    pg_items = [i for i in order if plan.pg_keep[i]]
+    metrics.n_tokens = sum(stats[i].old.numel() for i in pg_items)
+    if metrics.n_tokens:
+        metrics.mean_entropy = sum(stats[i].entropy_sum for i in pg_items) / metrics.n_tokens
+    if config.truncated_is:
+        for i in order:
+            w = stats[i].is_weight
+            if w is not None and w.numel():
+                metrics.step_is_weight[samples[i].step_id] = float(w.mean())
+        pg_w = [stats[i].is_weight for i in pg_items]
+        all_w = torch.cat([w for w in pg_w if w is not None] or [torch.ones(0)])
+        if all_w.numel():
+            metrics.is_weight_mean = float(all_w.mean())
+            metrics.is_weight_min = float(all_w.min())
+            metrics.is_weight_max = float(all_w.max())
+
+    sums = _StepTotals()
+    for _epoch in range(config.ppo_epochs):
+        for part in _chunks(order, config.mini_batches):
+            totals, metrics.grad_norm = _optimizer_step(
+                model=model,
+                optimizer=optimizer,
+                samples=samples,
+                part=part,
+                plan=plan,
+                stats=stats,
+                logprob_fn=logprob_fn,
+                config=config,
+            )
+            metrics.optimizer_steps += 1
+            sums.loss += totals.loss
+            sums.pg_loss += totals.pg_loss
+            sums.kl += totals.kl
+            sums.bc_loss += totals.bc_loss
+            sums.clipped += totals.clipped
+            sums.clip_units += totals.clip_units
+    steps = metrics.optimizer_steps
+    metrics.loss = sums.loss / steps
+    metrics.pg_loss = sums.pg_loss / steps
+    metrics.kl = sums.kl / steps
+    metrics.bc_loss = sums.bc_loss / steps
+    metrics.clip_fraction = sums.clipped / sums.clip_units if sums.clip_units else 0.0
+    metrics.duration_s = time.perf_counter() - started
+    metrics.samples_per_s = len(order) * config.ppo_epochs / metrics.duration_s
+    return metrics

@@ -41,7 +41,7 @@ def pool_sizes_refresh(*, task_ids: set[int]) -> None:
 
 
 def _locked(trajectory_id: int) -> Trajectory:
-    return Trajectory.objects.select_for_update().get(pk=trajectory_id)
+    return Trajectory.objects.select_for_update(of=("self",)).get(pk=trajectory_id)
 
 
 @transaction.atomic
@@ -206,7 +206,7 @@ def taskstat_override(
         raise CurationError("a pinned budget must be between 1 and 64")
     if not 0 < boost <= 100:
         raise CurationError("boost must be in (0, 100]")
-    stat = TaskStat.objects.select_for_update().get(pk=stat_id)
+    stat = TaskStat.objects.select_for_update(of=("self",)).get(pk=stat_id)
     changes = []
     if pinned_budget != stat.pinned_budget:
         changes.append(f"budget pinned to {pinned_budget}" if pinned_budget else "budget unpinned")

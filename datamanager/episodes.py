@@ -106,7 +106,7 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     run row is locked so two slots never take the same claim, on SQLite the IMMEDIATE
     transaction mode serializes writers.
     """
-    run = Run.objects.select_for_update().get(pk=run_id)
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
     if run.status != RunStatus.RUNNING:
         return None
     stats = list(
@@ -249,7 +249,7 @@ def trajectory_finish(
     if status not in TrajectoryStatus.values or status == TrajectoryStatus.RUNNING:
         raise ValueError(f"cannot finish a trajectory as {status!r}")
     traj = (
-        Trajectory.objects.select_for_update().select_related("run", "task").get(pk=trajectory_id)
+        Trajectory.objects.select_for_update(of=("self",)).select_related("run", "task").get(pk=trajectory_id)
     )
     if traj.status != TrajectoryStatus.RUNNING:
         return traj  # already finished (e.g. a retried task): never count twice
@@ -285,7 +285,7 @@ def trajectory_finish(
 
 def _update_stat(traj: Trajectory) -> None:
     cfg = RunConfig.from_dict(traj.run.config).curation
-    stat = TaskStat.objects.select_for_update().get(run_id=traj.run_id, task_id=traj.task_id)
+    stat = TaskStat.objects.select_for_update(of=("self",)).get(run_id=traj.run_id, task_id=traj.task_id)
     success = traj.status == TrajectoryStatus.SUCCEEDED
     stat.attempts += 1
     stat.successes += success
@@ -325,7 +325,7 @@ def _update_stat(traj: Trajectory) -> None:
 
 def _maybe_ready(group_id: int) -> None:
     """A group is ready when all its claims are taken and none of them is still running."""
-    group = TaskGroup.objects.select_for_update().select_related("run").get(pk=group_id)
+    group = TaskGroup.objects.select_for_update(of=("self",)).select_related("run").get(pk=group_id)
     if group.status != GroupStatus.OPEN or group.claimed < group.budget:
         return
     members = Trajectory.objects.filter(group=group)

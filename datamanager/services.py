@@ -55,7 +55,7 @@ def run_control(*, run_id: int, action: str) -> Run:
     """Start, pause, resume or stop a run; raise InvalidTransition with the reason."""
     if action not in _TRANSITIONS:
         raise InvalidTransition(f"unknown action {action!r}; use start, pause, resume or stop")
-    run = Run.objects.select_for_update().get(pk=run_id)
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
     allowed, target = _TRANSITIONS[action]
     if run.status not in allowed:
         raise InvalidTransition(f"cannot {action} a run that is {run.status}")

@@ -111,7 +111,7 @@ def record(trajectory_id: int, index: int, action: dict) -> None:
     )  # fmt: skip
 
 
-def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page):
+def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, tiny_policy_dir):
     from datamanager.episodes import task_claim, taskstats_ensure, trajectory_finish
     from datamanager.models import EnvSlot, Run, Task, Trajectory
 
@@ -126,6 +126,7 @@ def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page):
     page.click("button[type=submit]")
     page.goto(f"{daphne}/runs/new/")
     page.fill("input[name=name]", "browser run")
+    page.fill("input[name=policy]", str(tiny_policy_dir))
     page.fill("input[name='trainer.lr']", "-3")
     page.click("text=Create run")
     page.wait_for_selector("[data-field='trainer.lr'] .errorlist >> text=must be > 0, got -3.0")

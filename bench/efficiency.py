@@ -7,7 +7,8 @@ Celery env worker per slot, a trainer worker, inference workers behind the route
 each mode for the same wall time, and reads the figures back from the database:
 
 - environment utilisation: share of slot time spent in reset/step/evaluate (finished
-  trajectories' env time, injected latency included) over slots x wall time;
+  trajectories' env time plus the recorded steps of episodes still running at the end,
+  injected latency included) over slots x wall time;
 - inference utilisation: the inference workers' busy time (from their /health) over
   workers x wall time;
 - trainer utilisation: update time over wall time;
@@ -38,6 +39,7 @@ def call_command(*args, **kwargs):
     from django.core.management import call_command as django_call
 
     return django_call(*args, **kwargs)
+
 
 TASKS = [
     "click-test",
@@ -98,6 +100,13 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
         run=run, finished_at__isnull=False, finished_at__lte=t0 + _td(wall)
     )
     env_ms = finished.aggregate(s=Sum("env_ms"))["s"] or 0.0
+    # Episodes still running at the end of the window count with the steps they recorded in
+    # it (a lower bound: their reset and the step under way are not known yet), so long
+    # episodes cut by the window are not counted as idle time.
+    in_flight = Step.objects.filter(trajectory__run=run, created_at__lte=t0 + _td(wall)).exclude(
+        trajectory__in=finished
+    )
+    env_ms += in_flight.aggregate(s=Sum("env_ms"))["s"] or 0.0
     updates = [u for u in TrainUpdate.objects.filter(run=run) if u.created_at <= t0 + _td(wall)]
     trained = Step.objects.filter(trajectory__run=run, trained_in_update__in=updates).count()
     train_s = sum(u.metrics.get("duration_s", 0.0) for u in updates)

@@ -18,7 +18,6 @@ Experiments without Django:
     .venv/bin/python -m training.pretrain train --out var/pretrain/exp1 --minutes 10 --lr 1e-3
 """
 
-
 from __future__ import annotations
 
 import json
@@ -135,7 +134,6 @@ def collect_miniwob_samples(
     finally:
         env.close()
     return out, DemoStats(len(out), skipped, time.perf_counter() - started)
-
 
 
 # ------------------------------------------------------------------ samples -> model I/O
@@ -289,7 +287,11 @@ def grounding_accuracy(
         for s, out in zip(chunk, outs, strict=True):
             point = predicted_click(out.text, sample=s, coords=coords, bounds=bounds)
             parsed += point is not None
-            hit = point is not None and s.box[0] <= point[0] < s.box[2] and s.box[1] <= point[1] < s.box[3]
+            hit = (
+                point is not None
+                and s.box[0] <= point[0] < s.box[2]
+                and s.box[1] <= point[1] < s.box[3]
+            )
             hits.setdefault(s.source, []).append(hit)
     flat = [h for v in hits.values() for h in v]
     out = {"accuracy": sum(flat) / max(1, len(flat)), "parse_rate": parsed / max(1, len(flat))}
@@ -323,6 +325,8 @@ class PretrainConfig:
     vision_hidden: int = 128
     vision_depth: int = 2
     vision_heads: int = 4
+    rope_theta: float = 1_000_000.0
+    temporal_section: int = 0  # 0: Qwen's 1:1.5:1.5 split of the rotary frequencies
     eval_every: int = 100
     eval_samples: int = 64
     threads: int = 2
@@ -383,6 +387,8 @@ def pretrain(
             vision_hidden=config.vision_hidden,
             vision_depth=config.vision_depth,
             vision_heads=config.vision_heads,
+            rope_theta=config.rope_theta,
+            temporal_section=config.temporal_section or None,
         )
         policy = load_policy(tmp)
     policy.image_processor = Qwen2VLImageProcessorPil(
@@ -467,7 +473,12 @@ def main(argv: list[str]) -> None:
     args = vars(parser.parse_args(argv[1:] if argv and argv[0] == "train" else argv))
     out, demos = args.pop("out"), args.pop("demos")
     config = PretrainConfig(**args)
-    result = pretrain(config=config, out_dir=out, miniwob=load_samples(demos) if demos else [])
+    result = pretrain(
+        config=config,
+        out_dir=out,
+        miniwob=load_samples(demos) if demos else [],
+        log=lambda line: print(line, flush=True),
+    )
     summary = {"config": asdict(config), **asdict(result), "out_dir": str(result.out_dir)}
     Path(out, "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
 

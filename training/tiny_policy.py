@@ -158,12 +158,19 @@ def build_tiny_policy(
     vision_depth: int = 2,
     vision_heads: int = 4,
     vocab_size: int = 2048,
+    rope_theta: float = 1_000_000.0,
+    temporal_section: int | None = None,
 ) -> Path:
     """Write a random-weight Qwen2.5-VL model (~5M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
 
     `hidden / heads` is the text head_dim; its half is split over Qwen's three mrope
-    sections (temporal, height, width) in the 1:1.5:1.5 ratio of the released models.
+    sections (temporal, height, width) in the 1:1.5:1.5 ratio of the released models, or,
+    with `temporal_section`, that many frequencies for time and the rest halved between
+    height and width. Qwen's sections take the frequencies in order (time the fastest,
+    width the slowest): with the released rope_theta (1e6) and a tiny head_dim, the width
+    rotations over a 6x8 image grid are ~1e-4 rad, so the text model cannot tell columns
+    apart by position; a small `rope_theta` gives height and width usable frequencies.
     """
     head_dim = hidden // heads
     if hidden % heads or head_dim % 8:
@@ -175,7 +182,16 @@ def build_tiny_policy(
     tokenizer = _train_tokenizer(seed=seed, vocab_size=vocab_size)
     ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # type: ignore[arg-type]
     half = head_dim // 2
-    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    if temporal_section is None:
+        mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    else:
+        if not 0 < temporal_section < half or (half - temporal_section) % 2:
+            raise ValueError(
+                f"temporal_section ({temporal_section}) must be in (0, {half}) and leave an "
+                "even number of frequencies for height and width"
+            )
+        side = (half - temporal_section) // 2
+        mrope = [temporal_section, side, side]
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -188,7 +204,7 @@ def build_tiny_policy(
             "max_window_layers": layers,
             "rope_parameters": {
                 "rope_type": "default",
-                "rope_theta": 1_000_000.0,
+                "rope_theta": rope_theta,
                 "mrope_section": mrope,
             },
             "bos_token_id": ids["<|endoftext|>"],

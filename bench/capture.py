@@ -59,6 +59,8 @@ def capture_pages(
             if wait:
                 page.wait_for_selector(wait, timeout=30000)
                 time.sleep(1.0)
+            # Screenshots are <img> loads: wait for them, or the inspector shows a black frame.
+            page.wait_for_function("Array.from(document.images).every((i) => i.complete)")
             page.screenshot(path=out / f"{name}.png", full_page=name != "run_form")
             saved.append(out / f"{name}.png")
         browser.close()

@@ -56,7 +56,9 @@ class _Publisher:
             done: Future = Future()
             done.set_result(None)
             return done
-        future = asyncio.run_coroutine_threadsafe(layer.group_send(group, message), self._ensure_loop())
+        future = asyncio.run_coroutine_threadsafe(
+            layer.group_send(group, message), self._ensure_loop()
+        )
         future.add_done_callback(_log_failure)
         return future
 

@@ -197,6 +197,7 @@ def action_overlay_svg(
         )
         parts.append(f'<circle cx="{x}" cy="{y}" r="{sw * 1.5:.1f}" class="dot"/>')
     elif t == "scroll" and x is not None:
+        assert y is not None, "a scroll action has both x and y (Action.__post_init__)"
         dx, dy = _SCROLL.get(action.get("direction", "down"), (0, 1))
         length = min(width, height) / 4
         parts.append(

@@ -64,7 +64,7 @@ def _form_field(tp: Any, f: dataclasses.Field, default: Any) -> forms.Field:
 
 def config_fields() -> list[tuple[str, str, Any, dataclasses.Field]]:
     """(section, dotted name, type, dataclass field) for every RunConfig setting."""
-    out = []
+    out: list[tuple[str, str, Any, dataclasses.Field]] = []
     hints = typing.get_type_hints(RunConfig)
     for f in dataclasses.fields(RunConfig):
         if dataclasses.is_dataclass(hints[f.name]):
@@ -130,7 +130,7 @@ class RunForm(forms.Form):
                 data[name] = value
         return data
 
-    def clean(self) -> dict[str, Any]:
+    def clean(self) -> dict[str, Any] | None:
         cleaned = super().clean()
         if self.errors:
             return cleaned

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any, cast
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_not_required
+from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
 from django.http import (
     FileResponse,
@@ -19,6 +21,7 @@ from django.http import (
     HttpResponseRedirect,
     JsonResponse,
 )
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.cache import cache_control
@@ -38,11 +41,18 @@ from datamanager.archive import InvalidUpload
 from datamanager.models import Run, TaskStat, Trajectory
 
 
+def _user(request: HttpRequest) -> User:
+    """The signed-in user: LoginRequiredMiddleware turns anonymous requests away first."""
+    assert isinstance(request.user, User)
+    return request.user
+
+
 @require_GET
 def runs_list(request: HttpRequest) -> HttpResponse:
     runs = list(dashboard.runs_overview()[:200])
     for run in runs:
-        run.success_rate = dashboard.success_rate(run.n_succeeded, run.n_finished)
+        row = cast(Any, run)  # n_succeeded/n_finished come from runs_overview's .annotate()
+        row.success_rate = dashboard.success_rate(row.n_succeeded, row.n_finished)
     return render(request, "dashboard/runs.html", {"runs": runs})
 
 
@@ -53,7 +63,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
         form = RunForm(request.POST)
         if form.is_valid():
             run = services.run_create(
-                name=form.cleaned_data["name"], config=form.config, owner=request.user
+                name=form.cleaned_data["name"], config=form.config, owner=_user(request)
             )
             messages.success(request, f"Run {run.name} created.")
             return redirect("run_detail", run_id=run.pk)
@@ -140,7 +150,7 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
                     boost=form.cleaned_data["boost"],
                     retired=form.cleaned_data["retired"],
                     reason=form.cleaned_data["reason"],
-                    user=request.user,
+                    user=_user(request),
                 )
             except curate.CurationError as exc:
                 form.add_error(None, str(exc))
@@ -195,12 +205,13 @@ def _trajectory_context(trajectory_id: int, **forms) -> dict:
     except Trajectory.DoesNotExist:
         raise Http404(f"no trajectory {trajectory_id}") from None
     for s in steps:
-        s.overlay = figures.action_overlay_svg(
+        shown = cast(Any, s)  # attributes for the template only
+        shown.overlay = figures.action_overlay_svg(
             s.action, width=s.screen_width, height=s.screen_height, uid=str(s.pk)
         )
         lp = s.rollout_logprobs or []
-        s.logprob_sum = sum(lp) if lp else None
-        s.logprob_mean = sum(lp) / len(lp) if lp else None
+        shown.logprob_sum = sum(lp) if lp else None
+        shown.logprob_mean = sum(lp) / len(lp) if lp else None
     return {
         "traj": traj,
         "steps": steps,
@@ -242,14 +253,14 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
             messages.success(request, f"Curated copy #{copy.pk} with {copy.length} steps.")
             target = reverse("trajectory_detail", args=[copy.pk])
         elif action == "reward":
-            form = RewardOverrideForm(request.POST)
-            if not form.is_valid():
-                return _invalid(request, traj, "reward_form", form)
+            reward_form = RewardOverrideForm(request.POST)
+            if not reward_form.is_valid():
+                return _invalid(request, traj, "reward_form", reward_form)
             curate.trajectory_override_reward(
                 trajectory_id=traj.pk,
-                reward=form.cleaned_data["reward"],
-                reason=form.cleaned_data["reason"],
-                user=request.user,
+                reward=reward_form.cleaned_data["reward"],
+                reason=reward_form.cleaned_data["reason"],
+                user=_user(request),
             )
             messages.success(request, "Reward overridden.")
         else:
@@ -296,7 +307,7 @@ def health(request: HttpRequest) -> JsonResponse:
 
 
 @require_GET
-def media(request: HttpRequest, key: str) -> HttpResponse:
+def media(request: HttpRequest, key: str) -> HttpResponseBase:
     """Screenshots and other media, for logged-in users only (never a public directory)."""
     if ".." in key.split("/") or not default_storage.exists(key):
         raise Http404(f"no media file {key!r}")
@@ -305,7 +316,7 @@ def media(request: HttpRequest, key: str) -> HttpResponse:
 
 @require_GET
 @cache_control(max_age=86400)
-def plotly_js(request: HttpRequest) -> HttpResponse:
+def plotly_js(request: HttpRequest) -> HttpResponseBase:
     """plotly.js from the installed plotly package (the dashboard works offline)."""
     path = resources.files("plotly") / "package_data" / "plotly.min.js"
     return FileResponse(path.open("rb"), content_type="application/javascript")

@@ -122,7 +122,10 @@ def _trajectory(zf, names, item, where, known_tasks, errors) -> ArchiveTrajector
     steps = [_step(zf, names, s, f"{where}.steps[{j}]", errors) for j, s in enumerate(steps_raw)]
     if len(errors) > n_before:
         return None
-    return ArchiveTrajectory(task=task, reward=float(reward), instruction=instruction, steps=steps)
+    # No new error: every check above passed (and _step returns None only with an error).
+    valid = [s for s in steps if s is not None]
+    assert isinstance(task, str) and isinstance(reward, int | float) and len(valid) == len(steps)
+    return ArchiveTrajectory(task=task, reward=float(reward), instruction=instruction, steps=valid)
 
 
 def _step(zf, names, item, where, errors) -> ArchiveStep | None:
@@ -175,6 +178,7 @@ def _step(zf, names, item, where, errors) -> ArchiveStep | None:
             errors.append(f"{where}.action: cannot be formatted ({exc})")
     if len(errors) > n_before or action is None:
         return None
+    assert isinstance(path, str)  # no new error: the screenshot check passed
     return ArchiveStep(
         screenshot=path,
         png=png,

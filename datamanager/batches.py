@@ -53,6 +53,8 @@ def trajectory_samples(
     shots: list[bytes] = []
     history: list[HistoryTurn] = []
     for step in steps:
+        if not step.screenshot.name:
+            raise ValueError(f"step {step.pk} of trajectory {traj.pk} has no screenshot")
         shots.append(_read(step.screenshot.name))
         if keep is None or step.pk in keep:
             messages = build_messages(

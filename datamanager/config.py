@@ -241,7 +241,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path + ".")
     if origin is Literal:
         choices = get_args(tp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import IO
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import transaction
@@ -140,12 +140,14 @@ def trajectory_trim(*, trajectory_id: int, keep_steps: int) -> Trajectory:
                 env_ms=s.env_ms,
                 model_ms=s.model_ms,
             )
-            if s.screenshot and default_storage.exists(s.screenshot.name):
-                with default_storage.open(s.screenshot.name, "rb") as fh:
+            shot = s.screenshot.name  # a FieldFile is truthy exactly when it has a name
+            if shot and default_storage.exists(shot):
+                with default_storage.open(shot, "rb") as fh:
                     data = fh.read()
                 new.screenshot.save(
                     f"curated/traj-{copy.pk}/{s.index:03d}.png", ContentFile(data), save=False
                 )
+                assert new.screenshot.name is not None  # save() stored it under this name
                 written.append(new.screenshot.name)
             new.save()
     except BaseException:
@@ -156,7 +158,7 @@ def trajectory_trim(*, trajectory_id: int, keep_steps: int) -> Trajectory:
 
 @transaction.atomic
 def trajectory_override_reward(
-    *, trajectory_id: int, reward: float, reason: str, user: AbstractBaseUser | None
+    *, trajectory_id: int, reward: float, reason: str, user: User | None
 ) -> Trajectory:
     """Replace a trajectory's reward, with an audit row (who, old, new, why).
 
@@ -196,7 +198,7 @@ def taskstat_override(
     boost: float,
     retired: bool,
     reason: str,
-    user: AbstractBaseUser | None,
+    user: User | None,
 ) -> TaskStat:
     """Pin a task's rollout budget, boost its sampling weight or retire it; the change,
     the user, the time and the reason are appended to `override_note`."""
@@ -266,6 +268,7 @@ def trajectories_import(*, fileobj: IO[bytes], in_pool: bool) -> list[Trajectory
                     step.screenshot.save(
                         f"precollected/traj-{traj.pk}/{j:03d}.png", ContentFile(s.png), save=False
                     )
+                    assert step.screenshot.name is not None  # save() stored it under this name
                     written.append(step.screenshot.name)
                     step.save()
                 out.append(traj)

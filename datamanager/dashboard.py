@@ -45,7 +45,7 @@ from datamanager.models import (
 FINISHED = ("succeeded", "failed")
 
 
-def _count_subquery(qs: QuerySet) -> Subquery:
+def _count_subquery(qs: QuerySet) -> Coalesce:
     """COUNT(*) of a correlated queryset, as an integer subquery (0 when empty)."""
     counted = qs.order_by().values("run").annotate(c=Count("pk")).values("c")
     return Coalesce(Subquery(counted, output_field=IntegerField()), Value(0))
@@ -149,6 +149,7 @@ def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:
         .values_list("task_id", "success_rate")
     )
     for task_id, rate in rows:
+        assert rate is not None  # filtered on success_rate__isnull=False
         history.setdefault(task_id, []).append(rate)
     return [{"stat": s, "history": history.get(s.task_id, [])[-sparkline_points:]} for s in stats]
 
@@ -315,16 +316,19 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
     rates = _regroup(
         trajs.annotate(b=Trunc("finished_at", kind))
         .values("b")
-        .annotate(n=Count("pk"), steps=Sum("length"))
+        .annotate(n=Count("pk"), n_steps=Sum("length"))  # not `steps`: Trajectory.steps
         .order_by("b"),
         width,
         (),
-        ("n", "steps"),
+        ("n", "n_steps"),
     )
-    traj_rate, action_rate = {}, {}
+    traj_rate: dict[str, float] = {}
+    action_rate: dict[str, float] = {}
     for r in rates:
-        traj_rate[_iso(r["b"])] = r["n"] / minutes
-        action_rate[_iso(r["b"])] = (r["steps"] or 0) / minutes
+        t = _iso(r["b"])
+        assert t is not None  # trajs are filtered on finished_at__isnull=False
+        traj_rate[t] = r["n"] / minutes
+        action_rate[t] = (r["n_steps"] or 0) / minutes
     times = sorted(set(traj_rate) | set(action_rate))
     throughput = {
         "t": times,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.files.base import ContentFile
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -183,7 +183,16 @@ def step_record(
     """Store one step (the screenshot the policy saw, its output, the action taken).
 
     One slot owns a running trajectory, so its row is read without a lock (a lock costs a
-    round trip per step on PostgreSQL; see bench/overhead.py)."""
+    round trip per step on PostgreSQL; see bench/overhead.py).
+
+    On PostgreSQL the step commits without waiting for its WAL flush (synchronous_commit
+    off for this transaction only): a database crash can lose the last fraction of a second
+    of steps of episodes still running (aborted on restart anyway), never a finished
+    trajectory's, because `trajectory_finish` commits synchronously and a synchronous
+    commit flushes all earlier WAL with it."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
     traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
         pk=trajectory_id
     )
@@ -249,7 +258,9 @@ def trajectory_finish(
     if status not in TrajectoryStatus.values or status == TrajectoryStatus.RUNNING:
         raise ValueError(f"cannot finish a trajectory as {status!r}")
     traj = (
-        Trajectory.objects.select_for_update(of=("self",)).select_related("run", "task").get(pk=trajectory_id)
+        Trajectory.objects.select_for_update(of=("self",))
+        .select_related("run", "task")
+        .get(pk=trajectory_id)
     )
     if traj.status != TrajectoryStatus.RUNNING:
         return traj  # already finished (e.g. a retried task): never count twice
@@ -284,14 +295,16 @@ def trajectory_finish(
 
 
 def _update_stat(traj: Trajectory) -> None:
-    cfg = RunConfig.from_dict(traj.run.config).curation
-    stat = TaskStat.objects.select_for_update(of=("self",)).get(run_id=traj.run_id, task_id=traj.task_id)
+    run = traj.run
+    assert run is not None  # the caller checks traj.run_id
+    cfg = RunConfig.from_dict(run.config).curation
+    stat = TaskStat.objects.select_for_update(of=("self",)).get(run_id=run.pk, task_id=traj.task_id)
     success = traj.status == TrajectoryStatus.SUCCEEDED
     stat.attempts += 1
     stat.successes += success
     recent = (
         Trajectory.objects.filter(
-            run_id=traj.run_id,
+            run_id=run.pk,
             task_id=traj.task_id,
             purpose=Purpose.TRAIN,
             source="online",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -37,7 +37,7 @@ def tasks_import(*, records: Iterable[TaskRecord]) -> tuple[int, int]:
     return created, updated
 
 
-def run_create(*, name: str, config: RunConfig, owner: AbstractBaseUser | None = None) -> Run:
+def run_create(*, name: str, config: RunConfig, owner: User | None = None) -> Run:
     """Store a run with its resolved config (every default filled in)."""
     return Run.objects.create(name=name, config=config.to_dict(), owner=owner)
 

@@ -9,6 +9,7 @@ time. A restarted trainer resumes from the newest published checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -125,8 +126,8 @@ def train_for(*, run_id: int, max_seconds: float) -> str:
                 )
                 schedule_eval(run_id=run_id, version=trained_version + 1)
                 transaction.on_commit(
-                    lambda p=path, v=trained_version + 1: router_sync(
-                        run_id=run_id, checkpoint=p, version=v
+                    functools.partial(
+                        router_sync, run_id=run_id, checkpoint=path, version=trained_version + 1
                     )
                 )
             publish_on_commit(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from envmanager.oracles import oracle_action
 from envmanager.protocol import Action, Env, TaskSpec
-from rollout.actions import format_action, from_screen, model_image_size
+from rollout.actions import CoordSpace, format_action, from_screen, model_image_size
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def collect_demo(
     max_steps: int = 15,
     min_pixels: int,
     max_pixels: int,
-    coords: str = "pixel",
+    coords: CoordSpace = "pixel",
 ) -> DemoOutcome:
     """One oracle episode. Each step's text is exactly what parse_output reads back."""
     obs = env.reset(task)

@@ -383,6 +383,7 @@ class MiniWoBEnv:
         if action.x is not None and action.y is not None:
             points.append((action.x, action.y))
         if action.type == ActionType.DRAG:
+            assert action.x2 is not None and action.y2 is not None  # Action.__post_init__
             points.append((action.x2, action.y2))
         for x, y in points:
             if not (0 <= x < SCREEN_WIDTH and 0 <= y < SCREEN_HEIGHT):

@@ -40,11 +40,11 @@ def miniwob_task_names() -> list[str]:
     """Sorted subdomains of every task the package registers (its gym env classes)."""
     from miniwob.envs import miniwob_envs
 
-    names = {
-        cls.subdomain
+    subdomains = (
+        getattr(cls, "subdomain", None)
         for _, cls in inspect.getmembers(miniwob_envs, inspect.isclass)
-        if isinstance(getattr(cls, "subdomain", None), str)
-    }
+    )
+    names = {s for s in subdomains if isinstance(s, str)}
     return sorted(names)
 
 

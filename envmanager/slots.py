@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import cast
 
 from django.conf import settings
 from django.db import connection
@@ -124,6 +125,10 @@ class SlotLease:
         self.holder = holder
         self.redis = redis.Redis.from_url(settings.REDIS_URL)
 
+    def _current(self) -> bytes | None:
+        # Without decode_responses the client answers bytes; redis types `get` for both modes.
+        return cast("bytes | None", self.redis.get(self.key))
+
     def acquire(self) -> str | None:
         """None when acquired, else the name of the live worker holding it. A lease left by
         a killed worker expires within TTL_S, so this waits that long before giving up."""
@@ -131,7 +136,7 @@ class SlotLease:
         while True:
             if self.redis.set(self.key, self.holder, nx=True, ex=self.TTL_S):
                 return None
-            current = self.redis.get(self.key)
+            current = self._current()
             if current is not None and current.decode() == self.holder:
                 self.redis.expire(self.key, self.TTL_S)
                 return None
@@ -140,12 +145,12 @@ class SlotLease:
             time.sleep(1.0)
 
     def renew(self) -> None:
-        current = self.redis.get(self.key)
+        current = self._current()
         if current is None or current.decode() == self.holder:
             self.redis.set(self.key, self.holder, ex=self.TTL_S)
 
     def release(self) -> None:
-        current = self.redis.get(self.key)
+        current = self._current()
         if current is not None and current.decode() == self.holder:
             self.redis.delete(self.key)
         self.redis.close()

@@ -550,6 +550,9 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "dartboard-router/1"
+    # Headers and body go out in two writes; with Nagle on, the body waits for the
+    # client's delayed ACK (tens of ms per request on loopback; see bench/overhead.py).
+    disable_nagle_algorithm = True
     router: Router  # set on the subclass made in serve()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature

@@ -202,9 +202,9 @@ class InferenceServer:
     @property
     def image_bounds(self) -> list[int]:
         """[min_pixels, max_pixels] of the policy's image processor."""
-        # Qwen2-VL processors keep them as size.shortest_edge / size.longest_edge (pixels).
+        # Qwen2-VL processors keep them as size["shortest_edge"] / size["longest_edge"] (pixels).
         size = self.policy.image_processor.size
-        return [int(size.shortest_edge), int(size.longest_edge)]
+        return [int(size["shortest_edge"]), int(size["longest_edge"])]
 
     def health(self) -> dict[str, Any]:
         with self._cond:
@@ -369,6 +369,7 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "dartboard-inference/1"
+    disable_nagle_algorithm = True  # headers and body are two writes (see rollout/router.py)
     app: InferenceServer  # set on the subclass made in serve()
     request_timeout_s = 600.0
 

@@ -27,6 +27,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def collect_miniwob_samples(
                 if action is None or action.type != ActionType.CLICK:
                     skipped += 1
                     continue
+                assert action.x is not None and action.y is not None  # a click has both
                 box = _target_box(obs.metadata["dom_elements"], action.x, action.y)
                 out.append(
                     GroundingSample(
@@ -294,9 +296,9 @@ def grounding_accuracy(
             )
             hits.setdefault(s.source, []).append(hit)
     flat = [h for v in hits.values() for h in v]
-    out = {"accuracy": sum(flat) / max(1, len(flat)), "parse_rate": parsed / max(1, len(flat))}
-    out.update({src: sum(v) / len(v) for src, v in sorted(hits.items())})
-    return out
+    result = {"accuracy": sum(flat) / max(1, len(flat)), "parse_rate": parsed / max(1, len(flat))}
+    result.update({src: sum(v) / len(v) for src, v in sorted(hits.items())})
+    return result
 
 
 # ------------------------------------------------------------------ the BC loop
@@ -355,7 +357,7 @@ def pretrain(
     config: PretrainConfig,
     out_dir: str | Path,
     miniwob: list[GroundingSample] = (),  # type: ignore[assignment]
-    log: callable = print,  # type: ignore[valid-type]
+    log: Callable[[str], None] = print,
 ) -> PretrainResult:
     """Build a fresh tiny policy, behaviour-clone it on grounding samples, save it to
     `out_dir` (a checkpoint `load_policy` reads); return losses and held-out accuracy.

@@ -42,7 +42,68 @@ class GroundingSample:
     source: str
 
 
-WORDS = ["ok", "cancel", "submit", "yes", "no", "next", "previous", "back", "close", "open", "save", "delete", "search", "login", "start", "stop", "edit", "copy", "paste", "print", "help", "home", "send", "reply", "share", "like", "more", "less", "apply", "reset", "done", "lorem", "ipsum", "dolor", "sit", "amet", "mauris", "velit", "nunc", "vitae", "turpis", "eget", "tellus", "morbi", "proin", "augue", "nulla", "porta", "magna", "felis", "justo", "odio", "diam", "urna", "risus", "sed", "dui", "quis", "leo", "ante"]
+WORDS = [
+    "ok",
+    "cancel",
+    "submit",
+    "yes",
+    "no",
+    "next",
+    "previous",
+    "back",
+    "close",
+    "open",
+    "save",
+    "delete",
+    "search",
+    "login",
+    "start",
+    "stop",
+    "edit",
+    "copy",
+    "paste",
+    "print",
+    "help",
+    "home",
+    "send",
+    "reply",
+    "share",
+    "like",
+    "more",
+    "less",
+    "apply",
+    "reset",
+    "done",
+    "lorem",
+    "ipsum",
+    "dolor",
+    "sit",
+    "amet",
+    "mauris",
+    "velit",
+    "nunc",
+    "vitae",
+    "turpis",
+    "eget",
+    "tellus",
+    "morbi",
+    "proin",
+    "augue",
+    "nulla",
+    "porta",
+    "magna",
+    "felis",
+    "justo",
+    "odio",
+    "diam",
+    "urna",
+    "risus",
+    "sed",
+    "dui",
+    "quis",
+    "leo",
+    "ante",
+]
 COLORS = {
     "red": (255, 0, 0),
     "blue": (0, 0, 255),
@@ -84,7 +145,10 @@ def _place(rng: random.Random, w: int, h: int, taken: list[Box], tries: int = 40
         left = rng.randint(1, WIDTH - w - 1)
         top = rng.randint(BAR_HEIGHT + 2, HEIGHT - h - 2)
         box = (left, top, left + w, top + h)
-        if all(box[2] + 2 <= t[0] or t[2] + 2 <= box[0] or box[3] + 2 <= t[1] or t[3] + 2 <= box[1] for t in taken):
+        if all(
+            box[2] + 2 <= t[0] or t[2] + 2 <= box[0] or box[3] + 2 <= t[1] or t[3] + 2 <= box[1]
+            for t in taken
+        ):
             taken.append(box)
             return box
     return None
@@ -170,13 +234,23 @@ def _dialog(rng: random.Random, draw: ImageDraw.ImageDraw) -> tuple[str, Box] | 
     if (box := _place(rng, w, h, taken)) is None:
         return None
     left, top, right, bottom = box
-    draw.rectangle((left, top, right - 1, bottom - 1), fill=(255, 255, 255), outline=(170, 170, 170))
-    draw.rectangle((left + 3, top + 3, right - 4, top + 22), fill=(233, 233, 233), outline=(221, 221, 221))
+    draw.rectangle(
+        (left, top, right - 1, bottom - 1), fill=(255, 255, 255), outline=(170, 170, 170)
+    )
+    draw.rectangle(
+        (left + 3, top + 3, right - 4, top + 22), fill=(233, 233, 233), outline=(221, 221, 221)
+    )
     close = (right - 22, top + 5, right - 6, top + 21)
-    draw.rectangle((close[0], close[1], close[2] - 1, close[3] - 1), fill=(246, 246, 246), outline=(197, 197, 197))
+    draw.rectangle(
+        (close[0], close[1], close[2] - 1, close[3] - 1),
+        fill=(246, 246, 246),
+        outline=(197, 197, 197),
+    )
     draw.line((close[0] + 5, close[1] + 5, close[2] - 6, close[3] - 6), fill=(60, 60, 60), width=2)
     draw.line((close[0] + 5, close[3] - 6, close[2] - 6, close[1] + 5), fill=(60, 60, 60), width=2)
-    draw.text((left + 8, top + 30), " ".join(_word(rng) for _ in range(3)), fill=(0, 0, 0), font=_font(11))
+    draw.text(
+        (left + 8, top + 30), " ".join(_word(rng) for _ in range(3)), fill=(0, 0, 0), font=_font(11)
+    )
     buttons = []
     if rng.random() < 0.5 and h >= 70:
         bx = left + 8
@@ -198,14 +272,18 @@ def _colors(rng: random.Random, draw: ImageDraw.ImageDraw) -> tuple[str, Box] | 
     cols = 3 if n in (3, 6, 9) else 2
     size = rng.randint(26, 48)
     left0 = rng.randint(0, max(0, WIDTH - cols * size - 2))
-    top0 = rng.randint(BAR_HEIGHT + 4, max(BAR_HEIGHT + 4, HEIGHT - ((n + cols - 1) // cols) * size - 2))
+    top0 = rng.randint(
+        BAR_HEIGHT + 4, max(BAR_HEIGHT + 4, HEIGHT - ((n + cols - 1) // cols) * size - 2)
+    )
     boxes = []
     for i, name in enumerate(names):
         left, top = left0 + (i % cols) * size, top0 + (i // cols) * size
         box = (left, top, left + size, top + size)
         if box[3] > HEIGHT:
             return None
-        draw.rectangle((left, top, left + size - 1, top + size - 1), fill=COLORS[name], outline=(40, 40, 40))
+        draw.rectangle(
+            (left, top, left + size - 1, top + size - 1), fill=COLORS[name], outline=(40, 40, 40)
+        )
         boxes.append(box)
     i = rng.randrange(n)
     return f"Click on the {names[i]} colored box.", boxes[i]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from training.model import (
     Policy,
@@ -100,6 +101,8 @@ class PolicyTrainer:
         self, model: nn.Module, samples: Sequence[TrainSample]
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Response-token log-probs, entropies and mask [B, T] for a micro-batch."""
+        # policy_update passes back what update() gave it: self.policy.model or self.ref_model.
+        assert isinstance(model, PreTrainedModel)
         responses = [
             list(s.response_token_ids)
             if s.response_token_ids

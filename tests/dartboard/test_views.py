@@ -430,11 +430,15 @@ def test_trajectory_page_shows_steps_action_overlay_and_trainer_view(ada_client)
     assert ada_client.get("/trajectories/999999/").status_code == 404
 
 
-def test_start_creates_task_stats_or_says_why_it_cannot(ada_client, django_capture_on_commit_callbacks):
+def test_start_creates_task_stats_or_says_why_it_cannot(
+    ada_client, django_capture_on_commit_callbacks
+):
     from datamanager.config import RunConfig
     from datamanager.models import TaskStat
 
-    empty = services.run_create(name="no-tasks", config=RunConfig.from_dict({"tasks": {"names": ["nope"]}}))
+    empty = services.run_create(
+        name="no-tasks", config=RunConfig.from_dict({"tasks": {"names": ["nope"]}})
+    )
     r = ada_client.post(f"/runs/{empty.pk}/control/", {"action": "start"}, follow=True)
     assert b"no task matches" in r.content and b"import tasks first" in r.content
     assert Run.objects.get(pk=empty.pk).status == "created"  # nothing half-started

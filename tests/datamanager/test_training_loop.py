@@ -109,7 +109,9 @@ def _cfg(run):
     return RunConfig.from_dict(run.config)
 
 
-def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(tiny_policy_dir, tmp_path, settings):
+def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
+    tiny_policy_dir, tmp_path, settings
+):
     from datamanager.demos import DemoStep, demo_store
     from tests.conftest import png_bytes
 
@@ -117,14 +119,27 @@ def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(tiny_policy_di
     torch.set_num_threads(2)
     tasks = make_tasks(2)
     for i, task in enumerate(tasks):
-        demo_store(task=task, instruction=f"Click button {i}", reward=1.0, steps=[
-            DemoStep(png_bytes(color=(200, 40 * i, 40)), 160, 210,
-                     f"Thought: press it\nAction: click(start_box='({30 + 50 * i},100)')", "press it",
-                     {"type": "click", "x": 30 + 50 * i, "y": 100})])
-    run = make_running_run({
-        "policy": str(tiny_policy_dir),
-        "trainer": {"warm_start_bc_updates": 6, "lr": 3e-3, "kl_coef": 0.0, "max_updates": 6},
-    })
+        demo_store(
+            task=task,
+            instruction=f"Click button {i}",
+            reward=1.0,
+            steps=[
+                DemoStep(
+                    png_bytes(color=(200, 40 * i, 40)),
+                    160,
+                    210,
+                    f"Thought: press it\nAction: click(start_box='({30 + 50 * i},100)')",
+                    "press it",
+                    {"type": "click", "x": 30 + 50 * i, "y": 100},
+                )
+            ],
+        )
+    run = make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "trainer": {"warm_start_bc_updates": 6, "lr": 3e-3, "kl_coef": 0.0, "max_updates": 6},
+        }
+    )
     training_loop._TRAINERS.clear()
     assert training_loop.train_for(run_id=run.pk, max_seconds=300) == "max_updates reached"
     updates = list(TrainUpdate.objects.filter(run=run).order_by("number"))
@@ -139,12 +154,14 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     make_tasks(2)
     Task.objects.create(name="miniwob/held-out", env_kind="miniwob", split="eval")
-    run = make_running_run({
-        "policy": str(tiny_policy_dir),
-        "curation": {"n_max": 2, "n_min": 2},
-        "trainer": {"min_groups": 2, "kl_coef": 0.0, "max_updates": 1},
-        "evaluation": {"every_n_versions": 1, "k": 3},
-    })
+    run = make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "curation": {"n_max": 2, "n_min": 2},
+            "trainer": {"min_groups": 2, "kl_coef": 0.0, "max_updates": 1},
+            "evaluation": {"every_n_versions": 1, "k": 3},
+        }
+    )
     _fill(run)
     training_loop._TRAINERS.clear()
     training_loop.train_for(run_id=run.pk, max_seconds=120)

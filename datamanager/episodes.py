@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.files.base import ContentFile
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -183,16 +183,8 @@ def step_record(
     """Store one step (the screenshot the policy saw, its output, the action taken).
 
     One slot owns a running trajectory, so its row is read without a lock (a lock costs a
-    round trip per step on PostgreSQL; see bench/overhead.py).
-
-    On PostgreSQL the step commits without waiting for its WAL flush (synchronous_commit
-    off for this transaction only): a database crash can lose the last fraction of a second
-    of steps of episodes still running (aborted on restart anyway), never a finished
-    trajectory's, because `trajectory_finish` commits synchronously and a synchronous
-    commit flushes all earlier WAL with it."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL synchronous_commit TO OFF")
+    round trip per step on PostgreSQL; see bench/overhead.py: the round trips, not the
+    commit's WAL flush, are what a step costs there)."""
     traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
         pk=trajectory_id
     )

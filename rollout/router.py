@@ -12,7 +12,9 @@ Endpoints:
   502/503/504 takes the worker out of rotation and the request is retried on another; a 500
   is retried once on a different worker. With no active worker the request waits up to
   --wait-timeout seconds (or the `X-Dartboard-Timeout` header, if smaller), then gets 503.
-  The reply adds `served_by` (the worker URL) and the `X-Dartboard-Worker` header.
+  The reply adds `served_by` (the worker URL) and the `X-Dartboard-Worker` header, and
+  `X-Dartboard-Upstream-Ms`: the time spent waiting on the worker, so a client can tell
+  the router's own cost (bench/overhead.py).
 - POST /admin/workers {"url"}: register; DELETE /admin/workers {"url"} (or ?url=): unregister;
   GET /admin/workers: [{url, status, in_flight, policy_version, served, ...}].
 - POST /admin/sync {"checkpoint", "version", "run"?, "rolling"?}: weight sync in the
@@ -82,6 +84,7 @@ class UpstreamReply:
     status: int
     body: dict[str, Any]
     worker: str
+    upstream_ms: float = 0.0  # time spent in the worker's request (the router's own cost excluded)
 
 
 @dataclass
@@ -236,6 +239,7 @@ class Router:
             if worker is None:  # every active worker already failed this request with a 500
                 assert last_500 is not None
                 return last_500
+            sent = time.perf_counter()
             try:
                 response = self._http.post(
                     f"{worker.url}/v1/chat/completions",
@@ -254,8 +258,11 @@ class Router:
             if response.status_code in RETRY_ELSEWHERE:
                 self._release(worker, failed=f"answered {response.status_code}", status="suspect")
                 continue
+            upstream_ms = (time.perf_counter() - sent) * 1000.0
             self._release(worker, served=response.status_code == 200)
-            reply = UpstreamReply(response.status_code, _json_or_error(response), worker.url)
+            reply = UpstreamReply(
+                response.status_code, _json_or_error(response), worker.url, upstream_ms
+            )
             if response.status_code == 200:
                 reply.body["served_by"] = worker.url
                 version = reply.body.get("policy_version")
@@ -657,7 +664,14 @@ class Handler(BaseHTTPRequestHandler):
         except NoWorkerAvailable as exc:
             self._error(503, str(exc), Retry_After="1")
             return
-        self._send(reply.status, reply.body, {"X-Dartboard-Worker": reply.worker})
+        self._send(
+            reply.status,
+            reply.body,
+            {
+                "X-Dartboard-Worker": reply.worker,
+                "X-Dartboard-Upstream-Ms": f"{reply.upstream_ms:.3f}",
+            },
+        )
 
 
 def _url_field(body: dict[str, Any]) -> str:

@@ -60,7 +60,12 @@ def capture_pages(
                 page.wait_for_selector(wait, timeout=30000)
                 time.sleep(1.0)
             # Screenshots are <img> loads: wait for them, or the inspector shows a black frame.
-            page.wait_for_function("Array.from(document.images).every((i) => i.complete)")
+            if name == "trajectory":
+                # The inspector's screenshots are plain <img> loads: wait for the one shown.
+                page.wait_for_function(
+                    "Array.from(document.querySelectorAll('#steps .step:not([hidden]) img'))"
+                    ".every((i) => i.complete && i.naturalWidth > 0)"
+                )
             page.screenshot(path=out / f"{name}.png", full_page=name != "run_form")
             saved.append(out / f"{name}.png")
         browser.close()

@@ -24,6 +24,7 @@ import time
 
 import psutil
 
+from dartboard.procutil import die_with_parent
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
 from envmanager.protocol import (
     Action,
@@ -248,6 +249,7 @@ class DesktopEnv:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         )
         deadline = time.monotonic() + self.timeout_s * 2  # chromium's first start is slow

@@ -17,6 +17,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from dartboard.procutil import die_with_parent
+
 
 class XServerError(RuntimeError):
     """Xvfb or openbox failed to start."""
@@ -53,6 +55,7 @@ class XServer:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a killed worker must not leave its X server
             )
         finally:
             os.close(write_fd)
@@ -70,6 +73,7 @@ class XServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         server._wait_for_wm(timeout_s=timeout_s)
         return server

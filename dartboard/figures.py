@@ -225,3 +225,38 @@ def action_overlay_svg(
         f'<svg class="overlay" viewBox="0 0 {width} {height}" preserveAspectRatio="none" '
         f'data-action="{escape(str(t))}">{defs}{"".join(parts)}</svg>'
     )
+
+
+def eval_heatmap(
+    *, columns: list[str], tasks: list[str], rates: list[list[float | None]]
+) -> dict[str, Any]:
+    """Success rate per task (rows) and evaluation job (columns); None: no scored episode."""
+    data = (
+        [
+            {
+                "type": "heatmap",
+                "x": columns,
+                "y": tasks,
+                "z": rates,
+                "zmin": 0,
+                "zmax": 1,
+                "colorscale": [[0, "#d64545"], [0.5, "#f2d27a"], [1, "#1f9d55"]],
+                "colorbar": {"tickformat": ".0%", "thickness": 12},
+                "text": [["—" if r is None else f"{r:.0%}" for r in row] for row in rates],
+                "texttemplate": "%{text}",
+                "hovertemplate": "%{y}<br>%{x}<br>success %{text}<extra></extra>",
+                "xgap": 2,
+                "ygap": 2,
+            }
+        ]
+        if tasks and columns
+        else []
+    )
+    return _fig(
+        "Success rate per task",
+        data,
+        height=max(280, 120 + 24 * len(tasks)),
+        margin={"l": 200, "r": 12, "t": 36, "b": 120},
+        xaxis={"type": "category", "tickangle": -30},
+        yaxis={"type": "category", "autorange": "reversed"},
+    )

@@ -183,6 +183,10 @@ def _choices(choices: list[tuple[str, str]]) -> list[tuple[str, str]]:
 class TrajectoryFilterForm(forms.Form):
     run = forms.IntegerField(required=False, min_value=1)
     task = forms.CharField(required=False, max_length=200)
+    # Task names nest ("click-button" is part of "click-button-sequence"): links to one
+    # task's episodes (the evaluation pages) ask for the exact name.
+    task_exact = forms.BooleanField(required=False, label="Exact task name")
+    eval_job = forms.IntegerField(required=False, min_value=1, label="Evaluation")
     status = forms.ChoiceField(required=False, choices=_choices(TrajectoryStatus.choices))
     reward = forms.ChoiceField(
         required=False,
@@ -195,3 +199,12 @@ class TrajectoryFilterForm(forms.Form):
     in_pool = forms.ChoiceField(
         required=False, choices=[("", "any"), ("yes", "in pool"), ("no", "not in pool")]
     )
+
+
+class EvalJobFilterForm(forms.Form):
+    run = forms.IntegerField(required=False, min_value=1)
+
+
+class EvalCompareForm(forms.Form):
+    a = forms.IntegerField(min_value=1, label="Job A")
+    b = forms.IntegerField(min_value=1, label="Job B")

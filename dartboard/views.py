@@ -29,6 +29,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from dartboard import figures
 from dartboard.forms import (
+    EvalCompareForm,
+    EvalJobFilterForm,
     RewardOverrideForm,
     RunForm,
     TaskOverrideForm,
@@ -36,9 +38,9 @@ from dartboard.forms import (
     TrimForm,
     UploadForm,
 )
-from datamanager import curate, dashboard, runs, services
+from datamanager import curate, dashboard, evaluations, runs, services
 from datamanager.archive import InvalidUpload
-from datamanager.models import Run, TaskStat, Trajectory
+from datamanager.models import EvalJob, Run, TaskStat, Trajectory
 
 
 def _user(request: HttpRequest) -> User:
@@ -182,6 +184,8 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
         flt = dashboard.TrajectoryFilter(
             run_id=d["run"],
             task=d["task"],
+            task_exact=d["task_exact"],
+            eval_job_id=d["eval_job"],
             status=d["status"],
             reward=d["reward"],
             source=d["source"],
@@ -197,6 +201,82 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
         {"form": form, "page": page, "query": query.urlencode()},
         status=200 if not form.errors else 400,
     )
+
+
+def _run_filter(request: HttpRequest) -> tuple[EvalJobFilterForm, int | None, Run | None]:
+    """The optional ?run=ID of the evaluation pages: (form, run id, the run if it exists)."""
+    form = EvalJobFilterForm(request.GET)
+    run_id = form.cleaned_data["run"] if form.is_valid() else None
+    return form, run_id, Run.objects.filter(pk=run_id).first() if run_id else None
+
+
+@require_GET
+def evaluation_list(request: HttpRequest) -> HttpResponse:
+    form, run_id, run = _run_filter(request)
+    listing = evaluations.eval_job_list(run_id=run_id, page=request.GET.get("page", 1))
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "dashboard/evaluations.html",
+        {
+            "form": form,
+            "run_id": run_id,
+            "run": run,
+            "listing": listing,
+            "query": query.urlencode(),
+        },
+        status=400 if form.errors else 200,
+    )
+
+
+@require_GET
+def evaluation_detail(request: HttpRequest, job_id: int) -> HttpResponse:
+    try:
+        report = evaluations.eval_job_report(job_id=job_id)
+    except EvalJob.DoesNotExist:
+        raise Http404(f"no evaluation job {job_id}") from None
+    return render(request, "dashboard/evaluation_detail.html", {"report": report})
+
+
+@require_GET
+def evaluation_matrix(request: HttpRequest) -> HttpResponse:
+    form, run_id, run = _run_filter(request)
+    matrix = evaluations.eval_matrix(run_id=run_id)
+    figure = figures.eval_heatmap(
+        columns=[f"{job.name} #{job.pk}" for job in matrix.jobs],
+        tasks=[row.task for row in matrix.rows],
+        rates=[[c.success_rate if c else None for c in row.cells] for row in matrix.rows],
+    )
+    return render(
+        request,
+        "dashboard/evaluation_matrix.html",
+        {"form": form, "run_id": run_id, "run": run, "matrix": matrix, "figure": figure},
+        status=400 if form.errors else 200,
+    )
+
+
+@require_GET
+def evaluation_compare(request: HttpRequest) -> HttpResponse:
+    """?a=ID&b=ID. A missing, malformed or unknown id is explained on the page."""
+    form = EvalCompareForm(request.GET or None)
+    context: dict[str, Any] = {"form": form}
+    if not form.is_bound:
+        context["problem"] = "Choose two evaluation jobs to compare (their ids as a and b)."
+        return render(request, "dashboard/evaluation_compare.html", context)
+    if not form.is_valid():
+        errors = form.errors.items()
+        bad = "; ".join(f"{name}: {' '.join(map(str, errs))}" for name, errs in errors)
+        context["problem"] = f"Give two evaluation job ids, ?a=ID&b=ID ({bad})"
+        return render(request, "dashboard/evaluation_compare.html", context, status=400)
+    a_id, b_id = form.cleaned_data["a"], form.cleaned_data["b"]
+    try:
+        a, b, rows = evaluations.eval_compare(a_id=a_id, b_id=b_id)
+    except evaluations.EvalJobMissing as exc:
+        context["problem"] = f"Nothing to compare: there is {exc}."
+        return render(request, "dashboard/evaluation_compare.html", context, status=404)
+    context.update(a=a, b=b, rows=rows, n_differ=sum(r.differs for r in rows))
+    return render(request, "dashboard/evaluation_compare.html", context)
 
 
 def _trajectory_context(trajectory_id: int, **forms) -> dict:

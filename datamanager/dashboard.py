@@ -161,6 +161,8 @@ def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:
 class TrajectoryFilter:
     run_id: int | None = None
     task: str = ""
+    task_exact: bool = False  # `task` is the whole name, not a part of it
+    eval_job_id: int | None = None
     status: str = ""
     reward: str = ""  # "positive", "zero", "none", "human"
     source: str = ""
@@ -186,8 +188,12 @@ def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
     )
     if flt.run_id is not None:
         qs = qs.filter(run_id=flt.run_id)
-    if flt.task:
+    if flt.task and flt.task_exact:
+        qs = qs.filter(task__name=flt.task)
+    elif flt.task:
         qs = qs.filter(task__name__icontains=flt.task)
+    if flt.eval_job_id is not None:
+        qs = qs.filter(eval_job_id=flt.eval_job_id)
     if flt.status:
         qs = qs.filter(status=flt.status)
     if flt.source:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q
 from django.utils import timezone
 
 from datamanager import episodes
-from datamanager.eval_metrics import Episode, summary, task_result
+from datamanager.eval_metrics import summary
+from datamanager.evaluations import eval_job_task_results
 from datamanager.models import EvalJob, EvalStatus, PolicyVersion, Purpose, Task, Trajectory
 from envmanager.protocol import TaskSpec
 from envmanager.slots import DbRecorder, discard_env, process_env
@@ -263,24 +263,7 @@ def _one_episode(
 
 def eval_report(*, job_id: int) -> dict:
     job = EvalJob.objects.get(pk=job_id)
-    rows = (
-        Trajectory.objects.filter(eval_job=job)
-        .exclude(status="running")
-        .annotate(parse_errors=Count("steps", filter=~Q(steps__parse_error="")))
-        .values("task__name", "status", "reward", "length", "parse_errors")
-    )
-    by_task: dict[str, list[Episode]] = {}
-    for r in rows:
-        by_task.setdefault(r["task__name"], []).append(
-            Episode(
-                task=r["task__name"],
-                status=r["status"],
-                reward=r["reward"] or 0.0,
-                steps=r["length"],
-                parse_errors=r["parse_errors"],
-            )
-        )
-    results = [task_result(name, eps, job.k) for name, eps in sorted(by_task.items())]
+    results = eval_job_task_results(job)
     return {
         "job": job.pk,
         "name": job.name,

@@ -23,6 +23,7 @@ def capture_pages(
     trajectory_id: int | None,
     stat_id: int | None,
     out: Path,
+    eval_jobs: tuple[int, int] | None = None,
 ) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
@@ -34,7 +35,13 @@ def capture_pages(
         ("task_board", f"/runs/{run_id}/tasks/", None),
         ("trajectories", f"/trajectories/?run={run_id}", None),
         ("upload", "/trajectories/upload/", None),
+        ("evaluations", "/evaluations/", None),
+        ("evaluation_matrix", "/evaluations/matrix/", None),
     ]
+    if eval_jobs:
+        first, second = eval_jobs
+        shots.append(("evaluation", f"/evaluations/{first}/", None))
+        shots.append(("evaluation_compare", f"/evaluations/compare/?a={first}&b={second}", None))
     if stat_id is not None:
         shots.append(("task_override", f"/runs/{run_id}/tasks/{stat_id}/override/", None))
     if trajectory_id is not None:
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--trajectory", type=int, default=None)
     ap.add_argument("--stat", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    ap.add_argument("--eval-jobs", type=int, nargs=2, default=None, help="two EvalJob ids")
     args = ap.parse_args()
     for path in capture_pages(
         base=args.url.rstrip("/"),
@@ -90,6 +98,7 @@ def main() -> None:
         trajectory_id=args.trajectory,
         stat_id=args.stat,
         out=args.out,
+        eval_jobs=tuple(args.eval_jobs) if args.eval_jobs else None,
     ):
         print(path)
 

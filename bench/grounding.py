@@ -57,21 +57,6 @@ class ListRecorder:
         self.steps.append(record)
 
 
-def _completion(text: str, started: float) -> Completion:
-    return Completion(
-        text=text,
-        token_ids=[],
-        token_logprobs=[],
-        mean_entropy=0.0,
-        policy_version=None,
-        prompt_tokens=0,
-        response_tokens=0,
-        finish_reason="stop",
-        latency_ms=(time.perf_counter() - started) * 1000.0,
-        served_by="bench",
-    )
-
-
 class BlindEndpoint:
     """Clicks a fixed screen point per task, whatever the screenshot shows."""
 
@@ -92,7 +77,7 @@ class BlindEndpoint:
         )
         click = Action(type=ActionType.CLICK, x=round(x), y=round(y))
         text = format_action(from_screen(click, screen_size=self.screen, model_size=size))
-        return _completion(text, started)
+        return Completion.scripted(text, started=started, served_by="bench")
 
 
 class ModelEndpoint:
@@ -105,14 +90,14 @@ class ModelEndpoint:
         self.max_new_tokens = max_new_tokens
         # Qwen2-VL processors keep their pixel bounds as size.shortest_edge / longest_edge.
         size = self.policy.image_processor.size
-        self.bounds = (int(size.shortest_edge), int(size.longest_edge))
+        self.bounds = (int(size["shortest_edge"]), int(size["longest_edge"]))
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         from training.model import generate
 
         started = time.perf_counter()
         out = generate(self.policy, [messages], max_new_tokens=self.max_new_tokens, greedy=True)
-        return _completion(out[0].text, started)
+        return Completion.scripted(out[0].text, started=started, served_by="bench")
 
 
 def blind_targets(*, seeds: int) -> dict[str, tuple[float, float]]:

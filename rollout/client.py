@@ -53,6 +53,23 @@ class Completion:
     served_by: str
     image_bounds: tuple[int, int] | None = None  # the server's [min_pixels, max_pixels]
 
+    @classmethod
+    def scripted(cls, text: str, *, started: float, served_by: str) -> Completion:
+        """A text-only turn (scripted policies, in-process benches): no tokens or log-probs.
+        `started` is the time.perf_counter() at which the request began."""
+        return cls(
+            text=text,
+            token_ids=[],
+            token_logprobs=[],
+            mean_entropy=0.0,
+            policy_version=None,
+            prompt_tokens=0,
+            response_tokens=0,
+            finish_reason="stop",
+            latency_ms=(time.perf_counter() - started) * 1000.0,
+            served_by=served_by,
+        )
+
 
 class PolicyClient:
     """Thread-safe client over one or several inference base URLs (or one router URL)."""

@@ -42,18 +42,7 @@ class OracleEndpoint:
         )
         model_action = from_screen(action, screen_size=(obs.width, obs.height), model_size=size)
         text = format_action(model_action, thought="The oracle knows the answer.")
-        return Completion(
-            text=text,
-            token_ids=[],
-            token_logprobs=[],
-            mean_entropy=0.0,
-            policy_version=None,
-            prompt_tokens=0,
-            response_tokens=0,
-            finish_reason="stop",
-            latency_ms=(time.perf_counter() - started) * 1000.0,
-            served_by="oracle",
-        )
+        return Completion.scripted(text, started=started, served_by="oracle")
 
 
 class ObservedEnv:

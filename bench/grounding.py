@@ -88,9 +88,7 @@ class ModelEndpoint:
 
         self.policy = load_policy(path)
         self.max_new_tokens = max_new_tokens
-        # Qwen2-VL processors keep their pixel bounds as size.shortest_edge / longest_edge.
-        size = self.policy.image_processor.size
-        self.bounds = (int(size["shortest_edge"]), int(size["longest_edge"]))
+        self.bounds = self.policy.image_bounds
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         from training.model import generate

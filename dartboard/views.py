@@ -193,14 +193,20 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             in_pool=pool,
         )
     page = dashboard.trajectory_page(flt=flt, page=request.GET.get("page", 1))
-    query = request.GET.copy()
-    query.pop("page", None)
+    query = _query_without_page(request)
     return render(
         request,
         "dashboard/trajectory_list.html",
-        {"form": form, "page": page, "query": query.urlencode()},
+        {"form": form, "page": page, "query": query},
         status=200 if not form.errors else 400,
     )
+
+
+def _query_without_page(request: HttpRequest) -> str:
+    """The listing's query string for its page links (they add their own page=)."""
+    query = request.GET.copy()
+    query.pop("page", None)
+    return query.urlencode()
 
 
 def _run_filter(request: HttpRequest) -> tuple[EvalJobFilterForm, int | None, Run | None]:
@@ -214,8 +220,7 @@ def _run_filter(request: HttpRequest) -> tuple[EvalJobFilterForm, int | None, Ru
 def evaluation_list(request: HttpRequest) -> HttpResponse:
     form, run_id, run = _run_filter(request)
     listing = evaluations.eval_job_list(run_id=run_id, page=request.GET.get("page", 1))
-    query = request.GET.copy()
-    query.pop("page", None)
+    query = _query_without_page(request)
     return render(
         request,
         "dashboard/evaluations.html",
@@ -224,7 +229,7 @@ def evaluation_list(request: HttpRequest) -> HttpResponse:
             "run_id": run_id,
             "run": run,
             "listing": listing,
-            "query": query.urlencode(),
+            "query": query,
         },
         status=400 if form.errors else 200,
     )

@@ -57,9 +57,13 @@ class TaskResult:
         return asdict(self)
 
 
+SCORED = ("succeeded", "failed")
+"""The outcomes a success rate counts; env errors, aborted and running episodes are not."""
+
+
 def task_result(task: str, episodes: Sequence[Episode], k: int) -> TaskResult:
     """Env errors are reported apart and never counted as policy failures."""
-    scored = [e for e in episodes if e.status in ("succeeded", "failed")]
+    scored = [e for e in episodes if e.status in SCORED]
     errors = sum(e.status == "error" for e in episodes)
     n, c = len(scored), sum(e.status == "succeeded" for e in scored)
     lo, hi = wilson_interval(c, n)

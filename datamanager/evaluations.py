@@ -15,10 +15,8 @@ from typing import Any
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, F, Q, QuerySet
 
-from datamanager.eval_metrics import Episode, TaskResult, summary, task_result
+from datamanager.eval_metrics import SCORED, Episode, TaskResult, summary, task_result
 from datamanager.models import EvalJob, EvalStatus, Trajectory
-
-SCORED = ("succeeded", "failed")
 
 
 class EvalJobMissing(Exception):
@@ -66,6 +64,15 @@ def eval_cells(*, job_ids: list[int]) -> dict[tuple[int, str], EvalCell]:
         )
         for r in rows
     }
+
+
+def _cell(cells: dict[tuple[int, str], EvalCell], job: EvalJob, task: str) -> EvalCell | None:
+    """The job's cell for `task`: an empty one if the job evaluates the task but has no
+    episode of it yet, None if the job does not evaluate it."""
+    found = cells.get((job.pk, task))
+    if found is None and task in job.task_names:
+        return EvalCell(job_id=job.pk, task=task, successes=0, scored=0, env_errors=0)
+    return found
 
 
 # --- list --------------------------------------------------------------------------------
@@ -223,15 +230,7 @@ def eval_matrix(*, run_id: int | None = None, limit: int = 12) -> EvalMatrix:
         jobs.reverse()
     cells = eval_cells(job_ids=[j.pk for j in jobs])
     tasks = sorted({name for j in jobs for name in j.task_names} | {t for _, t in cells})
-    rows = []
-    for task in tasks:
-        row: list[EvalCell | None] = []
-        for j in jobs:
-            cell = cells.get((j.pk, task))
-            if cell is None and task in j.task_names:
-                cell = EvalCell(job_id=j.pk, task=task, successes=0, scored=0, env_errors=0)
-            row.append(cell)
-        rows.append(EvalMatrixRow(task=task, cells=row))
+    rows = [EvalMatrixRow(task=task, cells=[_cell(cells, j, task) for j in jobs]) for task in tasks]
     return EvalMatrix(jobs=jobs, rows=rows)
 
 
@@ -269,13 +268,6 @@ def eval_compare(*, a_id: int, b_id: int) -> tuple[EvalJob, EvalJob, list[EvalCo
     a, b = found[a_id], found[b_id]
     cells = eval_cells(job_ids=[a.pk, b.pk])
     tasks = sorted(set(a.task_names) | set(b.task_names) | {t for _, t in cells})
-
-    def cell(job: EvalJob, task: str) -> EvalCell | None:
-        found = cells.get((job.pk, task))
-        if found is None and task in job.task_names:
-            return EvalCell(job_id=job.pk, task=task, successes=0, scored=0, env_errors=0)
-        return found
-
-    rows = [EvalCompareRow(task=t, a=cell(a, t), b=cell(b, t)) for t in tasks]
+    rows = [EvalCompareRow(task=t, a=_cell(cells, a, t), b=_cell(cells, b, t)) for t in tasks]
     rows.sort(key=lambda r: (not r.differs, -abs(r.difference or 0.0), r.task))
     return a, b, rows

@@ -202,9 +202,7 @@ class InferenceServer:
     @property
     def image_bounds(self) -> list[int]:
         """[min_pixels, max_pixels] of the policy's image processor."""
-        # Qwen2-VL processors keep them as size["shortest_edge"] / size["longest_edge"] (pixels).
-        size = self.policy.image_processor.size
-        return [int(size["shortest_edge"]), int(size["longest_edge"])]
+        return list(self.policy.image_bounds)
 
     def health(self) -> dict[str, Any]:
         with self._cond:

@@ -89,6 +89,13 @@ class Policy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def image_bounds(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of the image processor: rollout maps coordinates with
+        them. Qwen2-VL processors keep them as size["shortest_edge"] / size["longest_edge"]."""
+        size = self.image_processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+
 
 @dataclass
 class EncodedBatch:

@@ -1,19 +1,22 @@
 """The smallest grounding problem: can the tiny policy learn where one box is?
 
-    .venv/bin/python bench/grounding_probe.py --minutes 12
-    .venv/bin/python bench/grounding_probe.py --minutes 10 --rope-theta 50 --temporal-section 2
-    .venv/bin/python bench/grounding_probe.py --minutes 10 --abs-pos
+    .venv/bin/python bench/grounding_probe.py                     # Qwen3-VL + attention supervision
+    .venv/bin/python bench/grounding_probe.py --attention-supervision 0
+    .venv/bin/python bench/grounding_probe.py --arch qwen2_5_vl
+    .venv/bin/python bench/grounding_probe.py --arch qwen2_5_vl --attention-supervision 0
 
 Each screen is a 160x210 white page under MiniWoB's yellow bar with one dark 30x20 box at a
-random place; the prompt is a one-line system prompt, the instruction "Click the box" and
-the screenshot; the target is only ``(x,y)``, the box centre in model-image pixels.
-Behaviour cloning with AdamW, batch 16, one CPU thread; every 100 steps it prints the loss,
-the share of greedy answers inside the box on 48 held-out screens, and their mean L1 error
-in screen pixels (a random guess is ~100 px).
+random place; the instruction is "Click the box"; the target is the box centre. It is the
+shipped pretraining loop (`training.pretrain.bc_batch_loss_cached`: the rollout's prompt,
+behaviour cloning on `click(start_box='(x,y)')`, optionally the attention-supervision term)
+on that one kind of screen, `--steps` steps of batch 16, AdamW at a constant learning rate.
+Every `--every` steps it prints the loss, the share of greedy clicks inside the box on 48
+held-out screens and their mean L1 error in screen pixels (a random guess is ~100 px).
 
-`--abs-pos` adds a learned absolute 2D position table to the image tokens (through a forward
-hook on the vision tower; Qwen2.5-VL has no such table, Qwen3-VL's vision tower does): an
-experiment on the architecture, not something a checkpoint can carry.
+What it showed (README, "Tiny policy grounding"): Qwen2.5-VL's rotary-only vision tower
+does not ground here with or without attention supervision (the head finds the box but the
+box's features do not say where it is); Qwen3-VL's absolute position table alone does not
+either within minutes; both together do.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import re
 import sys
 import tempfile
 import time
@@ -33,23 +35,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
-from rollout.prompts import build_messages  # noqa: E402
-from training.losses import bc_loss  # noqa: E402
-from training.model import (  # noqa: E402
-    Policy,
-    encode_batch,
-    generate,
-    load_policy,
-    response_token_ids,
-    sequence_logprobs,
+from training.model import generate, load_policy  # noqa: E402
+from training.pretrain import (  # noqa: E402
+    ImageBounds,
+    bc_batch_loss_cached,
+    predicted_click,
+    sample_messages,
 )
+from training.synthetic import GroundingSample  # noqa: E402
 from training.tiny_policy import build_tiny_policy  # noqa: E402
 
-Box = tuple[int, int, int, int]
-MODEL_W, MODEL_H = 168, 224  # smart_resize(160x210, factor 28)
 
-
-def screen(rng: random.Random) -> tuple[bytes, Box]:
+def screen(rng: random.Random) -> GroundingSample:
     img = Image.new("RGB", (160, 210), "white")
     draw = ImageDraw.Draw(img)
     draw.rectangle([0, 0, 159, 49], fill=(255, 255, 0))
@@ -57,101 +54,95 @@ def screen(rng: random.Random) -> tuple[bytes, Box]:
     draw.rectangle([x, y, x + 29, y + 19], fill=(60, 60, 60))
     buf = io.BytesIO()
     img.save(buf, "PNG")
-    return buf.getvalue(), (x, y, x + 30, y + 20)
-
-
-def messages(png: bytes) -> list[dict]:
-    return build_messages(
-        instruction="Click the box", history=[], screenshots=[png], system_prompt="GUI agent."
+    return GroundingSample(
+        png=buf.getvalue(),
+        width=160,
+        height=210,
+        instruction="Click the box",
+        x=x + 15,
+        y=y + 10,
+        box=(x, y, x + 30, y + 20),
+        source="probe/box",
     )
 
 
-def answer(box: Box) -> str:
-    cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
-    return f"({round(cx * MODEL_W / 160)},{round(cy * MODEL_H / 210)})"
-
-
-def add_absolute_positions(policy: Policy) -> torch.nn.Parameter:
-    """Hook a learned [32, 32, hidden] table onto the image tokens (raster order)."""
-    hidden = policy.model.config.text_config.hidden_size
-    table = torch.nn.Parameter(torch.randn(32, 32, hidden) * 0.1)
-
-    def hook(module, args, kwargs, output):
-        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        adds = []
-        for t, h, w in grid.tolist():
-            rows, cols = h // 2, w // 2  # after the 2x2 merge
-            adds.append(table[:rows, :cols].reshape(rows * cols, hidden).repeat(t, 1))
-        output.pooler_output = output.pooler_output + torch.cat(adds)
-        return output
-
-    policy.model.model.visual.register_forward_hook(hook, with_kwargs=True)
-    return table
-
-
 @torch.no_grad()
-def evaluate(policy: Policy, held: list[tuple[bytes, Box]]) -> tuple[float, float | None]:
+def evaluate(policy, held: list[GroundingSample], bounds: ImageBounds) -> tuple[float, str]:
     """(share of greedy clicks inside the box, mean L1 error in screen px of parsed ones)."""
     policy.model.eval()
     hits, errors = 0, []
-    for i in range(0, len(held), 16):
-        chunk = held[i : i + 16]
-        outs = generate(policy, [messages(p) for p, _ in chunk], max_new_tokens=12, greedy=True)
-        for (_, box), out in zip(chunk, outs, strict=True):
-            found = re.search(r"\((\d+),(\d+)\)", out.text)
-            if not found:
-                continue
-            x = int(found.group(1)) * 160 / MODEL_W
-            y = int(found.group(2)) * 210 / MODEL_H
-            hits += box[0] <= x < box[2] and box[1] <= y < box[3]
-            errors.append(abs(x - (box[0] + box[2]) / 2) + abs(y - (box[1] + box[3]) / 2))
-    policy.model.train()
-    return hits / len(held), (sum(errors) / len(errors) if errors else None)
+    outs = generate(policy, [sample_messages(s) for s in held], max_new_tokens=40, greedy=True)
+    for s, out in zip(held, outs, strict=True):
+        point = predicted_click(out.text, sample=s, coords="pixel", bounds=bounds)
+        if point is not None:
+            hits += s.box[0] <= point[0] < s.box[2] and s.box[1] <= point[1] < s.box[3]
+            errors.append(abs(point[0] - s.x) + abs(point[1] - s.y))
+    l1 = f"{sum(errors) / len(errors):.0f}" if errors else "n/a"
+    return hits / len(held), l1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--rope-theta", type=float, default=1_000_000.0)
-    parser.add_argument("--temporal-section", type=int, default=0)
-    parser.add_argument("--abs-pos", action="store_true")
+    parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen2_5_vl"])
+    parser.add_argument("--attention-supervision", type=float, default=1.0)
+    parser.add_argument("--attention-heads", type=int, default=1)
+    parser.add_argument("--system-prompt", default="", help="instead of the rollout's default")
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
+    if args.system_prompt:
+        import training.pretrain as pretrain_module
+        from rollout.prompts import build_messages
+
+        def short_prompt(sample: GroundingSample) -> list[dict]:
+            return build_messages(
+                instruction=sample.instruction,
+                history=[],
+                screenshots=[sample.png],
+                system_prompt=args.system_prompt,
+            )
+
+        pretrain_module.sample_messages = short_prompt  # the loss and evaluate() build with it
+        globals()["sample_messages"] = short_prompt
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_policy(
-            Path(tmp) / "probe",
-            rope_theta=args.rope_theta,
-            temporal_section=args.temporal_section or None,
-        )
-        policy = load_policy(path)
-    params = list(policy.model.parameters())
-    if args.abs_pos:
-        params.append(add_absolute_positions(policy))
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
+        policy = load_policy(build_tiny_policy(Path(tmp) / "probe", arch=args.arch))
+    if args.attention_supervision > 0:
+        policy.model.set_attn_implementation("eager")
+    bounds = ImageBounds()
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
     rng, held_rng = random.Random(0), random.Random(99)
     held = [screen(held_rng) for _ in range(48)]
+    print(f"arch {args.arch}, attention supervision {args.attention_supervision}")
+    print("| step | seconds | loss bc / attention | in box | L1 px |\n|---:|---:|---:|---:|---:|")
     started, step = time.perf_counter(), 0
-    print("| step | seconds | loss | in box | L1 px |\n|---:|---:|---:|---:|---:|")
-    while time.perf_counter() - started < args.minutes * 60:
-        batch = [screen(rng) for _ in range(16)]
-        responses = [response_token_ids(policy, answer(box)) for _, box in batch]
-        enc = encode_batch(policy, [messages(p) for p, _ in batch], responses=responses)
-        logprobs, _, mask = sequence_logprobs(policy, enc)
-        loss = bc_loss(logprobs, mask)
+    parts: dict[str, float] = {}
+    while step < args.steps:
+        policy.model.train()
+        loss = bc_batch_loss_cached(
+            policy,
+            [screen(rng) for _ in range(16)],
+            coords="pixel",
+            bounds=bounds,
+            attention_weight=args.attention_supervision,
+            attention_heads=args.attention_heads,
+            parts=parts,
+        )
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        if step % 100 == 0:
-            hit, l1 = evaluate(policy, held)
-            l1_text = f"{l1:.0f}" if l1 is not None else "n/a"
+        if step % args.every == 0:
+            hit, l1 = evaluate(policy, held, bounds)
             elapsed = time.perf_counter() - started
-            print(f"| {step} | {elapsed:.0f} | {loss.item():.3f} | {hit:.0%} | {l1_text} |")
-    hit, l1 = evaluate(policy, held)
+            terms = f"{parts['bc']:.3f} / {parts.get('attention', 0):.3f}"
+            print(f"| {step} | {elapsed:.0f} | {terms} | {hit:.0%} | {l1} |", flush=True)
+    hit, l1 = evaluate(policy, held, bounds)
     print(f"final after {step} steps: {hit:.1%} in the box, mean L1 {l1} px", flush=True)
 
 

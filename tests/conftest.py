@@ -66,7 +66,7 @@ def subprocess_env(transactional_db) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
-    """The untrained tiny Qwen2.5-VL policy, built once per test session."""
+    """The untrained tiny Qwen3-VL policy, built once per test session."""
     from training.tiny_policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("policies") / "untrained")

@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -66,6 +67,7 @@ Message = dict[str, Any]
 _MODEL_CLASSES: dict[str, Any] = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
 }
 
 

@@ -70,6 +70,7 @@ PRETRAIN_TASKS = (
     "click-color",
 )
 TRAIN_SEED_BASE = 100_000  # training seeds start here; bench seeds stay below
+IMAGE_TOKEN_PX = 28  # patch 14, 2x2 merge
 
 
 @dataclass(frozen=True)
@@ -204,8 +205,74 @@ def bc_batch_loss(
     return bc_loss(logprobs, mask)
 
 
+def target_image_tokens(sample: GroundingSample, *, bounds: ImageBounds) -> list[int]:
+    """Raster indices of the image tokens (28x28 px cells of the model image) that overlap
+    the sample's target box."""
+    mw, mh = model_image_size(
+        width=sample.width,
+        height=sample.height,
+        min_pixels=bounds.min_pixels,
+        max_pixels=bounds.max_pixels,
+    )
+    sx, sy = mw / sample.width, mh / sample.height
+    x0, y0, x1, y1 = (
+        sample.box[0] * sx,
+        sample.box[1] * sy,
+        sample.box[2] * sx,
+        sample.box[3] * sy,
+    )
+    cell, cols = IMAGE_TOKEN_PX, mw // IMAGE_TOKEN_PX
+    return [
+        r * cols + c
+        for r in range(mh // cell)
+        for c in range(cols)
+        if c * cell < x1 and (c + 1) * cell > x0 and r * cell < y1 and (r + 1) * cell > y0
+    ]
+
+
+def attention_supervision_loss(
+    attentions: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    offset: int,
+    targets: list[list[int]],
+    image_pad: int,
+    box_start: int,
+    box_end: int,
+) -> torch.Tensor:
+    """-log(attention mass on the target's image tokens), mean over the queries that write
+    the point (from the row's last `<|box_start|>` up to the token before the last
+    `<|box_end|>`) and over rows.
+
+    attentions: [B, Tq, Tk], one head's weights for the query positions ids[:, offset:];
+    ids: [B, Tk] the full rows; targets[b]: raster indices of row b's target image tokens
+    (row b must hold exactly one image). Rows without a point or a target are skipped.
+    """
+    terms = []
+    for b, target in enumerate(targets):
+        row = ids[b]
+        image_pos = (row == image_pad).nonzero().flatten()
+        starts = (row == box_start).nonzero().flatten()
+        ends = (row == box_end).nonzero().flatten()
+        # The last pair is the response's (the system prompt shows the format too).
+        if not target or not len(starts) or not len(ends) or starts[-1] < offset:
+            continue
+        keys = image_pos[torch.tensor(target)]
+        queries = torch.arange(int(starts[-1]), int(ends[-1])) - offset
+        mass = attentions[b][queries][:, keys].sum(-1)
+        terms.append(-(mass + 1e-6).log().mean())
+    return torch.stack(terms).mean() if terms else attentions.new_zeros(())
+
+
 def bc_batch_loss_cached(
-    policy: Policy, samples: list[GroundingSample], *, coords: CoordSpace, bounds: ImageBounds
+    policy: Policy,
+    samples: list[GroundingSample],
+    *,
+    coords: CoordSpace,
+    bounds: ImageBounds,
+    attention_weight: float = 0.0,
+    attention_heads: int = 1,
+    parts: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """`bc_batch_loss` with the shared prompt prefix (system prompt, ~500 of ~560 tokens)
     run once per batch without gradient and reused as a KV cache by every row.
@@ -213,6 +280,12 @@ def bc_batch_loss_cached(
     Same forward values as the plain loss (the prefix sees no image, so its keys/values are
     the same for every row); only the gradient through the prefix's keys/values is left out,
     which makes a step ~5-8x cheaper on CPU. Rows are right-padded after the prefix.
+
+    With `attention_weight` > 0 (needs eager attention) it adds that times
+    `attention_supervision_loss` on the last layer's first `attention_heads` heads: while
+    the point is written, those heads are taught to look at the target's image tokens. A training-time
+    signal only; the checkpoint is the plain architecture. `parts`, when given, receives
+    the two terms' values ("bc", "attention").
     """
     from transformers import DynamicCache
 
@@ -228,6 +301,10 @@ def bc_batch_loss_cached(
     for r in rows:
         same = (r[:prefix_len] == first[:prefix_len]).int()
         prefix_len = min(prefix_len, int(same.cumprod(0).sum()))
+    # The prefix runs on token embeddings only: it must stop before the first image.
+    vision_start = (first == policy.token_id("<|vision_start|>")).nonzero().flatten()
+    if len(vision_start):
+        prefix_len = min(prefix_len, int(vision_start[0]) + 1)
     prefix_len -= 1  # keep at least one token of every row in the suffix
     pad_id = policy.tokenizer.pad_token_id
     width = max(len(r) for r in rows)
@@ -262,11 +339,35 @@ def bc_batch_loss_cached(
         pixel_values=enc.pixel_values,
         image_grid_thw=enc.image_grid_thw,
         use_cache=True,
+        output_attentions=attention_weight > 0,
     )
     logits = out.logits[:, :-1].float()  # position t predicts token t + 1
     targets = ids[:, prefix_len + 1 :]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return bc_loss(logp, resp_mask[:, prefix_len + 1 :])
+    loss = bc = bc_loss(logp, resp_mask[:, prefix_len + 1 :])
+    if attention_weight > 0:
+        if not out.attentions:
+            raise ValueError("attention supervision needs eager attention (no weights returned)")
+        targets = [target_image_tokens(s, bounds=bounds) for s in samples]
+        per_head = [
+            attention_supervision_loss(
+                out.attentions[-1][:, head],
+                ids,
+                offset=prefix_len,
+                targets=targets,
+                image_pad=image_pad,
+                box_start=policy.token_id("<|box_start|>"),
+                box_end=policy.token_id("<|box_end|>"),
+            )
+            for head in range(attention_heads)
+        ]
+        attention = torch.stack(per_head).mean()
+        if parts is not None:
+            parts["attention"] = attention.item()
+        loss = loss + attention_weight * attention
+    if parts is not None:
+        parts["bc"] = bc.item()
+    return loss
 
 
 @torch.no_grad()
@@ -328,8 +429,11 @@ class PretrainConfig:
     vision_depth: int = 2
     vision_heads: int = 4
     rope_theta: float = 1_000_000.0
-    temporal_section: int = 0  # 0: Qwen's 1:1.5:1.5 split of the rotary frequencies
-    eval_every: int = 100
+    temporal_section: int = 0  # 0: the architecture's own split of the rotary frequencies
+    arch: str = "qwen3_vl"
+    init: str = ""  # continue from this checkpoint instead of fresh weights (arch ignored)
+    attention_supervision: float = 1.0  # weight of the look-at-the-target loss; 0 disables
+    eval_every: int = 200
     eval_samples: int = 64
     threads: int = 2
 
@@ -350,6 +454,27 @@ def _lr_at(config: PretrainConfig, step: int, progress: float) -> float:
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _fresh_policy(config: PretrainConfig) -> Policy:
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_policy(
+            tmp,
+            seed=config.seed,
+            hidden=config.hidden,
+            layers=config.layers,
+            heads=config.heads,
+            kv_heads=config.kv_heads,
+            intermediate=config.intermediate,
+            vision_hidden=config.vision_hidden,
+            vision_depth=config.vision_depth,
+            vision_heads=config.vision_heads,
+            rope_theta=config.rope_theta,
+            temporal_section=config.temporal_section or None,
+            arch=config.arch,
+        )
+        policy = load_policy(tmp)
+    return policy
 
 
 def pretrain(
@@ -377,22 +502,12 @@ def pretrain(
     eval_rng = random.Random(10_000_019 + config.seed)
     held = held_miniwob + [make_sample(eval_rng) for _ in range(config.eval_samples)]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_policy(
-            tmp,
-            seed=config.seed,
-            hidden=config.hidden,
-            layers=config.layers,
-            heads=config.heads,
-            kv_heads=config.kv_heads,
-            intermediate=config.intermediate,
-            vision_hidden=config.vision_hidden,
-            vision_depth=config.vision_depth,
-            vision_heads=config.vision_heads,
-            rope_theta=config.rope_theta,
-            temporal_section=config.temporal_section or None,
-        )
-        policy = load_policy(tmp)
+    if config.init:
+        policy = load_policy(config.init)
+    else:
+        policy = _fresh_policy(config)
+    if config.attention_supervision > 0:
+        policy.model.set_attn_implementation("eager")  # the loss reads attention weights
     policy.image_processor = Qwen2VLImageProcessorPil(
         min_pixels=bounds.min_pixels, max_pixels=bounds.max_pixels
     )
@@ -417,7 +532,15 @@ def pretrain(
         policy.model.train()
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(config, step, progress)
-        loss = bc_batch_loss_cached(policy, batch, coords=coords, bounds=bounds)
+        parts: dict[str, float] = {}
+        loss = bc_batch_loss_cached(
+            policy,
+            batch,
+            coords=coords,
+            bounds=bounds,
+            attention_weight=config.attention_supervision,
+            parts=parts,
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
@@ -426,17 +549,21 @@ def pretrain(
         value = loss.item()
         running = value if running is None else 0.95 * running + 0.05 * value
         if step % 10 == 0:
-            history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(running, 4)})
+            terms = {k: round(v, 4) for k, v in parts.items()}
+            history.append(
+                {"step": step, "seconds": round(elapsed, 1), "loss": round(running, 4), **terms}
+            )
         if step % config.eval_every == 0:
             figures = grounding_accuracy(policy, held, coords=coords, bounds=bounds)
             history.append({"step": step, "seconds": round(elapsed, 1), **figures})
             log(f"step {step} {elapsed:.0f}s loss {running:.3f} " + json.dumps(figures))
         elif step % 10 == 0:
-            log(f"step {step} {elapsed:.0f}s loss {running:.3f}")
+            log(f"step {step} {elapsed:.0f}s loss {running:.3f} " + json.dumps(parts))
     seconds = time.perf_counter() - started
     final = grounding_accuracy(policy, held, coords=coords, bounds=bounds)
     log(f"final after {step} steps, {seconds:.0f}s: " + json.dumps(final))
     policy.model.eval()
+    policy.model.set_attn_implementation("sdpa")  # saved as the architecture's default
     out = save_checkpoint(policy, out_dir)
     return PretrainResult(
         out_dir=out,

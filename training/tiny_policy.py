@@ -1,5 +1,5 @@
-"""Build the tiny CPU policy: a Qwen2.5-VL-architecture model with random weights and a
-tokenizer trained here, saved as a normal Hugging Face directory that `load_policy` loads.
+"""Build the tiny CPU policy: a Qwen3-VL-architecture model (Qwen2.5-VL optional) with random
+weights and a tokenizer trained here, saved as a normal Hugging Face directory that `load_policy` loads.
 
     .venv/bin/python -c "from training.tiny_policy import build_tiny_policy; \
         print(build_tiny_policy('var/policies/tiny'))"
@@ -24,9 +24,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
@@ -160,9 +163,20 @@ def build_tiny_policy(
     vocab_size: int = 2048,
     rope_theta: float = 1_000_000.0,
     temporal_section: int | None = None,
+    arch: str = "qwen3_vl",
+    vision_positions: int = 576,
 ) -> Path:
-    """Write a random-weight Qwen2.5-VL model (~5M params by default) plus tokenizer,
+    """Write a random-weight vision-language model (~6M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
+
+    `arch` is "qwen3_vl" (default) or "qwen2_5_vl". Both keep patch 14 and a 2x2 merge (one
+    image token = 28x28 px, so rollout's coordinate mapping is the same). What differs is
+    where an image token's position lives: Qwen2.5-VL's vision tower has only rotary
+    positions, which shape attention scores but never reach the token's features, so the
+    text model can find the target token but cannot read off where it is (measured: it does
+    not ground; README "Tiny policy grounding"). Qwen3-VL's vision tower adds a learned
+    absolute position table (`vision_positions` entries, a square grid resampled to each
+    image) to the patches, and its text rope interleaves the time/height/width frequencies.
 
     `hidden / heads` is the text head_dim; its half is split over Qwen's three mrope
     sections (temporal, height, width) in the 1:1.5:1.5 ratio of the released models, or,
@@ -181,8 +195,14 @@ def build_tiny_policy(
 
     tokenizer = _train_tokenizer(seed=seed, vocab_size=vocab_size)
     ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # type: ignore[arg-type]
+    if arch not in ("qwen3_vl", "qwen2_5_vl"):
+        raise ValueError(f"arch must be 'qwen3_vl' or 'qwen2_5_vl', got {arch!r}")
     half = head_dim // 2
-    if temporal_section is None:
+    if temporal_section is None and arch == "qwen3_vl":
+        # Qwen3-VL's released split [24, 20, 20] of 64 frequencies, scaled to `half`.
+        side = (half - 3 * half // 8) // 2
+        mrope = [half - 2 * side, side, side]
+    elif temporal_section is None:
         mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
     else:
         if not 0 < temporal_section < half or (half - temporal_section) % 2:
@@ -192,6 +212,90 @@ def build_tiny_policy(
             )
         side = (half - temporal_section) // 2
         mrope = [temporal_section, side, side]
+    model: PreTrainedModel
+    if arch == "qwen3_vl":
+        model = Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(
+                text_config={
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": hidden,
+                    "intermediate_size": intermediate,
+                    "num_hidden_layers": layers,
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": kv_heads,
+                    "head_dim": head_dim,
+                    "max_position_embeddings": 32768,
+                    "rope_parameters": {
+                        "rope_type": "default",
+                        "rope_theta": rope_theta,
+                        "mrope_section": mrope,
+                        "mrope_interleaved": True,
+                    },
+                    "bos_token_id": ids["<|endoftext|>"],
+                    "eos_token_id": ids["<|im_end|>"],
+                    "pad_token_id": ids["<|endoftext|>"],
+                    "tie_word_embeddings": False,
+                },
+                vision_config={
+                    "depth": vision_depth,
+                    "hidden_size": vision_hidden,
+                    "intermediate_size": 2 * vision_hidden,
+                    "num_heads": vision_heads,
+                    "out_hidden_size": hidden,
+                    "patch_size": 14,
+                    "num_position_embeddings": vision_positions,
+                    "deepstack_visual_indexes": [0],
+                },
+                image_token_id=ids["<|image_pad|>"],
+                video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"],
+                vision_end_token_id=ids["<|vision_end|>"],
+                tie_word_embeddings=False,
+            )
+        )
+    else:
+        model = _qwen2_5_vl(
+            tokenizer,
+            ids,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            rope_theta,
+            mrope,
+            vision_depth,
+            vision_hidden,
+            vision_heads,
+        )
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+    # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
+    (out / "chat_template.json").write_text(
+        json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"
+    )
+    return out
+
+
+def _qwen2_5_vl(
+    tokenizer: PreTrainedTokenizerFast,
+    ids: dict[str, int],
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    rope_theta: float,
+    mrope: list[int],
+    vision_depth: int,
+    vision_hidden: int,
+    vision_heads: int,
+) -> PreTrainedModel:
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -224,16 +328,4 @@ def build_tiny_policy(
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
-    # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
-    (out / "chat_template.json").write_text(
-        json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"
-    )
-    return out
+    return Qwen2_5_VLForConditionalGeneration(config)

@@ -64,7 +64,7 @@ def policy(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def test_tiny_policy_is_a_small_qwen25_vl_directory(tiny_dir, policy):
+def test_tiny_policy_is_a_small_qwen3_vl_directory(tiny_dir, policy):
     names = {p.name for p in tiny_dir.iterdir()}
     assert {
         "config.json",
@@ -72,7 +72,9 @@ def test_tiny_policy_is_a_small_qwen25_vl_directory(tiny_dir, policy):
         "tokenizer.json",
         "preprocessor_config.json",
     } <= names
-    assert policy.model.config.model_type == "qwen2_5_vl"
+    assert policy.model.config.model_type == "qwen3_vl"
+    # The learned absolute position table that lets it ground (README, "Tiny policy grounding").
+    assert policy.model.model.visual.pos_embed.weight.shape[0] == 576
     params = sum(p.numel() for p in policy.model.parameters())
     assert 2_000_000 < params < 40_000_000
     tok = policy.tokenizer

@@ -1,4 +1,4 @@
-"""`python manage.py make_tiny_policy [--out DIR]`: build the untrained tiny Qwen2.5-VL policy
+"""`python manage.py make_tiny_policy [--out DIR]`: build the untrained tiny Qwen3-VL policy
 (random weights, a locally trained tokenizer) as a normal Hugging Face directory. No network."""
 
 from pathlib import Path
@@ -8,9 +8,7 @@ from django.core.management.base import BaseCommand
 
 
 class Command(BaseCommand):
-    help = (
-        "Build the untrained tiny Qwen2.5-VL policy (default: DARTBOARD_HOME/policies/untrained)."
-    )
+    help = "Build the untrained tiny Qwen3-VL policy (default: DARTBOARD_HOME/policies/untrained)."
 
     def add_arguments(self, parser):
         parser.add_argument("--out", type=Path, default=None)

@@ -1,0 +1,132 @@
+"""Grounding pretraining: the attention-supervision term, its targets, and both tiny
+architectures through the real pretraining loss."""
+
+import io
+import random
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from training.model import load_policy
+from training.pretrain import (
+    ImageBounds,
+    attention_supervision_loss,
+    bc_batch_loss_cached,
+    target_image_tokens,
+)
+from training.synthetic import GroundingSample, make_sample
+from training.tiny_policy import build_tiny_policy
+
+
+def sample(box: tuple[int, int, int, int]) -> GroundingSample:
+    """A white 160x210 screen with one dark box, the target."""
+    image = Image.new("RGB", (160, 210), "white")
+    ImageDraw.Draw(image).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(60, 60, 60))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return GroundingSample(
+        png=buf.getvalue(),
+        width=160,
+        height=210,
+        instruction="Click the box",
+        x=(box[0] + box[2]) // 2,
+        y=(box[1] + box[3]) // 2,
+        box=box,
+        source="test",
+    )
+
+
+def test_target_tokens_are_the_28px_cells_the_box_overlaps():
+    # 160x210 -> 168x224 model px: 6 columns x 8 rows of 28 px cells; sx = 1.05, sy = 224/210.
+    assert target_image_tokens(sample((0, 0, 10, 10)), bounds=ImageBounds()) == [0]
+    # x 30..50 -> 31.5..52.5 (column 1); y 100..110 -> 106.7..117.3 (row 3): token 3*6+1.
+    assert target_image_tokens(sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19]
+    # Straddling two columns and two rows: 4 tokens.
+    assert target_image_tokens(sample((20, 20, 40, 40)), bounds=ImageBounds()) == [0, 1, 6, 7]
+
+
+def test_attention_loss_is_minus_log_of_the_mass_on_the_target():
+    pad, bs, be = 7, 3, 4
+    # Row: text, 4 image tokens (positions 1..4), box_start at 5, two point tokens, box_end.
+    ids = torch.tensor([[9, pad, pad, pad, pad, bs, 11, 12, be]])
+    attn = torch.zeros(1, 9, 9)
+    attn[0, 5, 2] = 0.5  # query 5 (box_start) puts half its mass on image token 1
+    attn[0, 6, 2], attn[0, 6, 3] = 0.2, 0.05  # query 6: 0.2 on token 1, 0.05 on token 2
+    attn[0, 7, 2] = 1.0
+    loss = attention_supervision_loss(
+        attn, ids, offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
+    )
+    expected = -(torch.log(torch.tensor(0.5)) + torch.log(torch.tensor(0.2)) + 0.0) / 3
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-4)
+    # Two target tokens sum their mass; the query offset shifts rows of `attentions`.
+    both = attention_supervision_loss(
+        attn[:, 5:], ids, offset=5, targets=[[1, 2]], image_pad=pad, box_start=bs, box_end=be
+    )
+    expected = -(torch.log(torch.tensor(0.5)) + torch.log(torch.tensor(0.25)) + 0.0) / 3
+    assert both.item() == pytest.approx(expected.item(), abs=1e-4)
+    # A point shown earlier in the prompt (the system prompt's format example) is not it.
+    shown = torch.tensor([[bs, 5, be, 9, pad, pad, pad, pad, bs, 11, 12, be]])
+    attn_shown = torch.zeros(1, 12, 12)
+    attn_shown[0, 8:11, 5] = 0.5  # the response's queries: half their mass on image token 1
+    assert attention_supervision_loss(
+        attn_shown, shown, offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
+    ).item() == pytest.approx(-torch.log(torch.tensor(0.5)).item(), abs=1e-4)
+    # A row without a point contributes nothing (no NaN from an empty mean).
+    none = attention_supervision_loss(
+        attn, ids[:, :5], offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
+    )
+    assert none.item() == 0.0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_one_supervised_step_moves_the_head_towards_the_target(arch, tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    policy = load_policy(build_tiny_policy(tmp_path / arch, arch=arch))
+    assert policy.model.config.model_type == arch
+    policy.model.set_attn_implementation("eager")
+    batch = [make_sample(random.Random(i)) for i in range(4)]
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.5)
+
+    def attention_only() -> torch.Tensor:
+        bc = bc_batch_loss_cached(policy, batch, coords="pixel", bounds=ImageBounds())
+        both = bc_batch_loss_cached(
+            policy, batch, coords="pixel", bounds=ImageBounds(), attention_weight=1.0
+        )
+        return both - bc
+
+    before = attention_only()
+    assert before.item() > 0.5  # an untrained head barely looks at the target
+    optimizer.zero_grad()
+    before.backward()
+    optimizer.step()
+    assert attention_only().item() < before.item()
+
+
+def test_attention_supervision_without_eager_attention_is_a_clear_error(tmp_path):
+    policy = load_policy(build_tiny_policy(tmp_path / "p"))
+    policy.model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="eager attention"):
+        bc_batch_loss_cached(
+            policy,
+            [make_sample(random.Random(0))],
+            coords="pixel",
+            bounds=ImageBounds(),
+            attention_weight=1.0,
+        )
+
+
+def test_cached_loss_equals_the_plain_loss_even_when_every_row_shares_the_instruction(tmp_path):
+    from training.pretrain import bc_batch_loss
+
+    torch.set_num_threads(1)
+    policy = load_policy(build_tiny_policy(tmp_path / "p"))
+    same = [sample((10, 60, 40, 80)), sample((90, 120, 130, 140))]  # the same instruction
+    mixed = [make_sample(random.Random(i)) for i in range(3)]
+    for batch in (same, mixed):
+        kw = {"coords": "pixel", "bounds": ImageBounds()}
+        with torch.no_grad():
+            plain = bc_batch_loss(policy, batch, **kw)
+            cached = bc_batch_loss_cached(policy, batch, **kw)
+        assert cached.item() == pytest.approx(plain.item(), rel=1e-4)

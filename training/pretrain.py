@@ -348,13 +348,13 @@ def bc_batch_loss_cached(
     if attention_weight > 0:
         if not out.attentions:
             raise ValueError("attention supervision needs eager attention (no weights returned)")
-        targets = [target_image_tokens(s, bounds=bounds) for s in samples]
+        target_tokens = [target_image_tokens(s, bounds=bounds) for s in samples]
         per_head = [
             attention_supervision_loss(
                 out.attentions[-1][:, head],
                 ids,
                 offset=prefix_len,
-                targets=targets,
+                targets=target_tokens,
                 image_pad=image_pad,
                 box_start=policy.token_id("<|box_start|>"),
                 box_end=policy.token_id("<|box_end|>"),

@@ -160,7 +160,7 @@ def test_checkpoint_reload_changes_and_restores_outputs(policy, tmp_path):
     messages = step_messages()
     before = generate(policy, [messages], max_new_tokens=8, greedy=True)[0]
     original = save_checkpoint(policy, tmp_path / "v0")
-    assert load_policy(original).model.config.model_type == "qwen2_5_vl"
+    assert load_policy(original).model.config.model_type == "qwen3_vl"
 
     with torch.no_grad():
         for p in policy.model.parameters():

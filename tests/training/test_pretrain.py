@@ -40,8 +40,10 @@ def sample(box: tuple[int, int, int, int]) -> GroundingSample:
 def test_target_tokens_are_the_28px_cells_the_box_overlaps():
     # 160x210 -> 168x224 model px: 6 columns x 8 rows of 28 px cells; sx = 1.05, sy = 224/210.
     assert target_image_tokens(sample((0, 0, 10, 10)), bounds=ImageBounds()) == [0]
-    # x 30..50 -> 31.5..52.5 (column 1); y 100..110 -> 106.7..117.3 (row 3): token 3*6+1.
-    assert target_image_tokens(sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19]
+    # x 30..50 -> 31.5..52.5 (column 1); y 90..100 -> 96.0..106.7 (row 3): token 3*6+1.
+    assert target_image_tokens(sample((30, 90, 50, 100)), bounds=ImageBounds()) == [19]
+    # y 100..110 -> 106.7..117.3 crosses into row 4 (from 112 px): tokens 19 and 25.
+    assert target_image_tokens(sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19, 25]
     # Straddling two columns and two rows: 4 tokens.
     assert target_image_tokens(sample((20, 20, 40, 40)), bounds=ImageBounds()) == [0, 1, 6, 7]
 

@@ -31,6 +31,9 @@ class Command(BaseCommand):
         parser.add_argument("--batch-size", type=int, default=16)
         parser.add_argument("--lr", type=float, default=1e-3)
         parser.add_argument("--attention-supervision", type=float, default=1.0)
+        parser.add_argument(
+            "--miniwob-fraction", type=float, default=0.5, help="Share of MiniWoB clicks per batch."
+        )
         parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen2_5_vl"])
         parser.add_argument(
             "--init", default="", help="Continue from this checkpoint (its MANIFEST is kept)."
@@ -67,6 +70,7 @@ class Command(BaseCommand):
             batch_size=options["batch_size"],
             lr=options["lr"],
             attention_supervision=options["attention_supervision"],
+            miniwob_fraction=options["miniwob_fraction"],
             arch=options["arch"],
             init=str(options["init"]),
         )
@@ -77,16 +81,11 @@ class Command(BaseCommand):
             self.stdout.write(line)
             self.stdout.flush()  # progress shows live when the output goes to a file
 
+        commit = _git_commit()  # the code this run starts from
         result = pretrain(config=config, out_dir=out, miniwob=demos, log=log)
         weights = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
         if weights > MAX_CHECKPOINT_BYTES:
             raise CommandError(f"{out}: weights are {weights / 2**20:.1f} MiB, over the 25 MiB cap")
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
         manifest = {
             "command": "python manage.py " + shlex.join(["pretrain_policy", *sys.argv[2:]]),
             "git_commit": commit,
@@ -112,3 +111,19 @@ class Command(BaseCommand):
         Path(out, "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
         Path(out, "history.json").write_text(json.dumps(result.history) + "\n")
         self.stdout.write(f"wrote {out} ({weights / 2**20:.1f} MiB) and its MANIFEST.json")
+
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" (with uncommitted changes)" if dirty else "")

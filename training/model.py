@@ -12,8 +12,10 @@ and `encode_prompt_response` / `sequence_logprobs` (training) share these functi
 Log-probs and entropies are always those of the model's own distribution, softmax(logits)
 at temperature 1 with no top-p cut, whatever temperature/top_p sampled the token: the
 trainer recomputes exactly that quantity, so the two can be compared token by token
-(truncated importance sampling). Works for the tiny policy and for any local Qwen2-VL /
-Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B); nothing is downloaded.
+(truncated importance sampling). Works for the tiny policy (Qwen3-VL architecture, patch 14)
+and for any local Qwen2-VL / Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B); nothing is
+downloaded. Released Qwen3-VL checkpoints use 16 px patches (32 px per image token), which
+rollout's coordinate mapping (`rollout.actions.IMAGE_FACTOR` = 28) does not follow yet.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ either within minutes; both together do.
 from __future__ import annotations
 
 import argparse
-import io
 import random
 import sys
 import tempfile
@@ -33,7 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from PIL import Image, ImageDraw  # noqa: E402
 
 from training.model import generate, load_policy  # noqa: E402
 from training.pretrain import (  # noqa: E402
@@ -42,28 +40,13 @@ from training.pretrain import (  # noqa: E402
     predicted_click,
     sample_messages,
 )
-from training.synthetic import GroundingSample  # noqa: E402
+from training.synthetic import GroundingSample, box_sample  # noqa: E402
 from training.tiny_policy import build_tiny_policy  # noqa: E402
 
 
 def screen(rng: random.Random) -> GroundingSample:
-    img = Image.new("RGB", (160, 210), "white")
-    draw = ImageDraw.Draw(img)
-    draw.rectangle([0, 0, 159, 49], fill=(255, 255, 0))
     x, y = rng.randrange(0, 130), rng.randrange(55, 190)
-    draw.rectangle([x, y, x + 29, y + 19], fill=(60, 60, 60))
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return GroundingSample(
-        png=buf.getvalue(),
-        width=160,
-        height=210,
-        instruction="Click the box",
-        x=x + 15,
-        y=y + 10,
-        box=(x, y, x + 30, y + 20),
-        source="probe/box",
-    )
+    return box_sample((x, y, x + 30, y + 20))
 
 
 @torch.no_grad()

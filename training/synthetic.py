@@ -337,3 +337,24 @@ def make_sample(rng: random.Random, *, layout: str | None = None) -> GroundingSa
             box=box,
             source=f"synthetic/{name}",
         )
+
+
+def box_sample(box: Box) -> GroundingSample:
+    """The smallest grounding screen: a blank page under the yellow bar with one dark box,
+    the target of "Click the box" (bench/grounding_probe.py and the tests use it)."""
+    img = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([0, 0, WIDTH - 1, BAR_HEIGHT - 1], fill=(255, 255, 0))
+    draw.rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(60, 60, 60))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return GroundingSample(
+        png=buf.getvalue(),
+        width=WIDTH,
+        height=HEIGHT,
+        instruction="Click the box",
+        x=(box[0] + box[2]) // 2,
+        y=(box[1] + box[3]) // 2,
+        box=box,
+        source="probe/box",
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -212,61 +213,54 @@ def build_tiny_policy(
             )
         side = (half - temporal_section) // 2
         mrope = [temporal_section, side, side]
+    text: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": rope_theta,
+            "mrope_section": mrope,
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    vision: dict[str, Any] = {
+        "depth": vision_depth,
+        "hidden_size": vision_hidden,
+        "intermediate_size": 2 * vision_hidden,
+        "num_heads": vision_heads,
+        "out_hidden_size": hidden,
+    }
+    special: dict[str, Any] = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
     model: PreTrainedModel
     if arch == "qwen3_vl":
+        text["head_dim"] = head_dim
+        text["tie_word_embeddings"] = False
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(
+            patch_size=14, num_position_embeddings=vision_positions, deepstack_visual_indexes=[0]
+        )
         model = Qwen3VLForConditionalGeneration(
             Qwen3VLConfig(
-                text_config={
-                    "vocab_size": len(tokenizer),
-                    "hidden_size": hidden,
-                    "intermediate_size": intermediate,
-                    "num_hidden_layers": layers,
-                    "num_attention_heads": heads,
-                    "num_key_value_heads": kv_heads,
-                    "head_dim": head_dim,
-                    "max_position_embeddings": 32768,
-                    "rope_parameters": {
-                        "rope_type": "default",
-                        "rope_theta": rope_theta,
-                        "mrope_section": mrope,
-                        "mrope_interleaved": True,
-                    },
-                    "bos_token_id": ids["<|endoftext|>"],
-                    "eos_token_id": ids["<|im_end|>"],
-                    "pad_token_id": ids["<|endoftext|>"],
-                    "tie_word_embeddings": False,
-                },
-                vision_config={
-                    "depth": vision_depth,
-                    "hidden_size": vision_hidden,
-                    "intermediate_size": 2 * vision_hidden,
-                    "num_heads": vision_heads,
-                    "out_hidden_size": hidden,
-                    "patch_size": 14,
-                    "num_position_embeddings": vision_positions,
-                    "deepstack_visual_indexes": [0],
-                },
-                image_token_id=ids["<|image_pad|>"],
-                video_token_id=ids["<|video_pad|>"],
-                vision_start_token_id=ids["<|vision_start|>"],
-                vision_end_token_id=ids["<|vision_end|>"],
-                tie_word_embeddings=False,
+                text_config=text, vision_config=vision, tie_word_embeddings=False, **special
             )
         )
     else:
-        model = _qwen2_5_vl(
-            tokenizer,
-            ids,
-            hidden,
-            intermediate,
-            layers,
-            heads,
-            kv_heads,
-            rope_theta,
-            mrope,
-            vision_depth,
-            vision_hidden,
-            vision_heads,
+        text["max_window_layers"] = layers
+        vision["fullatt_block_indexes"] = [vision_depth - 1]
+        model = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
         )
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -280,52 +274,3 @@ def build_tiny_policy(
         json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"
     )
     return out
-
-
-def _qwen2_5_vl(
-    tokenizer: PreTrainedTokenizerFast,
-    ids: dict[str, int],
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    rope_theta: float,
-    mrope: list[int],
-    vision_depth: int,
-    vision_hidden: int,
-    vision_heads: int,
-) -> PreTrainedModel:
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden,
-            "intermediate_size": intermediate,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "max_position_embeddings": 32768,
-            "max_window_layers": layers,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": rope_theta,
-                "mrope_section": mrope,
-            },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={
-            "depth": vision_depth,
-            "hidden_size": vision_hidden,
-            "intermediate_size": 2 * vision_hidden,
-            "num_heads": vision_heads,
-            "out_hidden_size": hidden,
-            "fullatt_block_indexes": [vision_depth - 1],
-        },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    return Qwen2_5_VLForConditionalGeneration(config)

@@ -1,12 +1,10 @@
 """Grounding pretraining: the attention-supervision term, its targets, and both tiny
 architectures through the real pretraining loss."""
 
-import io
 import random
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from training.model import load_policy
 from training.pretrain import (
@@ -15,37 +13,19 @@ from training.pretrain import (
     bc_batch_loss_cached,
     target_image_tokens,
 )
-from training.synthetic import GroundingSample, make_sample
+from training.synthetic import box_sample, make_sample
 from training.tiny_policy import build_tiny_policy
-
-
-def sample(box: tuple[int, int, int, int]) -> GroundingSample:
-    """A white 160x210 screen with one dark box, the target."""
-    image = Image.new("RGB", (160, 210), "white")
-    ImageDraw.Draw(image).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(60, 60, 60))
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return GroundingSample(
-        png=buf.getvalue(),
-        width=160,
-        height=210,
-        instruction="Click the box",
-        x=(box[0] + box[2]) // 2,
-        y=(box[1] + box[3]) // 2,
-        box=box,
-        source="test",
-    )
 
 
 def test_target_tokens_are_the_28px_cells_the_box_overlaps():
     # 160x210 -> 168x224 model px: 6 columns x 8 rows of 28 px cells; sx = 1.05, sy = 224/210.
-    assert target_image_tokens(sample((0, 0, 10, 10)), bounds=ImageBounds()) == [0]
+    assert target_image_tokens(box_sample((0, 0, 10, 10)), bounds=ImageBounds()) == [0]
     # x 30..50 -> 31.5..52.5 (column 1); y 90..100 -> 96.0..106.7 (row 3): token 3*6+1.
-    assert target_image_tokens(sample((30, 90, 50, 100)), bounds=ImageBounds()) == [19]
+    assert target_image_tokens(box_sample((30, 90, 50, 100)), bounds=ImageBounds()) == [19]
     # y 100..110 -> 106.7..117.3 crosses into row 4 (from 112 px): tokens 19 and 25.
-    assert target_image_tokens(sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19, 25]
+    assert target_image_tokens(box_sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19, 25]
     # Straddling two columns and two rows: 4 tokens.
-    assert target_image_tokens(sample((20, 20, 40, 40)), bounds=ImageBounds()) == [0, 1, 6, 7]
+    assert target_image_tokens(box_sample((20, 20, 40, 40)), bounds=ImageBounds()) == [0, 1, 6, 7]
 
 
 def test_attention_loss_is_minus_log_of_the_mass_on_the_target():
@@ -124,7 +104,7 @@ def test_cached_loss_equals_the_plain_loss_even_when_every_row_shares_the_instru
 
     torch.set_num_threads(1)
     policy = load_policy(build_tiny_policy(tmp_path / "p"))
-    same = [sample((10, 60, 40, 80)), sample((90, 120, 130, 140))]  # the same instruction
+    same = [box_sample((10, 60, 40, 80)), box_sample((90, 120, 130, 140))]  # the same instruction
     mixed = [make_sample(random.Random(i)) for i in range(3)]
     for batch in (same, mixed):
         kw = {"coords": "pixel", "bounds": ImageBounds()}

@@ -476,7 +476,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m rollout.server", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--policy", required=True, help="model directory (tiny Qwen3-VL policy or a Qwen2-VL / 2.5-VL / 3-VL checkpoint)"
+        "--policy",
+        required=True,
+        help="model directory (tiny Qwen3-VL policy or a Qwen2-VL / 2.5-VL / 3-VL checkpoint)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")

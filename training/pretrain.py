@@ -38,6 +38,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from envmanager.protocol import Action, ActionType
 from rollout.actions import (
+    IMAGE_FACTOR,
     ActionParseError,
     CoordSpace,
     format_action,
@@ -70,7 +71,6 @@ PRETRAIN_TASKS = (
     "click-color",
 )
 TRAIN_SEED_BASE = 100_000  # training seeds start here; bench seeds stay below
-IMAGE_TOKEN_PX = 28  # patch 14, 2x2 merge
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def target_image_tokens(sample: GroundingSample, *, bounds: ImageBounds) -> list
         sample.box[2] * sx,
         sample.box[3] * sy,
     )
-    cell, cols = IMAGE_TOKEN_PX, mw // IMAGE_TOKEN_PX
+    cell, cols = IMAGE_FACTOR, mw // IMAGE_FACTOR  # one image token per 28x28 px
     return [
         r * cols + c
         for r in range(mh // cell)

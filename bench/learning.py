@@ -46,10 +46,14 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
         "policy": args.policy,
         "tasks": {"names": tasks},
         "env": {"miniwob_slots": args.slots},
-        "rollout": {"max_new_tokens": 48, "max_images": 3},
+        # A valid click is ~21 tokens. The tiny policy was pretrained on first steps only, so a
+        # later step's output is mostly unparsable: one such output ends the episode instead
+        # of three, so a lucky late click cannot reward the junk before it.
+        "rollout": {"max_new_tokens": 32, "max_images": 3, "max_parse_errors": 1},
         "curation": VARIANTS[name],
-        "trainer": {"warm_start_bc_updates": args.warm_start, "kl_coef": 0.0, "micro_batch": 4,
-                    "max_steps_per_update": 32, "lr": args.lr},
+        "trainer": {"warm_start_bc_updates": args.warm_start, "kl_coef": args.kl_coef,
+                    "micro_batch": 4, "max_steps_per_update": 32, "lr": args.lr,
+                    "loss_aggregation": args.aggregation},
     })  # fmt: skip
     run = run_create(name=f"learning {name}", config=cfg)
     from django.core.management import call_command
@@ -68,7 +72,7 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
     first = PolicyVersion.objects.filter(run=run).order_by("version").first().version
     last = PolicyVersion.objects.filter(run=run).order_by("-version").first().version
     task_rows = list(Task.objects.filter(name__in=tasks))
-    out = {"variant": name, "versions": (first, last)}
+    out = {"variant": name, "versions": (first, last), "curve": online_curve(run)}
     for label, version in (("warm_start", first), ("after_rl", last)):
         job = eval_job_create(
             name=f"{name} v{version}",
@@ -83,6 +87,31 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
     return out
 
 
+def online_curve(run, *, buckets: int = 5) -> list[tuple[str, int, float]]:
+    """Success of the training rollouts by policy version, in `buckets` consecutive ranges:
+    (versions, trajectories, success rate). Sampled, not greedy: the learning curve as the
+    dashboard shows it."""
+    from datamanager.models import Trajectory
+
+    rows = [
+        (versions[0], status == "succeeded")
+        for versions, status in Trajectory.objects.filter(
+            run=run, purpose="train", source="online", status__in=["succeeded", "failed"]
+        ).values_list("policy_versions", "status")
+        if versions
+    ]
+    if not rows:
+        return []
+    top = max(v for v, _ in rows)
+    size = max(1, -(-(top + 1) // buckets))
+    curve = []
+    for lo in range(0, top + 1, size):
+        part = [ok for v, ok in rows if lo <= v < lo + size]
+        if part:
+            curve.append((f"v{lo}-v{min(top, lo + size - 1)}", len(part), sum(part) / len(part)))
+    return curve
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
@@ -92,6 +121,8 @@ def main() -> None:
     ap.add_argument("--policy", default="shipped")
     ap.add_argument("--warm-start", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--aggregation", default="trajectory", choices=["trajectory", "token"])
     ap.add_argument("--k", type=int, default=5, help="held-out episodes per task")
     ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")
     args = ap.parse_args()
@@ -115,7 +146,11 @@ def main() -> None:
         )
     for r in results:
         print(
-            f"\n{r['variant']} per task: "
+            f"\n{r['variant']} training rollouts (sampled) by version: "
+            + ", ".join(f"{label} {rate:.0%} of {n}" for label, n, rate in r["curve"])
+        )
+        print(
+            f"{r['variant']} per task: "
             + ", ".join(
                 f"{t.removeprefix('miniwob/')} {r['warm_start_tasks'][t]:.0%}->{r['after_rl_tasks'].get(t, 0):.0%}"
                 for t in sorted(r["warm_start_tasks"])

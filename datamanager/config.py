@@ -111,6 +111,10 @@ class TrainerConfig:
     loss_type: Literal["ppo", "gspo"] = knob(
         "ppo", "Token-level PPO clipping or GSPO sequence ratio."
     )
+    loss_aggregation: Literal["trajectory", "token"] = knob(
+        "trajectory",
+        "Every trajectory weighs the same, or DART's mean over all tokens (long episodes dominate).",
+    )
     clip_low: float = knob(0.2, "Lower clip range of the ratio.")
     clip_high: float = knob(0.28, "Upper clip range of the ratio (clip-higher).")
     kl_coef: float = knob(

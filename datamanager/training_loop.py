@@ -36,6 +36,7 @@ def update_config(cfg: RunConfig) -> UpdateConfig:
     t, c = cfg.trainer, cfg.curation
     return UpdateConfig(
         loss_type=t.loss_type,
+        aggregation=t.loss_aggregation,
         clip_low=t.clip_low,
         clip_high=t.clip_high,
         kl_coef=t.kl_coef,

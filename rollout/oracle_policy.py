@@ -41,7 +41,9 @@ class OracleEndpoint:
             max_pixels=self.max_pixels,
         )
         model_action = from_screen(action, screen_size=(obs.width, obs.height), model_size=size)
-        text = format_action(model_action, thought="The oracle knows the answer.")
+        # No canned thought: it says nothing, and the shipped policy was pretrained to answer
+        # with the action alone, so demos in that format warm-start it without a format shift.
+        text = format_action(model_action)
         return Completion.scripted(text, started=started, served_by="oracle")
 
 

@@ -149,6 +149,53 @@ def truncated_is_weights(
 # --- policy-gradient losses --------------------------------------------------------------
 
 
+def _per_sequence(sample_weights: Tensor, logprobs: Tensor) -> Tensor:
+    """Check sample_weights is [B] for logprobs [B, T]; detached, in logprobs' dtype."""
+    if sample_weights.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"sample_weights must be [B]={list(logprobs.shape[:1])}, "
+            f"got {list(sample_weights.shape)}"
+        )
+    return sample_weights.detach().to(logprobs.dtype)
+
+
+def trajectory_sample_weights(
+    trajectory_ids: Tensor, n_tokens: Tensor
+) -> tuple[Tensor, Tensor, int]:
+    """Weights that make every trajectory count once, however many steps and tokens it has.
+
+    With step-level samples and token-mean aggregation a trajectory weighs by its token count:
+    a failed episode that wanders for 5 steps outweighs a 1-step success 5 to 1, so the
+    group's advantages (which sum to 0 over trajectories) stop cancelling on what successes
+    and failures share, and the update mostly pushes probability away from sampled text
+    (entropy rises, the policy collapses; measured on MiniWoB++ with the tiny policy).
+    Here each token of step i weighs 1 / (n_tokens_i * steps of i's trajectory), so each step
+    is a token mean, each trajectory the mean of its steps, and the loss the mean over
+    trajectories when divided by `n_trajectories`.
+
+    Args:
+        trajectory_ids: [N] trajectory of each step.
+        n_tokens: [N] response tokens of each step (steps with 0 tokens get weight 0).
+    Returns:
+        (ppo_weights [N]: 1 / (n_tokens * steps), gspo_weights [N]: 1 / steps,
+        n_trajectories: distinct trajectories among steps with tokens).
+    """
+    if trajectory_ids.dim() != 1 or n_tokens.shape != trajectory_ids.shape:
+        raise ValueError(
+            f"trajectory_ids and n_tokens must both be 1-D of the same length, got "
+            f"{list(trajectory_ids.shape)} and {list(n_tokens.shape)}"
+        )
+    has_tokens = n_tokens > 0
+    _, inverse = torch.unique(trajectory_ids, return_inverse=True)
+    steps = torch.zeros(int(inverse.max().item()) + 1 if inverse.numel() else 0)
+    steps = steps.index_add(0, inverse, has_tokens.to(steps.dtype))
+    per_step = steps[inverse].clamp(min=1.0)
+    gspo = torch.where(has_tokens, 1.0 / per_step, torch.zeros_like(per_step))
+    ppo = torch.where(has_tokens, gspo / n_tokens.clamp(min=1).to(gspo.dtype), torch.zeros_like(gspo))
+    return ppo, gspo, int((steps > 0).sum().item())
+
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -158,6 +205,7 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     is_weights: Tensor | None = None,
+    sample_weights: Tensor | None = None,
     normalizer: float | None = None,
 ) -> tuple[Tensor, float]:
     """Token-level PPO clipped surrogate with asymmetric ("clip-higher") clipping.
@@ -173,6 +221,8 @@ def ppo_clip_loss(
         advantages: [B] one advantage per sequence (step).
         mask: [B, T] response tokens.
         is_weights: [B, T] truncated IS weights, or None for 1.
+        sample_weights: [B] a weight per sequence multiplied into its token losses, or None
+            for 1 (trajectory aggregation: 1 / (tokens of the step * steps of its trajectory)).
     Returns:
         (loss scalar tensor, clip_fraction float): the clip fraction is the share of unmasked
         tokens where the clipped term was selected (their gradient is zero).
@@ -192,6 +242,8 @@ def ppo_clip_loss(
     if is_weights is not None:
         _check_same_shape(logprobs=logprobs, is_weights=is_weights)
         token_loss = token_loss * is_weights.detach().to(logprobs.dtype)
+    if sample_weights is not None:
+        token_loss = token_loss * _per_sequence(sample_weights, logprobs).unsqueeze(1)
     loss = _masked_sum_over(token_loss, mask_f, normalizer)
     n_tokens = float(mask_f.sum().item())
     was_clipped = (clipped < unclipped).to(logprobs.dtype) * mask_f
@@ -208,6 +260,7 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     is_weights: Tensor | None = None,
+    sample_weights: Tensor | None = None,
     normalizer: float | None = None,
 ) -> tuple[Tensor, float]:
     """GSPO: sequence-level ratio s_i = exp(mean_t(logp - old_logp)) with sequence clipping.
@@ -223,6 +276,7 @@ def gspo_loss(
         advantages: [B] one advantage per sequence.
         mask: [B, T] response tokens.
         is_weights: [B, T] truncated IS weights, or None for 1.
+        sample_weights: [B] a weight per sequence multiplied into its loss, or None for 1.
     Returns:
         (loss scalar tensor, clip_fraction float over sequences).
     """
@@ -245,6 +299,8 @@ def gspo_loss(
         _check_same_shape(logprobs=logprobs, is_weights=is_weights)
         seq_w = (is_weights.detach().to(logprobs.dtype) * mask_f).sum(dim=1) / safe_len
         seq_loss = seq_loss * seq_w
+    if sample_weights is not None:
+        seq_loss = seq_loss * _per_sequence(sample_weights, logprobs)
     loss = _masked_sum_over(seq_loss, present, normalizer)
     n_seq = float(present.sum().item())
     was_clipped = (clipped < unclipped).to(logprobs.dtype) * present
@@ -308,6 +364,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     is_weights: Tensor | None = None,
+    sample_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     bc_mask: Tensor | None = None,
@@ -315,6 +372,7 @@ def policy_loss(
     token_normalizer: float | None = None,
     sequence_normalizer: float | None = None,
     bc_normalizer: float | None = None,
+    pg_normalizer: float | None = None,
 ) -> PolicyLoss:
     """pg (PPO or GSPO) + kl_coef * KL(pi_theta || pi_ref) + bc_weight * BC.
 
@@ -324,6 +382,8 @@ def policy_loss(
         token_normalizer: divisor of the PPO and KL sums (default: pg_mask tokens here).
         sequence_normalizer: divisor of the GSPO sum (default: sequences with pg tokens here).
         bc_normalizer: divisor of the BC sum (default: bc_mask tokens here).
+        pg_normalizer: divisor of the pg sum only, overriding the two above for it (with
+            trajectory sample_weights: the number of trajectories; the KL stays a token mean).
     Raises:
         ValueError: unknown loss_type, or kl_coef > 0 without ref_logprobs.
     """
@@ -331,13 +391,15 @@ def policy_loss(
         pg, clip_fraction = ppo_clip_loss(
             logprobs, old_logprobs, advantages, pg_mask,
             clip_low=clip_low, clip_high=clip_high, is_weights=is_weights,
-            normalizer=token_normalizer,
+            sample_weights=sample_weights,
+            normalizer=token_normalizer if pg_normalizer is None else pg_normalizer,
         )  # fmt: skip
     elif loss_type == "gspo":
         pg, clip_fraction = gspo_loss(
             logprobs, old_logprobs, advantages, pg_mask,
             clip_low=clip_low, clip_high=clip_high, is_weights=is_weights,
-            normalizer=sequence_normalizer,
+            sample_weights=sample_weights,
+            normalizer=sequence_normalizer if pg_normalizer is None else pg_normalizer,
         )  # fmt: skip
     else:
         raise ValueError(f"loss_type must be 'ppo' or 'gspo', got {loss_type!r}")

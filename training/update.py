@@ -30,6 +30,7 @@ from training.losses import (
     group_advantages,
     high_entropy_mask,
     policy_loss,
+    trajectory_sample_weights,
     truncated_is_weights,
 )
 from training.samples import TrainSample, UpdateMetrics
@@ -44,6 +45,9 @@ class UpdateConfig:
     """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here)."""
 
     loss_type: str = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
+    # "trajectory": every trajectory weighs the same (its steps averaged, each step a token
+    # mean); "token": DART's mean over all tokens, so long (mostly failed) episodes dominate.
+    aggregation: str = "trajectory"
     clip_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_low.
     clip_high: float = 0.28  # PPO: ratio clipped above at 1 + clip_high (clip-higher).
     gspo_clip_low: float = 3e-4  # GSPO: sequence ratio clipped below at 1 - gspo_clip_low.
@@ -67,6 +71,10 @@ class UpdateConfig:
         check(
             self.loss_type in ("ppo", "gspo"),
             f"loss_type must be 'ppo' or 'gspo', got {self.loss_type!r}",
+        )
+        check(
+            self.aggregation in ("trajectory", "token"),
+            f"aggregation must be 'trajectory' or 'token', got {self.aggregation!r}",
         )
         for name in ("clip_low", "gspo_clip_low"):
             value = getattr(self, name)
@@ -283,6 +291,16 @@ def _optimizer_step(
     seq_norm = float(sum(1 for i in pg_items if stats[i].old.numel() > 0))
     bc_norm = float(sum(stats[i].old.numel() for i in part if use_bc and samples[i].is_demo))
     clip_low, clip_high = config.pg_clip
+    weight_of: dict[int, float] = {}
+    pg_norm = None
+    if config.aggregation == "trajectory" and pg_items:
+        ppo_w, gspo_w, n_traj = trajectory_sample_weights(
+            torch.tensor([samples[i].trajectory_id for i in pg_items]),
+            torch.tensor([stats[i].old.numel() for i in pg_items]),
+        )
+        chosen = ppo_w if config.loss_type == "ppo" else gspo_w
+        weight_of = dict(zip(pg_items, chosen.tolist(), strict=True))
+        pg_norm = float(n_traj)
     totals = _StepTotals()
     optimizer.zero_grad(set_to_none=True)
     for micro in _batches(part, config.micro_batch):
@@ -308,6 +326,11 @@ def _optimizer_step(
             dtype=torch.float32,
             device=device,
         )
+        sample_weights = None
+        if weight_of:
+            sample_weights = torch.tensor(
+                [weight_of.get(i, 0.0) for i in micro], dtype=torch.float32, device=device
+            )
         is_weights = None
         if config.truncated_is:
             is_weights = _scatter([stats[i].is_weight for i in micro], mask)  # type: ignore[misc]
@@ -323,6 +346,7 @@ def _optimizer_step(
             clip_low=clip_low,
             clip_high=clip_high,
             is_weights=is_weights,
+            sample_weights=sample_weights,
             ref_logprobs=ref,
             kl_coef=config.kl_coef,
             bc_mask=bc_mask,
@@ -330,6 +354,7 @@ def _optimizer_step(
             token_normalizer=token_norm,
             sequence_normalizer=seq_norm,
             bc_normalizer=bc_norm,
+            pg_normalizer=pg_norm,
         )
         if out.loss.requires_grad:
             out.loss.backward()

@@ -16,6 +16,7 @@ from training.losses import (
     kl_low_variance,
     policy_loss,
     ppo_clip_loss,
+    trajectory_sample_weights,
     truncated_is_weights,
 )
 
@@ -158,6 +159,31 @@ def test_ppo_clip_loss_with_is_weights_and_normalizer() -> None:
     assert close(loss, -0.43 / 5)
     loss, _ = ppo_clip_loss(logprobs, old, ADV, MASK, is_weights=w, normalizer=10)
     assert close(loss, -0.43 / 10)
+
+
+def test_trajectory_sample_weights_count_each_trajectory_once() -> None:
+    # trajectory 4: steps with 2 and 3 tokens; trajectory 9: one step of 5 tokens and one of 0
+    ppo, gspo, n_traj = trajectory_sample_weights(
+        torch.tensor([4, 9, 4, 9]), torch.tensor([2, 5, 3, 0])
+    )
+    assert close(ppo, [1 / (2 * 2), 1 / 5, 1 / (3 * 2), 0.0])
+    assert close(gspo, [0.5, 1.0, 0.5, 0.0])
+    assert n_traj == 2
+    # Each trajectory's token weights add up to 1: the pg loss is a mean over trajectories.
+    assert close(ppo[0] * 2 + ppo[2] * 3, 1.0) and close(ppo[1] * 5, 1.0)
+    with pytest.raises(ValueError, match="same length"):
+        trajectory_sample_weights(torch.tensor([1, 2]), torch.tensor([1]))
+
+
+def test_ppo_clip_loss_with_sample_weights() -> None:
+    logprobs, old = _ppo_inputs()
+    loss, _ = ppo_clip_loss(
+        logprobs, old, ADV, MASK, sample_weights=torch.tensor([0.5, 0.25]), normalizer=2
+    )
+    # row 0 tokens -1.28 - 0.9 - 1.1 = -3.28 (x0.5), row 1: 1.6 + 2.0 = 3.6 (x0.25)
+    assert close(loss, (-3.28 * 0.5 + 3.6 * 0.25) / 2)
+    with pytest.raises(ValueError, match=r"sample_weights must be \[B\]=\[2\]"):
+        ppo_clip_loss(logprobs, old, ADV, MASK, sample_weights=torch.ones(3))
 
 
 def test_ppo_ratio_below_range_with_positive_advantage_is_not_clipped() -> None:

@@ -128,6 +128,28 @@ def test_policy_update_raises_rewarded_and_lowers_unrewarded_responses(
         assert metrics.kl > 0
 
 
+@pytest.mark.parametrize("aggregation", ["trajectory", "token"])
+def test_a_long_failed_episode_does_not_outweigh_a_short_success(aggregation: str) -> None:
+    """A 1-step success and a 3-step failure that said the same thing: under trajectory
+    aggregation their advantages (+a, -a) cancel and the response keeps its probability;
+    under token aggregation the failure's 3 steps win and push it down."""
+    model = tiny_lm(seed=3)
+    batch = [sample(1, 7, "ab", "cd", 1.0, trajectory=10)] + [
+        sample(step, 7, "ab", "cd", 0.0, trajectory=20) for step in (2, 3, 4)
+    ]
+    before = response_logprob(model, "ab", "cd")
+    config = UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, aggregation=aggregation)
+    policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        samples=with_rollout_logprobs(model, batch), logprob_fn=toy_logprob_fn, config=config,
+    )  # fmt: skip
+    after = response_logprob(model, "ab", "cd")
+    if aggregation == "trajectory":
+        assert after == pytest.approx(before, abs=1e-5)
+    else:
+        assert after < before - 0.05
+
+
 def test_kl_coef_zero_needs_no_ref_model_but_positive_kl_does() -> None:
     model = tiny_lm()
     before = [p.detach().clone() for p in model.parameters()]
@@ -271,6 +293,7 @@ def test_plan_rejects_a_trajectory_with_two_rewards() -> None:
     ("kwargs", "message"),
     [
         ({"loss_type": "grpo"}, "loss_type must be 'ppo' or 'gspo'"),
+        ({"aggregation": "seq"}, "aggregation must be 'trajectory' or 'token'"),
         ({"clip_low": 0.0}, r"clip_low must be in \(0, 1\)"),
         ({"clip_high": -0.1}, "clip_high must be > 0"),
         ({"gspo_clip_high": 0.0}, "gspo_clip_high must be > 0"),

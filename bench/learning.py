@@ -52,7 +52,8 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
         "rollout": {"max_new_tokens": 32, "max_images": 3, "max_parse_errors": 1},
         "curation": VARIANTS[name],
         "trainer": {"warm_start_bc_updates": args.warm_start, "kl_coef": args.kl_coef,
-                    "micro_batch": 4, "max_steps_per_update": 32, "lr": args.lr,
+                    "micro_batch": 4, "max_steps_per_update": args.max_steps,
+                    "min_groups": args.min_groups, "lr": args.lr,
                     "loss_aggregation": args.aggregation},
     })  # fmt: skip
     run = run_create(name=f"learning {name}", config=cfg)
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--warm-start", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--min-groups", type=int, default=4, help="ready task groups per update")
+    ap.add_argument("--max-steps", type=int, default=64, help="most steps in one update")
     ap.add_argument("--aggregation", default="trajectory", choices=["trajectory", "token"])
     ap.add_argument("--k", type=int, default=5, help="held-out episodes per task")
     ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")

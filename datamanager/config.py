@@ -157,6 +157,9 @@ class CurationConfig:
     pool_ratio: float = knob(0.25, "Share of a failed group replaced by pool trajectories.")
     high_entropy: bool = knob(True, "Train only on the highest-entropy steps.")
     entropy_top_q: float = knob(0.8, "Fraction of steps kept by the entropy filter.")
+    entropy_recenter: bool = knob(
+        True, "Re-centre the kept steps' advantages per group (the filter favours failures)."
+    )
     truncated_is: bool = knob(True, "Truncated importance sampling for rollout/trainer mismatch.")
     is_cap: float = knob(1.0, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")

@@ -42,6 +42,7 @@ def update_config(cfg: RunConfig) -> UpdateConfig:
         kl_coef=t.kl_coef,
         bc_weight=t.bc_weight,
         entropy_top_q=c.entropy_top_q if c.high_entropy else 1.0,
+        entropy_recenter=c.entropy_recenter,
         truncated_is=c.truncated_is,
         is_cap=c.is_cap,
         micro_batch=t.micro_batch,

@@ -455,6 +455,7 @@ class MiniWoBEnv:
             height=SCREEN_HEIGHT,
             instruction=self._instruction,
             metadata=metadata,
+            done=metadata["done"],
         )
 
 

@@ -126,6 +126,9 @@ class Observation:
     height: int
     instruction: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The environment ended the episode itself (a MiniWoB++ task is over once its target is
+    # clicked or its one chance is spent): the runner stops asking the policy and evaluates.
+    done: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """The multi-turn episode runner: reset, then prompt -> policy -> parse -> step -> record,
-until `finished` / `call_user` / the step cap; then the task's own evaluation.
+until `finished` / `call_user` / the environment ending the episode itself
+(`Observation.done`, e.g. a MiniWoB++ task after its one click) / the step cap; then the
+task's own evaluation.
 
 It receives the environment, the policy client and a recorder as arguments, so tests pass
 real small ones (a real browser, the tiny policy's server, the database recorder).
@@ -81,7 +83,7 @@ class EpisodeConfig:
 class EpisodeResult:
     status: str  # succeeded | failed
     reward: float
-    end_reason: str  # finished | call_user | step_cap | parse_errors
+    end_reason: str  # finished | call_user | env_done | step_cap | parse_errors
     steps: int
     details: dict[str, Any] = field(default_factory=dict)
     env_ms: float = 0.0
@@ -173,6 +175,11 @@ def run_episode(
             break
         if action is not None and action.type == ActionType.CALL_USER:
             end_reason = "call_user"
+            break
+        if next_obs.done:
+            # Asking the policy again would only add steps that cannot change the outcome
+            # (and, in training, would share the trajectory's reward with them).
+            end_reason = "env_done"
             break
         obs = next_obs
         screenshots.append(obs.screenshot_png)

@@ -122,6 +122,43 @@ def high_entropy_mask(step_entropy: Tensor, *, q: float = 0.8) -> Tensor:
     return keep
 
 
+def recenter_kept_advantages(
+    advantages: Tensor, group_ids: Tensor, keep: Tensor, weights: Tensor
+) -> Tensor:
+    """Make the kept steps' advantages zero-mean again within each group.
+
+    Group advantages sum to zero over a group's trajectories, so what successes and failures
+    share (the format, the common tokens) gets no net push. A step filter that is correlated
+    with the reward breaks that: the high-entropy filter drops confident steps, and on a
+    small policy the confident steps are mostly the successful ones (measured here: it kept
+    60% of successful and 81% of failed first steps), so the kept steps' advantages sum
+    below zero and every update pushes probability away from whatever the policy samples.
+    Subtracting the kept steps' weighted group mean restores the zero sum; the order of
+    advantages within a group is unchanged. Dropped steps keep their (untrained) value.
+
+    Args:
+        advantages: [N] per-step advantages.
+        group_ids: [N] group of each step.
+        keep: [N] bool, steps that will be trained.
+        weights: [N] each step's weight in the loss (1 / steps of its trajectory under
+            trajectory aggregation, 1 under token aggregation).
+    Returns:
+        [N] advantages.
+    """
+    _check_same_shape(advantages=advantages, group_ids=group_ids, keep=keep, weights=weights)
+    out = advantages.clone().to(torch.float64)
+    if out.numel() == 0 or not bool(keep.any()):
+        return out.to(advantages.dtype)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1
+    w = torch.where(keep, weights.to(torch.float64), torch.zeros_like(out))
+    total_w = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, w)
+    total_wa = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, w * out)
+    mean = torch.where(total_w > 0, total_wa / total_w.clamp(min=1e-12), torch.zeros_like(total_w))
+    out = torch.where(keep, out - mean[inverse], out)
+    return out.to(advantages.dtype)
+
+
 def truncated_is_weights(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, cap: float = 1.0
 ) -> Tensor:
@@ -191,9 +228,10 @@ def trajectory_sample_weights(
     steps = steps.index_add(0, inverse, has_tokens.to(steps.dtype))
     per_step = steps[inverse].clamp(min=1.0)
     gspo = torch.where(has_tokens, 1.0 / per_step, torch.zeros_like(per_step))
-    ppo = torch.where(has_tokens, gspo / n_tokens.clamp(min=1).to(gspo.dtype), torch.zeros_like(gspo))
+    ppo = torch.where(
+        has_tokens, gspo / n_tokens.clamp(min=1).to(gspo.dtype), torch.zeros_like(gspo)
+    )
     return ppo, gspo, int((steps > 0).sum().item())
-
 
 
 def ppo_clip_loss(

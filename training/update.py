@@ -30,6 +30,7 @@ from training.losses import (
     group_advantages,
     high_entropy_mask,
     policy_loss,
+    recenter_kept_advantages,
     trajectory_sample_weights,
     truncated_is_weights,
 )
@@ -55,6 +56,9 @@ class UpdateConfig:
     kl_coef: float = 0.1  # Weight of the k3 KL to the reference policy (0: no ref model needed).
     bc_weight: float = 0.0  # Weight of behaviour cloning on experience-pool (demo) steps.
     entropy_top_q: float = 0.8  # Train on this top fraction of steps by entropy (1.0: all).
+    # Re-centre the kept steps' advantages per group after the entropy filter (see
+    # losses.recenter_kept_advantages); False trains DART's uncentred advantages.
+    entropy_recenter: bool = True
     truncated_is: bool = True  # Multiply the loss by min(pi_old / pi_rollout, is_cap).
     is_cap: float = 1.0  # Truncation C of the importance weight.
     adv_eps: float = 1e-6  # Added to the group reward std before dividing.
@@ -135,7 +139,8 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
 
     The entropy filter ranks the online steps of non-skipped groups by their rollout-time
     `mean_entropy` and keeps the top `entropy_top_q`; demo steps (experience pool) are always
-    kept, since their entropy was measured under another policy, if at all.
+    kept, since their entropy was measured under another policy, if at all. Then, with
+    `entropy_recenter`, the kept steps' advantages are made zero-mean again per group.
 
     Raises:
         ValueError: steps of one trajectory disagree on its reward or task.
@@ -161,6 +166,7 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
     step_index = torch.tensor([traj_pos[s.trajectory_id] for s in samples], dtype=torch.long)
     advantage = broadcast_to_steps(traj_adv, step_index).tolist()
     group_keep = broadcast_to_steps(traj_keep, step_index).tolist()
+    step_group = [s.group_id for s in samples]
 
     ranked = [i for i, s in enumerate(samples) if group_keep[i] and not s.is_demo]
     entropy_kept: dict[int, bool] = {}
@@ -172,6 +178,18 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
         bool(group_keep[i]) and (s.is_demo or entropy_kept[s.step_id])
         for i, s in enumerate(samples)
     ]
+    if config.entropy_recenter and config.entropy_top_q < 1 and any(pg_keep):
+        kept_steps = Counter(s.trajectory_id for i, s in enumerate(samples) if pg_keep[i])
+        weights = [
+            1.0 / max(1, kept_steps[s.trajectory_id]) if config.aggregation == "trajectory" else 1.0
+            for s in samples
+        ]
+        advantage = recenter_kept_advantages(
+            torch.tensor(advantage, dtype=torch.float64),
+            torch.tensor(step_group),
+            torch.tensor(pg_keep),
+            torch.tensor(weights, dtype=torch.float64),
+        ).tolist()
     return UpdatePlan(
         advantage=[float(a) for a in advantage],
         pg_keep=pg_keep,

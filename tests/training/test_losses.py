@@ -16,6 +16,7 @@ from training.losses import (
     kl_low_variance,
     policy_loss,
     ppo_clip_loss,
+    recenter_kept_advantages,
     trajectory_sample_weights,
     truncated_is_weights,
 )
@@ -104,6 +105,22 @@ def test_high_entropy_mask_edge_cases() -> None:
 
 
 # --- truncated importance sampling ---------------------------------------------------------
+
+
+def test_recenter_kept_advantages_by_hand() -> None:
+    # group 1: +1, +1, -1, -1, the filter dropped one success -> kept +1, -1, -1 (mean -1/3)
+    # group 2: kept +2 (weight 0.5) and -1 (weight 1): weighted mean (1 - 1) / 1.5 = 0
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0, -1.0])
+    groups = torch.tensor([1, 1, 1, 1, 2, 2])
+    keep = torch.tensor([True, False, True, True, True, True])
+    weights = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 1.0])
+    out = recenter_kept_advantages(adv, groups, keep, weights)
+    assert close(out, [4 / 3, 1.0, -2 / 3, -2 / 3, 2.0, -1.0])
+    kept_sum = float((out[:4] * keep[:4]).sum())
+    assert kept_sum == pytest.approx(0.0, abs=1e-6)
+    # nothing kept: unchanged
+    none = torch.zeros(6, dtype=torch.bool)
+    assert close(recenter_kept_advantages(adv, groups, none, weights), adv.tolist())
 
 
 def test_truncated_is_weights_by_hand() -> None:

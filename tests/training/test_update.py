@@ -231,6 +231,27 @@ def test_entropy_filter_groups_and_per_step_decisions() -> None:
     assert metrics.n_tokens == 4 and metrics.optimizer_steps == 1 and metrics.mean_entropy > 0
 
 
+@pytest.mark.parametrize("recenter", [True, False])
+def test_entropy_filter_that_drops_confident_successes_leaves_no_net_push(recenter: bool) -> None:
+    """Two confident successes and two unsure failures; q = 0.75 drops one success. With
+    re-centring the kept advantages still sum to 0 (and success > failure); without, the
+    update pushes down on balance, as DART's filter does."""
+    samples = [
+        sample(1, 1, "ab", "c", 1.0, entropy=0.1),
+        sample(2, 1, "ab", "c", 1.0, entropy=0.2),
+        sample(3, 1, "ab", "d", 0.0, entropy=0.9),
+        sample(4, 1, "ab", "e", 0.0, entropy=0.8),
+    ]
+    plan = plan_update(samples, UpdateConfig(entropy_top_q=0.75, entropy_recenter=recenter))
+    assert plan.pg_keep == [False, True, True, True]
+    kept = [a for a, k in zip(plan.advantage, plan.pg_keep, strict=True) if k]
+    if recenter:
+        assert sum(kept) == pytest.approx(0.0, abs=1e-6)
+        assert kept[0] > 0 > kept[1] and kept[1] == pytest.approx(kept[2])
+    else:
+        assert sum(kept) < -0.5
+
+
 def test_nothing_to_train_takes_no_optimizer_step() -> None:
     samples = [
         sample(1, 1, "ab", "c", 1.0),

@@ -72,6 +72,12 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
     return trainer
 
 
+def trainer_forget(*, run_id: int) -> None:
+    """Drop this process's trainer of a run; the next get_trainer resumes from its newest
+    published checkpoint (after a failed update the weights in memory are not trusted)."""
+    _TRAINERS.pop(run_id, None)
+
+
 def _waiting_message(run: Run, cfg: RunConfig) -> str:
     ready = TaskGroup.objects.filter(run=run, status="ready").count()
     running = Trajectory.objects.filter(run=run, status="running").count()

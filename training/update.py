@@ -143,27 +143,30 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
     `entropy_recenter`, the kept steps' advantages are made zero-mean again per group.
 
     Raises:
-        ValueError: steps of one trajectory disagree on its reward or task.
+        ValueError: steps of one trajectory in one group disagree on its reward.
     """
-    traj_pos: dict[int, int] = {}
+    # A trajectory is a member of a group: an experience-pool demo may join the groups of
+    # several all-failed rounds of its task, and two of them can land in one batch.
+    members = [(s.group_id, s.trajectory_id) for s in samples]
+    traj_pos: dict[tuple[int, int], int] = {}
     rewards: list[float] = []
     tasks: list[int] = []
-    for s in samples:
-        pos = traj_pos.get(s.trajectory_id)
+    for s, member in zip(samples, members, strict=True):
+        pos = traj_pos.get(member)
         if pos is None:
-            traj_pos[s.trajectory_id] = len(rewards)
+            traj_pos[member] = len(rewards)
             rewards.append(s.reward)
             tasks.append(s.group_id)
-        elif rewards[pos] != s.reward or tasks[pos] != s.group_id:
+        elif rewards[pos] != s.reward:
             raise ValueError(
-                f"step {s.step_id} of trajectory {s.trajectory_id} has reward {s.reward} / group "
-                f"{s.group_id}, but an earlier step of it has {rewards[pos]} / {tasks[pos]}: all "
-                "steps of a trajectory share its reward and group"
+                f"step {s.step_id} of trajectory {s.trajectory_id} has reward {s.reward}, but an "
+                f"earlier step of it in group {s.group_id} has {rewards[pos]}: all steps of a "
+                "trajectory share its reward"
             )
     traj_adv, traj_keep, skipped = group_advantages(
         torch.tensor(rewards, dtype=torch.float64), torch.tensor(tasks), eps=config.adv_eps
     )
-    step_index = torch.tensor([traj_pos[s.trajectory_id] for s in samples], dtype=torch.long)
+    step_index = torch.tensor([traj_pos[m] for m in members], dtype=torch.long)
     advantage = broadcast_to_steps(traj_adv, step_index).tolist()
     group_keep = broadcast_to_steps(traj_keep, step_index).tolist()
     step_group = [s.group_id for s in samples]
@@ -179,10 +182,10 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
         for i, s in enumerate(samples)
     ]
     if config.entropy_recenter and config.entropy_top_q < 1 and any(pg_keep):
-        kept_steps = Counter(s.trajectory_id for i, s in enumerate(samples) if pg_keep[i])
+        kept_steps = Counter(m for m, kept in zip(members, pg_keep, strict=True) if kept)
         weights = [
-            1.0 / max(1, kept_steps[s.trajectory_id]) if config.aggregation == "trajectory" else 1.0
-            for s in samples
+            1.0 / max(1, kept_steps[m]) if config.aggregation == "trajectory" else 1.0
+            for m in members
         ]
         advantage = recenter_kept_advantages(
             torch.tensor(advantage, dtype=torch.float64),
@@ -312,8 +315,15 @@ def _optimizer_step(
     weight_of: dict[int, float] = {}
     pg_norm = None
     if config.aggregation == "trajectory" and pg_items:
+        member_index: dict[tuple[int, int], int] = {}
+        for i in pg_items:
+            member_index.setdefault(
+                (samples[i].group_id, samples[i].trajectory_id), len(member_index)
+            )
         ppo_w, gspo_w, n_traj = trajectory_sample_weights(
-            torch.tensor([samples[i].trajectory_id for i in pg_items]),
+            torch.tensor(
+                [member_index[(samples[i].group_id, samples[i].trajectory_id)] for i in pg_items]
+            ),
             torch.tensor([stats[i].old.numel() for i in pg_items]),
         )
         chosen = ppo_w if config.loss_type == "ppo" else gspo_w

@@ -168,3 +168,33 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
     job = EvalJob.objects.get(run=run)
     assert job.policy == f"run:{run.pk}:v1" and job.policy_version == 1
     assert job.task_names == ["miniwob/held-out"] and job.k == 3 and job.total == 3
+
+
+def test_a_failing_trainer_says_why_on_the_run_and_retries(tiny_policy_dir, tmp_path, settings):
+    """A trainer that cannot go on (here its start checkpoint lost its weights) must not stop
+    silently while the run keeps rolling out: the run says what failed, and a retry from the
+    last published checkpoint is queued."""
+    import shutil
+
+    from dartboard.celery import app
+    from datamanager.tasks import train_run
+
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy_dir, policy)
+    make_tasks(2)
+    run = make_running_run({"policy": str(policy), "trainer": {"kl_coef": 0.0}})
+    for weights in policy.glob("*.safetensors"):
+        weights.unlink()
+    training_loop._TRAINERS.clear()
+    with app.connection_for_write() as conn:
+        redis = conn.default_channel.client
+        queued = redis.llen("train")
+        result = train_run(run.pk)
+        assert redis.llen("train") == queued + 1
+        redis.lpop("train")  # the retry; no worker runs in this test
+    assert result.startswith("failed: ")
+    run.refresh_from_db()
+    assert run.status_message.startswith("trainer failed: ")
+    assert "Retrying in 30 s" in run.status_message
+    assert run.pk not in training_loop._TRAINERS

@@ -306,8 +306,32 @@ def test_plan_rejects_a_trajectory_with_two_rewards() -> None:
         sample(1, 1, "ab", "c", 1.0, trajectory=5),
         sample(2, 1, "ab", "d", 0.0, trajectory=5),
     ]
-    with pytest.raises(ValueError, match="all steps of a trajectory share its reward and group"):
+    with pytest.raises(ValueError, match="all steps of a trajectory share its reward"):
         plan_update(samples, UpdateConfig())
+
+
+def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
+    """The experience pool can put the same demo into two all-failed groups of a task; both
+    can be ready together. It is a member of each group (it used to stop the trainer)."""
+    samples = [
+        sample(1, 1, "ab", "d", 0.0, trajectory=11),
+        sample(2, 1, "ab", "e", 0.0, trajectory=12),
+        sample(9, 1, "ab", "c", 1.0, trajectory=99, demo=True),
+        sample(3, 2, "ab", "f", 0.0, trajectory=13),
+        sample(4, 2, "ab", "g", 0.0, trajectory=14),
+        sample(9, 2, "ab", "c", 1.0, trajectory=99, demo=True),
+    ]
+    plan = plan_update(samples, UpdateConfig(entropy_top_q=1.0))
+    assert plan.skipped_groups == 0 and plan.n_groups == 2
+    assert plan.advantage[2] > 0 and plan.advantage[5] > 0
+    assert plan.advantage[2] == pytest.approx(plan.advantage[5])
+    model = tiny_lm()
+    before = response_logprob(model, "ab", "c")
+    policy_update(
+        model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        samples=samples, logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+    )  # fmt: skip
+    assert response_logprob(model, "ab", "c") > before
 
 
 @pytest.mark.parametrize(

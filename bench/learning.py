@@ -1,7 +1,7 @@
 """Does RL lift success over the behaviour-cloning warm start, and what does each curation
 feature contribute?
 
-    .venv/bin/python bench/learning.py --minutes 30 --variants full,no_pool,no_entropy,...
+    .venv/bin/python bench/learning.py --minutes 30 --variants full,no_high_entropy,...
 
 For each variant a run on a private stack (bench/stack.py) does the behaviour-cloning warm
 start on oracle demonstrations (published as version 1), then DART RL for `--minutes`; then
@@ -29,9 +29,9 @@ VARIANTS = {
     "no_truncated_is": {"truncated_is": False},
     "no_experience_pool": {"experience_pool": False},
 }
-DEFAULT_TASKS = (
-    "click-test,click-test-2,click-button,click-link,focus-text,click-dialog,click-color"
-)
+# The shipped policy's unsaturated click tasks: it already solves click-test (100%) and
+# focus-text (93%) greedily, so those two would only dilute what RL adds.
+DEFAULT_TASKS = "click-test-2,click-button,click-link,click-dialog,click-color"
 
 
 def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
@@ -121,12 +121,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--policy", default="shipped")
     ap.add_argument("--warm-start", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--kl-coef", type=float, default=0.1)
     ap.add_argument("--min-groups", type=int, default=4, help="ready task groups per update")
     ap.add_argument("--max-steps", type=int, default=64, help="most steps in one update")
     ap.add_argument("--aggregation", default="trajectory", choices=["trajectory", "token"])
-    ap.add_argument("--k", type=int, default=5, help="held-out episodes per task")
+    ap.add_argument("--k", type=int, default=20, help="held-out episodes per task")
     ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")
     args = ap.parse_args()
     results = []

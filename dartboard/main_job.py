@@ -35,16 +35,23 @@ def main_run_config() -> RunConfig:
                 "env_kinds": ["miniwob", "desktop"] if desktop else ["miniwob"],
             },
             "env": {"miniwob_slots": 2, "desktop_slots": 1 if desktop else 0},
-            # CPU-sized: 3 screenshots of context (DART uses 5) and no KL reference model keep
-            # a 2-core machine's trainer update under a minute; every curation feature is on.
-            "rollout": {"max_new_tokens": 48, "inference_workers": 1, "max_images": 3},
+            # CPU-sized: 3 screenshots of context (DART uses 5) keep a 2-core machine's
+            # trainer update under a minute; every curation feature is on. The tiny policy
+            # was pretrained on first steps only, so one unparsable output ends an episode.
+            # lr: 1e-4 collapsed the shipped policy in 10 minutes (bench/learning.py).
+            "rollout": {
+                "max_new_tokens": 48,
+                "inference_workers": 1,
+                "max_images": 3,
+                "max_parse_errors": 1,
+            },
             "trainer": {
                 "warm_start_bc_updates": 6,
-                "lr": 1e-4,
-                "min_groups": 2,
+                "lr": 2e-5,
+                "min_groups": 4,
                 "micro_batch": 4,
-                "max_steps_per_update": 32,
-                "kl_coef": 0.0,
+                "max_steps_per_update": 64,
+                "kl_coef": 0.1,
             },
         }
     )

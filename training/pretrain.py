@@ -247,6 +247,10 @@ def attention_supervision_loss(
     attentions: [B, Tq, Tk], one head's weights for the query positions ids[:, offset:];
     ids: [B, Tk] the full rows; targets[b]: raster indices of row b's target image tokens
     (row b must hold exactly one image). Rows without a point or a target are skipped.
+
+    Raises:
+        ValueError: rows have targets but none has a response point to supervise (a loss of
+        0 here once hid a bug for a whole 40-minute run: it read the system prompt's example).
     """
     terms = []
     for b, target in enumerate(targets):
@@ -261,7 +265,15 @@ def attention_supervision_loss(
         queries = torch.arange(int(starts[-1]), int(ends[-1])) - offset
         mass = attentions[b][queries][:, keys].sum(-1)
         terms.append(-(mass + 1e-6).log().mean())
-    return torch.stack(terms).mean() if terms else attentions.new_zeros(())
+    if terms:
+        return torch.stack(terms).mean()
+    if any(targets):
+        raise ValueError(
+            "attention supervision: rows have target image tokens but none has a point "
+            f"(<|box_start|>...<|box_end|>) at or after query offset {offset}; "
+            "the responses were not found in the rows"
+        )
+    return attentions.new_zeros(())
 
 
 def bc_batch_loss_cached(

@@ -54,11 +54,23 @@ def test_attention_loss_is_minus_log_of_the_mass_on_the_target():
     assert attention_supervision_loss(
         attn_shown, shown, offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
     ).item() == pytest.approx(-torch.log(torch.tensor(0.5)).item(), abs=1e-4)
-    # A row without a point contributes nothing (no NaN from an empty mean).
-    none = attention_supervision_loss(
-        attn, ids[:, :5], offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
+    # A row without a point contributes nothing (no NaN from an empty mean) ...
+    two = attention_supervision_loss(
+        torch.cat([attn, attn]), torch.cat([ids, torch.tensor([[9, pad, pad, pad, pad, 9, 9, 9, 9]])]),
+        offset=0, targets=[[1], [1]], image_pad=pad, box_start=bs, box_end=be,
+    )  # fmt: skip
+    assert two.item() == pytest.approx(loss.item(), abs=1e-6)
+    # ... but when no row has one, the supervision is not silently 0.
+    with pytest.raises(ValueError, match="none has a point"):
+        attention_supervision_loss(
+            attn, ids[:, :5], offset=0, targets=[[1]], image_pad=pad, box_start=bs, box_end=be
+        )
+    assert (
+        attention_supervision_loss(
+            attn, ids[:, :5], offset=0, targets=[[]], image_pad=pad, box_start=bs, box_end=be
+        ).item()
+        == 0.0
     )
-    assert none.item() == 0.0
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])

@@ -4,10 +4,13 @@ tasks (training seeds, cached under DARTBOARD_HOME/pretrain), behaviour-clones a
 Qwen3-VL policy on them mixed with synthetic screens (`training.pretrain`), and writes the
 checkpoint with MANIFEST.json (command, data, seed, config, figures)."""
 
+import hashlib
 import json
+import os
 import pickle
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -51,7 +54,10 @@ class Command(BaseCommand):
 
         if minutes <= 0 or per_task < 0:
             raise CommandError("--minutes must be > 0 and --per-task >= 0")
-        cache = Path(settings.DARTBOARD_HOME) / "pretrain" / f"miniwob-{per_task}.pkl"
+        # Keyed by everything that decides the clicks, so another task list or seed range
+        # never reuses a stale cache.
+        key = hashlib.sha1(f"{','.join(PRETRAIN_TASKS)}|{TRAIN_SEED_BASE}".encode()).hexdigest()
+        cache = Path(settings.DARTBOARD_HOME) / "pretrain" / f"miniwob-{per_task}-{key[:10]}.pkl"
         if cache.is_file():
             demos = load_samples(cache)
             self.stdout.write(f"{len(demos)} MiniWoB clicks from {cache}")
@@ -82,10 +88,18 @@ class Command(BaseCommand):
             self.stdout.flush()  # progress shows live when the output goes to a file
 
         commit = _git_commit()  # the code this run starts from
-        result = pretrain(config=config, out_dir=out, miniwob=demos, log=log)
-        weights = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
+        # Written beside --out and moved into place only when complete and within the cap, so
+        # a failed run never leaves --out (often the --init checkpoint itself) half-replaced.
+        staging = out.with_name(out.name + ".staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        result = pretrain(config=config, out_dir=staging, miniwob=demos, log=log)
+        weights = sum(p.stat().st_size for p in staging.glob("*.safetensors"))
         if weights > MAX_CHECKPOINT_BYTES:
-            raise CommandError(f"{out}: weights are {weights / 2**20:.1f} MiB, over the 25 MiB cap")
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CommandError(
+                f"{out}: weights are {weights / 2**20:.1f} MiB, over the 25 MiB cap; "
+                f"{out} is unchanged"
+            )
         manifest = {
             "command": "python manage.py " + shlex.join(["pretrain_policy", *sys.argv[2:]]),
             "git_commit": commit,
@@ -108,8 +122,11 @@ class Command(BaseCommand):
             "weights_bytes": weights,
             "continued_from": earlier,  # the manifest of --init, when it had one
         }
-        Path(out, "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        Path(out, "history.json").write_text(json.dumps(result.history) + "\n")
+        Path(staging, "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        Path(staging, "history.json").write_text(json.dumps(result.history) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
         self.stdout.write(f"wrote {out} ({weights / 2**20:.1f} MiB) and its MANIFEST.json")
 
 

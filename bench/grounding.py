@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,25 +35,10 @@ sys.path.insert(0, str(ROOT))
 from envmanager.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from rollout.actions import format_action, from_screen, model_image_size  # noqa: E402
 from rollout.client import Completion  # noqa: E402
-from rollout.episode import EpisodeConfig, StepRecord, run_episode  # noqa: E402
+from rollout.episode import EpisodeConfig, ListRecorder, run_episode  # noqa: E402
 from training.pretrain import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 
 SHIPPED = ROOT / "policies" / "tiny-grounded"
-
-
-@dataclass
-class ListRecorder:
-    """Keeps the steps of the current episode in memory (nothing goes to a database)."""
-
-    steps: list[StepRecord] = field(default_factory=list)
-    instruction: str = ""
-
-    def set_instruction(self, instruction: str) -> None:
-        self.instruction = instruction
-        self.steps = []
-
-    def record_step(self, record: StepRecord) -> None:
-        self.steps.append(record)
 
 
 class BlindEndpoint:

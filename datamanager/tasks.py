@@ -1,8 +1,9 @@
 """Celery tasks of the data manager (the trainer runs on queue `train`)."""
 
 import logging
+from collections.abc import Callable
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from datamanager.training_loop import train_for, trainer_forget
 
@@ -12,31 +13,38 @@ RETRY_SECONDS = 30.0
 log = logging.getLogger("dartboard.trainer")
 
 
-def _report_failure(*, run_id: int, what: str, exc: Exception) -> None:
-    """Say on the run that its trainer failed and when it retries (never a silent stop)."""
+def _drive(task: Task, loop: Callable[..., str], *, run_id: int) -> str:
+    """Run one time slice of a run's trainer loop and re-enqueue `task` for the next.
+
+    A loop that raises must not stop silently while the run keeps rolling out: the run says
+    what failed, the trainer held in memory (maybe half-updated) is dropped so the retry
+    resumes from the last published checkpoint, and the retry comes RETRY_SECONDS later."""
+    from datamanager.models import Run
     from datamanager.services import run_set_message
 
-    log.exception("run %s: %s failed", run_id, what)
-    run_set_message(
-        run_id=run_id,
-        message=f"{what} failed: {type(exc).__name__}: {exc}. Retrying in {RETRY_SECONDS:.0f} s "
-        "from the last published checkpoint; the train worker's log has the traceback.",
-    )
+    try:
+        reason = loop(run_id=run_id, max_seconds=SLICE_SECONDS)
+    except Exception as exc:
+        log.exception("run %s: trainer failed", run_id)
+        trainer_forget(run_id=run_id)
+        if not Run.objects.filter(pk=run_id).exists():
+            return "run deleted"
+        run_set_message(
+            run_id=run_id,
+            message=f"trainer failed: {type(exc).__name__}: {exc}. Retrying in "
+            f"{RETRY_SECONDS:.0f} s from the last published checkpoint; the train worker's "
+            "log has the traceback.",
+        )
+        task.apply_async(args=(run_id,), queue="train", countdown=RETRY_SECONDS)
+        return f"failed: {type(exc).__name__}: {exc}"
+    if reason == "time slice over":
+        task.apply_async(args=(run_id,), queue="train")
+    return reason
 
 
 @shared_task(name="datamanager.tasks.train_run", acks_late=True)
 def train_run(run_id: int) -> str:
-    try:
-        reason = train_for(run_id=run_id, max_seconds=SLICE_SECONDS)
-    except Exception as exc:
-        # The weights held in memory may be half-updated: the retry reloads the checkpoint.
-        trainer_forget(run_id=run_id)
-        _report_failure(run_id=run_id, what="trainer", exc=exc)
-        train_run.apply_async(args=(run_id,), queue="train", countdown=RETRY_SECONDS)
-        return f"failed: {type(exc).__name__}: {exc}"
-    if reason == "time slice over":
-        train_run.apply_async(args=(run_id,), queue="train")
-    return reason
+    return _drive(train_run, train_for, run_id=run_id)
 
 
 @shared_task(name="datamanager.tasks.sync_run", acks_late=True)
@@ -44,7 +52,4 @@ def sync_run(run_id: int) -> str:
     """The synchronous baseline's driver (queue `train`)."""
     from datamanager.sync_loop import sync_for
 
-    reason = sync_for(run_id=run_id, max_seconds=SLICE_SECONDS)
-    if reason == "time slice over":
-        sync_run.apply_async(args=(run_id,), queue="train")
-    return reason
+    return _drive(sync_run, sync_for, run_id=run_id)

@@ -64,6 +64,22 @@ class Recorder(Protocol):
     def record_step(self, record: StepRecord) -> None: ...
 
 
+@dataclass
+class ListRecorder:
+    """A Recorder that keeps the current episode's steps in memory (no database): for
+    benches and tests that only need the episode's steps back."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    instruction: str = ""
+
+    def set_instruction(self, instruction: str) -> None:
+        self.instruction = instruction
+        self.steps = []
+
+    def record_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+
 @dataclass(frozen=True)
 class EpisodeConfig:
     step_cap: int = 15

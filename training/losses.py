@@ -196,42 +196,37 @@ def _per_sequence(sample_weights: Tensor, logprobs: Tensor) -> Tensor:
     return sample_weights.detach().to(logprobs.dtype)
 
 
-def trajectory_sample_weights(
-    trajectory_ids: Tensor, n_tokens: Tensor
-) -> tuple[Tensor, Tensor, int]:
-    """Weights that make every trajectory count once, however many steps and tokens it has.
+def trajectory_step_weights(trajectory_ids: Tensor, keep: Tensor) -> Tensor:
+    """Weights that make every trajectory count once, however many steps it has.
 
     With step-level samples and token-mean aggregation a trajectory weighs by its token count:
     a failed episode that wanders for 5 steps outweighs a 1-step success 5 to 1, so the
     group's advantages (which sum to 0 over trajectories) stop cancelling on what successes
     and failures share, and the update mostly pushes probability away from sampled text
     (entropy rises, the policy collapses; measured on MiniWoB++ with the tiny policy).
-    Here each token of step i weighs 1 / (n_tokens_i * steps of i's trajectory), so each step
-    is a token mean, each trajectory the mean of its steps, and the loss the mean over
-    trajectories when divided by `n_trajectories`.
+    Each kept step of a trajectory weighs 1 / (its trajectory's kept steps), so the weights
+    of a trajectory add up to 1: with each step a token mean (PPO: divide by the step's
+    tokens) and the sum divided by the sum of the weights (the number of trajectories), the
+    loss is a mean over trajectories.
 
     Args:
-        trajectory_ids: [N] trajectory of each step.
-        n_tokens: [N] response tokens of each step (steps with 0 tokens get weight 0).
+        trajectory_ids: [N] trajectory (group member) of each step.
+        keep: [N] bool, steps that are trained; the others get weight 0.
     Returns:
-        (ppo_weights [N]: 1 / (n_tokens * steps), gspo_weights [N]: 1 / steps,
-        n_trajectories: distinct trajectories among steps with tokens).
+        weights [N] float64.
     """
-    if trajectory_ids.dim() != 1 or n_tokens.shape != trajectory_ids.shape:
+    if trajectory_ids.dim() != 1 or keep.shape != trajectory_ids.shape:
         raise ValueError(
-            f"trajectory_ids and n_tokens must both be 1-D of the same length, got "
-            f"{list(trajectory_ids.shape)} and {list(n_tokens.shape)}"
+            f"trajectory_ids and keep must both be 1-D of the same length, got "
+            f"{list(trajectory_ids.shape)} and {list(keep.shape)}"
         )
-    has_tokens = n_tokens > 0
+    if trajectory_ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.float64)
     _, inverse = torch.unique(trajectory_ids, return_inverse=True)
-    steps = torch.zeros(int(inverse.max().item()) + 1 if inverse.numel() else 0)
-    steps = steps.index_add(0, inverse, has_tokens.to(steps.dtype))
-    per_step = steps[inverse].clamp(min=1.0)
-    gspo = torch.where(has_tokens, 1.0 / per_step, torch.zeros_like(per_step))
-    ppo = torch.where(
-        has_tokens, gspo / n_tokens.clamp(min=1).to(gspo.dtype), torch.zeros_like(gspo)
-    )
-    return ppo, gspo, int((steps > 0).sum().item())
+    kept = keep.to(torch.float64)
+    steps = torch.zeros(int(inverse.max().item()) + 1, dtype=torch.float64)
+    steps = steps.index_add(0, inverse, kept)
+    return kept / steps[inverse].clamp(min=1.0)
 
 
 def ppo_clip_loss(
@@ -260,7 +255,7 @@ def ppo_clip_loss(
         mask: [B, T] response tokens.
         is_weights: [B, T] truncated IS weights, or None for 1.
         sample_weights: [B] a weight per sequence multiplied into its token losses, or None
-            for 1 (trajectory aggregation: 1 / (tokens of the step * steps of its trajectory)).
+            for 1 (trajectory aggregation: trajectory_step_weights / tokens of the step).
     Returns:
         (loss scalar tensor, clip_fraction float): the clip fraction is the share of unmasked
         tokens where the clipped term was selected (their gradient is zero).

@@ -31,7 +31,7 @@ from training.losses import (
     high_entropy_mask,
     policy_loss,
     recenter_kept_advantages,
-    trajectory_sample_weights,
+    trajectory_step_weights,
     truncated_is_weights,
 )
 from training.samples import TrainSample, UpdateMetrics
@@ -120,6 +120,9 @@ class UpdatePlan:
     advantage: list[float]
     pg_keep: list[bool]  # Gets policy-gradient signal.
     entropy_kept: dict[int, bool]  # step_id -> decision, for steps the entropy filter ranked.
+    # Weight of each kept step in the pg loss: 1 / kept steps of its trajectory in its group
+    # ("trajectory" aggregation), else 1; 0 for steps that do not train.
+    step_weight: list[float]
     n_groups: int
     skipped_groups: int
 
@@ -181,22 +184,24 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
         bool(group_keep[i]) and (s.is_demo or entropy_kept[s.step_id])
         for i, s in enumerate(samples)
     ]
+    keep_t = torch.tensor(pg_keep, dtype=torch.bool)
+    if config.aggregation == "trajectory":
+        member_ids = torch.tensor([traj_pos[m] for m in members], dtype=torch.long)
+        weights = trajectory_step_weights(member_ids, keep_t)
+    else:
+        weights = keep_t.to(torch.float64)
     if config.entropy_recenter and config.entropy_top_q < 1 and any(pg_keep):
-        kept_steps = Counter(m for m, kept in zip(members, pg_keep, strict=True) if kept)
-        weights = [
-            1.0 / max(1, kept_steps[m]) if config.aggregation == "trajectory" else 1.0
-            for m in members
-        ]
         advantage = recenter_kept_advantages(
             torch.tensor(advantage, dtype=torch.float64),
             torch.tensor(step_group),
-            torch.tensor(pg_keep),
-            torch.tensor(weights, dtype=torch.float64),
+            keep_t,
+            weights,
         ).tolist()
     return UpdatePlan(
         advantage=[float(a) for a in advantage],
         pg_keep=pg_keep,
         entropy_kept=entropy_kept,
+        step_weight=weights.tolist(),
         n_groups=len(set(tasks)),
         skipped_groups=skipped,
     )
@@ -315,20 +320,13 @@ def _optimizer_step(
     weight_of: dict[int, float] = {}
     pg_norm = None
     if config.aggregation == "trajectory" and pg_items:
-        member_index: dict[tuple[int, int], int] = {}
+        # Each step a token mean (PPO) and each trajectory the mean of its steps; the sum of
+        # the part's step weights is its number of trajectories (when no part splits one).
         for i in pg_items:
-            member_index.setdefault(
-                (samples[i].group_id, samples[i].trajectory_id), len(member_index)
-            )
-        ppo_w, gspo_w, n_traj = trajectory_sample_weights(
-            torch.tensor(
-                [member_index[(samples[i].group_id, samples[i].trajectory_id)] for i in pg_items]
-            ),
-            torch.tensor([stats[i].old.numel() for i in pg_items]),
-        )
-        chosen = ppo_w if config.loss_type == "ppo" else gspo_w
-        weight_of = dict(zip(pg_items, chosen.tolist(), strict=True))
-        pg_norm = float(n_traj)
+            n_tok = stats[i].old.numel()
+            if n_tok:
+                weight_of[i] = plan.step_weight[i] / (n_tok if config.loss_type == "ppo" else 1)
+        pg_norm = sum(plan.step_weight[i] for i in weight_of)
     totals = _StepTotals()
     optimizer.zero_grad(set_to_none=True)
     for micro in _batches(part, config.micro_batch):

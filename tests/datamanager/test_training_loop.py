@@ -170,20 +170,25 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
     assert job.task_names == ["miniwob/held-out"] and job.k == 3 and job.total == 3
 
 
-def test_a_failing_trainer_says_why_on_the_run_and_retries(tiny_policy_dir, tmp_path, settings):
+@pytest.mark.parametrize("mode", ["decoupled", "synchronous"])
+def test_a_failing_trainer_says_why_on_the_run_and_retries(
+    mode, tiny_policy_dir, tmp_path, settings
+):
     """A trainer that cannot go on (here its start checkpoint lost its weights) must not stop
     silently while the run keeps rolling out: the run says what failed, and a retry from the
-    last published checkpoint is queued."""
+    last published checkpoint is queued. The same for the synchronous baseline's driver."""
     import shutil
 
     from dartboard.celery import app
-    from datamanager.tasks import train_run
+    from datamanager import tasks
+
+    train_run = tasks.train_run if mode == "decoupled" else tasks.sync_run
 
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     policy = tmp_path / "policy"
     shutil.copytree(tiny_policy_dir, policy)
     make_tasks(2)
-    run = make_running_run({"policy": str(policy), "trainer": {"kl_coef": 0.0}})
+    run = make_running_run({"policy": str(policy), "mode": mode, "trainer": {"kl_coef": 0.0}})
     for weights in policy.glob("*.safetensors"):
         weights.unlink()
     training_loop._TRAINERS.clear()

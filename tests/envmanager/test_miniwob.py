@@ -155,19 +155,6 @@ def test_task_catalogue_and_split_are_deterministic() -> None:
     assert miniwob_task_records() == records
 
 
-class _StepList:
-    """A recorder that keeps the steps in memory."""
-
-    def __init__(self) -> None:
-        self.steps: list = []
-
-    def set_instruction(self, instruction: str) -> None:
-        self.instruction = instruction
-
-    def record_step(self, record) -> None:
-        self.steps.append(record)
-
-
 class _RepeatFirstAnswer:
     """A policy that never says finished(): it repeats its first answer (the oracle's click,
     or a fixed text) at every step."""
@@ -189,13 +176,13 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
     """A MiniWoB++ task is over after its click: the runner stops there (env_done) instead
     of asking the policy again until the step cap; an off-target click that does not end
     the task leaves the episode running."""
-    from rollout.episode import EpisodeConfig, run_episode
+    from rollout.episode import EpisodeConfig, ListRecorder, run_episode
     from rollout.oracle_policy import ObservedEnv, OracleEndpoint
 
     config = EpisodeConfig(step_cap=3, image_min_pixels=4 * 28 * 28, image_max_pixels=256 * 28 * 28)
     oracle = OracleEndpoint(min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
     clicker = _RepeatFirstAnswer(lambda messages: oracle.complete(messages).text)
-    recorder = _StepList()
+    recorder = ListRecorder()
     result = run_episode(
         env=ObservedEnv(miniwob_env, oracle), policy=clicker, recorder=recorder,
         task=miniwob_spec("click-test", seed=4), config=config,
@@ -206,7 +193,7 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
     corner = _RepeatFirstAnswer(
         lambda _: "Action: click(start_box='<|box_start|>(2,2)<|box_end|>')"
     )
-    recorder = _StepList()
+    recorder = ListRecorder()
     result = run_episode(
         env=miniwob_env, policy=corner, recorder=recorder,
         task=miniwob_spec("click-test", seed=4), config=config,

@@ -17,7 +17,7 @@ from training.losses import (
     policy_loss,
     ppo_clip_loss,
     recenter_kept_advantages,
-    trajectory_sample_weights,
+    trajectory_step_weights,
     truncated_is_weights,
 )
 
@@ -178,18 +178,17 @@ def test_ppo_clip_loss_with_is_weights_and_normalizer() -> None:
     assert close(loss, -0.43 / 10)
 
 
-def test_trajectory_sample_weights_count_each_trajectory_once() -> None:
-    # trajectory 4: steps with 2 and 3 tokens; trajectory 9: one step of 5 tokens and one of 0
-    ppo, gspo, n_traj = trajectory_sample_weights(
-        torch.tensor([4, 9, 4, 9]), torch.tensor([2, 5, 3, 0])
+def test_trajectory_step_weights_count_each_trajectory_once() -> None:
+    # trajectory 4: two kept steps; trajectory 9: one kept step and one that does not train
+    weights = trajectory_step_weights(
+        torch.tensor([4, 9, 4, 9]), torch.tensor([True, True, True, False])
     )
-    assert close(ppo, [1 / (2 * 2), 1 / 5, 1 / (3 * 2), 0.0])
-    assert close(gspo, [0.5, 1.0, 0.5, 0.0])
-    assert n_traj == 2
-    # Each trajectory's token weights add up to 1: the pg loss is a mean over trajectories.
-    assert close(ppo[0] * 2 + ppo[2] * 3, 1.0) and close(ppo[1] * 5, 1.0)
+    assert close(weights, [0.5, 1.0, 0.5, 0.0])
+    assert close(weights.sum(), 2.0)  # the number of trajectories
+    # Each trajectory's weights add up to 1: the pg loss is a mean over trajectories.
+    assert close(weights[0] + weights[2], 1.0) and close(weights[1], 1.0)
     with pytest.raises(ValueError, match="same length"):
-        trajectory_sample_weights(torch.tensor([1, 2]), torch.tensor([1]))
+        trajectory_step_weights(torch.tensor([1, 2]), torch.tensor([True]))
 
 
 def test_ppo_clip_loss_with_sample_weights() -> None:

@@ -124,9 +124,13 @@ class Command(BaseCommand):
         }
         Path(staging, "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
         Path(staging, "history.json").write_text(json.dumps(result.history) + "\n")
+        # Swap by renames so no moment is without a complete checkpoint at --out or beside it.
+        previous_dir = out.with_name(out.name + ".previous")
+        shutil.rmtree(previous_dir, ignore_errors=True)
         if out.exists():
-            shutil.rmtree(out)
+            os.replace(out, previous_dir)
         os.replace(staging, out)
+        shutil.rmtree(previous_dir, ignore_errors=True)
         self.stdout.write(f"wrote {out} ({weights / 2**20:.1f} MiB) and its MANIFEST.json")
 
 

@@ -93,11 +93,16 @@ def test_two_worker_processes_run_episodes_at_once_with_heartbeats(subprocess_en
     workers = [_worker(subprocess_env, f"envA{i}") for i in range(2)]
     try:
         run = _oracle_run(slots=2)
-        _wait(
-            lambda: Trajectory.objects.filter(run=run, status="succeeded").count() >= 6,
-            120,
-            "six successful oracle episodes",
-        )
+
+        # Oracle episodes end with their task's click (about a second each), so one worker
+        # can finish six before the other has started: wait for both slots' episodes.
+        def both_slots_done_six():
+            done = Trajectory.objects.filter(run=run, status="succeeded")
+            return (
+                done.count() >= 6 and done.order_by().values("env_slot_id").distinct().count() == 2
+            )
+
+        _wait(both_slots_done_six, 120, "six successful oracle episodes on both slots")
         slots = list(EnvSlot.objects.filter(run=run))
         assert len(slots) == 2 and len({s.name.split(":")[1] for s in slots}) == 2  # two pids
         assert all((timezone.now() - s.last_heartbeat).total_seconds() < 10 for s in slots)

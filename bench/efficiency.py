@@ -6,13 +6,19 @@ Starts a private stack (embedded Redis, SQLite under a temporary DARTBOARD_HOME,
 Celery env worker per slot, a trainer worker, inference workers behind the router), runs
 each mode for the same wall time, and reads the figures back from the database:
 
-- environment utilisation: share of slot time spent in reset/step/evaluate (finished
-  trajectories' env time plus the recorded steps of episodes still running at the end,
-  injected latency included) over slots x wall time;
+- environment utilisation: share of slot time spent in reset/step/evaluate, injected
+  latency included, over slots x wall time: each env worker's busy clock (envmanager.busy,
+  the call under way included, stored by the slot heartbeat every second) read before and
+  after the window. For comparison, the lower bound from finished trajectories' env time
+  plus the recorded steps of episodes still running is printed too;
 - inference utilisation: the inference workers' busy time (from their /health) over
   workers x wall time;
 - trainer utilisation: update time over wall time;
 - actions trained per minute (steps that received a gradient) and trajectories per minute.
+
+Modes: `decoupled` (DART), `synchronous` (the batch step loop DART compares against: a
+round's episodes take their turns together, `sync_lockstep`), `synchronous-rounds` (the same
+rounds without the per-turn lockstep: only each round's end waits for its slowest episode).
 
 `--latency osworld` makes resets take 20-60 s and steps 2-5 s (times `--scale`), the
 OSWorld-like setting the targets are stated for. Writes bench/results/efficiency.html.
@@ -65,6 +71,26 @@ def _busy_seconds(worker_urls: list[str]) -> float:
     return total
 
 
+MODES = {
+    "decoupled": {"mode": "decoupled"},
+    "synchronous": {"mode": "synchronous", "sync_lockstep": True},
+    "synchronous-rounds": {"mode": "synchronous", "sync_lockstep": False},
+}
+
+
+def _env_busy() -> dict[str, float]:
+    """Busy seconds per env worker process. The clock is the process's, and a synchronous
+    round may hand a process another slot index (another slot row), so per process the
+    largest value written is the latest."""
+    from datamanager.models import EnvSlot
+
+    busy: dict[str, float] = {}
+    for name, seconds in EnvSlot.objects.values_list("name", "env_busy_s"):
+        host, pid = name.split(":")[:2]
+        busy[f"{host}:{pid}"] = max(busy.get(f"{host}:{pid}", 0.0), seconds)
+    return busy
+
+
 def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy: str) -> dict:
     from django.db.models import Sum
 
@@ -75,10 +101,10 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
 
     cfg = RunConfig.from_dict(
         {
-            "mode": mode,
+            **MODES[mode],
             "policy": policy,
             "tasks": {"names": [f"miniwob/{t}" for t in TASKS]},
-            "env": {"miniwob_slots": slots, "step_timeout_s": 600},
+            "env": {"miniwob_slots": slots, "step_timeout_s": 600, "heartbeat_s": 1.0},
             # Episodes run to their step cap (the untrained policy rarely parses), and the caps
             # are heavy-tailed per task (set below), like OSWorld's trajectory lengths.
             "rollout": {"max_new_tokens": 32, "request_timeout_s": 300, "max_parse_errors": 15},
@@ -88,6 +114,7 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     )
     run = run_create(name=f"bench {mode}", config=cfg)
     busy0 = _busy_seconds(workers)
+    env_busy0 = _env_busy()
     run_control(run_id=run.pk, action="start")
     run_start_workers(run_id=run.pk)
     started = time.monotonic()
@@ -95,14 +122,15 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     time.sleep(minutes * 60)
     wall = time.monotonic() - started
     busy = _busy_seconds(workers) - busy0
+    env_busy = sum(b - env_busy0.get(name, 0.0) for name, b in _env_busy().items())
     run_control(run_id=run.pk, action="stop")
     finished = Trajectory.objects.filter(
         run=run, finished_at__isnull=False, finished_at__lte=t0 + _td(wall)
     )
     env_ms = finished.aggregate(s=Sum("env_ms"))["s"] or 0.0
-    # Episodes still running at the end of the window count with the steps they recorded in
-    # it (a lower bound: their reset and the step under way are not known yet), so long
-    # episodes cut by the window are not counted as idle time.
+    # The cross-check from the trajectories: episodes still running at the end of the window
+    # count with the steps they recorded in it (a lower bound: their reset and the step
+    # under way are not known yet).
     in_flight = Step.objects.filter(trajectory__run=run, created_at__lte=t0 + _td(wall)).exclude(
         trajectory__in=finished
     )
@@ -113,7 +141,8 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     return {
         "mode": mode,
         "wall_s": wall,
-        "env_util": env_ms / 1000.0 / (slots * wall),
+        "env_util": env_busy / (slots * wall),
+        "env_util_lower_bound": env_ms / 1000.0 / (slots * wall),
         "inference_util": busy / (len(workers) * wall) if busy else None,
         "trainer_util": train_s / wall,
         "actions_trained_per_min": trained / (wall / 60),
@@ -150,7 +179,7 @@ def main() -> None:
     parser.add_argument("--inference-workers", type=int, default=1)
     parser.add_argument("--latency", default="osworld", choices=["off", "osworld"])
     parser.add_argument("--scale", type=float, default=0.1, help="multiplies the injected latency")
-    parser.add_argument("--modes", default="decoupled,synchronous")
+    parser.add_argument("--modes", default="decoupled,synchronous,synchronous-rounds")
     parser.add_argument("--home", type=Path, default=None)
     args = parser.parse_args()
 
@@ -168,7 +197,11 @@ def main() -> None:
 
         with override_settings(DARTBOARD_ENV_LATENCY="off"):
             call_command("collect_demos", per_task=2, tasks=",".join(f"miniwob/{t}" for t in TASKS))
-        for mode in args.modes.split(","):
+        modes = args.modes.split(",")
+        unknown = sorted(set(modes) - set(MODES))
+        if unknown:
+            parser.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        for mode in modes:
             print(f"measuring {mode} for {args.minutes} min ...", flush=True)
             results.append(
                 measure(
@@ -191,20 +224,28 @@ def _fmt(v) -> str:
 
 
 def print_table(results: list[dict], args) -> None:
+    """One column per mode; each synchronous mode also gets a decoupled/that-mode ratio."""
     keys = [
         ("env_util", "environment utilisation"),
+        ("env_util_lower_bound", "  (lower bound from trajectories)"),
         ("inference_util", "inference utilisation"),
         ("trainer_util", "trainer utilisation"),
         ("actions_trained_per_min", "actions trained / min"),
         ("trajectories_per_min", "trajectories / min"),
     ]
     by = {r["mode"]: r for r in results}
+    modes = [r["mode"] for r in results]
+    baselines = [m for m in modes if m != "decoupled"] if "decoupled" in by else []
+    header = ["metric", *modes, *(f"decoupled / {m}" for m in baselines)]
     print(f"\nslots={args.slots} latency={args.latency} scale={args.scale} minutes={args.minutes}")
-    print("| metric | decoupled | synchronous | ratio |\n|---|---|---|---|")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for key, label in keys:
-        d, s = by.get("decoupled", {}).get(key), by.get("synchronous", {}).get(key)
-        ratio = f"{d / s:.2f}x" if d and s else "n/a"
-        print(f"| {label} | {_fmt(d)} | {_fmt(s)} | {ratio} |")
+        cells = [_fmt(by[m].get(key)) for m in modes]
+        d = by.get("decoupled", {}).get(key)
+        for m in baselines:
+            s = by[m].get(key)
+            cells.append(f"{d / s:.2f}x" if d and s else "n/a")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def write_figure(results: list[dict]) -> None:

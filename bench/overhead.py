@@ -60,7 +60,6 @@ def child(steps: int) -> dict:
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage
     from django.core.management import call_command
-    from django.db import transaction
 
     from dartboard.events import publish
     from datamanager import episodes
@@ -91,19 +90,20 @@ def child(steps: int) -> dict:
         model_ms=300.0,
     )
 
+    head = episodes.trajectory_head(trajectory_id=traj.pk)  # read once per episode by a slot
+
     def full(i):
-        episodes.step_record(trajectory_id=traj.pk, index=i, screenshot_png=png, **kw)
+        episodes.step_record(trajectory_id=traj.pk, index=i, screenshot_png=png, head=head, **kw)
 
     def row_only(i):
-        with transaction.atomic():
-            Step.objects.create(
-                trajectory=traj,
-                index=10_000 + i,
-                raw_output=kw["raw_output"],
-                action=kw["action"],
-                rollout_logprobs=kw["rollout_logprobs"],
-            )
-            Trajectory.objects.filter(pk=traj.pk).update(length=i + 1)
+        Step.objects.create(
+            trajectory=traj,
+            index=10_000 + i,
+            raw_output=kw["raw_output"],
+            action=kw["action"],
+            rollout_logprobs=kw["rollout_logprobs"],
+        )
+        Trajectory.objects.filter(pk=traj.pk).update(length=i + 1)
 
     def storage(i):
         default_storage.save(f"bench/{i}.png", ContentFile(png))

@@ -200,6 +200,11 @@ class RunConfig:
     mode: Literal["decoupled", "synchronous"] = knob(
         "decoupled", "DART's asynchronous design, or the synchronous batch-loop baseline."
     )
+    sync_lockstep: bool = knob(
+        True,
+        "Synchronous mode: a round's episodes take their turns together (a batch step loop), "
+        "or run freely with only the round's end as the barrier.",
+    )
     policy: str = knob(
         "shipped", "Starting checkpoint: 'shipped', 'untrained' or a local HF directory."
     )

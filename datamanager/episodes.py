@@ -159,7 +159,31 @@ def trajectory_set_instruction(*, trajectory_id: int, instruction: str) -> None:
     Trajectory.objects.filter(pk=trajectory_id).update(instruction=instruction)
 
 
-@transaction.atomic
+@dataclass
+class TrajectoryHead:
+    """What recording a step needs to know about its trajectory, read once per episode by
+    the slot that owns it (`trajectory_head`) instead of once per step."""
+
+    pk: int
+    run_id: int | None
+    task_id: int
+    env_slot_id: int | None
+    policy_versions: list[int]
+
+
+def trajectory_head(*, trajectory_id: int) -> TrajectoryHead:
+    traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
+        pk=trajectory_id
+    )
+    return TrajectoryHead(
+        pk=traj.pk,
+        run_id=traj.run_id,
+        task_id=traj.task_id,
+        env_slot_id=traj.env_slot_id,
+        policy_versions=list(traj.policy_versions),
+    )
+
+
 def step_record(
     *,
     trajectory_id: int,
@@ -179,17 +203,22 @@ def step_record(
     policy_version: int | None,
     env_ms: float | None,
     model_ms: float | None,
+    head: TrajectoryHead | None = None,
 ) -> Step:
     """Store one step (the screenshot the policy saw, its output, the action taken).
 
-    One slot owns a running trajectory, so its row is read without a lock (a lock costs a
-    round trip per step on PostgreSQL; see bench/overhead.py: the round trips, not the
-    commit's WAL flush, are what a step costs there)."""
-    traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
-        pk=trajectory_id
-    )
+    One slot owns a running trajectory, so it passes the `head` it read at the start of
+    the episode (without one, it is read here) and the step costs two statements, the row
+    and the trajectory's length, each its own autocommit: on PostgreSQL a step's cost is
+    its round trips (bench/overhead.py), and a transaction around the two would add a
+    BEGIN and a COMMIT. Should the second fail, the step row is kept and the error reaches
+    the slot, which ends the trajectory as `error` with it."""
+    if head is None:
+        head = trajectory_head(trajectory_id=trajectory_id)
+    elif head.pk != trajectory_id:
+        raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
     step = Step(
-        trajectory=traj,
+        trajectory_id=head.pk,
         index=index,
         screen_width=width,
         screen_height=height,
@@ -206,21 +235,22 @@ def step_record(
         env_ms=env_ms,
         model_ms=model_ms,
     )
-    name = f"run-{traj.run_id or 0}/traj-{traj.pk}/{index:03d}.png"
+    name = f"run-{head.run_id or 0}/traj-{head.pk}/{index:03d}.png"
     step.screenshot.save(name, ContentFile(screenshot_png), save=False)
     step.save()
-    versions = list(traj.policy_versions)
-    if policy_version is not None and policy_version not in versions:
-        versions.append(policy_version)
-    Trajectory.objects.filter(pk=traj.pk).update(length=index + 1, policy_versions=versions)
-    if traj.run_id:
+    if policy_version is not None and policy_version not in head.policy_versions:
+        head.policy_versions.append(policy_version)
+    Trajectory.objects.filter(pk=head.pk).update(
+        length=index + 1, policy_versions=list(head.policy_versions)
+    )
+    if head.run_id:
         publish_on_commit(
-            run_id=traj.run_id,
+            run_id=head.run_id,
             kind="step",
             data={
-                "slot": traj.env_slot_id,
-                "trajectory": traj.pk,
-                "task": traj.task_id,
+                "slot": head.env_slot_id,
+                "trajectory": head.pk,
+                "task": head.task_id,
                 "step": index,
                 "image": f"/media/{step.screenshot.name}",
                 "policy_version": policy_version,

@@ -304,6 +304,11 @@ class EnvSlot(models.Model):
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     consecutive_failures = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True)
+    env_busy_s = models.FloatField(
+        default=0.0,
+        help_text="Seconds the worker process's environment has spent in reset/step/evaluate "
+        "(the call under way included), as of the last heartbeat.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -25,8 +25,13 @@ def env_slot_register(*, name: str, host: str, backend: str, run_id: int | None)
     return slot
 
 
-def env_slot_heartbeat(*, slot_id: int) -> None:
-    EnvSlot.objects.filter(pk=slot_id).update(last_heartbeat=timezone.now())
+def env_slot_heartbeat(*, slot_id: int, env_busy_s: float | None = None) -> None:
+    """The slot is alive; `env_busy_s` is its process's environment busy time so far
+    (envmanager.busy), stored for utilisation figures."""
+    fields: dict = {"last_heartbeat": timezone.now()}
+    if env_busy_s is not None:
+        fields["env_busy_s"] = env_busy_s
+    EnvSlot.objects.filter(pk=slot_id).update(**fields)
 
 
 def env_slot_set(

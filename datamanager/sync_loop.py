@@ -2,12 +2,18 @@
 reset a batch of environments (one episode per slot), roll every trajectory to completion
 (a barrier), train on what finished, publish the version and load it on every inference
 worker at once, repeat. Selected per run with `mode: synchronous`.
+
+With `sync_lockstep` (the default) the round is a batch step loop: the episodes take their
+turns together (envmanager.lockstep), so the policy is asked for the whole batch's actions
+at once and every turn waits for the slowest environment. Without it, each slot runs its
+episode freely and only the round's end is a barrier (a weaker, friendlier baseline).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from celery import current_app as celery_app
 from django.db import transaction
@@ -36,11 +42,19 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     run_set_message(
         run_id=run.pk, message=f"synchronous round: rolling out on {len(slot_list(cfg))} slots"
     )
+    slots = slot_list(cfg)
+    lockstep = None
+    if cfg.sync_lockstep:
+        lockstep = {
+            "key": f"dartboard:lockstep:{run.pk}:{uuid.uuid4().hex}",
+            "members": len(slots),
+            "timeout_s": cfg.env.step_timeout_s + cfg.rollout.request_timeout_s,
+        }
     results = [
         celery_app.send_task(
-            "envmanager.tasks.episode_once", args=(run.pk, backend, i), queue="env"
+            "envmanager.tasks.episode_once", args=(run.pk, backend, i, lockstep), queue="env"
         )
-        for backend, i in slot_list(cfg)
+        for backend, i in slots
     ]
     for result in results:  # the barrier: every trajectory to completion
         result.get(timeout=episode_timeout_s, disable_sync_subtasks=False, propagate=False)

@@ -9,6 +9,7 @@ trajectory `error` with the exception text, recreates the environment and goes o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -27,11 +28,12 @@ from datamanager.config import RunConfig
 from datamanager.dbutil import refresh_connection
 from datamanager.lifecycle import shutdown_requested
 from datamanager.models import Run, RunStatus, SlotStatus
+from envmanager.busy import PROCESS_CLOCK, BusyEnv
 from envmanager.latency import LatencyEnv, profile_from_settings
 from envmanager.protocol import Env, EnvUnavailable, TaskSpec
 from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
-from rollout.episode import EpisodeConfig, PolicyEndpoint, StepRecord, run_episode
+from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, StepRecord, run_episode
 from rollout.oracle_policy import ObservedEnv, OracleEndpoint
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
@@ -64,6 +66,7 @@ def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
         )
         if profile is not None:
             env = LatencyEnv(env, profile, seed=os.getpid())
+        env = BusyEnv(env, PROCESS_CLOCK)
         _ENVS[backend] = env
     return env
 
@@ -83,11 +86,13 @@ class DbRecorder:
 
     def __init__(self, trajectory_id: int) -> None:
         self.trajectory_id = trajectory_id
+        self.head: episodes.TrajectoryHead | None = None
 
     def set_instruction(self, instruction: str) -> None:
         episodes.trajectory_set_instruction(
             trajectory_id=self.trajectory_id, instruction=instruction
         )
+        self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
 
     def record_step(self, record: StepRecord) -> None:
         episodes.step_record(
@@ -108,6 +113,7 @@ class DbRecorder:
             policy_version=record.policy_version,
             env_ms=record.env_ms,
             model_ms=record.model_ms,
+            head=self.head,
         )
 
 
@@ -167,7 +173,9 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop_event.wait(self.period):
-                slot_services.env_slot_heartbeat(slot_id=self.slot_id)
+                slot_services.env_slot_heartbeat(
+                    slot_id=self.slot_id, env_busy_s=PROCESS_CLOCK.seconds()
+                )
                 self.lease.renew()
         except Exception:
             log.exception("slot %s heartbeat stopped", self.slot_id)
@@ -205,10 +213,18 @@ def episode_config(cfg: RunConfig, *, step_cap: int, seed: int) -> EpisodeConfig
 
 
 def serve_slot(
-    *, run_id: int, backend: str, index: int, max_seconds: float, max_episodes: int | None = None
+    *,
+    run_id: int,
+    backend: str,
+    index: int,
+    max_seconds: float,
+    max_episodes: int | None = None,
+    pacer: Pacer | None = None,
 ) -> SlotOutcome:
     """Run episodes for `run_id` on this process's env until the run stops, time is up or
-    `max_episodes` episodes ran (the synchronous baseline runs one per slot per round)."""
+    `max_episodes` episodes ran (the synchronous baseline runs one per slot per round).
+    With a `pacer` (a lockstep round), a slot with nothing to claim sits the round out
+    instead of waiting for a task, so the rest of the batch does not wait for it."""
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     name = slot_name(backend, index)
@@ -219,6 +235,7 @@ def serve_slot(
     slot = slot_services.env_slot_register(
         name=name, host=socket.gethostname(), backend=backend, run_id=run_id
     )
+    slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=PROCESS_CLOCK.seconds())
     heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease)
     heartbeat.start()
     client = PolicyClient(inference_urls(), timeout=cfg.rollout.request_timeout_s)
@@ -233,13 +250,16 @@ def serve_slot(
             refresh_connection()
             claim = episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,))
             if claim is None:
+                if pacer is not None:
+                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+                    return SlotOutcome(False, "nothing to claim this round")
                 status = Run.objects.values_list("status", flat=True).get(pk=run_id)
                 if status != RunStatus.RUNNING:
                     slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
                     return SlotOutcome(False, f"run is {status}")
                 time.sleep(1.0)
                 continue
-            quarantined = _run_claim(claim, slot.pk, backend, cfg, client)
+            quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer)
             if quarantined:
                 return SlotOutcome(False, "slot quarantined")
             episodes_run += 1
@@ -251,12 +271,19 @@ def serve_slot(
     finally:
         heartbeat.stop_event.set()
         heartbeat.join(timeout=5)
+        with contextlib.suppress(Exception):  # the figure only; the slot's outcome stands
+            slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=PROCESS_CLOCK.seconds())
         lease.release()
         client.close()
 
 
 def _run_claim(
-    claim: episodes.Claim, slot_id: int, backend: str, cfg: RunConfig, client: PolicyClient
+    claim: episodes.Claim,
+    slot_id: int,
+    backend: str,
+    cfg: RunConfig,
+    client: PolicyClient,
+    pacer: Pacer | None = None,
 ) -> bool:
     """One episode of a claim; returns True when the slot got quarantined."""
     slot_services.env_slot_set(
@@ -284,6 +311,7 @@ def _run_claim(
             recorder=DbRecorder(claim.trajectory_id),
             task=task,
             config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.seed),
+            pacer=pacer,
         )
     except InferenceError as exc:
         # The policy did not answer: the episode is lost, but the env is fine.

@@ -1,7 +1,11 @@
 """Celery tasks of the environment cluster (queue `env`)."""
 
-from celery import shared_task
+from typing import Any
 
+from celery import shared_task
+from django.conf import settings
+
+from envmanager.lockstep import RedisLockstep
 from envmanager.slots import serve_slot
 
 SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked for long
@@ -16,11 +20,32 @@ def slot_serve(run_id: int, backend: str, index: int) -> str:
 
 
 @shared_task(name="envmanager.tasks.episode_once", acks_late=True)
-def episode_once(run_id: int, backend: str, index: int) -> str:
-    """One episode on this slot (the synchronous baseline's rollout phase)."""
-    return serve_slot(
-        run_id=run_id, backend=backend, index=index, max_seconds=3600, max_episodes=1
-    ).reason
+def episode_once(
+    run_id: int, backend: str, index: int, lockstep: dict[str, Any] | None = None
+) -> str:
+    """One episode on this slot (the synchronous baseline's rollout phase). `lockstep`
+    ({"key", "members", "timeout_s"}) paces it turn by turn with the round's other slots
+    (envmanager.lockstep); this slot leaves the round however its episode ends."""
+    pacer = None
+    if lockstep is not None:
+        pacer = RedisLockstep(
+            redis_url=settings.REDIS_URL,
+            key=lockstep["key"],
+            members=int(lockstep["members"]),
+            timeout_s=float(lockstep["timeout_s"]),
+        )
+    try:
+        return serve_slot(
+            run_id=run_id,
+            backend=backend,
+            index=index,
+            max_seconds=3600,
+            max_episodes=1,
+            pacer=pacer,
+        ).reason
+    finally:
+        if pacer is not None:
+            pacer.leave()
 
 
 @shared_task(name="envmanager.tasks.eval_shard", acks_late=True)

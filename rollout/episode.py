@@ -58,6 +58,16 @@ class StepRecord:
     model_ms: float | None
 
 
+class Pacer(Protocol):
+    """Paces an episode with others (the synchronous baseline's batch step loop,
+    envmanager.lockstep): `turn(i)` returns when the batch may take turn i; `leave()` says
+    this episode takes no more turns."""
+
+    def turn(self, index: int) -> None: ...
+
+    def leave(self) -> None: ...
+
+
 class Recorder(Protocol):
     def set_instruction(self, instruction: str) -> None: ...
 
@@ -119,8 +129,31 @@ def run_episode(
     recorder: Recorder,
     task: TaskSpec,
     config: EpisodeConfig,
+    pacer: Pacer | None = None,
 ) -> EpisodeResult:
-    """Run one episode to its end and evaluate it. See the module docstring for failures."""
+    """Run one episode to its end and evaluate it. See the module docstring for failures.
+
+    With a `pacer`, each policy call waits for `pacer.turn(index)` (so turn 0 waits for
+    the whole batch's resets) and the episode leaves the pacer when its last turn is over,
+    before its evaluation, or when anything raises."""
+    try:
+        return _run_episode(
+            env=env, policy=policy, recorder=recorder, task=task, config=config, pacer=pacer
+        )
+    finally:
+        if pacer is not None:
+            pacer.leave()
+
+
+def _run_episode(
+    *,
+    env: Env,
+    policy: PolicyEndpoint,
+    recorder: Recorder,
+    task: TaskSpec,
+    config: EpisodeConfig,
+    pacer: Pacer | None,
+) -> EpisodeResult:
     obs, reset_ms = _env_call(env.reset, task)
     instruction = obs.instruction or task.instruction
     recorder.set_instruction(instruction)
@@ -131,6 +164,8 @@ def run_episode(
     end_reason = "step_cap"
     index = 0
     for index in range(config.step_cap):
+        if pacer is not None:
+            pacer.turn(index)
         messages = build_messages(
             instruction=instruction,
             history=history,
@@ -199,6 +234,8 @@ def run_episode(
             break
         obs = next_obs
         screenshots.append(obs.screenshot_png)
+    if pacer is not None:
+        pacer.leave()  # the rest of the batch need not wait for this evaluation
     evaluation, eval_ms = _env_call(env.evaluate)
     env_total += eval_ms
     details = {**evaluation.details, "end_reason": end_reason}

@@ -199,3 +199,60 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
         task=miniwob_spec("click-test", seed=4), config=config,
     )  # fmt: skip
     assert (result.status, result.end_reason, result.steps) == ("failed", "step_cap", 3)
+
+
+def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
+    miniwob_env: MiniWoBEnv,
+) -> None:
+    """The synchronous baseline's lockstep on a real episode: a second member that reaches
+    each turn 0.4 s late holds the episode's policy call of that turn until it arrives, and
+    the episode leaves the round after its last turn."""
+    import threading
+    import uuid
+
+    import redis
+    from django.conf import settings
+
+    from envmanager.lockstep import RedisLockstep
+    from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+
+    key = f"dartboard:lockstep:test:{uuid.uuid4().hex}"
+
+    def pacer() -> RedisLockstep:
+        return RedisLockstep(redis_url=settings.REDIS_URL, key=key, members=2, timeout_s=20)
+
+    late_arrivals: list[float] = []
+
+    def late_member() -> None:
+        other = pacer()
+        for t in range(3):
+            time.sleep(0.4)
+            late_arrivals.append(time.monotonic())
+            other.turn(t)
+        other.leave()
+
+    calls: list[float] = []
+    corner = _RepeatFirstAnswer(
+        lambda _: "Action: click(start_box='<|box_start|>(2,2)<|box_end|>')"
+    )
+
+    class Timed:
+        def complete(self, messages, **kw):
+            calls.append(time.monotonic())
+            return corner.complete(messages, **kw)
+
+    thread = threading.Thread(target=late_member)
+    thread.start()
+    result = run_episode(
+        env=miniwob_env, policy=Timed(), recorder=ListRecorder(),
+        task=miniwob_spec("click-test", seed=4), pacer=pacer(),
+        config=EpisodeConfig(step_cap=3, image_min_pixels=4 * 28 * 28,
+                             image_max_pixels=256 * 28 * 28),
+    )  # fmt: skip
+    thread.join(timeout=20)
+    assert (result.end_reason, result.steps) == ("step_cap", 3)
+    assert len(calls) == 3 and len(late_arrivals) == 3
+    assert all(call >= arrival for call, arrival in zip(calls, late_arrivals, strict=True))
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    assert [int(r.get(f"{key}:at:{t}")) for t in range(3)] == [2, 2, 2]
+    assert r.hgetall(f"{key}:left") == {b"2": b"2"}

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from dartboard.procutil import pid_cmdline, terminate_pid
 from datamanager.config import RunConfig
+from datamanager.episodes import taskstats_ensure
 from datamanager.models import EnvSlot, Run, Task, Trajectory
 from datamanager.runs import run_start_workers
 from datamanager.services import run_control, run_create
@@ -114,8 +115,72 @@ def test_two_worker_processes_run_episodes_at_once_with_heartbeats(subprocess_en
         (a, b) = by_slot.values()
         assert any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
         assert not Trajectory.objects.filter(run=run, status="error").exists()
+        # Each slot reports how long its environment has been busy (the utilisation figure):
+        # more than nothing, less than the slot has existed.
+        _wait(
+            lambda: all(s.env_busy_s > 0 for s in EnvSlot.objects.filter(run=run)),
+            20,
+            "both slots to report environment busy time",
+        )
+        for s in EnvSlot.objects.filter(run=run):
+            assert s.env_busy_s < (timezone.now() - s.created_at).total_seconds()
     finally:
         _stop(run, workers)
+
+
+def test_a_lockstep_round_runs_one_episode_per_worker_turn_by_turn(subprocess_env):
+    """The synchronous baseline's round: one episode per slot on separate worker
+    processes, paced by the Redis lockstep; both arrive at turn 0 (after both resets) and
+    leave the round when their episode is over."""
+    import redis
+    from django.conf import settings
+
+    from dartboard.celery import app
+
+    workers = [_worker(subprocess_env, f"envL{i}") for i in range(2)]
+    run = None
+    try:
+        for name in ("click-test", "click-button"):
+            Task.objects.create(
+                name=f"miniwob/{name}",
+                env_kind="miniwob",
+                env_config={"task": name, "episode_seconds": 60},
+            )
+        run = run_create(
+            name="lockstep",
+            config=RunConfig.from_dict(
+                {
+                    "mode": "synchronous",
+                    "policy": "oracle",
+                    "tasks": {"names": ["miniwob/click-test", "miniwob/click-button"]},
+                    "env": {"miniwob_slots": 2, "heartbeat_s": 0.5},
+                }
+            ),
+        )
+        run_control(run_id=run.pk, action="start")
+        taskstats_ensure(run=run)  # what starting a run does, without its sync_run driver
+        key = f"dartboard:lockstep:{run.pk}:test"
+        lockstep = {"key": key, "members": 2, "timeout_s": 90}
+        results = [
+            app.send_task(
+                "envmanager.tasks.episode_once", args=(run.pk, "miniwob", i, lockstep), queue="env"
+            )
+            for i in range(2)
+        ]
+        assert [r.get(timeout=120) for r in results] == ["1 episodes done"] * 2
+        done = Trajectory.objects.filter(run=run)
+        assert sorted(done.values_list("status", flat=True)) == ["succeeded", "succeeded"]
+        assert done.values("env_slot_id").distinct().count() == 2
+        r = redis.Redis.from_url(settings.REDIS_URL)
+        assert int(r.get(f"{key}:at:0")) == 2  # both arrived at the first turn
+        assert r.get(f"{key}:at:1") is None  # a click ends the task: nobody took turn 1
+        assert r.hgetall(f"{key}:left") == {b"0": b"2"}
+    finally:
+        if run is not None:
+            _stop(run, workers)
+        else:
+            for w in workers:
+                terminate_pid(w.pid, timeout=20)
 
 
 def _our_chromium_children(worker_pid: int) -> list[int]:

@@ -217,10 +217,10 @@ def main() -> None:
     write_figure(results)
 
 
-def _fmt(v) -> str:
+def _fmt(key: str, v) -> str:
     if v is None:
         return "n/a"
-    return f"{v:.1%}" if isinstance(v, float) and v <= 1.5 else f"{v:.1f}"
+    return f"{v:.1%}" if "util" in key else f"{v:.1f}"
 
 
 def print_table(results: list[dict], args) -> None:
@@ -240,7 +240,7 @@ def print_table(results: list[dict], args) -> None:
     print(f"\nslots={args.slots} latency={args.latency} scale={args.scale} minutes={args.minutes}")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for key, label in keys:
-        cells = [_fmt(by[m].get(key)) for m in modes]
+        cells = [_fmt(key, by[m].get(key)) for m in modes]
         d = by.get("decoupled", {}).get(key)
         for m in baselines:
             s = by[m].get(key)

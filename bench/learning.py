@@ -7,6 +7,11 @@ For each variant a run on a private stack (bench/stack.py) does the behaviour-cl
 start on oracle demonstrations (published as version 1), then DART RL for `--minutes`; then
 version 1 and the last version are evaluated on held-out seeds of the same tasks through the
 evaluation harness (greedy, fixed seeds). Prints success before/after RL per variant.
+
+`--instances N` trains on N fixed instances (seeds) per task, as DART trains on OSWorld's
+fixed tasks, and also evaluates both versions on exactly those training instances: DART's
+ablation reports pass@1 on its training tasks. The held-out seeds say whether what RL
+learned carries over to screens it never saw.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stack import PrivateStack  # noqa: E402
+from datamanager.curation import INSTANCE_SEED_BASE  # noqa: E402
 
 VARIANTS = {
     "full": {},
@@ -44,7 +50,7 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
     tasks = [f"miniwob/{t}" for t in args.tasks.split(",")]
     cfg = RunConfig.from_dict({
         "policy": args.policy,
-        "tasks": {"names": tasks},
+        "tasks": {"names": tasks, "instances": args.instances},
         "env": {"miniwob_slots": args.slots},
         # A valid click is ~21 tokens. The tiny policy was pretrained on first steps only, so a
         # later step's output is mostly unparsable: one such output ends the episode instead
@@ -74,17 +80,22 @@ def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
     last = PolicyVersion.objects.filter(run=run).order_by("-version").first().version
     task_rows = list(Task.objects.filter(name__in=tasks))
     out = {"variant": name, "versions": (first, last), "curve": online_curve(run)}
-    for label, version in (("warm_start", first), ("after_rl", last)):
-        job = eval_job_create(
-            name=f"{name} v{version}",
-            policy=f"run:{run.pk}:v{version}",
-            tasks=task_rows,
-            k=args.k,
-            seed=args.eval_seed,
-        )
-        job = eval_job_run(job_id=job.pk)
-        out[label] = job.report["summary"]["success_rate"]
-        out[f"{label}_tasks"] = {r["task"]: r["success_rate"] for r in job.report["tasks"]}
+    evals = [("", args.k, args.eval_seed)]
+    if args.instances:  # the training instances: the seeds the run's groups cycled through
+        evals.append(("train_", args.instances, INSTANCE_SEED_BASE + cfg.seed))
+    for prefix, k, seed in evals:
+        for label, version in (("warm_start", first), ("after_rl", last)):
+            job = eval_job_create(
+                name=f"{name} v{version} {prefix or 'held-out'}",
+                policy=f"run:{run.pk}:v{version}",
+                tasks=task_rows,
+                k=k,
+                seed=seed,
+            )
+            job = eval_job_run(job_id=job.pk)
+            key = prefix + label
+            out[key] = job.report["summary"]["success_rate"]
+            out[f"{key}_tasks"] = {r["task"]: r["success_rate"] for r in job.report["tasks"]}
     return out
 
 
@@ -128,6 +139,10 @@ def main() -> None:
     ap.add_argument("--aggregation", default="trajectory", choices=["trajectory", "token"])
     ap.add_argument("--k", type=int, default=20, help="held-out episodes per task")
     ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")
+    ap.add_argument(
+        "--instances", type=int, default=0,
+        help="fixed training instances per task (0: a new seed for every group)",
+    )  # fmt: skip
     args = ap.parse_args()
     results = []
     with PrivateStack(slots=args.slots, policy=args.policy) as stack:
@@ -139,26 +154,34 @@ def main() -> None:
         f"\nRL for {args.minutes} min after a {args.warm_start}-update warm start; "
         f"held-out seeds {args.eval_seed}000+i, k={args.k}, greedy"
     )
-    print("| variant | versions | success after warm start | after RL | change (points) |")
-    print("|---|---|---|---|---|")
+    print("| variant | episodes | versions | after warm start | after RL | change (points) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        delta = 100 * (r["after_rl"] - r["warm_start"])
-        print(
-            f"| {r['variant']} | v{r['versions'][0]} -> v{r['versions'][1]} | "
-            f"{r['warm_start']:.1%} | {r['after_rl']:.1%} | {delta:+.1f} |"
-        )
+        for prefix, what in (("train_", f"training instances ({args.instances}/task)"),
+                             ("", f"held-out seeds ({args.k}/task)")):  # fmt: skip
+            if prefix + "warm_start" not in r:
+                continue
+            before, after = r[prefix + "warm_start"], r[prefix + "after_rl"]
+            print(
+                f"| {r['variant']} | {what} | v{r['versions'][0]} -> v{r['versions'][1]} | "
+                f"{before:.1%} | {after:.1%} | {100 * (after - before):+.1f} |"
+            )
     for r in results:
         print(
             f"\n{r['variant']} training rollouts (sampled) by version: "
             + ", ".join(f"{label} {rate:.0%} of {n}" for label, n, rate in r["curve"])
         )
-        print(
-            f"{r['variant']} per task: "
-            + ", ".join(
-                f"{t.removeprefix('miniwob/')} {r['warm_start_tasks'][t]:.0%}->{r['after_rl_tasks'].get(t, 0):.0%}"
-                for t in sorted(r["warm_start_tasks"])
+        for prefix in ("train_", ""):
+            if prefix + "warm_start_tasks" not in r:
+                continue
+            before, after = r[prefix + "warm_start_tasks"], r[prefix + "after_rl_tasks"]
+            print(
+                f"{r['variant']} per task ({prefix.rstrip('_') or 'held-out'}): "
+                + ", ".join(
+                    f"{t.removeprefix('miniwob/')} {before[t]:.0%}->{after.get(t, 0):.0%}"
+                    for t in sorted(before)
+                )
             )
-        )
 
 
 if __name__ == "__main__":

@@ -46,11 +46,18 @@ class TaskSelection:
     env_kinds: list[str] = knob(
         ["miniwob"], "Environment backends whose tasks are included: miniwob, desktop."
     )
+    instances: int = knob(
+        0,
+        "Fixed training instances per task (seeds a task's groups cycle through, like "
+        "OSWorld's fixed tasks); 0: every group starts from a new seed.",
+        min=0,
+    )
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.env_kinds) - {"miniwob", "desktop"})
         _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob and/or desktop")
         _check(bool(self.env_kinds), "env_kinds", "name at least one backend")
+        _check(0 <= self.instances <= 1000, "instances", "must be between 0 and 1000")
 
 
 @dataclass

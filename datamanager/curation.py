@@ -7,6 +7,8 @@ and `datamanager.batches` apply them to the database).
 3. dynamic trajectory length: `step_cap` — the longest success plus a margin;
 4. experience pool: `pool_fill_count` — how many pool successes join an all-failed group;
 5. staleness: `is_stale` — steps from versions older than current - k are left out.
+
+And `group_seed`: the start state every rollout of a group shares.
 """
 
 from __future__ import annotations
@@ -72,3 +74,19 @@ def is_stale(*, step_version: int | None, current_version: int, k: int) -> bool:
     if step_version is None:
         return False  # demonstrations carry no policy version and never go stale
     return step_version < current_version - k
+
+
+# Fixed training instances use seeds (INSTANCE_SEED_BASE + run seed) * 1000 + i, i < N, so an
+# evaluation job with seed INSTANCE_SEED_BASE + run seed and k = N plays exactly those
+# instances (the evaluation harness seeds episode i with job.seed * 1000 + i).
+INSTANCE_SEED_BASE = 500_000
+
+
+def group_seed(*, run_seed: int, group_pk: int, group_index: int, instances: int) -> int:
+    """The environment seed of every rollout of a task group: GRPO's advantage compares
+    outcomes from the same start state. `instances` = 0: a new seed for each group;
+    N > 0: a task's groups cycle through its N fixed training instances (like OSWorld's
+    fixed tasks). Decoding seeds stay per rollout (the claim's `decode_seed`)."""
+    if instances:  # a task's group indexes count from 1
+        return (INSTANCE_SEED_BASE + run_seed) * 1000 + (group_index - 1) % instances
+    return run_seed * 1_000_003 + group_pk

@@ -48,7 +48,8 @@ class Claim:
     env_config: dict[str, Any]
     instruction: str
     step_cap: int
-    seed: int
+    seed: int  # the environment's: shared by the group (curation.group_seed)
+    decode_seed: int  # the policy's sampling: one per rollout
 
 
 def default_step_cap(task: Task, cfg: CurationConfig) -> int:
@@ -132,7 +133,13 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     TaskStat.objects.filter(pk=stat.pk).update(outstanding=F("outstanding") - 1)
     TaskGroup.objects.filter(pk=group.pk).update(claimed=F("claimed") + 1)
     cfg = RunConfig.from_dict(run.config)
-    seed = cfg.seed * 1_000_003 + Trajectory.objects.filter(run=run).count()
+    seed = curation.group_seed(
+        run_seed=cfg.seed,
+        group_pk=group.pk,
+        group_index=group.index,
+        instances=cfg.tasks.instances,
+    )
+    decode_seed = cfg.seed * 1_000_003 + Trajectory.objects.filter(run=run).count()
     traj = Trajectory.objects.create(
         run=run,
         task=stat.task,
@@ -151,6 +158,7 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
         instruction=stat.task.instruction,
         step_cap=stat.step_cap,
         seed=seed,
+        decode_seed=decode_seed,
     )
 
 

@@ -310,7 +310,7 @@ def _run_claim(
             policy=policy,
             recorder=DbRecorder(claim.trajectory_id),
             task=task,
-            config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.seed),
+            config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
             pacer=pacer,
         )
     except InferenceError as exc:

@@ -23,6 +23,36 @@ def test_rollout_wise_claims_spread_over_tasks_without_a_barrier():
     assert TaskGroup.objects.filter(run=run).count() == 4
 
 
+def _claims(run, n):
+    return [
+        episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) for _ in range(n)
+    ]
+
+
+def test_a_groups_rollouts_start_from_one_screen_and_sample_differently():
+    """GRPO compares outcomes from the same start state: every rollout of a group gets the
+    group's environment seed, each its own decoding seed; the next group a new screen."""
+    make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 3}})
+    first, second = _claims(run, 3), _claims(run, 3)
+    assert len({c.seed for c in first}) == 1 and len({c.seed for c in second}) == 1
+    assert first[0].seed != second[0].seed
+    decode = [c.decode_seed for c in first + second]
+    assert len(set(decode)) == 6
+    # What the dashboard shows for a trajectory is the screen it played.
+    assert Trajectory.objects.get(pk=first[1].trajectory_id).seed == first[0].seed
+
+
+def test_fixed_training_instances_cycle_and_an_eval_job_can_replay_them():
+    from datamanager.curation import INSTANCE_SEED_BASE
+
+    make_tasks(1)
+    run = make_running_run({"seed": 3, "tasks": {"instances": 2}, "curation": {"n_max": 2}})
+    seeds = [c.seed for c in _claims(run, 8)]  # four groups of two
+    base = (INSTANCE_SEED_BASE + 3) * 1000
+    assert seeds == [base, base, base + 1, base + 1, base, base, base + 1, base + 1]
+
+
 def test_group_becomes_ready_when_all_its_rollouts_finish_and_budget_shrinks_with_success():
     (task,) = make_tasks(1)
     run = make_running_run({"curation": {"n_max": 4, "n_min": 2, "budget_threshold": 0.6}})

@@ -108,6 +108,14 @@ class SlotTile:
     step: int | None
     image: str
     policy_version: int | None
+    env_busy: float | None  # share of the worker's life its env spent in reset/step/evaluate
+
+
+def _busy_share(slot: EnvSlot) -> float | None:
+    if slot.last_heartbeat is None:
+        return None
+    alive = (slot.last_heartbeat - slot.created_at).total_seconds()
+    return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
 
 
 def run_slots(*, run: Run) -> list[SlotTile]:
@@ -134,6 +142,7 @@ def run_slots(*, run: Run) -> list[SlotTile]:
             step=s.step_index,
             image=f"/media/{s.step_image}" if s.step_image else "",
             policy_version=s.step_version,
+            env_busy=_busy_share(s),
         )
         for s in slots
     ]

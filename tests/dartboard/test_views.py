@@ -293,6 +293,21 @@ def test_run_page_env_wall_shows_latest_screenshot_task_step_and_status(ada_clie
     assert ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"][0]["step"] == 2
 
 
+def test_a_slot_tile_shows_how_busy_its_environment_has_been(ada_client):
+    """A worker alive for 200 s whose env spent 150 s in reset/step/evaluate: 75%."""
+    from datetime import timedelta
+
+    run = make_run()
+    slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)
+    EnvSlot.objects.filter(pk=slot.pk).update(
+        env_busy_s=150.0, last_heartbeat=slot.created_at + timedelta(seconds=200)
+    )
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    tile = re.search(rf'<a class="tile" data-slot="{slot.pk}".*?</a>', html, re.S).group(0)
+    assert "env busy 75%" in tile
+    assert ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"][0]["env_busy"] == 0.75
+
+
 def test_charts_json_has_every_chart_with_data(ada_client):
     run = make_run(curation={"n_max": 2, "n_min": 1})
     slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)

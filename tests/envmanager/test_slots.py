@@ -61,7 +61,9 @@ def _wait(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _oracle_run(slots: int) -> Run:
+def _oracle_run(slots: int, *, mode: str = "decoupled", start_workers: bool = True) -> Run:
+    """A running oracle run over click-test and click-button; `start_workers` enqueues its
+    slot tasks (the decoupled design), else only its task stats exist (a caller drives it)."""
     for name in ("click-test", "click-button"):
         Task.objects.create(
             name=f"miniwob/{name}",
@@ -72,6 +74,7 @@ def _oracle_run(slots: int) -> Run:
         name="slots",
         config=RunConfig.from_dict(
             {
+                "mode": mode,
                 "policy": "oracle",
                 "tasks": {"names": ["miniwob/click-test", "miniwob/click-button"]},
                 "env": {"miniwob_slots": slots, "heartbeat_s": 0.5},
@@ -79,7 +82,10 @@ def _oracle_run(slots: int) -> Run:
         ),
     )
     run_control(run_id=run.pk, action="start")
-    run_start_workers(run_id=run.pk)
+    if start_workers:
+        run_start_workers(run_id=run.pk)
+    else:
+        taskstats_ensure(run=run)  # what starting a run does, without its drivers
     return run
 
 
@@ -140,25 +146,7 @@ def test_a_lockstep_round_runs_one_episode_per_worker_turn_by_turn(subprocess_en
     workers = [_worker(subprocess_env, f"envL{i}") for i in range(2)]
     run = None
     try:
-        for name in ("click-test", "click-button"):
-            Task.objects.create(
-                name=f"miniwob/{name}",
-                env_kind="miniwob",
-                env_config={"task": name, "episode_seconds": 60},
-            )
-        run = run_create(
-            name="lockstep",
-            config=RunConfig.from_dict(
-                {
-                    "mode": "synchronous",
-                    "policy": "oracle",
-                    "tasks": {"names": ["miniwob/click-test", "miniwob/click-button"]},
-                    "env": {"miniwob_slots": 2, "heartbeat_s": 0.5},
-                }
-            ),
-        )
-        run_control(run_id=run.pk, action="start")
-        taskstats_ensure(run=run)  # what starting a run does, without its sync_run driver
+        run = _oracle_run(2, mode="synchronous", start_workers=False)
         key = f"dartboard:lockstep:{run.pk}:test"
         lockstep = {"key": key, "members": 2, "timeout_s": 90}
         results = [

@@ -281,6 +281,20 @@ def test_kl_low_variance_by_hand() -> None:
     assert kl_low_variance(logprobs, ref, torch.zeros(1, 3)).item() == 0.0
 
 
+def test_kl_of_a_token_the_policy_has_moved_far_from_is_capped() -> None:
+    """A stale token the reference likes 12 nats more than the policy: uncapped k3 is
+    exp(12) - 13 ~ 162,741; capped at 10, it adds no gradient, and the other token keeps
+    its own term and gradient."""
+    logprobs = torch.tensor([[-13.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5]])
+    kl = kl_low_variance(logprobs, ref, torch.ones(1, 2))
+    assert close(kl, (10.0 + math.exp(-0.5) + 0.5 - 1) / 2)
+    kl.backward()
+    assert close(logprobs.grad, [[0.0, (1 - math.exp(-0.5)) / 2]])
+    uncapped = kl_low_variance(logprobs, ref, torch.ones(1, 2), max_per_token=float("inf"))
+    assert uncapped.item() > 80_000
+
+
 def test_bc_loss_by_hand() -> None:
     logprobs = torch.tensor([[-1.0, -3.0, -7.0], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_a_lockstep_round_runs_one_episode_per_worker_turn_by_turn(subprocess_en
     run = None
     try:
         run = _oracle_run(2, mode="synchronous", start_workers=False)
-        key = f"dartboard:lockstep:{run.pk}:test"
+        key = f"dartboard:lockstep:{run.pk}:test-{uuid.uuid4().hex}"  # the Redis may outlive the DB
         lockstep = {"key": key, "members": 2, "timeout_s": 90}
         results = [
             app.send_task(

@@ -79,16 +79,10 @@ MODES = {
 
 
 def _env_busy() -> dict[str, float]:
-    """Busy seconds per env worker process. The clock is the process's, and a synchronous
-    round may hand a process another slot index (another slot row), so per process the
-    largest value written is the latest."""
+    """Busy seconds per env slot row (each row counts the time it was served)."""
     from datamanager.models import EnvSlot
 
-    busy: dict[str, float] = {}
-    for name, seconds in EnvSlot.objects.values_list("name", "env_busy_s"):
-        host, pid = name.split(":")[:2]
-        busy[f"{host}:{pid}"] = max(busy.get(f"{host}:{pid}", 0.0), seconds)
-    return busy
+    return dict(EnvSlot.objects.values_list("name", "env_busy_s"))
 
 
 def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy: str) -> dict:

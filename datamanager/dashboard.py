@@ -108,7 +108,7 @@ class SlotTile:
     step: int | None
     image: str
     policy_version: int | None
-    env_busy: float | None  # share of the worker's life its env spent in reset/step/evaluate
+    env_busy: float | None  # share of the slot's life its env spent in reset/step/evaluate
 
 
 def _busy_share(slot: EnvSlot) -> float | None:

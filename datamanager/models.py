@@ -306,8 +306,8 @@ class EnvSlot(models.Model):
     last_error = models.TextField(blank=True)
     env_busy_s = models.FloatField(
         default=0.0,
-        help_text="Seconds the worker process's environment has spent in reset/step/evaluate "
-        "(the call under way included), as of the last heartbeat.",
+        help_text="Seconds this slot's environment has spent in reset/step/evaluate while "
+        "served (the call under way included), as of the last heartbeat.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -26,8 +26,8 @@ def env_slot_register(*, name: str, host: str, backend: str, run_id: int | None)
 
 
 def env_slot_heartbeat(*, slot_id: int, env_busy_s: float | None = None) -> None:
-    """The slot is alive; `env_busy_s` is its process's environment busy time so far
-    (envmanager.busy), stored for utilisation figures."""
+    """The slot is alive; `env_busy_s` is the environment busy time served on this slot
+    so far (envmanager.busy), stored for utilisation figures."""
     fields: dict = {"last_heartbeat": timezone.now()}
     if env_busy_s is not None:
         fields["env_busy_s"] = env_busy_s

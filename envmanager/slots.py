@@ -162,19 +162,33 @@ class SlotLease:
         self.redis.close()
 
 
+class _SlotBusy:
+    """The slot row's environment busy time: what the row held when this process started
+    serving it, plus the process clock's time since. A process may serve several slot rows
+    in turn (a synchronous round hands out any index), so each row counts only its own."""
+
+    def __init__(self, stored_s: float) -> None:
+        self.stored_s = stored_s
+        self.clock_at_start = PROCESS_CLOCK.seconds()
+
+    def seconds(self) -> float:
+        return self.stored_s + PROCESS_CLOCK.seconds() - self.clock_at_start
+
+
 class _Heartbeat(threading.Thread):
-    def __init__(self, slot_id: int, period: float, lease: SlotLease) -> None:
+    def __init__(self, slot_id: int, period: float, lease: SlotLease, busy: _SlotBusy) -> None:
         super().__init__(daemon=True, name=f"heartbeat-{slot_id}")
         self.slot_id = slot_id
         self.period = min(period, SlotLease.TTL_S / 3)
         self.lease = lease
+        self.busy = busy
         self.stop_event = threading.Event()
 
     def run(self) -> None:
         try:
             while not self.stop_event.wait(self.period):
                 slot_services.env_slot_heartbeat(
-                    slot_id=self.slot_id, env_busy_s=PROCESS_CLOCK.seconds()
+                    slot_id=self.slot_id, env_busy_s=self.busy.seconds()
                 )
                 self.lease.renew()
         except Exception:
@@ -235,8 +249,8 @@ def serve_slot(
     slot = slot_services.env_slot_register(
         name=name, host=socket.gethostname(), backend=backend, run_id=run_id
     )
-    slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=PROCESS_CLOCK.seconds())
-    heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease)
+    busy = _SlotBusy(slot.env_busy_s)
+    heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease, busy)
     heartbeat.start()
     client = PolicyClient(inference_urls(), timeout=cfg.rollout.request_timeout_s)
     deadline = time.monotonic() + max_seconds
@@ -272,7 +286,7 @@ def serve_slot(
         heartbeat.stop_event.set()
         heartbeat.join(timeout=5)
         with contextlib.suppress(Exception):  # the figure only; the slot's outcome stands
-            slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=PROCESS_CLOCK.seconds())
+            slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=busy.seconds())
         lease.release()
         client.close()
 

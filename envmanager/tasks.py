@@ -35,7 +35,7 @@ def episode_once(
             timeout_s=float(lockstep["timeout_s"]),
         )
     try:
-        return serve_slot(
+        reason = serve_slot(
             run_id=run_id,
             backend=backend,
             index=index,
@@ -46,6 +46,17 @@ def episode_once(
     finally:
         if pacer is not None:
             pacer.leave()
+    if pacer is not None and pacer.broken:
+        # Not only in this worker's log: the run says its batch loop lost a member.
+        from datamanager.services import run_set_message
+
+        run_set_message(
+            run_id=run_id,
+            message=f"synchronous round: slot {backend}:{index} waited "
+            f"{pacer.timeout_s:.0f} s for a member of its round that never arrived (a dead "
+            "env worker?); the round went on without it",
+        )
+    return reason
 
 
 @shared_task(name="envmanager.tasks.eval_shard", acks_late=True)

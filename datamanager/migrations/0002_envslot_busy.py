@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='envslot',
             name='env_busy_s',
-            field=models.FloatField(default=0.0, help_text="Seconds the worker process's environment has spent in reset/step/evaluate (the call under way included), as of the last heartbeat."),
+            field=models.FloatField(default=0.0, help_text="Seconds this slot's environment has spent in reset/step/evaluate while served (the call under way included), as of the last heartbeat."),
         ),
     ]

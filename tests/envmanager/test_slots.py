@@ -240,3 +240,32 @@ def test_browser_killed_mid_episode_errors_that_trajectory_and_the_slot_recovers
         assert finished.filter(status="error").count() >= 1
     finally:
         _stop(run, [worker])
+
+
+def test_a_lockstep_member_that_never_arrives_is_said_on_the_run(subprocess_env):
+    """A round of three with only two slot tasks (the third worker died): both episodes
+    still finish after the wait, and the run says why its round stalled."""
+    from dartboard.celery import app
+
+    workers = [_worker(subprocess_env, f"envM{i}") for i in range(2)]
+    run = None
+    try:
+        run = _oracle_run(2, mode="synchronous", start_workers=False)
+        lockstep = {
+            "key": f"dartboard:lockstep:{run.pk}:test-{uuid.uuid4().hex}",
+            "members": 3,
+            "timeout_s": 3,
+        }
+        results = [
+            app.send_task(
+                "envmanager.tasks.episode_once", args=(run.pk, "miniwob", i, lockstep), queue="env"
+            )
+            for i in range(2)
+        ]
+        assert [r.get(timeout=120) for r in results] == ["1 episodes done"] * 2
+        assert Trajectory.objects.filter(run=run, status="succeeded").count() == 2
+        message = Run.objects.get(pk=run.pk).status_message
+        assert "never arrived" in message and "waited 3 s" in message
+    finally:
+        if run is not None:
+            _stop(run, workers)

@@ -31,6 +31,8 @@ class Batch:
     group_ids: list[int]
     stale_step_ids: list[int] = field(default_factory=list)
     overused_step_ids: list[int] = field(default_factory=list)
+    # Ready groups left with nothing to train: every step stale or used up, and no pool demo.
+    empty_group_ids: list[int] = field(default_factory=list)
 
 
 def _read(name: str) -> bytes:
@@ -137,6 +139,9 @@ def batch_collect(*, run: Run, current_version: int, min_groups: int | None = No
                 is_demo=True,
                 version_for_demo=current_version,
             )
+        if not group_samples:
+            batch.empty_group_ids.append(group.pk)
+            continue
         if (
             batch.samples
             and len(batch.samples) + len(group_samples) > cfg.trainer.max_steps_per_update
@@ -188,9 +193,10 @@ def batch_commit(
             "stale_steps": len(batch.stale_step_ids),
             "overused_steps": len(batch.overused_step_ids),
             "groups": len(batch.group_ids),
+            "empty_groups": len(batch.empty_group_ids),
         },
     )
-    Step.objects.filter(pk__in=batch.stale_step_ids).update(stale=True)
+    batch_skip(batch=batch)
     online = [s for s in batch.samples if not s.is_demo]
     steps = {s.pk: s for s in Step.objects.filter(pk__in=[s.step_id for s in online])}
     for sample in online:
@@ -206,3 +212,19 @@ def batch_commit(
     )
     TaskGroup.objects.filter(pk__in=batch.group_ids).update(status=GroupStatus.TRAINED)
     return update
+
+
+@transaction.atomic
+def batch_skip(*, batch: Batch) -> str:
+    """Write back what a batch left out: its stale steps are flagged and the groups it had
+    nothing to train from are marked skipped, so they leave the ready queue (otherwise a queue
+    head of wholly stale groups would be collected again on every try and never trained).
+    Returns a line for the run's message, or "" when nothing was left out."""
+    Step.objects.filter(pk__in=batch.stale_step_ids).update(stale=True)
+    TaskGroup.objects.filter(pk__in=batch.empty_group_ids).update(status=GroupStatus.SKIPPED)
+    if not batch.empty_group_ids:
+        return ""
+    return (
+        f"skipped {len(batch.empty_group_ids)} ready groups with nothing left to train "
+        f"({len(batch.stale_step_ids)} stale steps, {len(batch.overused_step_ids)} used up)"
+    )

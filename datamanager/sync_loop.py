@@ -62,6 +62,10 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     if run.status != RunStatus.RUNNING:
         return False
     batch = batches.batch_collect(run=run, current_version=trainer.state.version, min_groups=1)
+    if batch is not None and not batch.samples and batch.empty_group_ids:
+        run_set_message(
+            run_id=run.pk, message="synchronous round: " + batches.batch_skip(batch=batch)
+        )
     if batch is None or not batch.samples:
         return True
     run_set_message(

@@ -108,6 +108,11 @@ def train_for(*, run_id: int, max_seconds: float) -> str:
             _warm_start_update(run, cfg, trainer)
             continue
         batch = batches.batch_collect(run=run, current_version=trainer.state.version)
+        if batch is not None and not batch.samples and batch.empty_group_ids:
+            message = "trainer " + batches.batch_skip(batch=batch)
+            log.info("run %s: %s", run_id, message)
+            run_set_message(run_id=run_id, message=message)
+            continue
         if batch is None or not batch.samples:
             # A killed env worker leaves its episode running: end it so the group completes.
             episodes.trajectories_abort_orphans(

@@ -80,6 +80,30 @@ def test_stale_steps_are_flagged_and_left_out(run_on_tiny):
     assert batch is not None and batch.samples == [] and len(batch.stale_step_ids) == 8
 
 
+def test_groups_with_only_stale_steps_leave_the_queue_as_skipped(run_on_tiny, caplog):
+    # A run whose trainer moved on (here: to version 5) while version-0 groups piled up: they
+    # must not sit at the head of the ready queue forever, collected and dropped on every try.
+    run = run_on_tiny
+    _fill(run, version=0)
+    training_loop._TRAINERS.clear()
+    training_loop.get_trainer(run, _cfg(run)).state.version = 5
+    with caplog.at_level("INFO", logger="dartboard.trainer"):
+        assert training_loop.train_for(run_id=run.pk, max_seconds=1.5) == "time slice over"
+    assert "skipped 2 ready groups with nothing left to train (8 stale steps" in caplog.text
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.SKIPPED).count() == 2
+    assert Step.objects.filter(trajectory__run=run, stale=True).count() == 8
+    assert not TrainUpdate.objects.filter(run=run).exists()
+    run.refresh_from_db()
+    assert "waiting for 2 ready groups: 0 ready" in run.status_message
+    _fill(run, version=5)  # fresh groups train at once, without the stale ones
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    update = TrainUpdate.objects.get(run=run)
+    assert update.metrics["n_samples"] == 8
+    assert set(
+        Step.objects.filter(trained_in_update=update).values_list("policy_version", flat=True)
+    ) == {5}
+
+
 def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
     run = run_on_tiny
     _fill(run)

@@ -14,7 +14,9 @@ each mode for the same wall time, and reads the figures back from the database:
 - inference utilisation: the inference workers' busy time (from their /health) over
   workers x wall time;
 - trainer utilisation: update time over wall time;
-- actions trained per minute (steps that received a gradient) and trajectories per minute.
+- actions trained per minute (online steps in the batches of the updates made in the window)
+  and trajectories per minute;
+  beside them the actions recorded per minute and those of them left out as stale.
 
 Modes: `decoupled` (DART), `synchronous` (the batch step loop DART compares against: a
 round's episodes take their turns together, `sync_lockstep`), `synchronous-rounds` (the same
@@ -131,6 +133,10 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     env_ms += in_flight.aggregate(s=Sum("env_ms"))["s"] or 0.0
     updates = [u for u in TrainUpdate.objects.filter(run=run) if u.created_at <= t0 + _td(wall)]
     trained = Step.objects.filter(trajectory__run=run, trained_in_update__in=updates).count()
+    # Where the recorded actions that were not trained went: left out as stale (older than
+    # current - k when their group reached the trainer) or still waiting at the end.
+    recorded = Step.objects.filter(trajectory__run=run, created_at__lte=t0 + _td(wall))
+    stale = recorded.filter(stale=True).count()
     train_s = sum(u.metrics.get("duration_s", 0.0) for u in updates)
     return {
         "mode": mode,
@@ -140,6 +146,8 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
         "inference_util": busy / (len(workers) * wall) if busy else None,
         "trainer_util": train_s / wall,
         "actions_trained_per_min": trained / (wall / 60),
+        "actions_recorded_per_min": recorded.count() / (wall / 60),
+        "actions_stale_per_min": stale / (wall / 60),
         "trajectories_per_min": finished.count() / (wall / 60),
         "updates": len(updates),
     }
@@ -225,6 +233,8 @@ def print_table(results: list[dict], args) -> None:
         ("inference_util", "inference utilisation"),
         ("trainer_util", "trainer utilisation"),
         ("actions_trained_per_min", "actions trained / min"),
+        ("actions_recorded_per_min", "  (actions recorded / min)"),
+        ("actions_stale_per_min", "  (of those left out as stale / min)"),
         ("trajectories_per_min", "trajectories / min"),
     ]
     by = {r["mode"]: r for r in results}

@@ -111,3 +111,17 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (default when unset)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SettingsError(f"{name}={raw!r} is not a positive number of seconds; e.g. {name}=30.")
+    return value

@@ -153,7 +153,8 @@ def default_specs(
     inference_workers: int = 1,
     router_port: int = 8100,
 ) -> list[ProcSpec]:
-    """web (daphne), Celery workers (rollout, train, one solo worker per env slot) and,
+    """web (daphne), Celery workers (rollout, train, one solo worker per env slot), Celery
+    beat (the runs watchdog) and,
     with a policy, the rollout service: inference workers behind the router."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
     specs = [
@@ -174,6 +175,9 @@ def default_specs(
             ],
         ),
         ProcSpec("worker-train", [*celery, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
+        # The runs watchdog (datamanager/watchdog.py): brings back the slot and trainer tasks
+        # of a worker that died mid-task. The in-memory scheduler: nothing worth persisting.
+        ProcSpec("beat", [*celery[:5], "beat", "-S", "celery.beat:Scheduler", "--loglevel=INFO"]),
     ]
     for i in range(env_slots):
         specs.append(

@@ -2,7 +2,8 @@
 
 Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, ALLOWED_HOSTS,
 DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
-DARTBOARD_DEBUG. See README.md, "Configuration".
+DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S.
+See README.md, "Configuration".
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ try:
         ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "testserver"]
     REDIS_URL, REDIS_EMBEDDED = config_env.redis_url(DARTBOARD_HOME)
     _database_url = config_env.database_url(DARTBOARD_HOME)
+    _lease_ttl_s = config_env.env_seconds("DARTBOARD_LEASE_TTL_S", 30.0)
+    _watchdog_period_s = config_env.env_seconds("DARTBOARD_WATCHDOG_PERIOD_S", 10.0)
+    _watchdog_grace_s = config_env.env_seconds("DARTBOARD_WATCHDOG_GRACE_S", 20.0)
 except config_env.SettingsError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -150,7 +154,10 @@ CELERY_RESULT_BACKEND = config_env.celery_url(REDIS_URL)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_ACKS_LATE = True  # a killed worker's task is redelivered, not lost
+# A task is acknowledged when it ends. A worker that stops cleanly hands its task back; one
+# that is killed leaves it unacknowledged until the visibility timeout (an hour), so live
+# work is also guarded by leases and the watchdog below.
+CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -162,6 +169,23 @@ CELERY_TASK_ROUTES = {
     "datamanager.tasks.train_*": {"queue": "train"},
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+# Liveness (datamanager/leases.py, datamanager/watchdog.py): every env slot and every run's
+# trainer holds a Redis lease renewed by its worker. The watchdog (a Celery beat task,
+# `celery -A dartboard beat`) re-enqueues the task of a lease that has lapsed for GRACE
+# seconds: its worker died (a SIGKILLed worker's own task would only come back after the
+# broker's visibility timeout).
+DARTBOARD_LEASE_TTL_S = _lease_ttl_s
+DARTBOARD_WATCHDOG_PERIOD_S = _watchdog_period_s
+DARTBOARD_WATCHDOG_GRACE_S = _watchdog_grace_s
+CELERY_BEAT_SCHEDULE = {
+    "runs-watchdog": {
+        "task": "datamanager.tasks.runs_watchdog",
+        "schedule": DARTBOARD_WATCHDOG_PERIOD_S,
+        # A pass that could not start before the next is due is dropped, not queued up.
+        "options": {"queue": "default", "expires": DARTBOARD_WATCHDOG_PERIOD_S},
+    }
+}
 
 CHANNEL_LAYERS = {
     "default": {

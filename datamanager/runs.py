@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from celery import current_app as celery_app
 from django.conf import settings
 from django.db import transaction
 
 from datamanager import episodes
 from datamanager.config import RunConfig
+from datamanager.leases import LiveWork, slot_work, trainer_work, work_enqueue
 from datamanager.models import PolicyVersion, Run
 
 log = logging.getLogger(__name__)
@@ -84,22 +84,27 @@ def run_start_workers(*, run_id: int) -> None:
     def enqueue() -> None:
         if not scripted:
             router_sync(run_id=run_id, checkpoint=checkpoint, version=version)
-        # By name: the env cluster and the trainer may live in other code bases' workers.
-        if cfg.mode == "synchronous":
-            celery_app.send_task("datamanager.tasks.sync_run", args=(run_id,), queue="train")
-            return
-        for i in range(cfg.env.miniwob_slots):
-            celery_app.send_task(
-                "envmanager.tasks.slot_serve", args=(run_id, "miniwob", i), queue="env"
-            )
-        for i in range(cfg.env.desktop_slots):
-            celery_app.send_task(
-                "envmanager.tasks.slot_serve", args=(run_id, "desktop", i), queue="env"
-            )
-        if not scripted:
-            celery_app.send_task("datamanager.tasks.train_run", args=(run_id,), queue="train")
+        for work in run_live_work(run_id=run_id, cfg=cfg):
+            work_enqueue(work)
 
     transaction.on_commit(enqueue)
+
+
+def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
+    """The long-running tasks a running run needs: one per env slot (decoupled; a synchronous
+    run's driver hands out its slots' episodes itself) and its trainer (none for the scripted
+    oracle, which has nothing to train)."""
+    if cfg.mode == "synchronous":
+        return [trainer_work(run_id=run_id, mode=cfg.mode)]
+    work = [
+        slot_work(run_id=run_id, backend="miniwob", index=i) for i in range(cfg.env.miniwob_slots)
+    ]
+    work += [
+        slot_work(run_id=run_id, backend="desktop", index=i) for i in range(cfg.env.desktop_slots)
+    ]
+    if cfg.policy != "oracle":
+        work.append(trainer_work(run_id=run_id, mode=cfg.mode))
+    return work
 
 
 def router_sync(*, run_id: int, checkpoint: Path, version: int, rolling: bool = True) -> None:

@@ -12,6 +12,7 @@ episode freely and only the round's end is a barrier (a weaker, friendlier basel
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 
@@ -87,9 +88,13 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     return True
 
 
-def sync_for(*, run_id: int, max_seconds: float) -> str:
+def sync_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
+    """Run rounds until the run stops, max_updates is reached, the time slice ends or `stop`
+    is set (this worker lost the run's trainer lease)."""
     deadline = time.monotonic() + max_seconds
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return "trainer lease lost"
         refresh_connection()
         run = Run.objects.get(pk=run_id)
         if run.status != RunStatus.RUNNING:

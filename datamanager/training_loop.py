@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 from django.conf import settings
@@ -87,13 +88,16 @@ def _waiting_message(run: Run, cfg: RunConfig) -> str:
     )
 
 
-def train_for(*, run_id: int, max_seconds: float) -> str:
-    """Train until the run stops, max_updates is reached or the time slice ends."""
+def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
+    """Train until the run stops, max_updates is reached, the time slice ends or `stop` is
+    set (this worker lost the run's trainer lease)."""
     deadline = time.monotonic() + max_seconds
     last_message = ""
     while time.monotonic() < deadline:
         if shutdown_requested.is_set():
             return "time slice over"  # re-enqueued: a restarted worker resumes the run
+        if stop is not None and stop.is_set():
+            return "trainer lease lost"
         refresh_connection()
         run = Run.objects.get(pk=run_id)
         if run.status != RunStatus.RUNNING:

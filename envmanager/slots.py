@@ -17,7 +17,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import cast
 
 from django.conf import settings
 from django.db import connection
@@ -26,6 +25,7 @@ from datamanager import episodes
 from datamanager import slots as slot_services
 from datamanager.config import RunConfig
 from datamanager.dbutil import refresh_connection
+from datamanager.leases import RedisLease, slot_work
 from datamanager.lifecycle import shutdown_requested
 from datamanager.models import Run, RunStatus, SlotStatus
 from envmanager.busy import PROCESS_CLOCK, BusyEnv
@@ -117,51 +117,6 @@ class DbRecorder:
         )
 
 
-class SlotLease:
-    """At most one live worker serves a (run, backend, index) slot: a Redis key with a TTL,
-    renewed by the heartbeat. A duplicate slot task (re-enqueued by a worker that shut down
-    while the launcher also started the run again) finds it held and ends."""
-
-    TTL_S = 30
-
-    def __init__(self, *, run_id: int, backend: str, index: int, holder: str) -> None:
-        import redis
-
-        self.key = f"dartboard:slot-lease:{run_id}:{backend}:{index}"
-        self.holder = holder
-        self.redis = redis.Redis.from_url(settings.REDIS_URL)
-
-    def _current(self) -> bytes | None:
-        # Without decode_responses the client answers bytes; redis types `get` for both modes.
-        return cast("bytes | None", self.redis.get(self.key))
-
-    def acquire(self) -> str | None:
-        """None when acquired, else the name of the live worker holding it. A lease left by
-        a killed worker expires within TTL_S, so this waits that long before giving up."""
-        deadline = time.monotonic() + self.TTL_S + 5
-        while True:
-            if self.redis.set(self.key, self.holder, nx=True, ex=self.TTL_S):
-                return None
-            current = self._current()
-            if current is not None and current.decode() == self.holder:
-                self.redis.expire(self.key, self.TTL_S)
-                return None
-            if time.monotonic() > deadline:
-                return current.decode() if current else "another worker"
-            time.sleep(1.0)
-
-    def renew(self) -> None:
-        current = self._current()
-        if current is None or current.decode() == self.holder:
-            self.redis.set(self.key, self.holder, ex=self.TTL_S)
-
-    def release(self) -> None:
-        current = self._current()
-        if current is not None and current.decode() == self.holder:
-            self.redis.delete(self.key)
-        self.redis.close()
-
-
 class _SlotBusy:
     """The slot row's environment busy time: what the row held when this process started
     serving it, plus the process clock's time since. A process may serve several slot rows
@@ -176,10 +131,10 @@ class _SlotBusy:
 
 
 class _Heartbeat(threading.Thread):
-    def __init__(self, slot_id: int, period: float, lease: SlotLease, busy: _SlotBusy) -> None:
+    def __init__(self, slot_id: int, period: float, lease: RedisLease, busy: _SlotBusy) -> None:
         super().__init__(daemon=True, name=f"heartbeat-{slot_id}")
         self.slot_id = slot_id
-        self.period = min(period, SlotLease.TTL_S / 3)
+        self.period = min(period, lease.ttl_s / 3)
         self.lease = lease
         self.busy = busy
         self.stop_event = threading.Event()
@@ -242,7 +197,11 @@ def serve_slot(
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     name = slot_name(backend, index)
-    lease = SlotLease(run_id=run_id, backend=backend, index=index, holder=name)
+    # At most one live worker serves a slot: a duplicate slot task (the watchdog's, or one
+    # re-enqueued by a worker that shut down while the launcher started the run again) finds
+    # the lease held and ends.
+    work = slot_work(run_id=run_id, backend=backend, index=index)
+    lease = RedisLease(key=work.lease_key, holder=name)
     holder = lease.acquire()
     if holder is not None:
         return SlotOutcome(False, f"slot {backend}:{index} of run {run_id} is served by {holder}")

@@ -5,6 +5,7 @@ from typing import Any
 from celery import shared_task
 from django.conf import settings
 
+from datamanager.leases import slot_work, work_enqueue, work_started
 from envmanager.lockstep import RedisLockstep
 from envmanager.slots import serve_slot
 
@@ -13,9 +14,11 @@ SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked f
 
 @shared_task(name="envmanager.tasks.slot_serve", acks_late=True)
 def slot_serve(run_id: int, backend: str, index: int) -> str:
+    work = slot_work(run_id=run_id, backend=backend, index=index)
+    work_started(work)
     outcome = serve_slot(run_id=run_id, backend=backend, index=index, max_seconds=SLICE_SECONDS)
     if outcome.keep_going:
-        slot_serve.apply_async(args=(run_id, backend, index), queue="env")
+        work_enqueue(work)
     return outcome.reason
 
 

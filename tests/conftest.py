@@ -29,6 +29,22 @@ def _clean_home() -> Iterator[None]:
 
 
 @pytest.fixture
+def live_work_keys_cleared() -> None:
+    """Delete env slot and trainer leases and their watchdog markers: a Redis server
+    outlives the test database, so an earlier session's run with the same id may have left
+    keys that would read as a live (or pending) worker."""
+    from datamanager.leases import redis_client
+
+    client = redis_client()
+    try:
+        for pattern in ("dartboard:slot-lease:*", "dartboard:trainer-lease:*"):
+            for key in client.scan_iter(pattern):
+                client.delete(key)
+    finally:
+        client.close()
+
+
+@pytest.fixture
 def researcher(django_user_model):
     """Ada, a logged-in RL researcher."""
     return django_user_model.objects.create_user("ada", password="lovelace-pass-1")

@@ -8,6 +8,13 @@ start on oracle demonstrations (published as version 1), then DART RL for `--min
 version 1 and the last version are evaluated on held-out seeds of the same tasks through the
 evaluation harness (greedy, fixed seeds). Prints success before/after RL per variant.
 
+`--shared-warm-start` (for ablations) does the warm start once, in a run of its own, and
+starts every variant's RL from that checkpoint (so the KL reference is the warm-started
+policy): the variants differ only in their curation, the warm start is evaluated once, and
+each variant saves the ~10 minutes of its own warm start. `--k 0` skips the held-out seeds.
+Each variant's result is printed as soon as it is known and kept in
+bench/results/learning.json.
+
 `--instances N` trains on N fixed instances (seeds) per task, as DART trains on OSWorld's
 fixed tasks, and also evaluates both versions on exactly those training instances: DART's
 ablation reports pass@1 on its training tasks. The held-out seeds say whether what RL
@@ -17,6 +24,7 @@ learned carries over to screens it never saw.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,62 +48,113 @@ VARIANTS = {
 DEFAULT_TASKS = "click-test-2,click-button,click-link,click-dialog,click-color"
 
 
-def run_variant(name: str, *, args, stack: PrivateStack) -> dict:
-    from datamanager.config import RunConfig
-    from datamanager.models import PolicyVersion, Task
-    from datamanager.runs import run_apply
-    from datamanager.services import run_control, run_create
-    from envmanager.evaluate import eval_job_create, eval_job_run
+def _tasks(args) -> list[str]:
+    return [f"miniwob/{t}" for t in args.tasks.split(",")]
 
-    tasks = [f"miniwob/{t}" for t in args.tasks.split(",")]
-    cfg = RunConfig.from_dict({
-        "policy": args.policy,
-        "tasks": {"names": tasks, "instances": args.instances},
+
+def _config(args, *, curation: dict, policy: str, warm_start: int):
+    from datamanager.config import RunConfig
+
+    return RunConfig.from_dict({
+        "policy": policy,
+        "tasks": {"names": _tasks(args), "instances": args.instances},
         "env": {"miniwob_slots": args.slots},
         # A valid click is ~21 tokens. The tiny policy was pretrained on first steps only, so a
         # later step's output is mostly unparsable: one such output ends the episode instead
         # of three, so a lucky late click cannot reward the junk before it.
         "rollout": {"max_new_tokens": 32, "max_images": 3, "max_parse_errors": 1},
-        "curation": VARIANTS[name],
-        "trainer": {"warm_start_bc_updates": args.warm_start, "kl_coef": args.kl_coef,
+        "curation": curation,
+        "trainer": {"warm_start_bc_updates": warm_start, "kl_coef": args.kl_coef,
                     "micro_batch": 4, "max_steps_per_update": args.max_steps,
                     "min_groups": args.min_groups, "lr": args.lr,
                     "loss_aggregation": args.aggregation},
     })  # fmt: skip
-    run = run_create(name=f"learning {name}", config=cfg)
-    from django.core.management import call_command
 
-    call_command("collect_demos", per_task=3, tasks=",".join(tasks), kinds="miniwob")
+
+def _evaluate(label: str, policy: str, *, args, seed_base: int) -> dict:
+    """Greedy success on the held-out seeds (unless --k 0) and, with --instances, on the
+    training instances: {"" or "train_": (success rate, {task: success rate})}."""
+    from datamanager.models import Task
+    from envmanager.evaluate import eval_job_create, eval_job_run
+
+    task_rows = list(Task.objects.filter(name__in=_tasks(args)))
+    evals = [("", args.k, args.eval_seed)] if args.k else []
+    if args.instances:  # the training instances: the seeds the run's groups cycled through
+        evals.append(("train_", args.instances, INSTANCE_SEED_BASE + seed_base))
+    out: dict[str, tuple[float, dict]] = {}
+    for prefix, k, seed in evals:
+        job = eval_job_create(
+            name=f"{label} {prefix or 'held-out'}", policy=policy, tasks=task_rows, k=k, seed=seed
+        )
+        job = eval_job_run(job_id=job.pk)
+        out[prefix] = (
+            job.report["summary"]["success_rate"],
+            {r["task"]: r["success_rate"] for r in job.report["tasks"]},
+        )
+    return out
+
+
+def _train(run, *, minutes: float, wait_for_first_version: bool) -> tuple[int, int]:
+    """Start `run`, train for `minutes` (after its warm start's version, if it has one), stop;
+    returns its first and last published versions."""
+    from datamanager.models import PolicyVersion
+    from datamanager.runs import run_apply
+    from datamanager.services import run_control
+
     run_apply(run_id=run.pk, action="start")
     deadline = time.monotonic() + 3600
-    while not PolicyVersion.objects.filter(run=run).exists():  # the warm start's version
+    while wait_for_first_version and not PolicyVersion.objects.filter(run=run).exists():
         if time.monotonic() > deadline:
             raise SystemExit("the warm start did not finish within an hour")
         time.sleep(5)
-    print(f"{name}: warm start done; RL for {args.minutes} min", flush=True)
-    time.sleep(args.minutes * 60)
+    print(f"{run.name}: RL for {minutes} min", flush=True)
+    time.sleep(minutes * 60)
     run_control(run_id=run.pk, action="stop")
     time.sleep(10)
-    first = PolicyVersion.objects.filter(run=run).order_by("version").first().version
-    last = PolicyVersion.objects.filter(run=run).order_by("-version").first().version
-    task_rows = list(Task.objects.filter(name__in=tasks))
+    versions = PolicyVersion.objects.filter(run=run).values_list("version", flat=True)
+    return (min(versions, default=0), max(versions, default=0))
+
+
+def shared_warm_start(*, args) -> tuple[str, dict[str, tuple[float, dict]]]:
+    """The warm start alone, once: its checkpoint (the variants' start) and its evaluation."""
+    from datamanager.models import PolicyVersion
+    from datamanager.runs import run_apply
+    from datamanager.services import run_control, run_create
+
+    cfg = _config(args, curation={}, policy=args.policy, warm_start=args.warm_start)
+    run = run_create(name="learning warm start", config=cfg)
+    run_apply(run_id=run.pk, action="start")
+    deadline = time.monotonic() + 3600
+    while not PolicyVersion.objects.filter(run=run).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("the warm start did not finish within an hour")
+        time.sleep(5)
+    run_control(run_id=run.pk, action="stop")
+    version = PolicyVersion.objects.get(run=run)
+    print(f"warm start done: {version.checkpoint}; evaluating it", flush=True)
+    return version.checkpoint, _evaluate("warm start", f"run:{run.pk}:v{version.version}",
+                                         args=args, seed_base=cfg.seed)  # fmt: skip
+
+
+def run_variant(name: str, *, args, warm: tuple[str, dict[str, tuple[float, dict]]] | None) -> dict:
+    from datamanager.services import run_create
+
+    if warm is None:  # its own warm start, evaluated as its version 1
+        cfg = _config(args, curation=VARIANTS[name], policy=args.policy, warm_start=args.warm_start)
+    else:
+        cfg = _config(args, curation=VARIANTS[name], policy=warm[0], warm_start=0)
+    run = run_create(name=f"learning {name}", config=cfg)
+    first, last = _train(run, minutes=args.minutes, wait_for_first_version=warm is None)
+    if warm is not None:
+        first = 0  # its start checkpoint is the shared warm start
     out = {"variant": name, "versions": (first, last), "curve": online_curve(run)}
-    evals = [("", args.k, args.eval_seed)]
-    if args.instances:  # the training instances: the seeds the run's groups cycled through
-        evals.append(("train_", args.instances, INSTANCE_SEED_BASE + cfg.seed))
-    for prefix, k, seed in evals:
-        for label, version in (("warm_start", first), ("after_rl", last)):
-            job = eval_job_create(
-                name=f"{name} v{version} {prefix or 'held-out'}",
-                policy=f"run:{run.pk}:v{version}",
-                tasks=task_rows,
-                k=k,
-                seed=seed,
-            )
-            job = eval_job_run(job_id=job.pk)
-            key = prefix + label
-            out[key] = job.report["summary"]["success_rate"]
-            out[f"{key}_tasks"] = {r["task"]: r["success_rate"] for r in job.report["tasks"]}
+    before = warm[1] if warm is not None else _evaluate(
+        f"{name} v{first}", f"run:{run.pk}:v{first}", args=args, seed_base=cfg.seed
+    )  # fmt: skip
+    after = _evaluate(f"{name} v{last}", f"run:{run.pk}:v{last}", args=args, seed_base=cfg.seed)
+    for prefix in before:
+        out[prefix + "warm_start"], out[prefix + "warm_start_tasks"] = before[prefix]
+        out[prefix + "after_rl"], out[prefix + "after_rl_tasks"] = after[prefix]
     return out
 
 
@@ -132,40 +191,43 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--policy", default="shipped")
     ap.add_argument("--warm-start", type=int, default=6)
+    ap.add_argument(
+        "--shared-warm-start",
+        action="store_true",
+        help="one warm start, every variant's RL starts from it (ablations)",
+    )
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--kl-coef", type=float, default=0.1)
     ap.add_argument("--min-groups", type=int, default=4, help="ready task groups per update")
     ap.add_argument("--max-steps", type=int, default=64, help="most steps in one update")
     ap.add_argument("--aggregation", default="trajectory", choices=["trajectory", "token"])
-    ap.add_argument("--k", type=int, default=20, help="held-out episodes per task")
+    ap.add_argument("--k", type=int, default=20, help="held-out episodes per task (0: none)")
     ap.add_argument("--eval-seed", type=int, default=777, help="held-out seeds: 777000+i")
     ap.add_argument(
         "--instances", type=int, default=0,
         help="fixed training instances per task (0: a new seed for every group)",
     )  # fmt: skip
     args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; use {', '.join(VARIANTS)}")
+    if not args.k and not args.instances:
+        raise SystemExit("--k 0 needs --instances N: there would be nothing to evaluate on")
     results = []
     with PrivateStack(slots=args.slots, policy=args.policy) as stack:
-        for name in args.variants.split(","):
-            if name not in VARIANTS:
-                raise SystemExit(f"unknown variant {name!r}; use {', '.join(VARIANTS)}")
-            results.append(run_variant(name, args=args, stack=stack))
+        del stack  # entered for its processes; the runs talk to it through the database
+        warm = shared_warm_start(args=args) if args.shared_warm_start else None
+        for name in names:
+            results.append(run_variant(name, args=args, warm=warm))
+            print_rows(results[-1:], args, header=len(results) == 1)
+            save(results, args)
     print(
-        f"\nRL for {args.minutes} min after a {args.warm_start}-update warm start; "
-        f"held-out seeds {args.eval_seed}000+i, k={args.k}, greedy"
+        f"\nRL for {args.minutes} min after a {args.warm_start}-update warm start"
+        + (" (shared)" if args.shared_warm_start else "")
+        + (f"; held-out seeds {args.eval_seed}000+i, k={args.k}, greedy" if args.k else "")
     )
-    print("| variant | episodes | versions | after warm start | after RL | change (points) |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        for prefix, what in (("train_", f"training instances ({args.instances}/task)"),
-                             ("", f"held-out seeds ({args.k}/task)")):  # fmt: skip
-            if prefix + "warm_start" not in r:
-                continue
-            before, after = r[prefix + "warm_start"], r[prefix + "after_rl"]
-            print(
-                f"| {r['variant']} | {what} | v{r['versions'][0]} -> v{r['versions'][1]} | "
-                f"{before:.1%} | {after:.1%} | {100 * (after - before):+.1f} |"
-            )
+    print_rows(results, args, header=True)
     for r in results:
         print(
             f"\n{r['variant']} training rollouts (sampled) by version: "
@@ -182,6 +244,31 @@ def main() -> None:
                     for t in sorted(before)
                 )
             )
+
+
+def print_rows(results: list[dict], args, *, header: bool) -> None:
+    if header:
+        print("| variant | episodes | versions | after warm start | after RL | change (points) |")
+        print("|---|---|---|---|---|---|")
+    for r in results:
+        for prefix, what in (("train_", f"training instances ({args.instances}/task)"),
+                             ("", f"held-out seeds ({args.k}/task)")):  # fmt: skip
+            if prefix + "warm_start" not in r:
+                continue
+            before, after = r[prefix + "warm_start"], r[prefix + "after_rl"]
+            print(
+                f"| {r['variant']} | {what} | v{r['versions'][0]} -> v{r['versions'][1]} | "
+                f"{before:.1%} | {after:.1%} | {100 * (after - before):+.1f} |",
+                flush=True,
+            )
+
+
+def save(results: list[dict], args) -> None:
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning.json").write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "run": run,
             "summary": dashboard.run_summary(run=run),
             "slots": slots,
+            "live_work": dashboard.run_live_work(run=run),
             "task_names": task_names,
             "config_json": json.dumps(run.config, indent=2),
         },

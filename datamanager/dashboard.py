@@ -118,8 +118,20 @@ def _busy_share(slot: EnvSlot) -> float | None:
     return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
 
 
+def _lost_after_s(run: Run) -> float:
+    """How long a slot may go without a heartbeat before its worker counts as gone (the same
+    bound that ends its episode as `aborted`)."""
+    from datamanager.config import RunConfig
+
+    return 3 * RunConfig.from_dict(run.config).env.heartbeat_s + 10
+
+
 def run_slots(*, run: Run) -> list[SlotTile]:
-    """The run's env slots with the latest screenshot of each slot's current trajectory."""
+    """The run's env slots with the latest screenshot of each slot's current trajectory.
+
+    A slot row whose worker stopped heart-beating while it was serving shows as `lost` with
+    how long ago: a killed worker cannot say so itself, and a restarted one serves the slot
+    under a new row (host:pid:backend:index)."""
     last_step = Step.objects.filter(trajectory=OuterRef("current_trajectory")).order_by("-index")
     slots = (
         EnvSlot.objects.filter(run=run)
@@ -131,21 +143,77 @@ def run_slots(*, run: Run) -> list[SlotTile]:
         )
         .order_by("name")
     )
-    return [
-        SlotTile(
-            id=s.pk,
-            name=s.name,
-            status=s.status,
-            last_error=s.last_error,
-            trajectory_id=s.current_trajectory_id,
-            task_name=s.task_name or "",
-            step=s.step_index,
-            image=f"/media/{s.step_image}" if s.step_image else "",
-            policy_version=s.step_version,
-            env_busy=_busy_share(s),
+    now, lost_after = timezone.now(), _lost_after_s(run)
+    tiles = []
+    for s in slots:
+        status, error = s.status, s.last_error
+        silent = (now - s.last_heartbeat).total_seconds() if s.last_heartbeat else None
+        if status in SERVING_STATUSES and silent is not None and silent > lost_after:
+            status = "lost"
+            error = f"no heartbeat for {silent:.0f} s: its worker stopped"
+        tiles.append(
+            SlotTile(
+                id=s.pk,
+                name=s.name,
+                status=status,
+                last_error=error,
+                trajectory_id=s.current_trajectory_id,
+                task_name=s.task_name or "",
+                step=s.step_index,
+                image=f"/media/{s.step_image}" if s.step_image else "",
+                policy_version=s.step_version,
+                env_busy=_busy_share(s),
+            )
         )
-        for s in slots
-    ]
+    return tiles
+
+
+SERVING_STATUSES = ("starting", "idle", "busy", "recovering")
+
+
+@dataclass(frozen=True)
+class LiveWorkRow:
+    """A running run's slot task or trainer, and whether a live worker holds it."""
+
+    label: str
+    state: str  # "live", "queued" or "missing"
+    text: str
+
+
+def run_live_work(*, run: Run) -> list[LiveWorkRow]:
+    """Who holds each of a running run's slots and its trainer now (Redis leases,
+    datamanager/leases.py); empty unless the run is running."""
+    from django.conf import settings
+
+    from datamanager.config import RunConfig
+    from datamanager.leases import redis_client
+    from datamanager.runs import run_live_work as live_work
+
+    if run.status != "running":
+        return []
+    rows = []
+    client = redis_client()
+    try:
+        for work in live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config)):
+            holder = client.get(work.lease_key)
+            if holder is not None:
+                rows.append(LiveWorkRow(work.label, "live", f"held by {holder.decode()}"))
+            elif client.exists(work.pending_key):
+                rows.append(LiveWorkRow(work.label, "queued", f"queued on {work.queue}"))
+            else:
+                rows.append(
+                    LiveWorkRow(
+                        work.label,
+                        "missing",
+                        "no live worker; the watchdog enqueues it again after "
+                        f"{settings.DARTBOARD_WATCHDOG_GRACE_S:.0f} s",
+                    )
+                )
+    except Exception as exc:  # the page still renders; the row says why it cannot tell
+        rows.append(LiveWorkRow("workers", "missing", f"Redis unreachable: {exc}"))
+    finally:
+        client.close()
+    return rows
 
 
 def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:

@@ -308,6 +308,48 @@ def test_a_slot_tile_shows_how_busy_its_environment_has_been(ada_client):
     assert ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"][0]["env_busy"] == 0.75
 
 
+def test_a_slot_whose_worker_stopped_heart_beating_shows_as_lost(ada_client):
+    """A killed worker cannot say so itself: its tile turns `lost` once its heartbeat is
+    older than the bound that also ends its episode (3 x heartbeat_s + 10 s)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = make_run(env={"heartbeat_s": 2.0})
+    alive = EnvSlot.objects.create(name="h:1:miniwob:0", host="h", backend="miniwob", run=run)
+    dead = EnvSlot.objects.create(name="h:2:miniwob:1", host="h", backend="miniwob", run=run)
+    EnvSlot.objects.filter(pk__in=[alive.pk, dead.pk]).update(status="busy")
+    EnvSlot.objects.filter(pk=alive.pk).update(last_heartbeat=timezone.now())
+    EnvSlot.objects.filter(pk=dead.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=40))
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+
+    def tile(slot):
+        return re.search(rf'<a class="tile" data-slot="{slot.pk}".*?</a>', html, re.S).group(0)
+
+    assert ">busy<" in tile(alive) and "lost" not in tile(alive)
+    assert ">lost<" in tile(dead)
+    assert re.search(r"no heartbeat for 4\d s: its worker stopped", tile(dead))
+    statuses = {
+        s["name"]: s["status"] for s in ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"]
+    }
+    assert statuses == {"h:1:miniwob:0": "busy", "h:2:miniwob:1": "lost"}
+
+
+def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_work_keys_cleared):
+    from datamanager.leases import redis_client, slot_work
+
+    run = make_run(env={"miniwob_slots": 2})
+    client = redis_client()
+    client.set(slot_work(run_id=run.pk, backend="miniwob", index=0).lease_key, "h:42:miniwob:0")
+    client.set(slot_work(run_id=run.pk, backend="miniwob", index=1).pending_key, "1")
+    client.close()
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+
+    assert "slot miniwob:0: held by h:42:miniwob:0" in text
+    assert "slot miniwob:1: queued on env" in text
+    assert "trainer: no live worker; the watchdog enqueues it again after 20 s" in text
+
+
 def test_charts_json_has_every_chart_with_data(ada_client):
     run = make_run(curation={"n_max": 2, "n_min": 1})
     slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)

@@ -26,7 +26,7 @@
     const b = el.querySelector(".status");
     b.className = `badge status ${status}`;
     b.textContent = status;
-    const bad = status === "quarantined" || status === "recovering";
+    const bad = status === "quarantined" || status === "recovering" || status === "lost";
     setText(el, ".error", bad ? (error || "") : "");
   }
   function setTrajectory(el, trajId) {

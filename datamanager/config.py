@@ -80,6 +80,12 @@ class EnvConfig:
         _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         _check(self.quarantine_after >= 1, "quarantine_after", "must be >= 1")
 
+    @property
+    def silent_after_s(self) -> float:
+        """A slot silent this long has lost its worker: its episode is ended as `aborted`
+        and its tile shows `lost` (three missed heartbeats plus slack for a busy machine)."""
+        return 3 * self.heartbeat_s + 10
+
 
 @dataclass
 class RolloutConfig:

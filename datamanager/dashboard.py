@@ -118,14 +118,6 @@ def _busy_share(slot: EnvSlot) -> float | None:
     return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
 
 
-def _lost_after_s(run: Run) -> float:
-    """How long a slot may go without a heartbeat before its worker counts as gone (the same
-    bound that ends its episode as `aborted`)."""
-    from datamanager.config import RunConfig
-
-    return 3 * RunConfig.from_dict(run.config).env.heartbeat_s + 10
-
-
 def run_slots(*, run: Run) -> list[SlotTile]:
     """The run's env slots with the latest screenshot of each slot's current trajectory.
 
@@ -143,7 +135,9 @@ def run_slots(*, run: Run) -> list[SlotTile]:
         )
         .order_by("name")
     )
-    now, lost_after = timezone.now(), _lost_after_s(run)
+    from datamanager.config import RunConfig
+
+    now, lost_after = timezone.now(), RunConfig.from_dict(run.config).env.silent_after_s
     tiles = []
     for s in slots:
         status, error = s.status, s.last_error

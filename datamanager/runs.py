@@ -77,7 +77,7 @@ def run_start_workers(*, run_id: int) -> None:
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     episodes.taskstats_ensure(run=run)
-    episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=3 * cfg.env.heartbeat_s + 10)
+    episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
     scripted = cfg.policy == "oracle"  # the scripted oracle: no model, nothing to train
     version, checkpoint = (0, Path()) if scripted else run_current_policy(run=run)
 

@@ -119,9 +119,7 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
             continue
         if batch is None or not batch.samples:
             # A killed env worker leaves its episode running: end it so the group completes.
-            episodes.trajectories_abort_orphans(
-                run_id=run_id, stale_after_s=3 * cfg.env.heartbeat_s + 10
-            )
+            episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
             message = _waiting_message(run, cfg)
             if message != last_message:
                 run_set_message(run_id=run_id, message=message)

@@ -44,7 +44,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
         for run in Run.objects.filter(status=RunStatus.RUNNING):
             cfg = RunConfig.from_dict(run.config)
             aborted = episodes.trajectories_abort_orphans(
-                run_id=run.pk, stale_after_s=3 * cfg.env.heartbeat_s + 10
+                run_id=run.pk, stale_after_s=cfg.env.silent_after_s
             )
             if aborted:
                 log.warning("run %s: ended %d episodes of stopped env workers", run.pk, aborted)

@@ -94,19 +94,42 @@ def _evaluate(label: str, policy: str, *, args, seed_base: int) -> dict:
     return out
 
 
-def _train(run, *, minutes: float, wait_for_first_version: bool) -> tuple[int, int]:
-    """Start `run`, train for `minutes` (after its warm start's version, if it has one), stop;
+def _warm_started(run, *, args) -> None:
+    """Start `run` and wait for its warm start's version; the experience pool gets the oracle
+    demonstrations first. Stops the bench if the warm start was skipped (an empty pool makes
+    the trainer go straight to RL, which would make every figure after it meaningless)."""
+    from django.core.management import call_command
+
+    from datamanager.models import PolicyVersion, Run, TrainUpdate
+    from datamanager.runs import run_apply
+
+    call_command("collect_demos", per_task=3, tasks=",".join(_tasks(args)), kinds="miniwob")
+    run_apply(run_id=run.pk, action="start")
+    deadline = time.monotonic() + 3600
+    while not PolicyVersion.objects.filter(run=run).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("the warm start did not finish within an hour")
+        time.sleep(5)
+    done = TrainUpdate.objects.filter(run=run, metrics__kind="warm_start").count()
+    if done != args.warm_start:
+        message = Run.objects.get(pk=run.pk).status_message
+        raise SystemExit(
+            f"run {run.pk}: {done} of {args.warm_start} warm-start updates ran ({message!r})"
+        )
+
+
+def _train(run, *, args, warm_start: bool) -> tuple[int, int]:
+    """Start `run`, train for --minutes (after its own warm start, if it has one), stop;
     returns its first and last published versions."""
     from datamanager.models import PolicyVersion
     from datamanager.runs import run_apply
     from datamanager.services import run_control
 
-    run_apply(run_id=run.pk, action="start")
-    deadline = time.monotonic() + 3600
-    while wait_for_first_version and not PolicyVersion.objects.filter(run=run).exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("the warm start did not finish within an hour")
-        time.sleep(5)
+    minutes = args.minutes
+    if warm_start:
+        _warm_started(run, args=args)
+    else:
+        run_apply(run_id=run.pk, action="start")
     print(f"{run.name}: RL for {minutes} min", flush=True)
     time.sleep(minutes * 60)
     run_control(run_id=run.pk, action="stop")
@@ -118,17 +141,11 @@ def _train(run, *, minutes: float, wait_for_first_version: bool) -> tuple[int, i
 def shared_warm_start(*, args) -> tuple[str, dict[str, tuple[float, dict]]]:
     """The warm start alone, once: its checkpoint (the variants' start) and its evaluation."""
     from datamanager.models import PolicyVersion
-    from datamanager.runs import run_apply
     from datamanager.services import run_control, run_create
 
     cfg = _config(args, curation={}, policy=args.policy, warm_start=args.warm_start)
     run = run_create(name="learning warm start", config=cfg)
-    run_apply(run_id=run.pk, action="start")
-    deadline = time.monotonic() + 3600
-    while not PolicyVersion.objects.filter(run=run).exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("the warm start did not finish within an hour")
-        time.sleep(5)
+    _warm_started(run, args=args)
     run_control(run_id=run.pk, action="stop")
     version = PolicyVersion.objects.get(run=run)
     print(f"warm start done: {version.checkpoint}; evaluating it", flush=True)
@@ -144,7 +161,7 @@ def run_variant(name: str, *, args, warm: tuple[str, dict[str, tuple[float, dict
     else:
         cfg = _config(args, curation=VARIANTS[name], policy=warm[0], warm_start=0)
     run = run_create(name=f"learning {name}", config=cfg)
-    first, last = _train(run, minutes=args.minutes, wait_for_first_version=warm is None)
+    first, last = _train(run, args=args, warm_start=warm is None)
     if warm is not None:
         first = 0  # its start checkpoint is the shared warm start
     out = {"variant": name, "versions": (first, last), "curve": online_curve(run)}

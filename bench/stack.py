@@ -10,6 +10,7 @@ Must be entered before anything imports Django settings (it sets the environment
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,9 @@ class PrivateStack:
         ]
 
     def __enter__(self) -> PrivateStack:
+        # A bench started in the background ignores SIGINT; SIGTERM must still stop the stack
+        # it started (SystemExit runs __exit__), not leave workers and redis-server behind.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         os.environ.update({
             "DARTBOARD_HOME": str(self.home), "DJANGO_SETTINGS_MODULE": "dartboard.settings",
             "DARTBOARD_INFERENCE_URLS": f"http://127.0.0.1:{self.ROUTER_PORT}", **self.env,

@@ -37,6 +37,7 @@ def test_every_compose_service_runs_a_real_entry_point():
         "worker-env",
         "worker-rollout",
         "worker-train",
+        "beat",
         "vllm",
     } <= set(services)
     assert services["vllm"]["profiles"] == ["gpu"]
@@ -52,7 +53,15 @@ def test_every_compose_service_runs_a_real_entry_point():
             assert cmd[2] in get_commands(), f"{name}: no management command {cmd[2]!r}"
         elif cmd[1] == "-m":
             module = cmd[2]
-            if module == "celery":
+            if module == "celery" and cmd[5] == "beat":
+                # beat's one job: the runs watchdog, handled by a worker of queue default
+                from django.conf import settings
+
+                assert cmd[3:5] == ["-A", "dartboard"]
+                watchdog = settings.CELERY_BEAT_SCHEDULE["runs-watchdog"]
+                assert watchdog["task"] == "datamanager.tasks.runs_watchdog"
+                queues.add("beat:" + watchdog["options"]["queue"])
+            elif module == "celery":
                 assert cmd[3:5] == ["-A", "dartboard"]
                 queues.update(cmd[cmd.index("-Q") + 1].split(","))
             elif module == "daphne":
@@ -65,4 +74,5 @@ def test_every_compose_service_runs_a_real_entry_point():
                 assert (ROOT / (module.replace(".", "/") + ".py")).exists()
         else:
             raise AssertionError(f"{name}: unexpected command {cmd!r}")
-    assert {"env", "rollout", "train"} <= queues
+    assert {"env", "rollout", "train", "default"} <= queues
+    assert "beat:default" in queues  # beat sends the watchdog to a queue a worker consumes

@@ -37,6 +37,7 @@ def _drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
     lease = RedisLease(key=work.lease_key, holder=holder_name(f"trainer:{run_id}"))
     holder = lease.acquire()
     if holder is not None:
+        lease.release()  # not ours: closes the connection only
         return f"the trainer of run {run_id} is held by {holder}"
     keeper = LeaseKeeper(lease)
     keeper.start()

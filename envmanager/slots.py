@@ -204,6 +204,7 @@ def serve_slot(
     lease = RedisLease(key=work.lease_key, holder=name)
     holder = lease.acquire()
     if holder is not None:
+        lease.release()  # not ours: closes the connection only
         return SlotOutcome(False, f"slot {backend}:{index} of run {run_id} is served by {holder}")
     slot = slot_services.env_slot_register(
         name=name, host=socket.gethostname(), backend=backend, run_id=run_id

@@ -164,7 +164,12 @@ def run_variant(name: str, *, args, warm: tuple[str, dict[str, tuple[float, dict
     first, last = _train(run, args=args, warm_start=warm is None)
     if warm is not None:
         first = 0  # its start checkpoint is the shared warm start
-    out = {"variant": name, "versions": (first, last), "curve": online_curve(run)}
+    out = {
+        "variant": name,
+        "versions": (first, last),
+        "curve": online_curve(run),
+        "effects": curation_effects(run),
+    }
     before = warm[1] if warm is not None else _evaluate(
         f"{name} v{first}", f"run:{run.pk}:v{first}", args=args, seed_base=cfg.seed
     )  # fmt: skip
@@ -173,6 +178,44 @@ def run_variant(name: str, *, args, warm: tuple[str, dict[str, tuple[float, dict
         out[prefix + "warm_start"], out[prefix + "warm_start_tasks"] = before[prefix]
         out[prefix + "after_rl"], out[prefix + "after_rl_tasks"] = after[prefix]
     return out
+
+
+def curation_effects(run) -> dict:
+    """What each curation feature did in `run`, read from its data (so an ablation shows that
+    the switched-off feature really was off): rollout budgets and step caps per task, pool
+    demonstrations trained on, the share of steps the entropy filter kept, IS weights, stale
+    steps left out."""
+    from datamanager.models import Step, TaskStat, TrainUpdate
+
+    rl = [u.metrics for u in TrainUpdate.objects.filter(run=run) if u.metrics.get("kind") == "rl"]
+    stats = TaskStat.objects.filter(run=run).order_by("task__name")
+
+    def mean(key: str) -> float | None:
+        values = [m[key] for m in rl if m.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "updates": len(rl),
+        "budgets": [s.rollout_budget for s in stats],
+        "step_caps": [s.step_cap for s in stats],
+        "pool_steps_trained": sum(m.get("n_demo_steps", 0) for m in rl),
+        # Of the online steps the entropy filter ranked (steps of groups with reward
+        # variance), the share it kept; 100% when the filter is off.
+        "entropy_kept": _share(
+            Step.objects.filter(trajectory__run=run, entropy_kept__isnull=False),
+            Step.objects.filter(trajectory__run=run, entropy_kept=True),
+        ),
+        "is_weight_mean": mean("is_weight_mean"),
+        "is_weight_min": min(
+            (m["is_weight_min"] for m in rl if "is_weight_min" in m), default=None
+        ),
+        "stale_steps_left_out": sum(m.get("stale_steps", 0) for m in rl),
+    }
+
+
+def _share(whole, part) -> float | None:
+    n = whole.count()
+    return part.count() / n if n else None
 
 
 def online_curve(run, *, buckets: int = 5) -> list[tuple[str, int, float]]:
@@ -250,6 +293,7 @@ def main() -> None:
             f"\n{r['variant']} training rollouts (sampled) by version: "
             + ", ".join(f"{label} {rate:.0%} of {n}" for label, n, rate in r["curve"])
         )
+        print(f"{r['variant']} curation in the data: {format_effects(r['effects'])}")
         for prefix in ("train_", ""):
             if prefix + "warm_start_tasks" not in r:
                 continue
@@ -261,6 +305,19 @@ def main() -> None:
                     for t in sorted(before)
                 )
             )
+
+
+def format_effects(e: dict) -> str:
+    def num(v, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    return (
+        f"{e['updates']} RL updates; budgets {e['budgets']}; step caps {e['step_caps']}; "
+        f"pool steps trained {e['pool_steps_trained']}; entropy filter kept "
+        f"{num(e['entropy_kept'], '.0%')} of ranked steps; IS weight mean {num(e['is_weight_mean'], '.3f')}"
+        f" (min {num(e['is_weight_min'], '.3f')}); stale steps left out "
+        f"{e['stale_steps_left_out']}"
+    )
 
 
 def print_rows(results: list[dict], args, *, header: bool) -> None:

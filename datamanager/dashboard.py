@@ -31,6 +31,7 @@ from django.db.models import (
 from django.db.models.functions import Cast, Coalesce, Now, Trunc
 from django.utils import timezone
 
+from datamanager.config import RunConfig
 from datamanager.models import (
     EnvSlot,
     PolicyVersion,
@@ -118,6 +119,9 @@ def _busy_share(slot: EnvSlot) -> float | None:
     return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
 
 
+SERVING_STATUSES = ("starting", "idle", "busy", "recovering")  # a live worker reports these
+
+
 def run_slots(*, run: Run) -> list[SlotTile]:
     """The run's env slots with the latest screenshot of each slot's current trajectory.
 
@@ -135,8 +139,6 @@ def run_slots(*, run: Run) -> list[SlotTile]:
         )
         .order_by("name")
     )
-    from datamanager.config import RunConfig
-
     now, lost_after = timezone.now(), RunConfig.from_dict(run.config).env.silent_after_s
     tiles = []
     for s in slots:
@@ -162,9 +164,6 @@ def run_slots(*, run: Run) -> list[SlotTile]:
     return tiles
 
 
-SERVING_STATUSES = ("starting", "idle", "busy", "recovering")
-
-
 @dataclass(frozen=True)
 class LiveWorkRow:
     """A running run's slot task or trainer, and whether a live worker holds it."""
@@ -179,7 +178,6 @@ def run_live_work(*, run: Run) -> list[LiveWorkRow]:
     datamanager/leases.py); empty unless the run is running."""
     from django.conf import settings
 
-    from datamanager.config import RunConfig
     from datamanager.leases import redis_client
     from datamanager.runs import run_live_work as live_work
 

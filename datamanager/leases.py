@@ -23,8 +23,6 @@ from django.conf import settings
 
 log = logging.getLogger("dartboard.leases")
 
-PENDING_TTL_S = 3600  # as long as the broker's visibility timeout: a lost message is retried
-
 
 def redis_client() -> Any:
     import redis
@@ -74,7 +72,10 @@ def work_enqueue(work: LiveWork, *, countdown: float | None = None) -> None:
     live in other code bases' workers)."""
     client = redis_client()
     try:
-        client.set(work.pending_key, str(time.time()), ex=PENDING_TTL_S)
+        # As long as the broker's visibility timeout: a message lost from the queue is given
+        # up for (and the work enqueued again by the watchdog) when the broker would have.
+        pending_ttl_s = settings.CELERY_BROKER_TRANSPORT_OPTIONS["visibility_timeout"]
+        client.set(work.pending_key, str(time.time()), ex=pending_ttl_s)
     finally:
         client.close()
     celery_app.send_task(work.task, args=work.args, queue=work.queue, countdown=countdown)

@@ -25,7 +25,7 @@ def redis(settings, live_work_keys_cleared):
     yield client
     for q, n in queued.items():  # take back what the test enqueued; no worker runs here
         while client.llen(q) > n:
-            client.rpop(q)
+            client.lpop(q)  # kombu pushes on the left and consumers pop on the right
     client.close()
 
 

@@ -33,13 +33,16 @@ run: install
 	$(PY) manage.py run_dartboard
 
 test: install
+	@echo "==> import contracts (the layers in pyproject.toml)"
+	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy dartboard datamanager envmanager rollout training
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy core envmanager rollout training datamanager workers dartboard
 
 format: install
 	$(VENV)/bin/ruff format .

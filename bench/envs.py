@@ -36,8 +36,8 @@ def _tree_rss_mib(pids: list[int]) -> float:
 
 
 def _slot(backend: str, seconds: float, seed: int, out: mp.Queue) -> None:
+    from core.protocol import Action, ActionType, TaskSpec
     from envmanager.oracles import oracle_action
-    from envmanager.protocol import Action, ActionType, TaskSpec
 
     rng = random.Random(seed)
     if backend == "miniwob":

@@ -32,11 +32,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from envmanager.protocol import Action, ActionType, TaskSpec  # noqa: E402
-from rollout.actions import format_action, from_screen, model_image_size  # noqa: E402
+from core.actions import format_action, from_screen, model_image_size  # noqa: E402
+from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
+from envmanager.grounding_screens import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 from rollout.client import Completion  # noqa: E402
 from rollout.episode import EpisodeConfig, ListRecorder, run_episode  # noqa: E402
-from training.pretrain import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 
 SHIPPED = ROOT / "policies" / "tiny-grounded"
 
@@ -68,14 +68,14 @@ class ModelEndpoint:
     """Greedy decoding of a local checkpoint, in this process."""
 
     def __init__(self, path: Path, max_new_tokens: int = 40):
-        from training.model import load_policy
+        from core.policy_io import load_policy
 
         self.policy = load_policy(path)
         self.max_new_tokens = max_new_tokens
         self.bounds = self.policy.image_bounds
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
-        from training.model import generate
+        from core.policy_io import generate
 
         started = time.perf_counter()
         out = generate(self.policy, [messages], max_new_tokens=self.max_new_tokens, greedy=True)
@@ -84,7 +84,7 @@ class ModelEndpoint:
 
 def blind_targets(*, seeds: int) -> dict[str, tuple[float, float]]:
     """Each task's mean oracle click over `seeds` training seeds (never the bench's seeds)."""
-    from training.pretrain import collect_miniwob_samples
+    from envmanager.grounding_screens import collect_miniwob_samples
 
     samples, _ = collect_miniwob_samples(per_task=seeds, seed_base=TRAIN_SEED_BASE)
     out = {}

@@ -33,14 +33,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from training.model import generate, load_policy  # noqa: E402
+from core.policy_io import generate, load_policy  # noqa: E402
+from core.samples import GroundingSample  # noqa: E402
 from training.pretrain import (  # noqa: E402
     ImageBounds,
     bc_batch_loss_cached,
     predicted_click,
     sample_messages,
 )
-from training.synthetic import GroundingSample, box_sample  # noqa: E402
+from training.synthetic import box_sample  # noqa: E402
 from training.tiny_policy import build_tiny_policy  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def main() -> None:
 
     if args.system_prompt:
         import training.pretrain as pretrain_module
-        from rollout.prompts import build_messages
+        from core.prompts import build_messages
 
         def short_prompt(sample: GroundingSample) -> list[dict]:
             return build_messages(

@@ -75,7 +75,7 @@ def _evaluate(label: str, policy: str, *, args, seed_base: int) -> dict:
     """Greedy success on the held-out seeds (unless --k 0) and, with --instances, on the
     training instances: {"" or "train_": (success rate, {task: success rate})}."""
     from datamanager.models import Task
-    from envmanager.evaluate import eval_job_create, eval_job_run
+    from workers.evaluation import eval_job_create, eval_job_run
 
     task_rows = list(Task.objects.filter(name__in=_tasks(args)))
     evals = [("", args.k, args.eval_seed)] if args.k else []
@@ -101,7 +101,7 @@ def _warm_started(run, *, args) -> None:
     from django.core.management import call_command
 
     from datamanager.models import PolicyVersion, Run, TrainUpdate
-    from datamanager.runs import run_apply
+    from workers.runs import run_apply
 
     call_command("collect_demos", per_task=3, tasks=",".join(_tasks(args)), kinds="miniwob")
     run_apply(run_id=run.pk, action="start")
@@ -122,8 +122,8 @@ def _train(run, *, args, warm_start: bool) -> tuple[int, int]:
     """Start `run`, train for --minutes (after its own warm start, if it has one), stop;
     returns its first and last published versions."""
     from datamanager.models import PolicyVersion
-    from datamanager.runs import run_apply
-    from datamanager.services import run_control
+    from datamanager.services.runs import run_control
+    from workers.runs import run_apply
 
     minutes = args.minutes
     if warm_start:
@@ -141,7 +141,7 @@ def _train(run, *, args, warm_start: bool) -> tuple[int, int]:
 def shared_warm_start(*, args) -> tuple[str, dict[str, tuple[float, dict]]]:
     """The warm start alone, once: its checkpoint (the variants' start) and its evaluation."""
     from datamanager.models import PolicyVersion
-    from datamanager.services import run_control, run_create
+    from datamanager.services.runs import run_control, run_create
 
     cfg = _config(args, curation={}, policy=args.policy, warm_start=args.warm_start)
     run = run_create(name="learning warm start", config=cfg)
@@ -154,7 +154,7 @@ def shared_warm_start(*, args) -> tuple[str, dict[str, tuple[float, dict]]]:
 
 
 def run_variant(name: str, *, args, warm: tuple[str, dict[str, tuple[float, dict]]] | None) -> dict:
-    from datamanager.services import run_create
+    from datamanager.services.runs import run_create
 
     if warm is None:  # its own warm start, evaluated as its version 1
         cfg = _config(args, curation=VARIANTS[name], policy=args.policy, warm_start=args.warm_start)

@@ -61,11 +61,11 @@ def child(steps: int) -> dict:
     from django.core.files.storage import default_storage
     from django.core.management import call_command
 
-    from dartboard.events import publish
-    from datamanager import episodes
     from datamanager.config import RunConfig
+    from datamanager.events import publish
     from datamanager.models import Run, Step, Task, Trajectory
-    from datamanager.services import run_create
+    from datamanager.services import episodes
+    from datamanager.services.runs import run_create
 
     call_command("migrate", verbosity=0)
     png = _png()
@@ -134,7 +134,7 @@ def routing_overhead(n: int) -> dict | None:
         from training.tiny_policy import build_tiny_policy
 
         build_tiny_policy(policy)
-    from rollout.prompts import build_messages
+    from core.prompts import build_messages
 
     messages = build_messages(instruction="Click OK", history=[], screenshots=[_png()])
     with LocalPolicyServer(policy) as url:

@@ -252,8 +252,8 @@ def screenshots(*, run_id: int, out: Path) -> None:
     from django.conf import settings
 
     from bench.capture import capture_pages
+    from core.procutil import terminate_pid
     from dartboard.embedded_redis import EmbeddedRedis
-    from dartboard.procutil import terminate_pid
     from datamanager.models import TaskStat, Trajectory
 
     out.mkdir(parents=True, exist_ok=True)

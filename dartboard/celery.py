@@ -1,7 +1,7 @@
-"""The Celery app. Workers: `celery -A dartboard worker -Q env|rollout|train`.
+"""The Celery app. Workers: `celery -A dartboard worker -Q env|train|default`.
 
-Queues: `env` (env slots running episodes), `rollout` (router housekeeping, weight sync),
-`train` (one trainer task per run), `default` (everything else).
+Queues: `env` (env slots running episodes), `train` (one trainer task per run), `default`
+(the watchdog, everything else). The tasks live in `workers/tasks.py`.
 """
 
 import os
@@ -9,15 +9,15 @@ import os
 from celery import Celery
 from celery.signals import worker_shutting_down
 
+from workers.lifecycle import shutdown_requested
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dartboard.settings")
 
 app = Celery("dartboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["datamanager", "envmanager", "rollout", "dartboard"])
+app.autodiscover_tasks(["workers"])
 
 
 @worker_shutting_down.connect
 def _tell_loops_to_stop(**kwargs) -> None:
-    from datamanager.lifecycle import shutdown_requested
-
     shutdown_requested.set()

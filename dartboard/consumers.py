@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from dartboard.events import run_group
+from datamanager.events import run_group
 
 
 class RunEventsConsumer(AsyncJsonWebsocketConsumer):

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dartboard.procutil import die_with_parent, pid_cmdline, terminate_pid
+from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 
 
 class RedisStartError(RuntimeError):

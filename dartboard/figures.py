@@ -42,7 +42,7 @@ def _line(name: str, x: list, y: list, **extra: Any) -> dict[str, Any]:
 
 
 def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """All run-page charts from `datamanager.dashboard.chart_data`."""
+    """All run-page charts from `dartboard.viewmodels.chart_data`."""
     rate_axis = {"range": [0, 1.05], "tickformat": ".0%"}
     success = (
         [

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dartboard.procutil import die_with_parent, pid_cmdline, terminate_pid
+from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 
 log = logging.getLogger("dartboard.launcher")
 

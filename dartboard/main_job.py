@@ -12,7 +12,7 @@ from django.core.management import call_command
 
 from datamanager.config import RunConfig
 from datamanager.models import Run, Task
-from datamanager.services import run_create
+from datamanager.services.runs import run_create
 
 MAIN_RUN_NAME = "main (make run)"
 # The 7 easy MiniWoB++ click tasks of issue 9 plus every desktop task of the train split.

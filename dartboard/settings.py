@@ -72,8 +72,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "datamanager",
-    "envmanager",
-    "rollout",
+    "workers",
     "dartboard",
 ]
 
@@ -163,10 +162,11 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ROUTES = {
-    "envmanager.tasks.*": {"queue": "env"},
-    "rollout.tasks.*": {"queue": "rollout"},
-    "training.*": {"queue": "train"},
-    "datamanager.tasks.train_*": {"queue": "train"},
+    "workers.tasks.slot_serve": {"queue": "env"},
+    "workers.tasks.episode_once": {"queue": "env"},
+    "workers.tasks.eval_shard": {"queue": "env"},
+    "workers.tasks.train_run": {"queue": "train"},
+    "workers.tasks.sync_run": {"queue": "train"},
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 
@@ -180,7 +180,7 @@ DARTBOARD_WATCHDOG_PERIOD_S = _watchdog_period_s
 DARTBOARD_WATCHDOG_GRACE_S = _watchdog_grace_s
 CELERY_BEAT_SCHEDULE = {
     "runs-watchdog": {
-        "task": "datamanager.tasks.runs_watchdog",
+        "task": "workers.tasks.runs_watchdog",
         "schedule": DARTBOARD_WATCHDOG_PERIOD_S,
         # A pass that could not start before the next is due is dropped, not queued up.
         "options": {"queue": "default", "expires": DARTBOARD_WATCHDOG_PERIOD_S},

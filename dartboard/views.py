@@ -28,6 +28,7 @@ from django.views.decorators.cache import cache_control
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from dartboard import figures
+from dartboard import viewmodels as dashboard
 from dartboard.forms import (
     EvalCompareForm,
     EvalJobFilterForm,
@@ -38,9 +39,12 @@ from dartboard.forms import (
     TrimForm,
     UploadForm,
 )
-from datamanager import curate, dashboard, evaluations, runs, services
 from datamanager.archive import InvalidUpload
 from datamanager.models import EvalJob, Run, TaskStat, Trajectory
+from datamanager.selectors import evaluations
+from datamanager.services import review as curate
+from datamanager.services import runs as services
+from workers import runs
 
 
 def _user(request: HttpRequest) -> User:

@@ -28,8 +28,8 @@ from typing import IO, Any
 
 from PIL import Image
 
-from envmanager.protocol import Action
-from rollout.actions import format_action
+from core.actions import format_action
+from core.protocol import Action
 
 MANIFEST = "manifest.json"
 MAX_MEMBER_BYTES = 20 * 1024 * 1024

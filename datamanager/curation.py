@@ -1,5 +1,5 @@
-"""DART's curation policies as small pure functions (the services in `datamanager.episodes`
-and `datamanager.batches` apply them to the database).
+"""DART's curation policies as small pure functions (the services in `datamanager.services.episodes`
+and `datamanager.services.batches` apply them to the database).
 
 1. rollout-wise sampling: `pick_task` — the task with the largest outstanding budget;
 2. dynamic rollout number: `rollout_budget` — n_max below a threshold, else

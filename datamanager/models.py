@@ -1,7 +1,7 @@
 """The data manager's tables: tasks, runs, per-task statistics, trajectories, steps,
 policy versions, env slots and trainer updates.
 
-Writes go through `datamanager.services`, reads through `datamanager.selectors`.
+Writes go through `datamanager.services.runs`, reads through `datamanager.selectors.tasks`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from envmanager.protocol import Action, Env, Evaluation, Observation, TaskSpec
+from core.protocol import Action, Env, Evaluation, Observation, TaskSpec
 
 
 class BusyClock:

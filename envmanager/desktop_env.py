@@ -24,9 +24,8 @@ import time
 
 import psutil
 
-from dartboard.procutil import die_with_parent
-from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
-from envmanager.protocol import (
+from core.procutil import die_with_parent
+from core.protocol import (
     Action,
     ActionNotSupported,
     ActionType,
@@ -35,6 +34,7 @@ from envmanager.protocol import (
     Observation,
     TaskSpec,
 )
+from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
 from envmanager.xserver import XServer, XServerError, _stop
 
 WIDTH, HEIGHT = 800, 600

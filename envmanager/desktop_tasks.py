@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envmanager.protocol import Action, ActionType, Evaluation
+from core.protocol import Action, ActionType, Evaluation
 
 # ------------------------------------------------------------------ the Tk fixture app
 

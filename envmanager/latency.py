@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from envmanager.protocol import Action, Env, Evaluation, Observation, TaskSpec
+from core.protocol import Action, Env, Evaluation, Observation, TaskSpec
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from envmanager.protocol import (
+from core.protocol import (
     Action,
     ActionNotSupported,
     ActionType,

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from envmanager.protocol import Action, ActionType, Observation
+from core.protocol import Action, ActionType, Observation
+from envmanager.desktop_tasks import DESKTOP_TASKS, desktop_oracle_plan
 
 Element = dict[str, Any]
 
@@ -207,8 +208,6 @@ def oracle_action(*, env_kind: str, task_name: str, observation: Observation) ->
         subdomain = observation.metadata.get("task") or task_name.removeprefix("miniwob/")
         return miniwob_oracle_action(subdomain=subdomain, observation=observation)
     if env_kind == "desktop":
-        from envmanager.desktop_tasks import desktop_oracle_plan
-
         plan = desktop_oracle_plan(name=task_name)
         step = int(observation.metadata.get("step", 0))
         return plan[step] if step < len(plan) else None
@@ -220,7 +219,5 @@ def has_oracle(*, env_kind: str, task_name: str) -> bool:
     if env_kind == "miniwob":
         return task_name.removeprefix("miniwob/") in MINIWOB_ORACLES
     if env_kind == "desktop":
-        from envmanager.desktop_tasks import DESKTOP_TASKS
-
         return task_name in DESKTOP_TASKS
     return False

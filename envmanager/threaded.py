@@ -12,7 +12,7 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from envmanager.protocol import Action, Env, EnvUnavailable, Evaluation, Observation, TaskSpec
+from core.protocol import Action, Env, EnvUnavailable, Evaluation, Observation, TaskSpec
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from dartboard.procutil import die_with_parent
+from core.procutil import die_with_parent
 
 
 class XServerError(RuntimeError):

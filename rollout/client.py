@@ -16,10 +16,11 @@ import itertools
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from core.completion import Completion
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -30,45 +31,6 @@ class InferenceError(Exception):
 
 class InferenceUnavailable(InferenceError):
     """No worker answered within the client's timeout."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One assistant turn as the rollout records it.
-
-    token_logprobs[i] is log p(token_ids[i]) under the serving model at temperature 1;
-    token_ids include the stop token when finish_reason == "stop". token_ids is empty
-    when the server returned neither `token_id` fields nor "token_id:N" token strings.
-    """
-
-    text: str
-    token_ids: list[int]
-    token_logprobs: list[float]
-    mean_entropy: float
-    policy_version: int | None
-    prompt_tokens: int
-    response_tokens: int
-    finish_reason: str
-    latency_ms: float
-    served_by: str
-    image_bounds: tuple[int, int] | None = None  # the server's [min_pixels, max_pixels]
-
-    @classmethod
-    def scripted(cls, text: str, *, started: float, served_by: str) -> Completion:
-        """A text-only turn (scripted policies, in-process benches): no tokens or log-probs.
-        `started` is the time.perf_counter() at which the request began."""
-        return cls(
-            text=text,
-            token_ids=[],
-            token_logprobs=[],
-            mean_entropy=0.0,
-            policy_version=None,
-            prompt_tokens=0,
-            response_tokens=0,
-            finish_reason="stop",
-            latency_ms=(time.perf_counter() - started) * 1000.0,
-            served_by=served_by,
-        )
 
 
 class PolicyClient:

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from envmanager.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
-from rollout.actions import ActionParseError, CoordSpace, model_image_size, parse_output, to_screen
-from rollout.client import Completion
-from rollout.prompts import HistoryTurn, build_messages
+from core.actions import ActionParseError, CoordSpace, model_image_size, parse_output, to_screen
+from core.completion import Completion
+from core.prompts import HistoryTurn, build_messages
+from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 
 
 class PolicyEndpoint(Protocol):
@@ -60,7 +60,7 @@ class StepRecord:
 
 class Pacer(Protocol):
     """Paces an episode with others (the synchronous baseline's batch step loop,
-    envmanager.lockstep): `turn(i)` returns when the batch may take turn i; `leave()` says
+    workers.lockstep): `turn(i)` returns when the batch may take turn i; `leave()` says
     this episode takes no more turns."""
 
     def turn(self, index: int) -> None: ...

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dartboard.procutil import die_with_parent, terminate_pid
+from core.procutil import die_with_parent, terminate_pid
 
 
 class ServerStartError(RuntimeError):

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from core.policy_io import generate, load_policy, load_weights_into, to_qwen_messages
+
 log = logging.getLogger("rollout.server")
 
 
@@ -109,8 +111,6 @@ def parse_chat_request(body: Any, *, default_model: str, max_tokens_limit: int) 
     if not isinstance(model, str):
         raise RequestError("model must be a string", param="model")
     # Decode images now, so a bad one is this client's 400 and not the batch's failure.
-    from training.model import to_qwen_messages
-
     try:
         to_qwen_messages(messages)
     except ValueError as exc:
@@ -155,8 +155,6 @@ class InferenceServer:
         max_tokens_limit: int = 1024,
         model_name: str | None = None,
     ):
-        from training.model import load_policy
-
         self.policy = load_policy(policy_dir, device=device)
         self.version = version
         self.max_batch = max(1, max_batch)
@@ -255,8 +253,6 @@ class InferenceServer:
             return max((n for _, n in self._arrivals), default=1)
 
     def _run_batch(self, batch: list[ChatRequest]) -> None:
-        from training.model import generate
-
         started = time.monotonic()
         try:
             gens = generate(
@@ -290,8 +286,6 @@ class InferenceServer:
         Raises RuntimeError when another reload runs; a failed load keeps the old weights
         and version and re-raises.
         """
-        from training.model import load_weights_into
-
         if not self._reload_lock.acquire(blocking=False):
             raise RuntimeError("a reload is already running")
         started = time.monotonic()

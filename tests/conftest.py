@@ -33,7 +33,7 @@ def live_work_keys_cleared() -> None:
     """Delete env slot and trainer leases and their watchdog markers: a Redis server
     outlives the test database, so an earlier session's run with the same id may have left
     keys that would read as a live (or pending) worker."""
-    from datamanager.leases import redis_client
+    from workers.leases import redis_client
 
     client = redis_client()
     try:

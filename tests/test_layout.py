@@ -59,7 +59,7 @@ def test_every_compose_service_runs_a_real_entry_point():
 
                 assert cmd[3:5] == ["-A", "dartboard"]
                 watchdog = settings.CELERY_BEAT_SCHEDULE["runs-watchdog"]
-                assert watchdog["task"] == "datamanager.tasks.runs_watchdog"
+                assert watchdog["task"] == "workers.tasks.runs_watchdog"
                 queues.add("beat:" + watchdog["options"]["queue"])
             elif module == "celery":
                 assert cmd[3:5] == ["-A", "dartboard"]

@@ -2,11 +2,11 @@
 
 Data: synthetic PIL screens (`training.synthetic`, unlimited, a fresh one per sample) mixed
 with first-step oracle clicks from real MiniWoB++ episodes of the 7 easy tasks (collected
-once, `collect_miniwob_samples`, seeds >= TRAIN_SEED_BASE so the bench's seeds stay held
-out). Each sample becomes exactly the prompt the rollout builds (`rollout.prompts.
+once by `envmanager.grounding_screens`, seeds >= TRAIN_SEED_BASE so the bench's seeds stay held
+out). Each sample becomes exactly the prompt the rollout builds (`core.prompts.
 build_messages`, no history, one screenshot) and the response ``Action: click(start_box=
 '<|box_start|>(x,y)<|box_end|>')`` with the target's centre in model-image coordinates;
-the loss is `training.losses.bc_loss` on the response tokens.
+the loss is `core.losses.bc_loss` on the response tokens.
 
 The one command (writes the checkpoint and MANIFEST.json):
 
@@ -14,7 +14,7 @@ The one command (writes the checkpoint and MANIFEST.json):
 
 Experiments without Django:
 
-    .venv/bin/python -m training.pretrain collect var/pretrain/miniwob.pkl 500
+    .venv/bin/python -m envmanager.grounding_screens var/pretrain/miniwob.pkl 500
     .venv/bin/python -m training.pretrain train --out var/pretrain/exp1 --minutes 10 --lr 1e-3
 """
 
@@ -36,8 +36,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
-from envmanager.protocol import Action, ActionType
-from rollout.actions import (
+from core.actions import (
     IMAGE_FACTOR,
     ActionParseError,
     CoordSpace,
@@ -47,9 +46,8 @@ from rollout.actions import (
     parse_output,
     to_screen,
 )
-from rollout.prompts import build_messages
-from training.losses import bc_loss
-from training.model import (
+from core.losses import bc_loss
+from core.policy_io import (
     Policy,
     encode_batch,
     generate,
@@ -58,86 +56,11 @@ from training.model import (
     save_checkpoint,
     sequence_logprobs,
 )
-from training.synthetic import GroundingSample, make_sample
+from core.prompts import build_messages
+from core.protocol import Action, ActionType
+from core.samples import GroundingSample
+from training.synthetic import make_sample
 from training.tiny_policy import build_tiny_policy
-
-PRETRAIN_TASKS = (
-    "click-test",
-    "click-test-2",
-    "click-button",
-    "click-link",
-    "focus-text",
-    "click-dialog",
-    "click-color",
-)
-TRAIN_SEED_BASE = 100_000  # training seeds start here; bench seeds stay below
-
-
-@dataclass(frozen=True)
-class DemoStats:
-    collected: int
-    skipped: int
-    seconds: float
-
-
-def _target_box(
-    elements: list[dict], x: int, y: int
-) -> tuple[int, int, int, int]:  # the smallest element containing the click
-    best: tuple[int, int, int, int] | None = None
-    for e in elements:
-        left, top, w, h = e["left"], e["top"], e["width"], e["height"]
-        if w <= 0 or h <= 0 or not (left <= x < left + w and top <= y < top + h):
-            continue
-        box = (int(left), int(top), int(left + w), int(top + h))
-        if best is None or w * h < (best[2] - best[0]) * (best[3] - best[1]):
-            best = box
-    return best or (x - 2, y - 2, x + 3, y + 3)
-
-
-def collect_miniwob_samples(
-    *, per_task: int, tasks: tuple[str, ...] = PRETRAIN_TASKS, seed_base: int = TRAIN_SEED_BASE
-) -> tuple[list[GroundingSample], DemoStats]:
-    """`per_task` first-step oracle clicks per task on seeds seed_base, seed_base + 1, ..."""
-    from envmanager.miniwob_env import MiniWoBEnv
-    from envmanager.oracles import oracle_action
-    from envmanager.protocol import ActionType, TaskSpec
-
-    env = MiniWoBEnv()
-    out: list[GroundingSample] = []
-    skipped = 0
-    started = time.perf_counter()
-    try:
-        for task in tasks:
-            for i in range(per_task):
-                spec = TaskSpec(
-                    name=f"miniwob/{task}",
-                    env_kind="miniwob",
-                    env_config={"task": task},
-                    seed=seed_base + i,
-                )
-                obs = env.reset(spec)
-                action = oracle_action(env_kind="miniwob", task_name=spec.name, observation=obs)
-                if action is None or action.type != ActionType.CLICK:
-                    skipped += 1
-                    continue
-                assert action.x is not None and action.y is not None  # a click has both
-                box = _target_box(obs.metadata["dom_elements"], action.x, action.y)
-                out.append(
-                    GroundingSample(
-                        png=obs.screenshot_png,
-                        width=obs.width,
-                        height=obs.height,
-                        instruction=obs.instruction,
-                        x=int(action.x),
-                        y=int(action.y),
-                        box=box,
-                        source=f"miniwob/{task}",
-                    )
-                )
-    finally:
-        env.close()
-    return out, DemoStats(len(out), skipped, time.perf_counter() - started)
-
 
 # ------------------------------------------------------------------ samples -> model I/O
 
@@ -594,14 +517,8 @@ def load_samples(path: str | Path) -> list[GroundingSample]:
 
 
 def main(argv: list[str]) -> None:
-    """`collect PATH PER_TASK` or `train --out DIR [--demos PATH] [--<config field> V ...]`."""
-    if argv and argv[0] == "collect":
-        path, per_task = Path(argv[1]), int(argv[2])
-        samples, stats = collect_miniwob_samples(per_task=per_task)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(pickle.dumps(samples))
-        print(f"{stats.collected} samples ({stats.skipped} skipped) in {stats.seconds:.0f}s")
-        return
+    """`train --out DIR [--demos PATH] [--<config field> V ...]` (demos from
+    `python -m envmanager.grounding_screens PATH PER_TASK`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="training.pretrain train")

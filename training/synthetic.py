@@ -14,32 +14,14 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 
 from PIL import Image, ImageDraw, ImageFont
 
+from core.samples import Box, GroundingSample
+
 WIDTH, HEIGHT = 160, 210  # MiniWoB's task area
 BAR_HEIGHT = 50  # the yellow instruction bar
-Box = tuple[int, int, int, int]  # left, top, right, bottom (right/bottom exclusive)
-
-
-@dataclass(frozen=True)
-class GroundingSample:
-    """One screen and where to click: `box` holds the target widget, (x, y) is inside it.
-
-    Coordinates are screen pixels of the `width` x `height` PNG. `source` says where the
-    sample came from ("synthetic/<layout>" or "miniwob/<task>").
-    """
-
-    png: bytes
-    width: int
-    height: int
-    instruction: str
-    x: int
-    y: int
-    box: Box
-    source: str
 
 
 WORDS = [

@@ -36,6 +36,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
+from core.policy_io import QWEN2_VL_CHAT_TEMPLATE
+
 PIXELS_PER_IMAGE_TOKEN = 28 * 28
 MIN_PIXELS = 4 * PIXELS_PER_IMAGE_TOKEN
 MAX_PIXELS = 256 * PIXELS_PER_IMAGE_TOKEN
@@ -54,25 +56,6 @@ SPECIAL_TOKENS = (
 )
 
 # The Qwen2-VL chat template (as shipped with Qwen2-VL / UI-TARS), minus nothing.
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 _WORD_TEXT = (
     "click the button submit ok cancel search box text field enter type select option menu "
     "checkbox radio tab link item list scroll down up left right drag slider date next "

@@ -2,7 +2,7 @@
 saves versioned checkpoints and resumes from the newest one.
 
 Pure PyTorch (+ transformers model I/O): it never imports Django. The Celery task in
-`datamanager.training_loop` feeds it `TrainSample`s and records what it returns.
+`workers.training_loop` feeds it `TrainSample`s and records what it returns.
 
 Checkpoints: `run_dir/v00003/` is a normal HF directory (loadable by the inference server)
 plus `trainer_state.pt` (optimizer state, update counter). A directory is written under a
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from training.model import (
+from core.policy_io import (
     Policy,
     encode_batch,
     load_policy,
@@ -30,7 +30,7 @@ from training.model import (
     save_checkpoint,
     sequence_logprobs,
 )
-from training.samples import TrainSample, UpdateMetrics
+from core.samples import TrainSample, UpdateMetrics
 from training.update import UpdateConfig, policy_update
 
 STATE_FILE = "trainer_state.pt"

@@ -1,6 +1,6 @@
 """One trainer update: step-level GRPO with DART's curation, over injected model and log-probs.
 
-`policy_update` takes step samples (see `training.samples.TrainSample`), decides which steps
+`policy_update` takes step samples (see `core.samples.TrainSample`), decides which steps
 train (group advantages over trajectories of a task, high-entropy selection), computes pi_old
 (and reference) log-probs once with no gradient, then runs `ppo_epochs` x `mini_batches`
 optimizer steps with gradient accumulation over micro-batches of `micro_batch` samples.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from training.losses import (
+from core.losses import (
     broadcast_to_steps,
     group_advantages,
     high_entropy_mask,
@@ -34,7 +34,7 @@ from training.losses import (
     trajectory_step_weights,
     truncated_is_weights,
 )
-from training.samples import TrainSample, UpdateMetrics
+from core.samples import TrainSample, UpdateMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import pytest
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 from PIL import Image
 
-from dartboard.procutil import terminate_pid
+from core.procutil import terminate_pid
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def png(color) -> bytes:
 
 
 def record(trajectory_id: int, index: int, action: dict) -> None:
-    from datamanager.episodes import step_record
+    from datamanager.services.episodes import step_record
 
     step_record(
         trajectory_id=trajectory_id, index=index, screenshot_png=png((40 * index, 120, 200)),
@@ -112,8 +112,8 @@ def record(trajectory_id: int, index: int, action: dict) -> None:
 
 
 def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, tiny_policy_dir):
-    from datamanager.episodes import task_claim, taskstats_ensure, trajectory_finish
     from datamanager.models import EnvSlot, Run, Task, Trajectory
+    from datamanager.services.episodes import task_claim, taskstats_ensure, trajectory_finish
 
     in_thread(Task.objects.create, name="click-button", env_kind="miniwob", instruction="Click OK")
     # The server runs the project's settings (PBKDF2), the suite MD5: store a PBKDF2 hash.

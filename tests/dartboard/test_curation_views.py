@@ -14,11 +14,17 @@ from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
 from PIL import Image
 
-from datamanager import curate, services
 from datamanager.archive import InvalidUpload, archive_read
 from datamanager.config import RunConfig
-from datamanager.episodes import step_record, task_claim, taskstats_ensure, trajectory_finish
 from datamanager.models import RewardOverride, Step, Task, TaskStat, Trajectory
+from datamanager.services import review as curate
+from datamanager.services import runs as services
+from datamanager.services.episodes import (
+    step_record,
+    task_claim,
+    taskstats_ensure,
+    trajectory_finish,
+)
 
 pytestmark = pytest.mark.django_db
 

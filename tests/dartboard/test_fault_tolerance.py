@@ -22,8 +22,8 @@ from django.utils import timezone
 from dartboard.launcher import Supervisor, default_specs, wait_http
 from datamanager.config import RunConfig
 from datamanager.models import PolicyVersion, Run, Step, Task, TrainUpdate, Trajectory
-from datamanager.runs import policy_path, run_start_workers
-from datamanager.services import run_control, run_create
+from datamanager.services.runs import run_control, run_create
+from workers.runs import policy_path, run_start_workers
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dartboard.procutil import pid_cmdline, terminate_pid
+from core.procutil import pid_cmdline, terminate_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,10 +8,10 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.testing import WebsocketCommunicator
 
+from core.procutil import terminate_pid
 from dartboard.asgi import application
-from dartboard.events import publish
-from dartboard.procutil import terminate_pid
-from dartboard.tasks import ping
+from datamanager.events import publish
+from workers.tasks import ping
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,7 @@ import pytest
 from django.test import Client
 from PIL import Image
 
-from datamanager import services
 from datamanager.config import RunConfig
-from datamanager.episodes import step_record, task_claim, taskstats_ensure, trajectory_finish
 from datamanager.models import (
     EnvSlot,
     PolicyVersion,
@@ -23,6 +21,13 @@ from datamanager.models import (
     TaskStatHistory,
     TrainUpdate,
     Trajectory,
+)
+from datamanager.services import runs as services
+from datamanager.services.episodes import (
+    step_record,
+    task_claim,
+    taskstats_ensure,
+    trajectory_finish,
 )
 
 pytestmark = pytest.mark.django_db
@@ -336,7 +341,7 @@ def test_a_slot_whose_worker_stopped_heart_beating_shows_as_lost(ada_client):
 
 
 def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_work_keys_cleared):
-    from datamanager.leases import redis_client, slot_work
+    from workers.leases import redis_client, slot_work
 
     run = make_run(env={"miniwob_slots": 2})
     client = redis_client()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from datamanager import episodes
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, Task
-from datamanager.services import run_create
+from datamanager.services import episodes
+from datamanager.services.runs import run_create
 from tests.conftest import png_bytes
 
 

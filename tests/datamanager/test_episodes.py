@@ -2,8 +2,8 @@
 
 import pytest
 
-from datamanager import episodes
 from datamanager.models import GroupStatus, Step, TaskGroup, TaskStat, TaskStatHistory, Trajectory
+from datamanager.services import episodes
 from tests.datamanager.factories import make_running_run, make_tasks, play
 
 pytestmark = pytest.mark.django_db

@@ -17,7 +17,7 @@ from datamanager.models import (
     TrainUpdate,
     Trajectory,
 )
-from datamanager.services import run_create
+from datamanager.services.runs import run_create
 
 pytestmark = pytest.mark.django_db
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from core.protocol import Action, Evaluation, Observation, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
-from envmanager.protocol import Action, Evaluation, Observation, TaskSpec
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from core.protocol import Action, ActionNotSupported, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
-from envmanager.protocol import Action, ActionNotSupported, ActionType, TaskSpec
 
 EVERY_ACTION = {
     ActionType.CLICK: Action(type=ActionType.CLICK, x=20, y=100),

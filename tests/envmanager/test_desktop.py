@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
+from core.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 from envmanager.desktop_env import HEIGHT, WIDTH, DesktopEnv
 from envmanager.desktop_tasks import DESKTOP_TASKS, desktop_task_records
 from envmanager.miniwob_env import png_size
-from envmanager.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 
 
 def desktop_spec(name: str) -> TaskSpec:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from core.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 from envmanager.miniwob_env import SCREEN_HEIGHT, SCREEN_WIDTH, MiniWoBEnv, png_size
 from envmanager.miniwob_tasks import (
     ALWAYS_TRAIN,
@@ -16,7 +17,6 @@ from envmanager.miniwob_tasks import (
     miniwob_task_names,
     miniwob_task_records,
 )
-from envmanager.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 
 
 def miniwob_spec(subdomain: str, seed: int = 0) -> TaskSpec:
@@ -164,7 +164,7 @@ class _RepeatFirstAnswer:
         self.text: str | None = None
 
     def complete(self, messages, **_):
-        from rollout.client import Completion
+        from core.completion import Completion
 
         started = time.perf_counter()
         if self.text is None:
@@ -176,8 +176,8 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
     """A MiniWoB++ task is over after its click: the runner stops there (env_done) instead
     of asking the policy again until the step cap; an off-target click that does not end
     the task leaves the episode running."""
+    from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
     from rollout.episode import EpisodeConfig, ListRecorder, run_episode
-    from rollout.oracle_policy import ObservedEnv, OracleEndpoint
 
     config = EpisodeConfig(step_cap=3, image_min_pixels=4 * 28 * 28, image_max_pixels=256 * 28 * 28)
     oracle = OracleEndpoint(min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
@@ -213,8 +213,8 @@ def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
     import redis
     from django.conf import settings
 
-    from envmanager.lockstep import RedisLockstep
     from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+    from workers.lockstep import RedisLockstep
 
     key = f"dartboard:lockstep:test:{uuid.uuid4().hex}"
 

@@ -18,9 +18,10 @@ import httpx
 import pytest
 import torch
 
-from rollout.client import Completion, PolicyClient
+from core.completion import Completion
+from core.policy_io import load_policy, save_checkpoint
+from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
-from training.model import load_policy, save_checkpoint
 from training.tiny_policy import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from core.policy_io import load_policy, save_checkpoint
 from rollout.client import InferenceUnavailable, PolicyClient
-from training.model import load_policy, save_checkpoint
 from training.tiny_policy import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]

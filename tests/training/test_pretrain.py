@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from training.model import load_policy
+from core.policy_io import load_policy
 from training.pretrain import (
     ImageBounds,
     attention_supervision_loss,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.model import load_policy
+from core.policy_io import load_policy
 from training.pretrain import ImageBounds, grounding_accuracy
 from training.synthetic import make_sample
 
@@ -48,6 +48,6 @@ def test_it_loads_as_qwen3_vl_and_clicks_on_unseen_screens(shipped):
 
 
 def test_make_run_starts_from_it(settings):
-    from datamanager.runs import policy_path
+    from workers.runs import policy_path
 
     assert policy_path("shipped") == SHIPPED

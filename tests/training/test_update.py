@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from training.samples import TrainSample
+from core.samples import TrainSample
 from training.update import UpdateConfig, plan_update, policy_update
 
 VOCAB = "abcdefghijklmnop"  # one token per character

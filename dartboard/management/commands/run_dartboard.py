@@ -22,8 +22,8 @@ from dartboard.launcher import Supervisor, default_specs, wait_http
 from dartboard.main_job import prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
-from datamanager.runs import run_current_policy, run_start_workers
-from datamanager.services import run_control
+from datamanager.services.runs import run_control
+from workers.runs import run_current_policy, run_start_workers
 
 
 class _Stop(Exception):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from datamanager.services import tasks_import
+from datamanager.services.runs import tasks_import
 from datamanager.task_import import InvalidTaskRecord, read_task_file
 
 

@@ -1,0 +1,225 @@
+r"""The prompt builder shared by the rollout service and the trainer.
+
+`build_messages` produces OpenAI chat-completions messages in the UI-TARS layout::
+
+    system     the computer-use prompt (output format and action space)
+    user       the instruction
+    user       [image] screenshot before turn i      (only for the last `max_images` screens)
+    assistant  "Thought: ...\nAction: ..."  of turn i  (every kept turn)
+    ...
+    user       [image] the current screen            (always)
+
+Screenshots beyond the last `max_images` are left out but their turns keep their text, as
+UI-TARS does ("all texts and the most recent 5 images"). Under a token budget the oldest
+turns go first, whole (their text and, if they still have one, their image); the system
+prompt, the instruction and the current screenshot are never dropped.
+
+`core.policy_io.to_qwen_messages` turns these messages into the Qwen2-VL chat-template form
+used by the inference server and the trainer; `decode_image_parts` returns the images' bytes.
+
+Run the tests with ``.venv/bin/pytest -p no:django tests/rollout/test_prompts.py -q``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from core.actions import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, smart_resize, split_output
+
+DEFAULT_SYSTEM_PROMPT = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
+
+## Output Format
+Thought: ...
+Action: ...
+
+## Action Space
+click(start_box='<|box_start|>(x1,y1)<|box_end|>')
+left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
+right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
+drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
+hotkey(key='ctrl c') # Split keys with a space and use lowercase. At most 3 keys.
+type(content='xxx') # Escape \', \" and \n in content. End content with \n to submit.
+scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+wait() # Sleep for 5s and take a screenshot to check for any changes.
+finished(content='xxx') # The task is done; content is the answer, if one is asked for.
+call_user() # The task is unsolvable, or you need the user's help.
+
+## Note
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part."""
+
+Message = dict[str, Any]
+
+
+STRUCTURE_TOKENS = (
+    "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
+    "<|im_end|>", "<|endoftext|>",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HistoryTurn:
+    """One earlier assistant turn: its thought and its action call text.
+
+    Screenshots are passed to `build_messages` separately, aligned from the end (the last
+    screenshot is the current screen, the one before it belongs to the last turn, ...).
+    """
+
+    thought: str
+    action_text: str
+
+    @classmethod
+    def from_output(cls, text: str) -> HistoryTurn:
+        """A turn from the model's raw text, even malformed (no Action line: thought only).
+
+        Chat-structure tokens are removed: replayed as history they would become image slots
+        or turn boundaries (a server that does not suppress them can emit them)."""
+        for token in STRUCTURE_TOKENS:
+            text = text.replace(token, "")
+        thought, action_text = split_output(text)
+        return cls(thought=thought, action_text=action_text or "")
+
+    @property
+    def text(self) -> str:
+        """The assistant message: ``Thought: ...\\nAction: ...`` (empty parts left out)."""
+        parts = []
+        if self.thought:
+            parts.append(f"Thought: {self.thought}")
+        if self.action_text:
+            parts.append(f"Action: {self.action_text}")
+        return "\n".join(parts)
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough token count: one token per 4 characters, rounded up."""
+    return math.ceil(len(text) / 4)
+
+
+def estimate_image_tokens(png: bytes) -> int:
+    """Qwen2.5-VL's token count for an image: one per 28x28 block of the resized image."""
+    with Image.open(io.BytesIO(png)) as image:  # reads the header only
+        width, height = image.size
+    h_bar, w_bar = smart_resize(height, width, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return (h_bar // IMAGE_FACTOR) * (w_bar // IMAGE_FACTOR)
+
+
+def image_part(png: bytes) -> dict[str, Any]:
+    """An OpenAI content part holding a PNG as a base64 data URL."""
+    url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def build_messages(
+    *,
+    instruction: str,
+    history: Sequence[HistoryTurn],
+    screenshots: Sequence[bytes],
+    max_images: int = 5,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    max_prompt_tokens: int | None = None,
+    count_tokens: Callable[[str], int] = estimate_tokens,
+    count_image_tokens: Callable[[bytes], int] = estimate_image_tokens,
+) -> list[Message]:
+    """The chat messages for the next turn (layout in the module docstring).
+
+    `screenshots` are PNGs, oldest first, aligned from the end: the last is the current
+    screen and the one before belongs to ``history[-1]``. Between 1 and len(history) + 1 may
+    be given (the caller only needs to load the last `max_images`).
+
+    Budget: with `max_prompt_tokens`, the prompt's size is the sum of `count_tokens` over its
+    texts and `count_image_tokens` over its images; the oldest turns are dropped until it
+    fits. If even system + instruction + current screen do not fit, those are returned
+    anyway (the server then rejects the request with its own message).
+    """
+    if not screenshots:
+        raise ValueError("build_messages needs at least one screenshot (the current screen)")
+    if len(screenshots) > len(history) + 1:
+        raise ValueError(
+            f"got {len(screenshots)} screenshots for {len(history)} history turns; at most "
+            f"{len(history) + 1} (one per earlier turn, then the current screen)"
+        )
+    if max_images < 1:
+        raise ValueError(f"max_images must be at least 1 (the current screen), got {max_images}")
+
+    n_turns = len(history)
+    offset = n_turns + 1 - len(screenshots)  # turns before this one have no screenshot given
+    first_image_turn = max(offset, n_turns + 1 - max_images)
+
+    def turn_image(i: int) -> bytes | None:
+        return screenshots[i - offset] if i >= first_image_turn else None
+
+    first_kept = 0
+    if max_prompt_tokens is not None:
+        fixed = (
+            count_tokens(system_prompt)
+            + count_tokens(instruction)
+            + count_image_tokens(screenshots[-1])
+        )
+        costs = []
+        for i, turn in enumerate(history):
+            image = turn_image(i)
+            costs.append(
+                count_tokens(turn.text) + (count_image_tokens(image) if image is not None else 0)
+            )
+        total = fixed + sum(costs)
+        while first_kept < n_turns and total > max_prompt_tokens:
+            total -= costs[first_kept]
+            first_kept += 1
+
+    messages: list[Message] = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": instruction},
+    ]
+    for i in range(first_kept, n_turns):
+        image = turn_image(i)
+        if image is not None:
+            messages.append({"role": "user", "content": [image_part(image)]})
+        messages.append({"role": "assistant", "content": history[i].text})
+    messages.append({"role": "user", "content": [image_part(screenshots[-1])]})
+    return messages
+
+
+def _image_url(part: dict[str, Any]) -> str:
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise ValueError("an image_url part needs image_url.url")
+    return url
+
+
+def _decode_data_url(url: str) -> bytes:
+    head, sep, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and sep):
+        raise ValueError(f"image_url must be a base64 data:image/... URL, got {url[:40]!r}")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"image_url data is not valid base64: {error}") from error
+
+
+def _content_parts(message: Message) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return content
+    raise ValueError(
+        f"a {message.get('role')!r} message needs content as a string or a list of parts"
+    )
+
+
+def decode_image_parts(messages: Sequence[Message]) -> list[bytes]:
+    """The bytes of every image_url part (base64 data URLs), in message order."""
+    return [
+        _decode_data_url(_image_url(part))
+        for message in messages
+        for part in _content_parts(message)
+        if part.get("type") == "image_url"
+    ]

@@ -1,0 +1,494 @@
+"""Read-only selectors for the dashboard. Aggregation happens in the database; lists page.
+
+Every function here is a plain read (no locks, no writes) and is safe from any process.
+Time series are bucketed with `Trunc` in SQL so a run with 10,000 trajectories and 200,000
+steps returns a few hundred rows, not the raw history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.paginator import Page, Paginator
+from django.db.models import (
+    Count,
+    DurationField,
+    Exists,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    IntegerField,
+    Max,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+)
+from django.db.models.functions import Cast, Coalesce, Now, Trunc
+from django.utils import timezone
+
+from datamanager.config import RunConfig
+from datamanager.models import (
+    EnvSlot,
+    PolicyVersion,
+    Run,
+    Step,
+    TaskStat,
+    TaskStatHistory,
+    TrainUpdate,
+    Trajectory,
+)
+from workers.leases import redis_client
+from workers.runs import run_live_work as live_work
+
+FINISHED = ("succeeded", "failed")
+
+
+def _count_subquery(qs: QuerySet) -> Coalesce:
+    """COUNT(*) of a correlated queryset, as an integer subquery (0 when empty)."""
+    counted = qs.order_by().values("run").annotate(c=Count("pk")).values("c")
+    return Coalesce(Subquery(counted, output_field=IntegerField()), Value(0))
+
+
+def runs_overview() -> QuerySet[Run]:
+    """Runs, newest first, annotated with trajectory count, success rate and policy version.
+
+    Each figure is a correlated subquery, so the three joins do not multiply each other.
+    `success_rate` is None for a run with no finished (succeeded/failed) trajectory.
+    """
+    trajs = Trajectory.objects.filter(run=OuterRef("pk"))
+    n_trajs = _count_subquery(trajs)
+    n_finished = _count_subquery(trajs.filter(status__in=FINISHED))
+    n_success = _count_subquery(trajs.filter(status="succeeded"))
+    version = Subquery(
+        PolicyVersion.objects.filter(run=OuterRef("pk")).order_by("-version").values("version")[:1]
+    )
+    return (
+        Run.objects.select_related("owner")
+        .annotate(
+            n_trajectories=n_trajs,
+            n_finished=n_finished,
+            n_succeeded=n_success,
+            current_version=version,
+        )
+        .order_by("-created_at")
+    )
+
+
+def success_rate(succeeded: int, finished: int) -> float | None:
+    return succeeded / finished if finished else None
+
+
+def run_summary(*, run: Run) -> dict[str, Any]:
+    """Counts shown on the run page header."""
+    agg = Trajectory.objects.filter(run=run).aggregate(
+        total=Count("pk"),
+        running=Count("pk", filter=Q(status="running")),
+        succeeded=Count("pk", filter=Q(status="succeeded")),
+        finished=Count("pk", filter=Q(status__in=FINISHED)),
+        errors=Count("pk", filter=Q(status="error")),
+    )
+    agg["success_rate"] = success_rate(agg["succeeded"], agg["finished"])
+    agg["policy_version"] = PolicyVersion.objects.filter(run=run).aggregate(v=Max("version"))["v"]
+    agg["updates"] = TrainUpdate.objects.filter(run=run).count()
+    return agg
+
+
+@dataclass(frozen=True)
+class SlotTile:
+    """One env slot on the environment wall."""
+
+    id: int
+    name: str
+    status: str
+    last_error: str
+    trajectory_id: int | None
+    task_name: str
+    step: int | None
+    image: str
+    policy_version: int | None
+    env_busy: float | None  # share of the slot's life its env spent in reset/step/evaluate
+
+
+def _busy_share(slot: EnvSlot) -> float | None:
+    if slot.last_heartbeat is None:
+        return None
+    alive = (slot.last_heartbeat - slot.created_at).total_seconds()
+    return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
+
+
+SERVING_STATUSES = ("starting", "idle", "busy", "recovering")  # a live worker reports these
+
+
+def run_slots(*, run: Run) -> list[SlotTile]:
+    """The run's env slots with the latest screenshot of each slot's current trajectory.
+
+    A slot row whose worker stopped heart-beating while it was serving shows as `lost` with
+    how long ago: a killed worker cannot say so itself, and a restarted one serves the slot
+    under a new row (host:pid:backend:index)."""
+    last_step = Step.objects.filter(trajectory=OuterRef("current_trajectory")).order_by("-index")
+    slots = (
+        EnvSlot.objects.filter(run=run)
+        .annotate(
+            step_index=Subquery(last_step.values("index")[:1]),
+            step_image=Subquery(last_step.values("screenshot")[:1]),
+            step_version=Subquery(last_step.values("policy_version")[:1]),
+            task_name=F("current_trajectory__task__name"),
+        )
+        .order_by("name")
+    )
+    now, lost_after = timezone.now(), RunConfig.from_dict(run.config).env.silent_after_s
+    tiles = []
+    for s in slots:
+        status, error = s.status, s.last_error
+        silent = (now - s.last_heartbeat).total_seconds() if s.last_heartbeat else None
+        if status in SERVING_STATUSES and silent is not None and silent > lost_after:
+            status = "lost"
+            error = f"no heartbeat for {silent:.0f} s: its worker stopped"
+        tiles.append(
+            SlotTile(
+                id=s.pk,
+                name=s.name,
+                status=status,
+                last_error=error,
+                trajectory_id=s.current_trajectory_id,
+                task_name=s.task_name or "",
+                step=s.step_index,
+                image=f"/media/{s.step_image}" if s.step_image else "",
+                policy_version=s.step_version,
+                env_busy=_busy_share(s),
+            )
+        )
+    return tiles
+
+
+@dataclass(frozen=True)
+class LiveWorkRow:
+    """A running run's slot task or trainer, and whether a live worker holds it."""
+
+    label: str
+    state: str  # "live", "queued" or "missing"
+    text: str
+
+
+def run_live_work(*, run: Run) -> list[LiveWorkRow]:
+    """Who holds each of a running run's slots and its trainer now (Redis leases,
+    datamanager/leases.py); empty unless the run is running."""
+    if run.status != "running":
+        return []
+    rows = []
+    client = redis_client()
+    try:
+        for work in live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config)):
+            holder = client.get(work.lease_key)
+            if holder is not None:
+                rows.append(LiveWorkRow(work.label, "live", f"held by {holder.decode()}"))
+            elif client.exists(work.pending_key):
+                rows.append(LiveWorkRow(work.label, "queued", f"queued on {work.queue}"))
+            else:
+                rows.append(
+                    LiveWorkRow(
+                        work.label,
+                        "missing",
+                        "no live worker; the watchdog enqueues it again after "
+                        f"{settings.DARTBOARD_WATCHDOG_GRACE_S:.0f} s",
+                    )
+                )
+    except Exception as exc:  # the page still renders; the row says why it cannot tell
+        rows.append(LiveWorkRow("workers", "missing", f"Redis unreachable: {exc}"))
+    finally:
+        client.close()
+    return rows
+
+
+def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:
+    """Per-task rows: stats, the success-rate history (last N points), pool size."""
+    stats = list(TaskStat.objects.filter(run=run).select_related("task").order_by("task__name"))
+    history: dict[int, list[float]] = {}
+    rows = (
+        TaskStatHistory.objects.filter(run=run, success_rate__isnull=False)
+        .order_by("at", "pk")
+        .values_list("task_id", "success_rate")
+    )
+    for task_id, rate in rows:
+        assert rate is not None  # filtered on success_rate__isnull=False
+        history.setdefault(task_id, []).append(rate)
+    return [{"stat": s, "history": history.get(s.task_id, [])[-sparkline_points:]} for s in stats]
+
+
+# --- trajectory list -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrajectoryFilter:
+    run_id: int | None = None
+    task: str = ""
+    task_exact: bool = False  # `task` is the whole name, not a part of it
+    eval_job_id: int | None = None
+    status: str = ""
+    reward: str = ""  # "positive", "zero", "none", "human"
+    source: str = ""
+    policy_version: int | None = None
+    in_pool: bool | None = None
+
+
+def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
+    qs = Trajectory.objects.select_related("task", "run").only(
+        "pk",
+        "status",
+        "reward",
+        "reward_source",
+        "length",
+        "started_at",
+        "finished_at",
+        "source",
+        "in_pool",
+        "rejected",
+        "policy_versions",
+        "run__name",
+        "task__name",
+    )
+    if flt.run_id is not None:
+        qs = qs.filter(run_id=flt.run_id)
+    if flt.task and flt.task_exact:
+        qs = qs.filter(task__name=flt.task)
+    elif flt.task:
+        qs = qs.filter(task__name__icontains=flt.task)
+    if flt.eval_job_id is not None:
+        qs = qs.filter(eval_job_id=flt.eval_job_id)
+    if flt.status:
+        qs = qs.filter(status=flt.status)
+    if flt.source:
+        qs = qs.filter(source=flt.source)
+    if flt.reward == "positive":
+        qs = qs.filter(reward__gt=0)
+    elif flt.reward == "zero":
+        qs = qs.filter(reward__lte=0)
+    elif flt.reward == "none":
+        qs = qs.filter(reward__isnull=True)
+    elif flt.reward == "human":
+        qs = qs.filter(reward_source="human")
+    if flt.in_pool is not None:
+        qs = qs.filter(in_pool=flt.in_pool)
+    if flt.policy_version is not None:
+        # Steps carry the version (indexed); the JSON list is not queryable on SQLite.
+        qs = qs.filter(
+            Exists(
+                Step.objects.filter(trajectory=OuterRef("pk"), policy_version=flt.policy_version)
+            )
+        )
+    return qs.order_by("-started_at", "-pk")
+
+
+def trajectory_page(*, flt: TrajectoryFilter, page: int | str, per_page: int = 50) -> Page:
+    return Paginator(trajectory_queryset(flt=flt), per_page).get_page(page)
+
+
+def trajectory_detail(*, trajectory_id: int) -> tuple[Trajectory, list[Step]]:
+    traj = Trajectory.objects.select_related(
+        "task", "run", "curated_from", "reward_override_by", "env_slot"
+    ).get(pk=trajectory_id)
+    steps = list(Step.objects.filter(trajectory=traj).order_by("index"))
+    return traj, steps
+
+
+# --- charts ----------------------------------------------------------------------------
+
+
+_STEPS = {"minute": (1, 2, 5, 10, 15, 30), "hour": (1, 2, 3, 6, 12), "day": (1, 2, 7, 14, 30)}
+_UNIT = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
+
+
+def _bucket(run: Run, *, max_buckets: int = 60) -> tuple[str, timedelta]:
+    """(SQL truncation unit, bucket width) giving at most ~`max_buckets` points.
+
+    SQL truncates to the unit (minute/hour/day); `_regroup` merges units into the width.
+    """
+    start = run.started_at or run.created_at
+    end = run.finished_at or timezone.now()
+    span = max(end - start, timedelta(minutes=1))
+    for kind in ("minute", "hour", "day"):
+        for k in _STEPS[kind]:
+            if span / (_UNIT[kind] * k) <= max_buckets:
+                return kind, _UNIT[kind] * k
+    return "day", timedelta(days=30)
+
+
+def _regroup(rows, width: timedelta, keys: tuple[str, ...], sums: tuple[str, ...]) -> list[dict]:
+    """Merge SQL rows truncated to a unit into buckets of `width` (summing `sums`)."""
+    w = int(width.total_seconds())
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        b = r["b"]
+        if b is not None:
+            b = datetime.fromtimestamp(int(b.timestamp()) // w * w, tz=b.tzinfo)
+        key = (*(r[k] for k in keys), b)
+        acc = out.setdefault(key, {**{k: r[k] for k in keys}, "b": b, **dict.fromkeys(sums, 0)})
+        for f in sums:
+            acc[f] += r[f] or 0
+    return [out[k] for k in sorted(out, key=lambda k: tuple("" if v is None else v for v in k))]
+
+
+def _iso(dt: datetime | None) -> str | None:
+    return dt.isoformat() if dt else None
+
+
+def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
+    """Every series the run page charts, bucketed in SQL. See `dartboard.figures`."""
+    kind, width = _bucket(run)
+    minutes = width.total_seconds() / 60
+    trajs = Trajectory.objects.filter(run=run, finished_at__isnull=False)
+
+    per_bucket = _regroup(
+        trajs.filter(status__in=FINISHED)
+        .annotate(b=Trunc("finished_at", kind))
+        .values("b")
+        .annotate(n=Count("pk"), ok=Count("pk", filter=Q(status="succeeded")))
+        .order_by("b"),
+        width,
+        (),
+        ("n", "ok"),
+    )
+    success = [
+        {"t": _iso(r["b"]), "n": r["n"], "rate": r["ok"] / r["n"] if r["n"] else None}
+        for r in per_bucket
+    ]
+
+    task_rows = _regroup(
+        trajs.filter(status__in=FINISHED)
+        .annotate(b=Trunc("finished_at", kind))
+        .values("task__name", "b")
+        .annotate(n=Count("pk"), ok=Count("pk", filter=Q(status="succeeded")))
+        .order_by("task__name", "b"),
+        width,
+        ("task__name",),
+        ("n", "ok"),
+    )
+    per_task: dict[str, list[tuple[str | None, float]]] = {}
+    for r in task_rows:
+        per_task.setdefault(r["task__name"], []).append((_iso(r["b"]), r["ok"] / r["n"]))
+
+    history: dict[str, dict[str, list]] = {}
+    for name, at, budget, cap in (
+        TaskStatHistory.objects.filter(run=run)
+        .order_by("at", "pk")
+        .values_list("task__name", "at", "rollout_budget", "step_cap")
+    ):
+        h = history.setdefault(name, {"t": [], "budget": [], "step_cap": []})
+        h["t"].append(_iso(at))
+        h["budget"].append(budget)
+        h["step_cap"].append(cap)
+
+    # Actions are counted per finished trajectory (its length), not per Step row: bucketing
+    # 200,000 step timestamps costs a second on SQLite, 10,000 trajectories a few ms.
+    rates = _regroup(
+        trajs.annotate(b=Trunc("finished_at", kind))
+        .values("b")
+        .annotate(n=Count("pk"), n_steps=Sum("length"))  # not `steps`: Trajectory.steps
+        .order_by("b"),
+        width,
+        (),
+        ("n", "n_steps"),
+    )
+    traj_rate: dict[str, float] = {}
+    action_rate: dict[str, float] = {}
+    for r in rates:
+        t = _iso(r["b"])
+        assert t is not None  # trajs are filtered on finished_at__isnull=False
+        traj_rate[t] = r["n"] / minutes
+        action_rate[t] = (r["n_steps"] or 0) / minutes
+    times = sorted(set(traj_rate) | set(action_rate))
+    throughput = {
+        "t": times,
+        "actions_per_min": [action_rate.get(t, 0) for t in times],
+        "trajectories_per_min": [traj_rate.get(t, 0) for t in times],
+    }
+
+    return {
+        "bucket": kind,
+        "success": success,
+        "per_task": dict(list(per_task.items())[:max_tasks]),
+        "history": dict(list(history.items())[:max_tasks]),
+        "throughput": throughput,
+        "utilisation": utilisation(run=run, kind=kind, width=width),
+        "updates": training_metrics(run=run),
+    }
+
+
+def utilisation(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
+    """Env busy share per bucket and trainer busy share per bucket.
+
+    Env: the summed duration of trajectories (start -> finish, or now while running) that
+    started in a bucket, over the slot-time of the run's slots in that bucket. A trajectory
+    longer than a bucket is credited to the bucket it started in, which is exact enough at
+    the chart's resolution. Trainer: summed `metrics.duration_s` of updates per bucket.
+    """
+    n_slots = EnvSlot.objects.filter(run=run).count() or 1
+    duration = ExpressionWrapper(
+        Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField()
+    )
+    rows = _regroup(
+        (
+            {"b": r["b"], "busy": (r["busy"] or timedelta()).total_seconds()}
+            for r in Trajectory.objects.filter(run=run, source="online")
+            .annotate(b=Trunc("started_at", kind), d=duration)
+            .values("b")
+            .annotate(busy=Sum("d"))
+            .order_by("b")
+        ),
+        width,
+        (),
+        ("busy",),
+    )
+    slot_seconds = n_slots * width.total_seconds()
+    env = {
+        "t": [_iso(r["b"]) for r in rows],
+        "share": [min(1.0, r["busy"] / slot_seconds) for r in rows],
+    }
+    trainer_rows = _regroup(
+        TrainUpdate.objects.filter(run=run)
+        .annotate(b=Trunc("created_at", kind), d=Cast(F("metrics__duration_s"), FloatField()))
+        .values("b")
+        .annotate(busy=Sum("d"))
+        .order_by("b"),
+        width,
+        (),
+        ("busy",),
+    )
+    trainer = {
+        "t": [_iso(r["b"]) for r in trainer_rows],
+        "share": [min(1.0, (r["busy"] or 0.0) / width.total_seconds()) for r in trainer_rows],
+    }
+    return {"env": env, "trainer": trainer, "slots": n_slots}
+
+
+def training_metrics(*, run: Run, limit: int = 2000) -> dict[str, Any]:
+    """Per-update metrics (the last `limit` updates) and the latest staleness histogram."""
+    rows = list(
+        TrainUpdate.objects.filter(run=run)
+        .order_by("-number")
+        .values_list("number", "policy_version", "metrics")[:limit]
+    )
+    rows.reverse()
+    scalar_keys: list[str] = []
+    for _, _, m in rows:
+        for k, v in (m or {}).items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and k not in scalar_keys:
+                scalar_keys.append(k)
+    series = {k: [(m or {}).get(k) for _, _, m in rows] for k in scalar_keys}
+    staleness = {}
+    if rows:
+        raw = (rows[-1][2] or {}).get("staleness") or {}
+        if isinstance(raw, dict):
+            staleness = {str(k): v for k, v in raw.items()}
+    return {
+        "number": [n for n, _, _ in rows],
+        "series": series,
+        "staleness": staleness,
+        "latest_version": rows[-1][1] if rows else None,
+    }

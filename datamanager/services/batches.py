@@ -1,0 +1,230 @@
+"""Building training batches from ready groups, and writing back what an update did.
+
+Selection rules (all switchable in the run config):
+- only groups whose rollouts are all finished (status ready), oldest first;
+- staleness: steps from policy versions older than current - k are flagged `stale` and
+  left out (counted, never deleted);
+- each online step is trained on at most `max_uses_per_step` times;
+- experience-pool trajectories joined to an all-failed group come in as demo samples;
+- rejected trajectories and environment errors never train.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from django.core.files.storage import default_storage
+from django.db import transaction
+
+from core.prompts import HistoryTurn, build_messages
+from core.samples import TrainSample, UpdateMetrics
+from datamanager import curation
+from datamanager.config import RunConfig
+from datamanager.models import GroupStatus, Run, Step, TaskGroup, TaskStat, TrainUpdate, Trajectory
+
+
+@dataclass
+class Batch:
+    samples: list[TrainSample]
+    group_ids: list[int]
+    stale_step_ids: list[int] = field(default_factory=list)
+    overused_step_ids: list[int] = field(default_factory=list)
+    # Ready groups left with nothing to train: every step stale or used up, and no pool demo.
+    empty_group_ids: list[int] = field(default_factory=list)
+
+
+def _read(name: str) -> bytes:
+    with default_storage.open(name, "rb") as fh:
+        return fh.read()
+
+
+def trajectory_samples(
+    traj: Trajectory,
+    steps: list[Step],
+    *,
+    group_id: int,
+    cfg: RunConfig,
+    is_demo: bool,
+    keep: set[int] | None = None,
+    version_for_demo: int = 0,
+) -> list[TrainSample]:
+    """One TrainSample per step, its prompt rebuilt exactly as the rollout built it."""
+    out = []
+    shots: list[bytes] = []
+    history: list[HistoryTurn] = []
+    for step in steps:
+        if not step.screenshot.name:
+            raise ValueError(f"step {step.pk} of trajectory {traj.pk} has no screenshot")
+        shots.append(_read(step.screenshot.name))
+        if keep is None or step.pk in keep:
+            messages = build_messages(
+                instruction=traj.instruction,
+                history=history,
+                screenshots=shots[-cfg.rollout.max_images :],
+                max_images=cfg.rollout.max_images,
+                max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+            )
+            out.append(
+                TrainSample(
+                    step_id=step.pk,
+                    trajectory_id=traj.pk,
+                    group_id=group_id,
+                    messages=messages,
+                    response_text=step.raw_output,
+                    reward=float(traj.reward or 0.0),
+                    rollout_logprobs=list(step.rollout_logprobs or []),
+                    mean_entropy=float(step.mean_entropy or 0.0),
+                    policy_version=step.policy_version
+                    if step.policy_version is not None
+                    else version_for_demo,
+                    is_demo=is_demo,
+                    response_token_ids=list(step.response_token_ids) or None,
+                )
+            )
+        history.append(HistoryTurn.from_output(step.raw_output))
+    return out
+
+
+def ready_group_count(*, run_id: int) -> int:
+    return TaskGroup.objects.filter(run_id=run_id, status=GroupStatus.READY).count()
+
+
+def batch_collect(*, run: Run, current_version: int, min_groups: int | None = None) -> Batch | None:
+    """The next batch, or None while fewer than `min_groups` (default: the run's) are ready."""
+    cfg = RunConfig.from_dict(run.config)
+    needed = cfg.trainer.min_groups if min_groups is None else min_groups
+    groups = list(
+        TaskGroup.objects.filter(run=run, status=GroupStatus.READY).order_by("ready_at", "pk")[:64]
+    )
+    if len(groups) < needed or not groups:
+        return None
+    batch = Batch(samples=[], group_ids=[])
+    for group in groups:
+        trajs = list(
+            Trajectory.objects.filter(
+                group=group, status__in=["succeeded", "failed"], rejected=False
+            ).order_by("pk")
+        )
+        steps_by_traj: dict[int, list[Step]] = defaultdict(list)
+        for step in Step.objects.filter(trajectory__in=trajs).order_by("trajectory_id", "index"):
+            steps_by_traj[step.trajectory_id].append(step)
+        group_samples: list[TrainSample] = []
+        for traj in trajs:
+            steps = steps_by_traj[traj.pk]
+            keep = set()
+            for step in steps:
+                if curation.is_stale(
+                    step_version=step.policy_version,
+                    current_version=current_version,
+                    k=cfg.curation.staleness_k,
+                ):
+                    batch.stale_step_ids.append(step.pk)
+                elif step.train_uses >= cfg.curation.max_uses_per_step:
+                    batch.overused_step_ids.append(step.pk)
+                else:
+                    keep.add(step.pk)
+            if keep:
+                group_samples += trajectory_samples(
+                    traj, steps, group_id=group.pk, cfg=cfg, is_demo=False, keep=keep
+                )
+        for demo in Trajectory.objects.filter(pk__in=group.pool_members):
+            steps = list(demo.steps.order_by("index"))
+            group_samples += trajectory_samples(
+                demo,
+                steps,
+                group_id=group.pk,
+                cfg=cfg,
+                is_demo=True,
+                version_for_demo=current_version,
+            )
+        if not group_samples:
+            batch.empty_group_ids.append(group.pk)
+            continue
+        if (
+            batch.samples
+            and len(batch.samples) + len(group_samples) > cfg.trainer.max_steps_per_update
+        ):
+            break
+        batch.samples += group_samples
+        batch.group_ids.append(group.pk)
+    return batch
+
+
+def pool_batch(*, run: Run, cfg: RunConfig, current_version: int, seed: int) -> Batch | None:
+    """Demo samples from the experience pool of the run's tasks (behaviour-cloning warm start).
+
+    Up to `max_steps_per_update` steps, a different shuffle per update (seeded)."""
+    task_ids = list(
+        TaskStat.objects.filter(run=run, retired=False).values_list("task_id", flat=True)
+    )
+    demos = list(
+        Trajectory.objects.filter(task_id__in=task_ids, in_pool=True, rejected=False).order_by("pk")
+    )
+    if not demos:
+        return None
+    random.Random(seed).shuffle(demos)
+    batch = Batch(samples=[], group_ids=[])
+    for demo in demos:
+        steps = list(demo.steps.order_by("index"))
+        if batch.samples and len(batch.samples) + len(steps) > cfg.trainer.max_steps_per_update:
+            break
+        # Each demo is its own group: no advantage signal, only the BC term trains.
+        batch.samples += trajectory_samples(
+            demo, steps, group_id=-demo.pk, cfg=cfg, is_demo=True, version_for_demo=current_version
+        )
+    return batch
+
+
+@transaction.atomic
+def batch_commit(
+    *, run: Run, batch: Batch, metrics: UpdateMetrics, trained_version: int, kind: str = "rl"
+) -> TrainUpdate:
+    """Record an update: metrics, each step's trainer view, the groups consumed."""
+    number = (TrainUpdate.objects.filter(run=run).count()) + 1
+    update = TrainUpdate.objects.create(
+        run=run,
+        number=number,
+        policy_version=trained_version,
+        metrics={
+            **metrics.as_json(),
+            "kind": kind,
+            "stale_steps": len(batch.stale_step_ids),
+            "overused_steps": len(batch.overused_step_ids),
+            "groups": len(batch.group_ids),
+            "empty_groups": len(batch.empty_group_ids),
+        },
+    )
+    batch_skip(batch=batch)
+    online = [s for s in batch.samples if not s.is_demo]
+    steps = {s.pk: s for s in Step.objects.filter(pk__in=[s.step_id for s in online])}
+    for sample in online:
+        step = steps[sample.step_id]
+        step.trained_in_update = update
+        step.train_uses += 1
+        step.advantage = metrics.step_advantage.get(sample.step_id)
+        step.is_weight = metrics.step_is_weight.get(sample.step_id)
+        step.entropy_kept = metrics.step_entropy_kept.get(sample.step_id)
+    Step.objects.bulk_update(
+        steps.values(),
+        ["trained_in_update", "train_uses", "advantage", "is_weight", "entropy_kept"],
+    )
+    TaskGroup.objects.filter(pk__in=batch.group_ids).update(status=GroupStatus.TRAINED)
+    return update
+
+
+@transaction.atomic
+def batch_skip(*, batch: Batch) -> str:
+    """Write back what a batch left out: its stale steps are flagged and the groups it had
+    nothing to train from are marked skipped, so they leave the ready queue (otherwise a queue
+    head of wholly stale groups would be collected again on every try and never trained).
+    Returns a line for the run's message, or "" when nothing was left out."""
+    Step.objects.filter(pk__in=batch.stale_step_ids).update(stale=True)
+    TaskGroup.objects.filter(pk__in=batch.empty_group_ids).update(status=GroupStatus.SKIPPED)
+    if not batch.empty_group_ids:
+        return ""
+    return (
+        f"skipped {len(batch.empty_group_ids)} ready groups with nothing left to train "
+        f"({len(batch.stale_step_ids)} stale steps, {len(batch.overused_step_ids)} used up)"
+    )

@@ -1,0 +1,84 @@
+"""Services for env slots: register, heartbeat, status changes, quarantine."""
+
+from __future__ import annotations
+
+from django.db.models import F
+from django.utils import timezone
+
+from datamanager.events import publish_on_commit
+from datamanager.models import EnvSlot, SlotStatus
+
+
+def env_slot_register(*, name: str, host: str, backend: str, run_id: int | None) -> EnvSlot:
+    """Create or revive the slot row of this worker process (status starting)."""
+    slot, _ = EnvSlot.objects.update_or_create(
+        name=name,
+        defaults={
+            "host": host,
+            "backend": backend,
+            "run_id": run_id,
+            "status": SlotStatus.STARTING,
+            "last_heartbeat": timezone.now(),
+            "current_trajectory": None,
+        },
+    )
+    return slot
+
+
+def env_slot_heartbeat(*, slot_id: int, env_busy_s: float | None = None) -> None:
+    """The slot is alive; `env_busy_s` is the environment busy time served on this slot
+    so far (envmanager.busy), stored for utilisation figures."""
+    fields: dict = {"last_heartbeat": timezone.now()}
+    if env_busy_s is not None:
+        fields["env_busy_s"] = env_busy_s
+    EnvSlot.objects.filter(pk=slot_id).update(**fields)
+
+
+def env_slot_set(
+    *,
+    slot_id: int,
+    status: str,
+    trajectory_id: int | None = None,
+    error: str | None = None,
+) -> None:
+    """Change a slot's status (and current trajectory); an error is kept as last_error."""
+    fields: dict = {
+        "status": status,
+        "current_trajectory_id": trajectory_id,
+        "last_heartbeat": timezone.now(),
+    }
+    if error is not None:
+        fields["last_error"] = error
+    EnvSlot.objects.filter(pk=slot_id).update(**fields)
+    slot = EnvSlot.objects.get(pk=slot_id)
+    if slot.run_id:
+        publish_on_commit(
+            run_id=slot.run_id,
+            kind="slot",
+            data={
+                "slot": slot_id,
+                "name": slot.name,
+                "status": status,
+                "trajectory": trajectory_id,
+                "error": slot.last_error,
+            },
+        )
+
+
+def env_slot_failure(*, slot_id: int, error: str, quarantine_after: int) -> bool:
+    """Count a failure; quarantine the slot after `quarantine_after` in a row. True if so."""
+    EnvSlot.objects.filter(pk=slot_id).update(
+        consecutive_failures=F("consecutive_failures") + 1, last_error=error
+    )
+    slot = EnvSlot.objects.get(pk=slot_id)
+    quarantined = slot.consecutive_failures >= quarantine_after
+    env_slot_set(
+        slot_id=slot_id,
+        status=SlotStatus.QUARANTINED if quarantined else SlotStatus.RECOVERING,
+        error=error,
+    )
+    return quarantined
+
+
+def env_slot_success(*, slot_id: int) -> None:
+    EnvSlot.objects.filter(pk=slot_id).update(consecutive_failures=0)

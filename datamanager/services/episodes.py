@@ -1,0 +1,439 @@
+"""Services of the episode lifecycle: claim a task, record steps, finish a trajectory.
+
+Called from env slots (Celery env workers). Each function is one short transaction. The
+curation rules live in `datamanager.curation`; this module applies them:
+claim -> rollout-wise sampling; finish -> success rate, dynamic budget and step cap,
+experience-pool fill of an all-failed group, group readiness for the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.files.base import ContentFile
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from datamanager import curation
+from datamanager.config import CurationConfig, RunConfig
+from datamanager.events import publish_on_commit
+from datamanager.models import (
+    GroupStatus,
+    Purpose,
+    Run,
+    RunStatus,
+    Step,
+    Task,
+    TaskGroup,
+    TaskStat,
+    TaskStatHistory,
+    Trajectory,
+    TrajectoryStatus,
+)
+from datamanager.selectors.tasks import task_list
+
+
+class NoTasks(Exception):
+    """The run's task selection matches no task; the message says which selection."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    trajectory_id: int
+    task_id: int
+    task_name: str
+    env_kind: str
+    env_config: dict[str, Any]
+    instruction: str
+    step_cap: int
+    seed: int  # the environment's: shared by the group (curation.group_seed)
+    decode_seed: int  # the policy's sampling: one per rollout
+
+
+def default_step_cap(task: Task, cfg: CurationConfig) -> int:
+    """A task may declare its own step budget (`env_config.max_steps`); else the run's."""
+    return int(task.env_config.get("max_steps", cfg.default_step_cap))
+
+
+@transaction.atomic
+def taskstats_ensure(*, run: Run) -> int:
+    """Create the run's TaskStat rows (once) for the selected tasks. Returns their count."""
+    cfg = RunConfig.from_dict(run.config)
+    tasks = task_list(selection=cfg.tasks)
+    if not tasks:
+        raise NoTasks(
+            f"run {run.pk}: no task matches split={cfg.tasks.split!r}, tags={cfg.tasks.tags}, "
+            f"names={cfg.tasks.names}, backends={cfg.tasks.env_kinds}; import tasks first"
+        )
+    existing = set(TaskStat.objects.filter(run=run).values_list("task_id", flat=True))
+    TaskStat.objects.bulk_create(
+        [
+            TaskStat(
+                run=run,
+                task=t,
+                rollout_budget=cfg.curation.n_max,
+                step_cap=default_step_cap(t, cfg.curation),
+                outstanding=0,
+                group_index=0,
+            )
+            for t in tasks
+            if t.pk not in existing
+        ]
+    )
+    return len(tasks)
+
+
+def _open_next_groups(run: Run, stats: list[TaskStat]) -> None:
+    """Open a new group for every live task (called when no task has claims left)."""
+    for stat in stats:
+        if stat.retired:
+            continue
+        budget = stat.pinned_budget or stat.rollout_budget
+        stat.group_index += 1
+        stat.outstanding = budget
+        stat.save(update_fields=["group_index", "outstanding", "updated_at"])
+        TaskGroup.objects.create(
+            run=run, task_id=stat.task_id, index=stat.group_index, budget=budget
+        )
+
+
+@transaction.atomic
+def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) -> Claim | None:
+    """Rollout-wise sampling: the next task for a free slot, with its trajectory started.
+
+    Returns None when the run is not running. Runs in one transaction; on PostgreSQL the
+    run row is locked so two slots never take the same claim, on SQLite the IMMEDIATE
+    transaction mode serializes writers.
+    """
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
+    if run.status != RunStatus.RUNNING:
+        return None
+    stats = list(
+        TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds).select_related("task")
+    )
+    if not stats:
+        return None
+    cands = [
+        curation.Candidate(s.task_id, s.outstanding, 0.0 if s.retired else s.boost) for s in stats
+    ]
+    task_id = curation.pick_task(cands)
+    if task_id is None:
+        _open_next_groups(run, stats)
+        cands = [
+            curation.Candidate(s.task_id, s.outstanding, 0.0 if s.retired else s.boost)
+            for s in stats
+        ]
+        task_id = curation.pick_task(cands)
+        if task_id is None:
+            return None  # every task retired
+    stat = next(s for s in stats if s.task_id == task_id)
+    group = TaskGroup.objects.get(run=run, task_id=task_id, index=stat.group_index)
+    TaskStat.objects.filter(pk=stat.pk).update(outstanding=F("outstanding") - 1)
+    TaskGroup.objects.filter(pk=group.pk).update(claimed=F("claimed") + 1)
+    cfg = RunConfig.from_dict(run.config)
+    seed = curation.group_seed(
+        run_seed=cfg.seed,
+        group_pk=group.pk,
+        group_index=group.index,
+        instances=cfg.tasks.instances,
+    )
+    decode_seed = cfg.seed * 1_000_003 + Trajectory.objects.filter(run=run).count()
+    traj = Trajectory.objects.create(
+        run=run,
+        task=stat.task,
+        env_slot_id=slot_id,
+        group=group,
+        instruction=stat.task.instruction,
+        step_cap=stat.step_cap,
+        seed=seed,
+    )
+    return Claim(
+        trajectory_id=traj.pk,
+        task_id=task_id,
+        task_name=stat.task.name,
+        env_kind=stat.task.env_kind,
+        env_config=stat.task.env_config,
+        instruction=stat.task.instruction,
+        step_cap=stat.step_cap,
+        seed=seed,
+        decode_seed=decode_seed,
+    )
+
+
+def trajectory_set_instruction(*, trajectory_id: int, instruction: str) -> None:
+    """The environment's own instruction (MiniWoB's utterance differs per episode)."""
+    Trajectory.objects.filter(pk=trajectory_id).update(instruction=instruction)
+
+
+@dataclass
+class TrajectoryHead:
+    """What recording a step needs to know about its trajectory, read once per episode by
+    the slot that owns it (`trajectory_head`) instead of once per step."""
+
+    pk: int
+    run_id: int | None
+    task_id: int
+    env_slot_id: int | None
+    policy_versions: list[int]
+
+
+def trajectory_head(*, trajectory_id: int) -> TrajectoryHead:
+    traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
+        pk=trajectory_id
+    )
+    return TrajectoryHead(
+        pk=traj.pk,
+        run_id=traj.run_id,
+        task_id=traj.task_id,
+        env_slot_id=traj.env_slot_id,
+        policy_versions=list(traj.policy_versions),
+    )
+
+
+def step_record(
+    *,
+    trajectory_id: int,
+    index: int,
+    screenshot_png: bytes,
+    width: int,
+    height: int,
+    raw_output: str,
+    thought: str,
+    action: dict[str, Any] | None,
+    parse_error: str,
+    prompt_tokens: int,
+    response_tokens: int,
+    rollout_logprobs: list[float],
+    response_token_ids: list[int] | None = None,
+    mean_entropy: float | None,
+    policy_version: int | None,
+    env_ms: float | None,
+    model_ms: float | None,
+    head: TrajectoryHead | None = None,
+) -> Step:
+    """Store one step (the screenshot the policy saw, its output, the action taken).
+
+    One slot owns a running trajectory, so it passes the `head` it read at the start of
+    the episode (without one, it is read here) and the step costs two statements, the row
+    and the trajectory's length, each its own autocommit: on PostgreSQL a step's cost is
+    its round trips (bench/overhead.py), and a transaction around the two would add a
+    BEGIN and a COMMIT. Should the second fail, the step row is kept and the error reaches
+    the slot, which ends the trajectory as `error` with it."""
+    if head is None:
+        head = trajectory_head(trajectory_id=trajectory_id)
+    elif head.pk != trajectory_id:
+        raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
+    step = Step(
+        trajectory_id=head.pk,
+        index=index,
+        screen_width=width,
+        screen_height=height,
+        raw_output=raw_output,
+        thought=thought,
+        action=action,
+        parse_error=parse_error,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        rollout_logprobs=rollout_logprobs,
+        response_token_ids=response_token_ids or [],
+        mean_entropy=mean_entropy,
+        policy_version=policy_version,
+        env_ms=env_ms,
+        model_ms=model_ms,
+    )
+    name = f"run-{head.run_id or 0}/traj-{head.pk}/{index:03d}.png"
+    step.screenshot.save(name, ContentFile(screenshot_png), save=False)
+    step.save()
+    if policy_version is not None and policy_version not in head.policy_versions:
+        head.policy_versions.append(policy_version)
+    Trajectory.objects.filter(pk=head.pk).update(
+        length=index + 1, policy_versions=list(head.policy_versions)
+    )
+    if head.run_id:
+        publish_on_commit(
+            run_id=head.run_id,
+            kind="step",
+            data={
+                "slot": head.env_slot_id,
+                "trajectory": head.pk,
+                "task": head.task_id,
+                "step": index,
+                "image": f"/media/{step.screenshot.name}",
+                "policy_version": policy_version,
+                "action": action,
+                "parse_error": parse_error,
+            },
+        )
+    return step
+
+
+@transaction.atomic
+def trajectory_finish(
+    *,
+    trajectory_id: int,
+    status: str,
+    reward: float | None,
+    details: dict[str, Any] | None = None,
+    error: str = "",
+    env_ms: float = 0.0,
+    model_ms: float = 0.0,
+) -> Trajectory:
+    """End a trajectory and apply curation to its task (online training rollouts only).
+
+    status: succeeded / failed (policy outcome), error (environment or inference failure:
+    recorded with `error`, never counted as a policy failure), aborted (run stopped).
+    """
+    if status not in TrajectoryStatus.values or status == TrajectoryStatus.RUNNING:
+        raise ValueError(f"cannot finish a trajectory as {status!r}")
+    traj = (
+        Trajectory.objects.select_for_update(of=("self",))
+        .select_related("run", "task")
+        .get(pk=trajectory_id)
+    )
+    if traj.status != TrajectoryStatus.RUNNING:
+        return traj  # already finished (e.g. a retried task): never count twice
+    traj.status = status
+    traj.reward = reward
+    traj.details = details or {}
+    traj.error = error
+    traj.finished_at = timezone.now()
+    traj.env_ms = env_ms
+    traj.model_ms = model_ms
+    traj.save(
+        update_fields=["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
+    )
+    if traj.run_id and traj.purpose == Purpose.TRAIN and status in ("succeeded", "failed"):
+        _update_stat(traj)
+    if traj.group_id:
+        _maybe_ready(traj.group_id)
+    if traj.run_id:
+        publish_on_commit(
+            run_id=traj.run_id,
+            kind="trajectory",
+            data={
+                "trajectory": traj.pk,
+                "task": traj.task_id,
+                "status": status,
+                "reward": reward,
+                "length": traj.length,
+                "slot": traj.env_slot_id,
+            },
+        )
+    return traj
+
+
+def _update_stat(traj: Trajectory) -> None:
+    run = traj.run
+    assert run is not None  # the caller checks traj.run_id
+    cfg = RunConfig.from_dict(run.config).curation
+    stat = TaskStat.objects.select_for_update(of=("self",)).get(run_id=run.pk, task_id=traj.task_id)
+    success = traj.status == TrajectoryStatus.SUCCEEDED
+    stat.attempts += 1
+    stat.successes += success
+    recent = (
+        Trajectory.objects.filter(
+            run_id=run.pk,
+            task_id=traj.task_id,
+            purpose=Purpose.TRAIN,
+            source="online",
+            status__in=["succeeded", "failed"],
+        )
+        .order_by("-finished_at", "-pk")
+        .values_list("status", flat=True)[: cfg.success_window]
+    )
+    rate = curation.rolling_success_rate(
+        [s == "succeeded" for s in reversed(recent)], cfg.success_window
+    )
+    stat.success_rate = rate or 0.0
+    if success:
+        stat.last_success_at = traj.finished_at
+        stat.longest_success = max(stat.longest_success or 0, traj.length)
+    stat.rollout_budget = curation.rollout_budget(
+        success_rate=rate,
+        n_max=cfg.n_max,
+        n_min=cfg.n_min,
+        threshold=cfg.budget_threshold,
+        dynamic=cfg.dynamic_budget,
+    )
+    stat.step_cap = curation.step_cap(
+        longest_success=stat.longest_success,
+        default_cap=default_step_cap(traj.task, cfg),
+        margin=cfg.step_cap_margin,
+        dynamic=cfg.dynamic_step_cap,
+    )
+    stat.save()
+
+
+def _maybe_ready(group_id: int) -> None:
+    """A group is ready when all its claims are taken and none of them is still running."""
+    group = TaskGroup.objects.select_for_update(of=("self",)).select_related("run").get(pk=group_id)
+    if group.status != GroupStatus.OPEN or group.claimed < group.budget:
+        return
+    members = Trajectory.objects.filter(group=group)
+    if members.filter(status=TrajectoryStatus.RUNNING).exists():
+        return
+    cfg = RunConfig.from_dict(group.run.config).curation
+    scored = list(
+        members.filter(status__in=["succeeded", "failed"]).values_list("reward", flat=True)
+    )
+    all_failed = bool(scored) and all((r or 0.0) <= 0.0 for r in scored)
+    pool = list(
+        Trajectory.objects.filter(task_id=group.task_id, in_pool=True)
+        .order_by("-pk")
+        .values_list("pk", flat=True)
+    )
+    n_pool = curation.pool_fill_count(
+        group_size=len(scored),
+        all_failed=all_failed,
+        pool_size=len(pool),
+        ratio=cfg.pool_ratio,
+        enabled=cfg.experience_pool,
+    )
+    # Rotate through the pool so one demo is not replayed in every group.
+    start = group.index % len(pool) if pool else 0
+    group.pool_members = (pool[start:] + pool[:start])[:n_pool]
+    group.status = GroupStatus.READY
+    group.ready_at = timezone.now()
+    group.save(update_fields=["status", "ready_at", "pool_members"])
+    stat = TaskStat.objects.get(run_id=group.run_id, task_id=group.task_id)
+    TaskStatHistory.objects.create(
+        run_id=group.run_id,
+        task_id=group.task_id,
+        success_rate=stat.success_rate if stat.attempts else None,
+        rollout_budget=stat.pinned_budget or stat.rollout_budget,
+        step_cap=stat.step_cap,
+        pool_size=len(pool),
+    )
+    publish_on_commit(
+        run_id=group.run_id,
+        kind="group",
+        data={"task": group.task_id, "index": group.index, "pool_members": group.pool_members},
+    )
+
+
+def trajectories_abort_orphans(*, run_id: int, stale_after_s: float) -> int:
+    """Running trajectories whose slot stopped heart-beating (a killed worker) end as
+    `aborted` with the reason, so their group can complete. Returns how many."""
+    from datetime import timedelta
+
+    from django.db.models import Q
+
+    cutoff = timezone.now() - timedelta(seconds=stale_after_s)
+    orphans = Trajectory.objects.filter(run_id=run_id, status=TrajectoryStatus.RUNNING).filter(
+        Q(env_slot__isnull=True, started_at__lt=cutoff) | Q(env_slot__last_heartbeat__lt=cutoff)
+    )
+    count = 0
+    for traj in orphans.select_related("env_slot"):
+        beat = traj.env_slot.last_heartbeat if traj.env_slot else None
+        trajectory_finish(
+            trajectory_id=traj.pk,
+            status=TrajectoryStatus.ABORTED,
+            reward=None,
+            error=f"the env worker stopped mid-episode (its last heartbeat: {beat:%Y-%m-%d %H:%M:%S} UTC)"
+            if beat
+            else "the env worker stopped mid-episode",
+        )
+        count += 1
+    return count

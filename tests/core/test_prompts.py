@@ -1,0 +1,171 @@
+"""The prompt builder: image window, order, token budget, and the Qwen chat-template form."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+from core.prompts import (
+    DEFAULT_SYSTEM_PROMPT,
+    HistoryTurn,
+    build_messages,
+    decode_image_parts,
+    estimate_image_tokens,
+    estimate_tokens,
+    image_part,
+)
+
+
+def png(width: int, height: int, shade: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (shade, 0, 0)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def episode(n_turns: int) -> tuple[list[HistoryTurn], list[bytes]]:
+    """n earlier turns and n + 1 distinct screenshots (the last is the current screen)."""
+    history = [
+        HistoryTurn(thought=f"step {i}", action_text=f"click(start_box='({i},{i})')")
+        for i in range(n_turns)
+    ]
+    screenshots = [png(20 + i, 30, shade=i) for i in range(n_turns + 1)]
+    return history, screenshots
+
+
+def assistant_texts(messages: list[dict]) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "assistant"]
+
+
+def test_keeps_the_last_k_screenshots_in_order_and_every_turn_text() -> None:
+    history, screenshots = episode(8)
+    messages = build_messages(
+        instruction="Book a flight", history=history, screenshots=screenshots, max_images=5
+    )
+    assert messages[0] == {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
+    assert messages[1] == {"role": "user", "content": "Book a flight"}
+    assert decode_image_parts(messages) == screenshots[-5:]
+    assert messages[-1] == {"role": "user", "content": [image_part(screenshots[-1])]}
+    assert assistant_texts(messages) == [
+        f"Thought: step {i}\nAction: click(start_box='({i},{i})')" for i in range(8)
+    ]
+    # Each of the last 4 turns' screenshots comes right before that turn's text.
+    for i in range(4, 8):
+        text_at = messages.index({"role": "assistant", "content": history[i].text})
+        assert messages[text_at - 1] == {"role": "user", "content": [image_part(screenshots[i])]}
+    # Older turns are text only: their assistant messages follow each other.
+    roles = [m["role"] for m in messages]
+    assert roles[:6] == ["system", "user", "assistant", "assistant", "assistant", "assistant"]
+
+
+def test_accepts_only_the_last_screenshots() -> None:
+    history, screenshots = episode(8)
+    full = build_messages(instruction="x", history=history, screenshots=screenshots)
+    tail = build_messages(instruction="x", history=history, screenshots=screenshots[-5:])
+    assert tail == full
+    fewer = build_messages(instruction="x", history=history, screenshots=screenshots[-2:])
+    assert decode_image_parts(fewer) == screenshots[-2:]
+    assert len(assistant_texts(fewer)) == 8
+
+
+def test_first_turn_is_instruction_and_current_screen() -> None:
+    screen = png(160, 210)
+    messages = build_messages(instruction="Click OK", history=[], screenshots=[screen])
+    assert [m["role"] for m in messages] == ["system", "user", "user"]
+    assert decode_image_parts(messages) == [screen]
+
+
+def test_a_tiny_budget_keeps_instruction_and_current_screen() -> None:
+    history, screenshots = episode(6)
+    messages = build_messages(
+        instruction="Book a flight", history=history, screenshots=screenshots, max_prompt_tokens=1
+    )
+    assert messages == [
+        {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+        {"role": "user", "content": "Book a flight"},
+        {"role": "user", "content": [image_part(screenshots[-1])]},
+    ]
+
+
+def test_the_budget_drops_the_oldest_turns_first() -> None:
+    history, screenshots = episode(6)
+
+    def chars(text: str) -> int:
+        return len(text)
+
+    def image_cost(_: bytes) -> int:
+        return 100
+
+    fixed = len("sys") + len("go") + 100
+    # Room for the last two turns: both within the 5-image window, so text + image each.
+    budget = fixed + sum(len(turn.text) + 100 for turn in history[-2:])
+    messages = build_messages(
+        instruction="go",
+        history=history,
+        screenshots=screenshots,
+        system_prompt="sys",
+        max_prompt_tokens=budget,
+        count_tokens=chars,
+        count_image_tokens=image_cost,
+    )
+    assert assistant_texts(messages) == [history[4].text, history[5].text]
+    assert decode_image_parts(messages) == screenshots[4:]
+    # One token less and the older of the two goes.
+    messages = build_messages(
+        instruction="go",
+        history=history,
+        screenshots=screenshots,
+        system_prompt="sys",
+        max_prompt_tokens=budget - 1,
+        count_tokens=chars,
+        count_image_tokens=image_cost,
+    )
+    assert assistant_texts(messages) == [history[5].text]
+    assert decode_image_parts(messages) == screenshots[5:]
+
+
+def test_default_budget_counts_qwen_image_tokens() -> None:
+    assert estimate_tokens("abcde") == 2
+    assert estimate_image_tokens(png(160, 210)) == 48  # 168x224 model image, 6x8 tokens
+    history, screenshots = episode(3)
+    small = build_messages(
+        instruction="x", history=history, screenshots=screenshots, max_prompt_tokens=10_000
+    )
+    assert len(assistant_texts(small)) == 3
+
+
+def test_history_turn_text_and_from_output() -> None:
+    turn = HistoryTurn.from_output("Thought: go on\nAction: wait()")
+    assert turn == HistoryTurn(thought="go on", action_text="wait()")
+    assert turn.text == "Thought: go on\nAction: wait()"
+    assert HistoryTurn.from_output("rambling without an action").text == (
+        "Thought: rambling without an action"
+    )
+    assert HistoryTurn(thought="", action_text="wait()").text == "Action: wait()"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"screenshots": []}, "needs at least one screenshot"),
+        ({"screenshots": [b"a", b"b"]}, "got 2 screenshots for 0 history turns; at most 1"),
+        ({"screenshots": [b"a"], "max_images": 0}, "max_images must be at least 1"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_messages(instruction="x", history=[], **kwargs)
+
+
+def test_image_parts_must_be_base64_data_urls() -> None:
+    bad_url = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
+    ]
+    with pytest.raises(ValueError, match=r"must be a base64 data:image/\.\.\. URL"):
+        decode_image_parts(bad_url)
+
+
+def test_history_drops_chat_structure_tokens() -> None:
+    turn = HistoryTurn.from_output("Thought: a<|image_pad|>b<|im_start|>\nAction: wait()<|im_end|>")
+    assert turn.thought == "ab" and turn.action_text == "wait()"

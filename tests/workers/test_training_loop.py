@@ -1,0 +1,230 @@
+"""The trainer worker on real data: batches from ready groups, a real tiny-policy update,
+published versions, staleness, the trainer's view on each step, and resume after a crash."""
+
+import pytest
+import torch
+from django.conf import settings
+
+from datamanager.models import GroupStatus, PolicyVersion, Run, Step, TaskGroup, TrainUpdate
+from datamanager.services import batches
+from tests.datamanager.factories import make_running_run, make_tasks, play
+from workers import training_loop
+
+pytestmark = [pytest.mark.django_db, pytest.mark.slow]
+
+
+@pytest.fixture
+def run_on_tiny(tiny_policy_dir, tmp_path, settings):
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    torch.set_num_threads(2)
+    make_tasks(2)
+    return make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "curation": {"n_max": 2, "n_min": 2, "entropy_top_q": 0.5},
+            "trainer": {"min_groups": 2, "lr": 1e-3, "kl_coef": 0.0, "max_updates": 1},
+        }
+    )
+
+
+def _fill(run, version=0):
+    # Two tasks, two rollouts each, one success per task: both groups have reward variance.
+    # Claims alternate t0, t1, t0, t1.
+    for success in (True, True, False, False):
+        play(run, success=success, steps=2, version=version)
+
+
+def test_one_update_trains_marks_steps_and_publishes_a_version(run_on_tiny):
+    run = run_on_tiny
+    _fill(run)
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count() == 2
+    training_loop._TRAINERS.clear()
+    before = {
+        k: v.clone()
+        for k, v in training_loop.get_trainer(run, _cfg(run)).policy.model.state_dict().items()
+    }
+    reason = training_loop.train_for(run_id=run.pk, max_seconds=120)
+    assert reason == "max_updates reached"
+    update = TrainUpdate.objects.get(run=run)
+    assert update.metrics["n_samples"] == 8 and update.metrics["optimizer_steps"] == 1
+    assert update.metrics["kept_step_fraction"] == pytest.approx(0.5)
+    steps = Step.objects.filter(trajectory__run=run)
+    assert steps.filter(trained_in_update=update).count() == 8
+    assert (
+        steps.filter(entropy_kept=True).count() == 4
+        and steps.filter(entropy_kept=False).count() == 4
+    )
+    assert all(s.advantage is not None for s in steps)
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.TRAINED).count() == 2
+    pv = PolicyVersion.objects.get(run=run)
+    assert (
+        pv.version == 1
+        and (settings.CHECKPOINT_ROOT / f"run-{run.pk}" / "v00001" / "config.json").exists()
+    )
+    after = training_loop._TRAINERS[run.pk].policy.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+
+
+def test_trainer_waits_and_says_so(run_on_tiny):
+    run = run_on_tiny
+    play(run, success=True)
+    training_loop._TRAINERS.clear()
+    assert training_loop.train_for(run_id=run.pk, max_seconds=1.5) == "time slice over"
+    run.refresh_from_db()
+    assert "waiting for 2 ready groups: 0 ready" in run.status_message
+
+
+def test_stale_steps_are_flagged_and_left_out(run_on_tiny):
+    run = run_on_tiny
+    _fill(run, version=0)
+    batch = batches.batch_collect(run=run, current_version=5)  # k = 2: version 0 is stale
+    assert batch is not None and batch.samples == [] and len(batch.stale_step_ids) == 8
+
+
+def test_groups_with_only_stale_steps_leave_the_queue_as_skipped(run_on_tiny, caplog):
+    # A run whose trainer moved on (here: to version 5) while version-0 groups piled up: they
+    # must not sit at the head of the ready queue forever, collected and dropped on every try.
+    run = run_on_tiny
+    _fill(run, version=0)
+    training_loop._TRAINERS.clear()
+    training_loop.get_trainer(run, _cfg(run)).state.version = 5
+    with caplog.at_level("INFO", logger="dartboard.trainer"):
+        assert training_loop.train_for(run_id=run.pk, max_seconds=1.5) == "time slice over"
+    assert "skipped 2 ready groups with nothing left to train (8 stale steps" in caplog.text
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.SKIPPED).count() == 2
+    assert Step.objects.filter(trajectory__run=run, stale=True).count() == 8
+    assert not TrainUpdate.objects.filter(run=run).exists()
+    run.refresh_from_db()
+    assert "waiting for 2 ready groups: 0 ready" in run.status_message
+    _fill(run, version=5)  # fresh groups train at once, without the stale ones
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    update = TrainUpdate.objects.get(run=run)
+    assert update.metrics["n_samples"] == 8
+    assert set(
+        Step.objects.filter(trained_in_update=update).values_list("policy_version", flat=True)
+    ) == {5}
+
+
+def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
+    run = run_on_tiny
+    _fill(run)
+    training_loop._TRAINERS.clear()
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    weights = {
+        k: v.clone() for k, v in training_loop._TRAINERS[run.pk].policy.model.state_dict().items()
+    }
+    training_loop._TRAINERS.clear()  # the worker process died
+    Run.objects.filter(pk=run.pk).update(
+        config={**run.config, "trainer": {**run.config["trainer"], "max_updates": 2}}
+    )
+    _fill(run, version=1)
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    trainer = training_loop._TRAINERS[run.pk]
+    assert trainer.state.updates == 2 and trainer.state.version == 2
+    assert TrainUpdate.objects.filter(run=run).count() == 2
+    # No step was trained twice: each update used only the new groups' steps.
+    assert Step.objects.filter(trajectory__run=run, train_uses__gt=1).count() == 0
+    assert Step.objects.filter(trajectory__run=run, train_uses=1).count() == 16
+    del weights
+
+
+def _cfg(run):
+    from datamanager.config import RunConfig
+
+    return RunConfig.from_dict(run.config)
+
+
+def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
+    tiny_policy_dir, tmp_path, settings
+):
+    from datamanager.services.pool import DemoStep, demo_store
+    from tests.conftest import png_bytes
+
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    torch.set_num_threads(2)
+    tasks = make_tasks(2)
+    for i, task in enumerate(tasks):
+        demo_store(
+            task=task,
+            instruction=f"Click button {i}",
+            reward=1.0,
+            steps=[
+                DemoStep(
+                    png_bytes(color=(200, 40 * i, 40)),
+                    160,
+                    210,
+                    f"Thought: press it\nAction: click(start_box='({30 + 50 * i},100)')",
+                    "press it",
+                    {"type": "click", "x": 30 + 50 * i, "y": 100},
+                )
+            ],
+        )
+    run = make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "trainer": {"warm_start_bc_updates": 6, "lr": 3e-3, "kl_coef": 0.0, "max_updates": 6},
+        }
+    )
+    training_loop._TRAINERS.clear()
+    assert training_loop.train_for(run_id=run.pk, max_seconds=300) == "max_updates reached"
+    updates = list(TrainUpdate.objects.filter(run=run).order_by("number"))
+    assert [u.metrics["kind"] for u in updates] == ["warm_start"] * 6
+    assert updates[-1].metrics["bc_loss"] < updates[0].metrics["bc_loss"] * 0.8
+    assert PolicyVersion.objects.get(run=run).version == 1  # published once, at the end
+
+
+def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, settings):
+    from datamanager.models import EvalJob, Task
+
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    make_tasks(2)
+    Task.objects.create(name="miniwob/held-out", env_kind="miniwob", split="eval")
+    run = make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "curation": {"n_max": 2, "n_min": 2},
+            "trainer": {"min_groups": 2, "kl_coef": 0.0, "max_updates": 1},
+            "evaluation": {"every_n_versions": 1, "k": 3},
+        }
+    )
+    _fill(run)
+    training_loop._TRAINERS.clear()
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    job = EvalJob.objects.get(run=run)
+    assert job.policy == f"run:{run.pk}:v1" and job.policy_version == 1
+    assert job.task_names == ["miniwob/held-out"] and job.k == 3 and job.total == 3
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "synchronous"])
+def test_a_failing_trainer_says_why_on_the_run_and_retries(
+    mode, tiny_policy_dir, tmp_path, settings
+):
+    """A trainer that cannot go on (here its start checkpoint lost its weights) must not stop
+    silently while the run keeps rolling out: the run says what failed, and a retry from the
+    last published checkpoint is queued. The same for the synchronous baseline's driver."""
+    import shutil
+
+    from dartboard.celery import app
+    from workers import tasks
+
+    train_run = tasks.train_run if mode == "decoupled" else tasks.sync_run
+
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy_dir, policy)
+    make_tasks(2)
+    run = make_running_run({"policy": str(policy), "mode": mode, "trainer": {"kl_coef": 0.0}})
+    for weights in policy.glob("*.safetensors"):
+        weights.unlink()
+    training_loop._TRAINERS.clear()
+    with app.connection_for_write() as conn:
+        redis = conn.default_channel.client
+        queued = redis.llen("train")
+        result = train_run(run.pk)
+        assert redis.llen("train") == queued + 1
+        redis.lpop("train")  # the retry; no worker runs in this test
+    assert result.startswith("failed: ")
+    run.refresh_from_db()
+    assert run.status_message.startswith("trainer failed: ")
+    assert "Retrying in 30 s" in run.status_message
+    assert run.pk not in training_loop._TRAINERS

@@ -1,0 +1,100 @@
+"""The runs watchdog brings back live work whose worker died, and only that (real Redis).
+
+The end-to-end version, with real worker processes killed by SIGKILL, is
+tests/dartboard/test_fault_tolerance.py."""
+
+import base64
+import json
+
+import pytest
+
+from datamanager.models import Run
+from tests.datamanager.factories import make_running_run, make_tasks
+from workers.leases import redis_client, slot_work, trainer_work, work_enqueue
+from workers.watchdog import watchdog_pass
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def redis(settings, live_work_keys_cleared):
+    """The suite's Redis, with no lease or watchdog marker left from earlier runs."""
+    settings.DARTBOARD_WATCHDOG_GRACE_S = 5.0
+    client = redis_client()
+    queued = {q: client.llen(q) for q in ("env", "train")}
+    yield client
+    for q, n in queued.items():  # take back what the test enqueued; no worker runs here
+        while client.llen(q) > n:
+            client.lpop(q)  # kombu pushes on the left and consumers pop on the right
+    client.close()
+
+
+def _queued_tasks(client, queue: str) -> list[tuple[str, list]]:
+    """(task name, args) of the Celery messages waiting in `queue`."""
+    out = []
+    for raw in client.lrange(queue, 0, -1):
+        message = json.loads(raw)
+        args = json.loads(base64.b64decode(message["body"]))[0]
+        out.append((message["headers"]["task"], args))
+    return out
+
+
+def test_a_dead_trainer_is_enqueued_again_once_its_lease_has_lapsed_for_the_grace(redis):
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 1}})
+    # The slot's worker is alive (it holds the lease); the trainer's worker died (no lease,
+    # nothing pending in a queue).
+    redis.set(slot_work(run_id=run.pk, backend="miniwob", index=0).lease_key, "h:1:x", ex=60)
+    trainer_before = redis.llen("train")
+
+    assert watchdog_pass(now=1000.0) == []  # first seen missing
+    assert watchdog_pass(now=1004.0) == []  # not yet missing for the 5 s grace
+    assert watchdog_pass(now=1006.0) == [f"run {run.pk}: trainer"]
+
+    assert redis.llen("train") == trainer_before + 1
+    assert ("workers.tasks.train_run", [run.pk]) in _queued_tasks(redis, "train")
+    run.refresh_from_db()
+    assert run.status_message.startswith("watchdog: the trainer had no live worker for 5 s")
+    # The slot was never touched, and the re-enqueued trainer, waiting in its queue, is
+    # not enqueued a second time however long it waits.
+    assert watchdog_pass(now=1100.0) == []
+    assert watchdog_pass(now=2000.0) == []
+    assert redis.llen("train") == trainer_before + 1
+
+
+def test_work_waiting_in_a_queue_or_of_a_stopped_run_is_left_alone(redis):
+    make_tasks(1)
+    waiting = make_running_run({"env": {"miniwob_slots": 1}})
+    stopped = make_running_run({"env": {"miniwob_slots": 1}})
+    Run.objects.filter(pk=stopped.pk).update(status="stopped")
+    # `waiting`'s slot task and trainer are queued behind other work: no lease, but pending.
+    work_enqueue(slot_work(run_id=waiting.pk, backend="miniwob", index=0))
+    work_enqueue(trainer_work(run_id=waiting.pk, mode="decoupled"))
+    for now in (1000.0, 1010.0, 1100.0):
+        assert watchdog_pass(now=now) == []
+
+
+def test_a_trainer_that_reached_max_updates_is_not_restarted(redis):
+    from datamanager.models import TrainUpdate
+
+    make_tasks(1)
+    run = make_running_run(
+        {"env": {"miniwob_slots": 0, "desktop_slots": 1}, "trainer": {"max_updates": 1}}
+    )
+    TrainUpdate.objects.create(run=run, number=1, policy_version=0)
+    redis.set(slot_work(run_id=run.pk, backend="desktop", index=0).lease_key, "h:1:x", ex=60)
+    for now in (1000.0, 1010.0, 1020.0):
+        assert watchdog_pass(now=now) == []
+
+
+def test_a_second_trainer_task_finds_the_lease_held_and_ends(redis, settings):
+    from workers import tasks
+
+    settings.DARTBOARD_LEASE_TTL_S = 1.0  # the duplicate waits TTL + 5 s for a lapse
+    make_tasks(1)
+    run = make_running_run({"trainer": {"kl_coef": 0.0}})
+    redis.set(trainer_work(run_id=run.pk, mode="decoupled").lease_key, "other:7:trainer", ex=60)
+    queued = redis.llen("train")
+
+    assert tasks.train_run(run.pk) == f"the trainer of run {run.pk} is held by other:7:trainer"
+    assert redis.llen("train") == queued  # and it did not re-enqueue itself

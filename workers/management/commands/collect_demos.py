@@ -1,0 +1,76 @@
+"""`python manage.py collect_demos [--per-task N] [--tasks a,b] [--kinds miniwob,desktop]`:
+solve tasks with the scripted oracles in real environments and put the successes in each
+task's experience pool. Failed oracle episodes are reported, never stored as demos."""
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+from tqdm import tqdm
+
+from core.protocol import TaskSpec
+from datamanager.models import Task
+from datamanager.services.pool import DemoStep, demo_store, pool_count
+from envmanager.demo_collection import collect_demo
+from envmanager.oracles import has_oracle
+from workers.slot_worker import discard_env, process_env
+
+
+class Command(BaseCommand):
+    help = "Pre-collect oracle demonstrations into the experience pool."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--per-task", type=int, default=3, help="Pool size to reach per task.")
+        parser.add_argument(
+            "--tasks", default="", help="Comma-separated task names (default: all with an oracle)."
+        )
+        parser.add_argument("--kinds", default="miniwob", help="Backends: miniwob,desktop.")
+        parser.add_argument("--split", default="train")
+
+    def handle(self, *args, per_task, tasks, kinds, split, **options):
+        kinds = [k for k in kinds.split(",") if k]
+        qs = Task.objects.filter(env_kind__in=kinds, split=split)
+        if tasks:
+            qs = qs.filter(name__in=tasks.split(","))
+        todo = [
+            t
+            for t in qs
+            if has_oracle(env_kind=t.env_kind, task_name=t.name) and pool_count(task=t) < per_task
+        ]
+        stored = failed = 0
+        try:
+            for task in tqdm(todo, desc="oracle demos", unit="task"):
+                env = process_env(task.env_kind)
+                seed = 0
+                while pool_count(task=task) < per_task and seed < per_task * 3:
+                    spec = TaskSpec(
+                        name=task.name,
+                        env_kind=task.env_kind,
+                        env_config=task.env_config,
+                        instruction=task.instruction,
+                        seed=10_000 + seed,
+                    )
+                    seed += 1
+                    outcome = collect_demo(
+                        env=env,
+                        task=spec,
+                        min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
+                        max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+                    )
+                    if not outcome.success or not outcome.steps:
+                        failed += 1
+                        self.stderr.write(
+                            f"{task.name} seed {spec.seed}: oracle failed (reward {outcome.reward})"
+                        )
+                        continue
+                    demo_store(
+                        task=task,
+                        instruction=outcome.instruction,
+                        reward=outcome.reward,
+                        steps=[DemoStep(*s) for s in outcome.steps],
+                    )
+                    stored += 1
+        finally:
+            for kind in kinds:
+                discard_env(kind)
+        self.stdout.write(
+            f"demos: {stored} stored, {failed} oracle failures, {len(todo)} tasks topped up"
+        )

@@ -1,0 +1,138 @@
+"""Starting a run's workers, and resolving its starting policy."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+
+from datamanager.config import RunConfig
+from datamanager.models import PolicyVersion, Run
+from datamanager.services import episodes
+from datamanager.services.runs import run_control
+from rollout.router import RouterAdmin
+from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
+
+log = logging.getLogger(__name__)
+
+SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
+
+
+class PolicyNotFound(Exception):
+    pass
+
+
+def policy_path(name: str) -> Path:
+    """'shipped' (the repository's pretrained tiny policy), 'untrained' (built by
+    `manage.py make_tiny_policy`) or a local Hugging Face checkpoint directory."""
+    if name == "shipped":
+        path = SHIPPED_POLICY
+        if not (path / "config.json").exists():
+            # Until a grounded policy ships, fall back to the locally built untrained one.
+            path = settings.DARTBOARD_HOME / "policies" / "untrained"
+    elif name == "untrained":
+        path = settings.DARTBOARD_HOME / "policies" / "untrained"
+    else:
+        path = Path(name).expanduser()
+    if not (path / "config.json").exists():
+        raise PolicyNotFound(
+            f"policy {name!r}: no Hugging Face checkpoint at {path} (run "
+            "`python manage.py make_tiny_policy` for the untrained tiny policy)"
+        )
+    return path
+
+
+def run_current_policy(*, run: Run) -> tuple[int, Path]:
+    """(version, checkpoint dir) the run's rollouts should use now."""
+    latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
+    if latest is not None:
+        return latest.version, Path(latest.checkpoint)
+    return 0, policy_path(RunConfig.from_dict(run.config).policy)
+
+
+class RunNotStartable(Exception):
+    """A run cannot start; the message says why (no tasks, no checkpoint...)."""
+
+
+@transaction.atomic
+def run_apply(*, run_id: int, action: str) -> Run:
+    """start/pause/resume/stop a run; starting or resuming also starts its workers.
+
+    All or nothing: a run whose workers cannot start stays as it was, with the reason raised
+    as InvalidTransition or RunNotStartable."""
+    run = run_control(run_id=run_id, action=action)
+    if run.status == "running":
+        try:
+            run_start_workers(run_id=run_id)
+        except (episodes.NoTasks, PolicyNotFound) as exc:
+            raise RunNotStartable(str(exc)) from None
+    return run
+
+
+def run_start_workers(*, run_id: int) -> None:
+    """After a run starts or resumes: task stats, env slot tasks, the trainer task, and the
+    router pointed at the run's current policy. Tasks are enqueued after commit."""
+    run = Run.objects.get(pk=run_id)
+    cfg = RunConfig.from_dict(run.config)
+    episodes.taskstats_ensure(run=run)
+    episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
+    scripted = cfg.policy == "oracle"  # the scripted oracle: no model, nothing to train
+    version, checkpoint = (0, Path()) if scripted else run_current_policy(run=run)
+
+    def enqueue() -> None:
+        if not scripted:
+            router_sync(run_id=run_id, checkpoint=checkpoint, version=version)
+        for work in run_live_work(run_id=run_id, cfg=cfg):
+            work_enqueue(work)
+
+    transaction.on_commit(enqueue)
+
+
+def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
+    """The long-running tasks a running run needs: one per env slot (decoupled; a synchronous
+    run's driver hands out its slots' episodes itself) and its trainer (none for the scripted
+    oracle, which has nothing to train)."""
+    if cfg.mode == "synchronous":
+        return [trainer_work(run_id=run_id, mode=cfg.mode)]
+    work = [
+        slot_work(run_id=run_id, backend="miniwob", index=i) for i in range(cfg.env.miniwob_slots)
+    ]
+    work += [
+        slot_work(run_id=run_id, backend="desktop", index=i) for i in range(cfg.env.desktop_slots)
+    ]
+    if cfg.policy != "oracle":
+        work.append(trainer_work(run_id=run_id, mode=cfg.mode))
+    return work
+
+
+def router_sync(*, run_id: int, checkpoint: Path, version: int, rolling: bool = True) -> None:
+    """Ask the router to load `version` on its workers: rolling (one worker at a time, the
+    decoupled design) or all at once (the synchronous baseline). A failure is said on the
+    run (the dashboard shows it) and logged; the next publish tries again."""
+    try:
+        RouterAdmin(settings.DARTBOARD_INFERENCE_URLS[0]).sync(
+            checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling
+        )
+    except Exception as exc:
+        log.warning("run %s: router not told about version %s: %s", run_id, version, exc)
+        Run.objects.filter(pk=run_id).update(
+            status_message=f"router unreachable for policy version {version}: {exc}"
+        )
+
+
+def policy_version_record_reach(*, run_id: int) -> None:
+    """Record on the run's newest PolicyVersion which inference workers now serve it (from
+    the router). Best effort: an unreachable router changes nothing."""
+    latest = PolicyVersion.objects.filter(run_id=run_id).order_by("-version").first()
+    if latest is None:
+        return
+    try:
+        with RouterAdmin(settings.DARTBOARD_INFERENCE_URLS[0], timeout=3) as admin:
+            serving = [w.url for w in admin.workers() if w.policy_version == latest.version]
+    except Exception:
+        return
+    reached = sorted(set(latest.reached_workers) | set(serving))
+    if reached != sorted(latest.reached_workers):
+        PolicyVersion.objects.filter(pk=latest.pk).update(reached_workers=reached)

@@ -1,0 +1,362 @@
+"""Env slots: a worker process owns one long-lived environment and runs episodes on it.
+
+`serve_slot` is called by the Celery task in `workers.tasks` (queue `env`, one solo
+worker process per slot). It claims tasks rollout-wise, runs episodes, records every step,
+and keeps a heartbeat on its `EnvSlot` row. A reset/step that raises or times out marks the
+trajectory `error` with the exception text, recreates the environment and goes on; after
+`quarantine_after` failures in a row the slot is quarantined with its last error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from core.protocol import Env, EnvUnavailable, TaskSpec
+from datamanager.config import RunConfig
+from datamanager.models import Run, RunStatus, SlotStatus
+from datamanager.services import env_slots as slot_services
+from datamanager.services import episodes
+from datamanager.services.runs import run_set_message
+from envmanager.busy import PROCESS_CLOCK, BusyEnv
+from envmanager.desktop_env import DesktopEnv
+from envmanager.latency import LatencyEnv, profile_from_settings
+from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
+from envmanager.threaded import ThreadedEnv
+from rollout.client import InferenceError, PolicyClient
+from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, StepRecord, run_episode
+from workers.dbutil import refresh_connection
+from workers.leases import RedisLease, slot_work
+from workers.lifecycle import shutdown_requested
+from workers.lockstep import RedisLockstep
+
+ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
+
+log = logging.getLogger("dartboard.slots")
+
+# One environment per worker process and backend, reused across episodes and tasks.
+_ENVS: dict[str, Env] = {}
+
+
+def make_env(backend: str, *, timeout_s: float = 30.0) -> Env:
+    """A backend on its own thread, every call limited to `timeout_s` (envmanager.threaded)."""
+    if backend == "miniwob":
+        return ThreadedEnv(MiniWoBEnv, timeout_s=timeout_s)
+    if backend == "desktop":
+        return ThreadedEnv(DesktopEnv, timeout_s=timeout_s)
+    raise ValueError(f"unknown env backend {backend!r}; use miniwob or desktop")
+
+
+def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
+    env = _ENVS.get(backend)
+    if env is None:
+        env = make_env(backend, timeout_s=timeout_s)
+        profile = profile_from_settings(
+            settings.DARTBOARD_ENV_LATENCY, settings.DARTBOARD_ENV_LATENCY_SCALE
+        )
+        if profile is not None:
+            env = LatencyEnv(env, profile, seed=os.getpid())
+        env = BusyEnv(env, PROCESS_CLOCK)
+        _ENVS[backend] = env
+    return env
+
+
+def discard_env(backend: str) -> None:
+    """Close (best effort) and forget the process's env; the next use creates a fresh one."""
+    env = _ENVS.pop(backend, None)
+    if env is not None:
+        try:
+            env.close()
+        except Exception:
+            log.exception("closing a broken %s env failed (it is replaced anyway)", backend)
+
+
+class DbRecorder:
+    """Records an episode's steps through the data manager's services."""
+
+    def __init__(self, trajectory_id: int) -> None:
+        self.trajectory_id = trajectory_id
+        self.head: episodes.TrajectoryHead | None = None
+
+    def set_instruction(self, instruction: str) -> None:
+        episodes.trajectory_set_instruction(
+            trajectory_id=self.trajectory_id, instruction=instruction
+        )
+        self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
+
+    def record_step(self, record: StepRecord) -> None:
+        episodes.step_record(
+            trajectory_id=self.trajectory_id,
+            index=record.index,
+            screenshot_png=record.screenshot_png,
+            width=record.width,
+            height=record.height,
+            raw_output=record.raw_output,
+            thought=record.thought,
+            action=record.action,
+            parse_error=record.parse_error,
+            prompt_tokens=record.prompt_tokens,
+            response_tokens=record.response_tokens,
+            rollout_logprobs=record.rollout_logprobs,
+            response_token_ids=record.response_token_ids,
+            mean_entropy=record.mean_entropy,
+            policy_version=record.policy_version,
+            env_ms=record.env_ms,
+            model_ms=record.model_ms,
+            head=self.head,
+        )
+
+
+class _SlotBusy:
+    """The slot row's environment busy time: what the row held when this process started
+    serving it, plus the process clock's time since. A process may serve several slot rows
+    in turn (a synchronous round hands out any index), so each row counts only its own."""
+
+    def __init__(self, stored_s: float) -> None:
+        self.stored_s = stored_s
+        self.clock_at_start = PROCESS_CLOCK.seconds()
+
+    def seconds(self) -> float:
+        return self.stored_s + PROCESS_CLOCK.seconds() - self.clock_at_start
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, slot_id: int, period: float, lease: RedisLease, busy: _SlotBusy) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{slot_id}")
+        self.slot_id = slot_id
+        self.period = min(period, lease.ttl_s / 3)
+        self.lease = lease
+        self.busy = busy
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.wait(self.period):
+                slot_services.env_slot_heartbeat(
+                    slot_id=self.slot_id, env_busy_s=self.busy.seconds()
+                )
+                self.lease.renew()
+        except Exception:
+            log.exception("slot %s heartbeat stopped", self.slot_id)
+        finally:
+            connection.close()
+
+
+@dataclass(frozen=True)
+class SlotOutcome:
+    keep_going: bool  # re-enqueue the slot task
+    reason: str
+
+
+def slot_name(backend: str, index: int) -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{backend}:{index}"
+
+
+def inference_urls() -> list[str]:
+    return list(settings.DARTBOARD_INFERENCE_URLS)
+
+
+def episode_config(cfg: RunConfig, *, step_cap: int, seed: int) -> EpisodeConfig:
+    return EpisodeConfig(
+        step_cap=step_cap,
+        max_images=cfg.rollout.max_images,
+        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_parse_errors=cfg.rollout.max_parse_errors,
+        image_min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
+        image_max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+        seed=seed,
+    )
+
+
+def serve_slot(
+    *,
+    run_id: int,
+    backend: str,
+    index: int,
+    max_seconds: float,
+    max_episodes: int | None = None,
+    pacer: Pacer | None = None,
+) -> SlotOutcome:
+    """Run episodes for `run_id` on this process's env until the run stops, time is up or
+    `max_episodes` episodes ran (the synchronous baseline runs one per slot per round).
+    With a `pacer` (a lockstep round), a slot with nothing to claim sits the round out
+    instead of waiting for a task, so the rest of the batch does not wait for it."""
+    run = Run.objects.get(pk=run_id)
+    cfg = RunConfig.from_dict(run.config)
+    name = slot_name(backend, index)
+    # At most one live worker serves a slot: a duplicate slot task (the watchdog's, or one
+    # re-enqueued by a worker that shut down while the launcher started the run again) finds
+    # the lease held and ends.
+    work = slot_work(run_id=run_id, backend=backend, index=index)
+    lease = RedisLease(key=work.lease_key, holder=name)
+    holder = lease.acquire()
+    if holder is not None:
+        lease.release()  # not ours: closes the connection only
+        return SlotOutcome(False, f"slot {backend}:{index} of run {run_id} is served by {holder}")
+    slot = slot_services.env_slot_register(
+        name=name, host=socket.gethostname(), backend=backend, run_id=run_id
+    )
+    busy = _SlotBusy(slot.env_busy_s)
+    heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease, busy)
+    heartbeat.start()
+    client = PolicyClient(inference_urls(), timeout=cfg.rollout.request_timeout_s)
+    deadline = time.monotonic() + max_seconds
+    episodes_run = 0
+    try:
+        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        while time.monotonic() < deadline:
+            if shutdown_requested.is_set():
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
+                return SlotOutcome(True, "worker shutting down")
+            refresh_connection()
+            claim = episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,))
+            if claim is None:
+                if pacer is not None:
+                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+                    return SlotOutcome(False, "nothing to claim this round")
+                status = Run.objects.values_list("status", flat=True).get(pk=run_id)
+                if status != RunStatus.RUNNING:
+                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
+                    return SlotOutcome(False, f"run is {status}")
+                time.sleep(1.0)
+                continue
+            quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer)
+            if quarantined:
+                return SlotOutcome(False, "slot quarantined")
+            episodes_run += 1
+            if max_episodes is not None and episodes_run >= max_episodes:
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+                return SlotOutcome(False, f"{episodes_run} episodes done")
+        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        return SlotOutcome(True, "time slice over")
+    finally:
+        heartbeat.stop_event.set()
+        heartbeat.join(timeout=5)
+        with contextlib.suppress(Exception):  # the figure only; the slot's outcome stands
+            slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=busy.seconds())
+        lease.release()
+        client.close()
+
+
+def _run_claim(
+    claim: episodes.Claim,
+    slot_id: int,
+    backend: str,
+    cfg: RunConfig,
+    client: PolicyClient,
+    pacer: Pacer | None = None,
+) -> bool:
+    """One episode of a claim; returns True when the slot got quarantined."""
+    slot_services.env_slot_set(
+        slot_id=slot_id, status=SlotStatus.BUSY, trajectory_id=claim.trajectory_id
+    )
+    task = TaskSpec(
+        name=claim.task_name,
+        env_kind=claim.env_kind,
+        env_config=claim.env_config,
+        instruction=claim.instruction,
+        seed=claim.seed,
+    )
+    try:
+        env = process_env(backend, timeout_s=cfg.env.step_timeout_s)
+        policy: PolicyEndpoint = client
+        if cfg.policy == ORACLE_POLICY:
+            oracle = OracleEndpoint(
+                min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
+                max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+            )
+            env, policy = ObservedEnv(env, oracle), oracle
+        result = run_episode(
+            env=env,
+            policy=policy,
+            recorder=DbRecorder(claim.trajectory_id),
+            task=task,
+            config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
+            pacer=pacer,
+        )
+    except InferenceError as exc:
+        # The policy did not answer: the episode is lost, but the env is fine.
+        episodes.trajectory_finish(
+            trajectory_id=claim.trajectory_id,
+            status="error",
+            reward=None,
+            error=f"inference: {exc}",
+        )
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        time.sleep(2.0)
+        return False
+    except Exception as exc:
+        # Anything else came from the environment (or its driver): record it, recreate.
+        reason = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, EnvUnavailable):
+            reason += "\n" + traceback.format_exc(limit=5)
+        log.warning("slot %s: %s on %s", slot_id, reason.splitlines()[0], claim.task_name)
+        episodes.trajectory_finish(
+            trajectory_id=claim.trajectory_id, status="error", reward=None, error=reason
+        )
+        discard_env(backend)
+        return slot_services.env_slot_failure(
+            slot_id=slot_id, error=reason, quarantine_after=cfg.env.quarantine_after
+        )
+    episodes.trajectory_finish(
+        trajectory_id=claim.trajectory_id,
+        status=result.status,
+        reward=result.reward,
+        details=result.details,
+        env_ms=result.env_ms,
+        model_ms=result.model_ms,
+    )
+    slot_services.env_slot_success(slot_id=slot_id)
+    slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+    return False
+
+
+def serve_lockstep_episode(
+    *, run_id: int, backend: str, index: int, lockstep: dict[str, Any] | None
+) -> str:
+    """One episode on this slot (the synchronous baseline's rollout phase). `lockstep`
+    ({"key", "members", "timeout_s"}) paces it turn by turn with the round's other slots
+    (workers.lockstep); this slot leaves the round however its episode ends."""
+    pacer = None
+    if lockstep is not None:
+        pacer = RedisLockstep(
+            redis_url=settings.REDIS_URL,
+            key=lockstep["key"],
+            members=int(lockstep["members"]),
+            timeout_s=float(lockstep["timeout_s"]),
+        )
+    try:
+        reason = serve_slot(
+            run_id=run_id,
+            backend=backend,
+            index=index,
+            max_seconds=3600,
+            max_episodes=1,
+            pacer=pacer,
+        ).reason
+    finally:
+        if pacer is not None:
+            pacer.leave()
+    if pacer is not None and pacer.broken:
+        # Not only in this worker's log: the run says its batch loop lost a member.
+        run_set_message(
+            run_id=run_id,
+            message=f"synchronous round: slot {backend}:{index} waited "
+            f"{pacer.timeout_s:.0f} s for a member of its round that never arrived (a dead "
+            "env worker?); the round went on without it",
+        )
+    return reason

@@ -1,0 +1,70 @@
+"""Celery tasks: thin interfaces over the worker loops. Each takes ids and owns its re-enqueue.
+
+Queues (routes in settings): `env` (slot_serve, episode_once, eval_shard: env slots running
+episodes), `train` (train_run, sync_run: one trainer task per run), `default` (the watchdog,
+ping). Workers: `celery -A dartboard worker -Q env|train|default`.
+"""
+
+import socket
+from typing import Any
+
+from celery import shared_task
+
+from workers.evaluation import eval_job_run
+from workers.leases import slot_work, work_enqueue, work_started
+from workers.slot_worker import serve_lockstep_episode, serve_slot
+from workers.sync_loop import sync_for
+from workers.training_loop import train_for, trainer_drive
+from workers.watchdog import watchdog_pass
+
+SLOT_SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked for long
+
+
+@shared_task(name="workers.tasks.slot_serve", acks_late=True)
+def slot_serve(run_id: int, backend: str, index: int) -> str:
+    work = slot_work(run_id=run_id, backend=backend, index=index)
+    work_started(work)
+    outcome = serve_slot(
+        run_id=run_id, backend=backend, index=index, max_seconds=SLOT_SLICE_SECONDS
+    )
+    if outcome.keep_going:
+        work_enqueue(work)
+    return outcome.reason
+
+
+@shared_task(name="workers.tasks.episode_once", acks_late=True)
+def episode_once(
+    run_id: int, backend: str, index: int, lockstep: dict[str, Any] | None = None
+) -> str:
+    """One episode of the synchronous baseline's round on this slot."""
+    return serve_lockstep_episode(run_id=run_id, backend=backend, index=index, lockstep=lockstep)
+
+
+@shared_task(name="workers.tasks.eval_shard", acks_late=True)
+def eval_shard(job_id: int, shard: int, shards: int) -> str:
+    """One env slot's share of an evaluation job."""
+    job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
+    return f"eval #{job_id} shard {shard}/{shards}: {job.done}/{job.total}"
+
+
+@shared_task(name="workers.tasks.train_run", acks_late=True)
+def train_run(run_id: int) -> str:
+    return trainer_drive(train_for, run_id=run_id, mode="decoupled")
+
+
+@shared_task(name="workers.tasks.sync_run", acks_late=True)
+def sync_run(run_id: int) -> str:
+    """The synchronous baseline's driver (queue `train`)."""
+    return trainer_drive(sync_for, run_id=run_id, mode="synchronous")
+
+
+@shared_task(name="workers.tasks.runs_watchdog", ignore_result=True)
+def runs_watchdog() -> list[str]:
+    """Celery beat calls this every DARTBOARD_WATCHDOG_PERIOD_S (queue default)."""
+    return watchdog_pass()
+
+
+@shared_task(name="workers.tasks.ping")
+def ping() -> dict[str, str]:
+    """Round trip through the broker; tells which host answered."""
+    return {"pong": socket.gethostname()}

@@ -1,0 +1,253 @@
+"""The trainer worker's loop for one run (called by the Celery task on queue `train`).
+
+Waits for ready groups (and says on the run what it waits for: it never hangs silently),
+builds a batch, updates the model, records the update, and every `checkpoint_every`
+updates publishes a PolicyVersion that the router syncs to the inference workers one at a
+time. A restarted trainer resumes from the newest published checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from django.conf import settings
+from django.db import transaction
+
+from datamanager.config import RunConfig
+from datamanager.events import publish_on_commit
+from datamanager.models import PolicyVersion, Run, RunStatus, TaskGroup, Trajectory
+from datamanager.services import batches, episodes
+from datamanager.services.runs import run_set_message
+from training.trainer import PolicyTrainer
+from training.update import UpdateConfig
+from workers.dbutil import refresh_connection
+from workers.evaluation import eval_schedule_for_version
+from workers.leases import (
+    LeaseKeeper,
+    RedisLease,
+    holder_name,
+    trainer_work,
+    work_enqueue,
+    work_started,
+)
+from workers.lifecycle import shutdown_requested
+from workers.runs import policy_path, policy_version_record_reach, router_sync
+
+log = logging.getLogger("dartboard.trainer")
+
+_TRAINERS: dict[int, PolicyTrainer] = {}  # one per run in this worker process
+
+SLICE_SECONDS = 600.0
+RETRY_SECONDS = 30.0
+
+
+def update_config(cfg: RunConfig) -> UpdateConfig:
+    t, c = cfg.trainer, cfg.curation
+    return UpdateConfig(
+        loss_type=t.loss_type,
+        aggregation=t.loss_aggregation,
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        kl_coef=t.kl_coef,
+        bc_weight=t.bc_weight,
+        entropy_top_q=c.entropy_top_q if c.high_entropy else 1.0,
+        entropy_recenter=c.entropy_recenter,
+        truncated_is=c.truncated_is,
+        is_cap=c.is_cap,
+        micro_batch=t.micro_batch,
+        max_grad_norm=t.grad_clip,
+    )
+
+
+def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
+    trainer = _TRAINERS.get(run.pk)
+    if trainer is None:
+        import torch
+
+        # Measured here: with the env workers and inference on the same 2 cores, 2 torch
+        # threads ran ~10x slower than 1 (oversubscription). GPU hosts are unaffected.
+        torch.set_num_threads(settings.DARTBOARD_TORCH_THREADS)
+        published = list(PolicyVersion.objects.filter(run=run).values_list("version", flat=True))
+        trainer = _TRAINERS[run.pk] = PolicyTrainer(
+            start_checkpoint=policy_path(cfg.policy),
+            run_dir=settings.CHECKPOINT_ROOT / f"run-{run.pk}",
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            kl_coef=cfg.trainer.kl_coef,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            bf16=cfg.trainer.bf16,
+            published_versions=published,
+        )
+    return trainer
+
+
+def trainer_forget(*, run_id: int) -> None:
+    """Drop this process's trainer of a run; the next get_trainer resumes from its newest
+    published checkpoint (after a failed update the weights in memory are not trusted)."""
+    _TRAINERS.pop(run_id, None)
+
+
+def _waiting_message(run: Run, cfg: RunConfig) -> str:
+    ready = TaskGroup.objects.filter(run=run, status="ready").count()
+    running = Trajectory.objects.filter(run=run, status="running").count()
+    return (
+        f"trainer waiting for {cfg.trainer.min_groups} ready groups: {ready} ready, "
+        f"{running} trajectories running"
+    )
+
+
+def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
+    """Train until the run stops, max_updates is reached, the time slice ends or `stop` is
+    set (this worker lost the run's trainer lease)."""
+    deadline = time.monotonic() + max_seconds
+    last_message = ""
+    while time.monotonic() < deadline:
+        if shutdown_requested.is_set():
+            return "time slice over"  # re-enqueued: a restarted worker resumes the run
+        if stop is not None and stop.is_set():
+            return "trainer lease lost"
+        refresh_connection()
+        run = Run.objects.get(pk=run_id)
+        if run.status != RunStatus.RUNNING:
+            return f"run is {run.status}"
+        cfg = RunConfig.from_dict(run.config)
+        trainer = get_trainer(run, cfg)
+        policy_version_record_reach(run_id=run_id)
+        if cfg.trainer.max_updates and trainer.state.updates >= cfg.trainer.max_updates:
+            run_set_message(run_id=run_id, message=f"trainer done: {trainer.state.updates} updates")
+            return "max_updates reached"
+        if trainer.state.updates < cfg.trainer.warm_start_bc_updates:
+            _warm_start_update(run, cfg, trainer)
+            continue
+        batch = batches.batch_collect(run=run, current_version=trainer.state.version)
+        if batch is not None and not batch.samples and batch.empty_group_ids:
+            message = "trainer " + batches.batch_skip(batch=batch)
+            log.info("run %s: %s", run_id, message)
+            run_set_message(run_id=run_id, message=message)
+            continue
+        if batch is None or not batch.samples:
+            # A killed env worker leaves its episode running: end it so the group completes.
+            episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
+            message = _waiting_message(run, cfg)
+            if message != last_message:
+                run_set_message(run_id=run_id, message=message)
+                last_message = message
+            time.sleep(1.0)
+            continue
+        run_set_message(run_id=run_id, message=f"training on {len(batch.samples)} steps")
+        trained_version = trainer.state.version
+        metrics = trainer.update(batch.samples, update_config(cfg))
+        publish = trainer.state.updates % cfg.trainer.checkpoint_every == 0
+        path = trainer.save_version(trained_version + 1) if publish else None
+        with transaction.atomic():
+            update = batches.batch_commit(
+                run=run, batch=batch, metrics=metrics, trained_version=trained_version
+            )
+            if path is not None:
+                PolicyVersion.objects.create(
+                    run=run, version=trained_version + 1, checkpoint=str(path)
+                )
+                schedule_eval(run_id=run_id, version=trained_version + 1)
+                transaction.on_commit(
+                    functools.partial(
+                        router_sync, run_id=run_id, checkpoint=path, version=trained_version + 1
+                    )
+                )
+            publish_on_commit(
+                run_id=run_id,
+                kind="update",
+                data={"number": update.number, "metrics": update.metrics},
+            )
+        last_message = ""
+    return "time slice over"
+
+
+def schedule_eval(*, run_id: int, version: int) -> None:
+    """Evaluate every N-th version on the eval split (off unless the run config asks)."""
+    eval_schedule_for_version(run_id=run_id, version=version)
+
+
+def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None:
+    """One behaviour-cloning update on the experience pool of the run's tasks."""
+    batch = batches.pool_batch(
+        run=run, cfg=cfg, current_version=trainer.state.version, seed=trainer.state.updates
+    )
+    if batch is None:
+        run_set_message(run_id=run.pk, message="warm start skipped: the experience pool is empty")
+        trainer.state.updates = cfg.trainer.warm_start_bc_updates
+        return
+    run_set_message(
+        run_id=run.pk,
+        message=f"behaviour-cloning warm start {trainer.state.updates + 1}/"
+        f"{cfg.trainer.warm_start_bc_updates} on {len(batch.samples)} demo steps",
+    )
+    bc = dataclasses.replace(update_config(cfg), bc_weight=1.0, kl_coef=0.0)
+    trained_version = trainer.state.version
+    metrics = trainer.update(batch.samples, bc)
+    done = trainer.state.updates >= cfg.trainer.warm_start_bc_updates
+    path = trainer.save_version(trained_version + 1) if done else None
+    with transaction.atomic():
+        update = batches.batch_commit(
+            run=run,
+            batch=batch,
+            metrics=metrics,
+            trained_version=trained_version,
+            kind="warm_start",
+        )
+        if path is not None:
+            PolicyVersion.objects.create(run=run, version=trained_version + 1, checkpoint=str(path))
+            transaction.on_commit(
+                lambda: router_sync(run_id=run.pk, checkpoint=path, version=trained_version + 1)
+            )
+        publish_on_commit(
+            run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
+        )
+
+
+def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
+    """Run one time slice of a run's trainer loop and re-enqueue its task for the next.
+
+    One live trainer per run: the slice holds the run's trainer lease (a duplicate task finds
+    it held and ends; a killed trainer's lease lapses and the watchdog enqueues it again).
+    A loop that raises must not stop silently while the run keeps rolling out: the run says
+    what failed, the trainer held in memory (maybe half-updated) is dropped so the retry
+    resumes from the last published checkpoint, and the retry comes RETRY_SECONDS later."""
+    work = trainer_work(run_id=run_id, mode=mode)
+    work_started(work)
+    lease = RedisLease(key=work.lease_key, holder=holder_name(f"trainer:{run_id}"))
+    holder = lease.acquire()
+    if holder is not None:
+        lease.release()  # not ours: closes the connection only
+        return f"the trainer of run {run_id} is held by {holder}"
+    keeper = LeaseKeeper(lease)
+    keeper.start()
+    try:
+        reason = loop(run_id=run_id, max_seconds=SLICE_SECONDS, stop=keeper.lost)
+    except Exception as exc:
+        log.exception("run %s: trainer failed", run_id)
+        trainer_forget(run_id=run_id)
+        if not Run.objects.filter(pk=run_id).exists():
+            return "run deleted"
+        run_set_message(
+            run_id=run_id,
+            message=f"trainer failed: {type(exc).__name__}: {exc}. Retrying in "
+            f"{RETRY_SECONDS:.0f} s from the last published checkpoint; the train worker's "
+            "log has the traceback.",
+        )
+        work_enqueue(work, countdown=RETRY_SECONDS)
+        return f"failed: {type(exc).__name__}: {exc}"
+    finally:
+        keeper.stop()
+        lease.release()
+    if keeper.lost.is_set():
+        # Another worker holds this run's trainer now; this one's weights are not trusted.
+        trainer_forget(run_id=run_id)
+        return "trainer lease lost to another worker"
+    if reason == "time slice over":
+        work_enqueue(work)
+    return reason

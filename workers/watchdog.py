@@ -1,0 +1,90 @@
+"""The runs watchdog: live work whose worker died is started again.
+
+Celery beat calls `watchdog_pass` every DARTBOARD_WATCHDOG_PERIOD_S (task
+`workers.tasks.runs_watchdog` on queue `default`; `make run`'s launcher starts beat).
+For every running run it
+1. ends the episodes of env workers that stopped heart-beating (`aborted`, with the reason),
+   so their groups complete;
+2. enqueues again each env slot task and the trainer task that has had neither a lease nor a
+   pending message for DARTBOARD_WATCHDOG_GRACE_S, and says so on the run.
+
+Why it is needed: Celery acknowledges a task when it ends (acks_late), and a worker killed
+mid-task (SIGKILL, the OOM killer, a lost machine) leaves its message unacknowledged until the
+broker's visibility timeout, an hour. The supervisor restarts the worker process at once, but
+without this the restarted worker would sit idle and the slot or the trainer would be gone
+for that hour, with nothing on the dashboard saying so. Work that is only waiting in a queue
+(a pending marker, datamanager/leases.py) is left alone, so a busy worker pool does not pile
+up copies; a copy that does start finds the lease held and ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from django.conf import settings
+
+from datamanager.config import RunConfig
+from datamanager.models import Run, RunStatus, TrainUpdate
+from datamanager.services import episodes
+from datamanager.services.runs import run_set_message
+from workers.leases import LiveWork, redis_client, work_enqueue
+from workers.runs import run_live_work
+
+log = logging.getLogger("dartboard.watchdog")
+
+
+def watchdog_pass(*, now: float | None = None) -> list[str]:
+    """One pass over the running runs; returns what it enqueued again ("run 3: trainer")."""
+    now = time.time() if now is None else now
+    restarted: list[str] = []
+    client = redis_client()
+    try:
+        for run in Run.objects.filter(status=RunStatus.RUNNING):
+            cfg = RunConfig.from_dict(run.config)
+            aborted = episodes.trajectories_abort_orphans(
+                run_id=run.pk, stale_after_s=cfg.env.silent_after_s
+            )
+            if aborted:
+                log.warning("run %s: ended %d episodes of stopped env workers", run.pk, aborted)
+            for work in run_live_work(run_id=run.pk, cfg=cfg):
+                if work.label == "trainer" and _trainer_done(run, cfg):
+                    continue
+                if not _lapsed(client, work, now):
+                    continue
+                work_enqueue(work)
+                message = (
+                    f"watchdog: the {work.label} had no live worker for "
+                    f"{settings.DARTBOARD_WATCHDOG_GRACE_S:.0f} s (its worker died or was "
+                    f"killed); its task ({work.task}) was enqueued again on queue {work.queue}"
+                )
+                log.warning("run %s: %s", run.pk, message)
+                run_set_message(run_id=run.pk, message=message)
+                restarted.append(f"run {run.pk}: {work.label}")
+    finally:
+        client.close()
+    return restarted
+
+
+def _trainer_done(run: Run, cfg: RunConfig) -> bool:
+    """A trainer that reached max_updates ended on purpose."""
+    limit = cfg.trainer.max_updates
+    return bool(limit) and TrainUpdate.objects.filter(run=run).count() >= limit
+
+
+def _lapsed(client: Any, work: LiveWork, now: float) -> bool:
+    """True once `work` has had neither a lease nor a pending message for the grace period
+    (seen on two passes at least that far apart)."""
+    marker = f"{work.lease_key}:missing-since"
+    if client.exists(work.lease_key) or client.exists(work.pending_key):
+        client.delete(marker)
+        return False
+    since = client.get(marker)
+    if since is None:
+        client.set(marker, str(now), ex=3600)
+        return False
+    if now - float(since) < settings.DARTBOARD_WATCHDOG_GRACE_S:
+        return False
+    client.delete(marker)
+    return True

@@ -32,7 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from core.actions import format_action, from_screen, model_image_size  # noqa: E402
+from core.actions import format_screen_action  # noqa: E402
+from core.imaging import ImageGeometry  # noqa: E402
 from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from envmanager.grounding_screens import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 from rollout.client import Completion  # noqa: E402
@@ -48,19 +49,13 @@ class BlindEndpoint:
         self.targets = targets
         self.screen = screen
         self.task = ""
-        self.bounds = (EpisodeConfig.image_min_pixels, EpisodeConfig.image_max_pixels)
+        self.geometry = ImageGeometry.from_policy_dir(SHIPPED)  # writes as the policy would
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         started = time.perf_counter()
         x, y = self.targets[self.task]
-        size = model_image_size(
-            width=self.screen[0],
-            height=self.screen[1],
-            min_pixels=self.bounds[0],
-            max_pixels=self.bounds[1],
-        )
         click = Action(type=ActionType.CLICK, x=round(x), y=round(y))
-        text = format_action(from_screen(click, screen_size=self.screen, model_size=size))
+        text = format_screen_action(click, screen_size=self.screen, geometry=self.geometry)
         return Completion.scripted(text, started=started, served_by="bench")
 
 
@@ -72,7 +67,7 @@ class ModelEndpoint:
 
         self.policy = load_policy(path)
         self.max_new_tokens = max_new_tokens
-        self.bounds = self.policy.image_bounds
+        self.geometry = self.policy.image_geometry
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         from core.policy_io import generate
@@ -98,9 +93,8 @@ def play(env, endpoint, *, task: str, seed: int) -> dict:
     recorder = ListRecorder()
     if isinstance(endpoint, BlindEndpoint):
         endpoint.task = task
-    low, high = endpoint.bounds
     config = EpisodeConfig(
-        step_cap=1, max_images=1, max_new_tokens=40, image_min_pixels=low, image_max_pixels=high
+        step_cap=1, max_images=1, max_new_tokens=40, image_geometry=endpoint.geometry
     )
     spec = TaskSpec(
         name=f"miniwob/{task}", env_kind="miniwob", env_config={"task": task}, seed=seed

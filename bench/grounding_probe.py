@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from core.imaging import ImageGeometry  # noqa: E402
 from core.policy_io import generate, load_policy  # noqa: E402
 from core.samples import GroundingSample  # noqa: E402
 from training.pretrain import (  # noqa: E402
-    ImageBounds,
     bc_batch_loss_cached,
     predicted_click,
     sample_messages,
@@ -51,13 +51,13 @@ def screen(rng: random.Random) -> GroundingSample:
 
 
 @torch.no_grad()
-def evaluate(policy, held: list[GroundingSample], bounds: ImageBounds) -> tuple[float, str]:
+def evaluate(policy, held: list[GroundingSample], geometry: ImageGeometry) -> tuple[float, str]:
     """(share of greedy clicks inside the box, mean L1 error in screen px of parsed ones)."""
     policy.model.eval()
     hits, errors = 0, []
     outs = generate(policy, [sample_messages(s) for s in held], max_new_tokens=40, greedy=True)
     for s, out in zip(held, outs, strict=True):
-        point = predicted_click(out.text, sample=s, coords="pixel", bounds=bounds)
+        point = predicted_click(out.text, sample=s, coords="pixel", geometry=geometry)
         if point is not None:
             hits += s.box[0] <= point[0] < s.box[2] and s.box[1] <= point[1] < s.box[3]
             errors.append(abs(point[0] - s.x) + abs(point[1] - s.y))
@@ -97,7 +97,7 @@ def main() -> None:
         policy = load_policy(build_tiny_policy(Path(tmp) / "probe", arch=args.arch))
     if args.attention_supervision > 0:
         policy.model.set_attn_implementation("eager")
-    bounds = ImageBounds()
+    geometry = policy.image_geometry
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
     rng, held_rng = random.Random(0), random.Random(99)
     held = [screen(held_rng) for _ in range(48)]
@@ -111,7 +111,7 @@ def main() -> None:
             policy,
             [screen(rng) for _ in range(16)],
             coords="pixel",
-            bounds=bounds,
+            geometry=geometry,
             attention_weight=args.attention_supervision,
             attention_heads=args.attention_heads,
             parts=parts,
@@ -122,11 +122,11 @@ def main() -> None:
         optimizer.step()
         step += 1
         if step % args.every == 0:
-            hit, l1 = evaluate(policy, held, bounds)
+            hit, l1 = evaluate(policy, held, geometry)
             elapsed = time.perf_counter() - started
             terms = f"{parts['bc']:.3f} / {parts.get('attention', 0):.3f}"
             print(f"| {step} | {elapsed:.0f} | {terms} | {hit:.0%} | {l1} |", flush=True)
-    hit, l1 = evaluate(policy, held, bounds)
+    hit, l1 = evaluate(policy, held, geometry)
     print(f"final after {step} steps: {hit:.1%} in the box, mean L1 {l1} px", flush=True)
 
 

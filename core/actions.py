@@ -16,21 +16,21 @@ Coordinates: everything about how a point is written and what its numbers mean l
 `from_screen`). Two spaces are supported:
 
 - ``"pixel"`` (default, UI-TARS-1.5): pixels of the image the model saw, i.e. the screenshot
-  resized by Qwen2.5-VL's `smart_resize`.
+  resized by the policy's processor (`core.imaging.ImageGeometry.model_size`).
 - ``"relative1000"`` (UI-TARS-1.0): 0..999 fractions of the width/height (1000 is accepted as
   the far edge).
 
-Run the tests with ``.venv/bin/pytest -p no:django tests/rollout/test_actions.py -q``.
+Run the tests with ``.venv/bin/pytest -p no:django tests/core/test_actions.py -q``.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.imaging import ImageGeometry
 from core.protocol import SCROLL_DIRECTIONS, Action, ActionType
 
 
@@ -49,59 +49,6 @@ class ParsedOutput:
     thought: str
     action: Action
     action_text: str
-
-
-# ---------------------------------------------------------------------------------------------
-# Qwen2.5-VL image resizing (the image the model sees, hence the pixel coordinate space)
-
-IMAGE_FACTOR = 28
-"""Qwen2.5-VL: 14 px patches merged 2x2, so sides are multiples of 28 and 1 token per 28x28."""
-MIN_PIXELS = 4 * 28 * 28
-MAX_PIXELS = 16384 * 28 * 28
-"""UI-TARS-1.5 / Qwen2.5-VL `preprocessor_config.json` bounds; the server's processor must match."""
-MAX_RATIO = 200
-
-
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = IMAGE_FACTOR,
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int = MAX_PIXELS,
-) -> tuple[int, int]:
-    """Qwen2.5-VL's resize rule; returns ``(height, width)`` (note the order, as in Qwen).
-
-    Both sides become multiples of `factor` (Python `round`, i.e. half to even), the pixel
-    count is brought within [min_pixels, max_pixels] keeping the aspect ratio, and an aspect
-    ratio above 200 raises ValueError. Same as ``qwen_vl_utils.smart_resize``; it agrees with
-    transformers' Qwen2-VL image processor for every side above 14 px.
-    """
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got height={height} width={width}")
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        raise ValueError(
-            f"absolute aspect ratio must be at most {MAX_RATIO}, "
-            f"got {max(height, width) / min(height, width)}"
-        )
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def model_image_size(
-    *, width: int, height: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
-) -> tuple[int, int]:
-    """The ``(width, height)`` of the image the model sees for a screen of this size."""
-    h_bar, w_bar = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
-    return w_bar, h_bar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +153,7 @@ def to_screen(
 ) -> Action:
     """Map an action's model-space coordinates to screen pixels, clamped to the screen.
 
-    Sizes are ``(width, height)``. `model_size` is the model image (`model_image_size`);
+    Sizes are ``(width, height)``. `model_size` is the model image (`ImageGeometry.model_size`);
     relative1000 coordinates do not need it. Actions without coordinates come back unchanged.
     """
     mw, mh = _model_extent(coords, model_size)
@@ -499,3 +446,22 @@ def format_action(action: Action, *, thought: str = "", coords: CoordSpace = "pi
     if _ACTION_LINE_RE.search(head):
         raise ValueError("thought must not contain a line starting with 'Action:'")
     return f"{head}\nAction: {call}"
+
+
+def format_screen_action(
+    action: Action,
+    *,
+    screen_size: tuple[int, int],
+    geometry: ImageGeometry,
+    coords: CoordSpace = "pixel",
+) -> str:
+    """The text a model whose processor has `geometry` writes for this screen-space action
+    (the oracle's answers and its stored demos): model coordinates, canonical form, and no
+    thought (the shipped policy was pretrained to answer with the action alone, so demos in
+    that format warm-start it without a format shift)."""
+    width, height = screen_size
+    model_size = geometry.model_size(width=width, height=height)
+    model_action = from_screen(
+        action, screen_size=screen_size, model_size=model_size, coords=coords
+    )
+    return format_action(model_action, coords=coords)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from core.imaging import ImageGeometry
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -26,7 +28,7 @@ class Completion:
     finish_reason: str
     latency_ms: float
     served_by: str
-    image_bounds: tuple[int, int] | None = None  # the server's [min_pixels, max_pixels]
+    image_geometry: ImageGeometry | None = None  # the server's processor, when it reports it
 
     @classmethod
     def scripted(cls, text: str, *, started: float, served_by: str) -> Completion:

@@ -59,7 +59,9 @@ class ImageGeometry:
         as size.shortest_edge / size.longest_edge; older files as min_pixels / max_pixels)."""
         where = where or "preprocessor_config.json"
         try:
-            factor = int(data.get("patch_size", QWEN_PATCH)) * int(data.get("merge_size", QWEN_MERGE))
+            factor = int(data.get("patch_size", QWEN_PATCH)) * int(
+                data.get("merge_size", QWEN_MERGE)
+            )
             size = data.get("size") or {}
             low = int(data.get("min_pixels") or size["shortest_edge"])
             high = int(data.get("max_pixels") or size["longest_edge"])

@@ -47,6 +47,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
+from core.imaging import ImageGeometry
+
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -110,11 +112,11 @@ class Policy:
         return next(self.model.parameters()).device
 
     @property
-    def image_bounds(self) -> tuple[int, int]:
-        """(min_pixels, max_pixels) of the image processor: rollout maps coordinates with
-        them. Qwen2-VL processors keep them as size["shortest_edge"] / size["longest_edge"]."""
-        size = self.image_processor.size
-        return int(size["shortest_edge"]), int(size["longest_edge"])
+    def image_geometry(self) -> ImageGeometry:
+        """The image processor's geometry: rollout maps coordinates with it."""
+        return ImageGeometry.from_processor_config(
+            self.image_processor.to_dict(), where=f"{self.path}/preprocessor_config.json"
+        )
 
 
 @dataclass

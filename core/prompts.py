@@ -32,7 +32,8 @@ from typing import Any
 
 from PIL import Image
 
-from core.actions import IMAGE_FACTOR, MAX_PIXELS, MIN_PIXELS, smart_resize, split_output
+from core.actions import split_output
+from core.imaging import ImageGeometry
 
 DEFAULT_SYSTEM_PROMPT = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
 
@@ -102,12 +103,15 @@ def estimate_tokens(text: str) -> int:
     return math.ceil(len(text) / 4)
 
 
-def estimate_image_tokens(png: bytes) -> int:
-    """Qwen2.5-VL's token count for an image: one per 28x28 block of the resized image."""
-    with Image.open(io.BytesIO(png)) as image:  # reads the header only
-        width, height = image.size
-    h_bar, w_bar = smart_resize(height, width, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    return (h_bar // IMAGE_FACTOR) * (w_bar // IMAGE_FACTOR)
+def image_token_counter(geometry: ImageGeometry) -> Callable[[bytes], int]:
+    """Counts the image tokens a PNG costs the policy whose processor has `geometry`."""
+
+    def count(png: bytes) -> int:
+        with Image.open(io.BytesIO(png)) as image:  # reads the header only
+            width, height = image.size
+        return geometry.tokens(width=width, height=height)
+
+    return count
 
 
 def image_part(png: bytes) -> dict[str, Any]:
@@ -125,7 +129,7 @@ def build_messages(
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     max_prompt_tokens: int | None = None,
     count_tokens: Callable[[str], int] = estimate_tokens,
-    count_image_tokens: Callable[[bytes], int] = estimate_image_tokens,
+    count_image_tokens: Callable[[bytes], int] | None = None,
 ) -> list[Message]:
     """The chat messages for the next turn (layout in the module docstring).
 
@@ -134,8 +138,8 @@ def build_messages(
     be given (the caller only needs to load the last `max_images`).
 
     Budget: with `max_prompt_tokens`, the prompt's size is the sum of `count_tokens` over its
-    texts and `count_image_tokens` over its images; the oldest turns are dropped until it
-    fits. If even system + instruction + current screen do not fit, those are returned
+    texts and `count_image_tokens` over its images (`image_token_counter` of the policy's
+    geometry; required with a budget); the oldest turns are dropped until it fits. If even system + instruction + current screen do not fit, those are returned
     anyway (the server then rejects the request with its own message).
     """
     if not screenshots:
@@ -157,6 +161,11 @@ def build_messages(
 
     first_kept = 0
     if max_prompt_tokens is not None:
+        if count_image_tokens is None:
+            raise ValueError(
+                "a prompt token budget needs count_image_tokens (image_token_counter of the "
+                "policy's image geometry)"
+            )
         fixed = (
             count_tokens(system_prompt)
             + count_tokens(instruction)

@@ -175,7 +175,7 @@ def default_specs(
             ],
         ),
         ProcSpec("worker-train", [*celery, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
-        # The runs watchdog (datamanager/watchdog.py): brings back the slot and trainer tasks
+        # The runs watchdog (workers/watchdog.py): brings back the slot and trainer tasks
         # of a worker that died mid-task. The in-memory scheduler: nothing worth persisting.
         ProcSpec("beat", [*celery[:5], "beat", "-S", "celery.beat:Scheduler", "--loglevel=INFO"]),
     ]

@@ -81,5 +81,6 @@ def prepare_main_run(*, write) -> Run:
         per_task=3,
         tasks=",".join(cfg.tasks.names),
         kinds=",".join(cfg.tasks.env_kinds),
+        policy=cfg.policy,
     )
     return run

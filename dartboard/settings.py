@@ -170,7 +170,7 @@ CELERY_TASK_ROUTES = {
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 
-# Liveness (datamanager/leases.py, datamanager/watchdog.py): every env slot and every run's
+# Liveness (workers/leases.py, workers/watchdog.py): every env slot and every run's
 # trainer holds a Redis lease renewed by its worker. The watchdog (a Celery beat task,
 # `celery -A dartboard beat`) re-enqueues the task of a lease that has lapsed for GRACE
 # seconds: its worker died (a SIGKILLed worker's own task would only come back after the
@@ -213,13 +213,11 @@ if PRODUCTION:
     SESSION_COOKIE_SECURE = config_env.env_bool("DARTBOARD_SECURE_COOKIES", default=True)
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 
-# The rollout service: the router (or inference workers) env slots send requests to, and
-# the image bounds of the policy's processor (to map model coordinates back to the screen).
+# The rollout service: the router (or inference workers) env slots send requests to. Image
+# bounds are not settings: they come from the policy's processor (core/imaging.py).
 DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
     "http://127.0.0.1:8100"
 ]
-DARTBOARD_IMAGE_MIN_PIXELS = int(os.environ.get("DARTBOARD_IMAGE_MIN_PIXELS", 4 * 28 * 28))
-DARTBOARD_IMAGE_MAX_PIXELS = int(os.environ.get("DARTBOARD_IMAGE_MAX_PIXELS", 16384 * 28 * 28))
 
 # Benchmarks: emulate slow (OSWorld-like) environments; see envmanager/latency.py.
 DARTBOARD_ENV_LATENCY = os.environ.get("DARTBOARD_ENV_LATENCY", "off")

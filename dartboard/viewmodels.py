@@ -178,7 +178,7 @@ class LiveWorkRow:
 
 def run_live_work(*, run: Run) -> list[LiveWorkRow]:
     """Who holds each of a running run's slots and its trainer now (Redis leases,
-    datamanager/leases.py); empty unless the run is running."""
+    workers/leases.py); empty unless the run is running."""
     if run.status != "running":
         return []
     rows = []

@@ -24,13 +24,17 @@ class ConfigError(ValueError):
         self.message = message
 
 
-def knob(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002  (help text, not builtins.help)
+def knob(default: Any, help: str) -> Any:  # noqa: A002  (help text, not builtins.help)
     """A config field with its one-line help (shown in the run form)."""
     if isinstance(default, list | dict):
-        return field(
-            default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs}
-        )
-    return field(default=default, metadata={"help": help, **kwargs})
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _unused_knob(obj: Any, name: str, why: str) -> None:
+    """A knob set away from its default where it does nothing is an error, not a silent no-op."""
+    default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
+    _check(getattr(obj, name) == default, name, f"has no effect {why}; leave it at {default}")
 
 
 def _check(cond: bool, path: str, message: str) -> None:
@@ -50,7 +54,6 @@ class TaskSelection:
         0,
         "Fixed training instances per task (seeds a task's groups cycle through, like "
         "OSWorld's fixed tasks); 0: every group starts from a new seed.",
-        min=0,
     )
 
     def __post_init__(self) -> None:
@@ -62,8 +65,8 @@ class TaskSelection:
 
 @dataclass
 class EnvConfig:
-    miniwob_slots: int = knob(2, "MiniWoB++ browser slots (one chromium each).", min=0, max=64)
-    desktop_slots: int = knob(0, "Xvfb desktop slots.", min=0, max=16)
+    miniwob_slots: int = knob(2, "MiniWoB++ browser slots (one chromium each).")
+    desktop_slots: int = knob(0, "Xvfb desktop slots.")
     step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
     heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
     quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
@@ -128,8 +131,12 @@ class TrainerConfig:
         "trajectory",
         "Every trajectory weighs the same, or DART's mean over all tokens (long episodes dominate).",
     )
-    clip_low: float = knob(0.2, "Lower clip range of the ratio.")
-    clip_high: float = knob(0.28, "Upper clip range of the ratio (clip-higher).")
+    clip_low: float = knob(0.2, "PPO: the token ratio is clipped below at 1 - clip_low.")
+    clip_high: float = knob(0.28, "PPO: the token ratio is clipped above at 1 + clip_high.")
+    gspo_clip_low: float = knob(3e-4, "GSPO: the sequence ratio's lower clip range.")
+    gspo_clip_high: float = knob(4e-4, "GSPO: the sequence ratio's upper clip range.")
+    ppo_epochs: int = knob(1, "Passes over each batch (>1 lets the policy drift from pi_old).")
+    mini_batches: int = knob(1, "Optimizer steps per pass (the batch split into this many).")
     kl_coef: float = knob(
         0.1, "KL to the initial policy (0 disables and frees the reference model)."
     )
@@ -146,8 +153,18 @@ class TrainerConfig:
         _check(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         _check(self.min_groups >= 1, "min_groups", "must be >= 1")
         _check(self.max_steps_per_update >= 1, "max_steps_per_update", "must be >= 1")
-        _check(self.clip_low > 0, "clip_low", "must be > 0")
+        _check(0 < self.clip_low < 1, "clip_low", "must be in (0, 1)")
         _check(self.clip_high > 0, "clip_high", "must be > 0")
+        _check(0 < self.gspo_clip_low < 1, "gspo_clip_low", "must be in (0, 1)")
+        _check(self.gspo_clip_high > 0, "gspo_clip_high", "must be > 0")
+        _check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _check(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        if self.loss_type == "gspo":
+            _unused_knob(self, "clip_low", "under loss_type gspo (set gspo_clip_low)")
+            _unused_knob(self, "clip_high", "under loss_type gspo (set gspo_clip_high)")
+        else:
+            _unused_knob(self, "gspo_clip_low", "under loss_type ppo (set clip_low)")
+            _unused_knob(self, "gspo_clip_high", "under loss_type ppo (set clip_high)")
         _check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         _check(self.bc_weight >= 0, "bc_weight", "must be >= 0")
         _check(self.warm_start_bc_updates >= 0, "warm_start_bc_updates", "must be >= 0")
@@ -191,6 +208,18 @@ class CurationConfig:
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
         _check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
         _check(self.success_window >= 1, "success_window", "must be >= 1")
+        if not self.truncated_is:
+            _unused_knob(self, "is_cap", "with truncated_is off")
+        if not self.high_entropy:
+            _unused_knob(self, "entropy_top_q", "with high_entropy off")
+            _unused_knob(self, "entropy_recenter", "with high_entropy off")
+        if not self.experience_pool:
+            _unused_knob(self, "pool_ratio", "with experience_pool off")
+        if not self.dynamic_step_cap:
+            _unused_knob(self, "step_cap_margin", "with dynamic_step_cap off")
+        if not self.dynamic_budget:
+            _unused_knob(self, "n_min", "with dynamic_budget off (every task gets n_max)")
+            _unused_knob(self, "budget_threshold", "with dynamic_budget off")
 
 
 @dataclass

@@ -11,16 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from core.actions import format_action, from_screen, model_image_size
+from core.actions import format_screen_action
 from core.completion import Completion
+from core.imaging import ImageGeometry
 from core.protocol import Action, ActionType, Env, Evaluation, Observation, TaskSpec
 from envmanager.oracles import oracle_action
 
 
 class OracleEndpoint:
-    def __init__(self, *, min_pixels: int, max_pixels: int) -> None:
-        self.min_pixels = min_pixels
-        self.max_pixels = max_pixels
+    def __init__(self, *, geometry: ImageGeometry) -> None:
+        self.geometry = geometry
         self.task: TaskSpec | None = None
         self.observation: Observation | None = None
 
@@ -34,16 +34,9 @@ class OracleEndpoint:
         )
         if action is None:
             action = Action(type=ActionType.FINISHED, text="done")
-        size = model_image_size(
-            width=obs.width,
-            height=obs.height,
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
+        text = format_screen_action(
+            action, screen_size=(obs.width, obs.height), geometry=self.geometry
         )
-        model_action = from_screen(action, screen_size=(obs.width, obs.height), model_size=size)
-        # No canned thought: it says nothing, and the shipped policy was pretrained to answer
-        # with the action alone, so demos in that format warm-start it without a format shift.
-        text = format_action(model_action)
         return Completion.scripted(text, started=started, served_by="oracle")
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from core.completion import Completion
+from core.imaging import ImageGeometry
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -144,7 +145,9 @@ def _parse_completion(body: dict[str, Any], latency_ms: float, served_by: str) -
         finish_reason=choice.get("finish_reason") or "stop",
         latency_ms=latency_ms,
         served_by=served_by,
-        image_bounds=tuple(body["image_bounds"]) if body.get("image_bounds") else None,
+        image_geometry=(
+            ImageGeometry.from_json(body["image_geometry"]) if body.get("image_geometry") else None
+        ),
     )
 
 

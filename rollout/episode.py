@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from core.actions import ActionParseError, CoordSpace, model_image_size, parse_output, to_screen
+from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
 from core.completion import Completion
-from core.prompts import HistoryTurn, build_messages
+from core.imaging import ImageGeometry
+from core.prompts import HistoryTurn, build_messages, image_token_counter
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 
 
@@ -100,9 +101,11 @@ class EpisodeConfig:
     top_p: float = 1.0
     max_parse_errors: int = 3
     coords: CoordSpace = "pixel"
-    image_min_pixels: int = 4 * 28 * 28
-    image_max_pixels: int = 16384 * 28 * 28
     seed: int | None = None
+    # The policy's processor (`ImageGeometry.from_policy_dir`): prompt token budgets, and
+    # coordinates when the server does not report its own. No default: a guessed geometry
+    # silently maps every click to the wrong pixel.
+    image_geometry: ImageGeometry = field(kw_only=True)
 
 
 @dataclass
@@ -163,6 +166,7 @@ def _run_episode(
     parse_errors_in_a_row = 0
     end_reason = "step_cap"
     index = 0
+    count_image_tokens = image_token_counter(config.image_geometry)
     for index in range(config.step_cap):
         if pacer is not None:
             pacer.turn(index)
@@ -172,6 +176,7 @@ def _run_episode(
             screenshots=screenshots[-config.max_images :],
             max_images=config.max_images,
             max_prompt_tokens=config.max_prompt_tokens,
+            count_image_tokens=count_image_tokens,
         )
         completion = policy.complete(
             messages,
@@ -255,16 +260,14 @@ def _parse(
 ) -> tuple[Action | None, str, str]:
     """(screen-space action or None, thought, parse error message or '').
 
-    The model image size comes from the serving processor's pixel bounds when the server
-    reports them (so a policy with other bounds maps correctly), else from the config."""
+    The model image size comes from the serving processor's geometry when the server
+    reports it (so a policy with another processor maps correctly), else from the config."""
     try:
         parsed = parse_output(completion.text, coords=config.coords)
     except ActionParseError as exc:
         return None, "", str(exc)
-    low, high = completion.image_bounds or (config.image_min_pixels, config.image_max_pixels)
-    model_size = model_image_size(
-        width=obs.width, height=obs.height, min_pixels=low, max_pixels=high
-    )
+    geometry = completion.image_geometry or config.image_geometry
+    model_size = geometry.model_size(width=obs.width, height=obs.height)
     action = to_screen(
         parsed.action,
         screen_size=(obs.width, obs.height),

@@ -198,9 +198,9 @@ class InferenceServer:
             self._cond.notify_all()
 
     @property
-    def image_bounds(self) -> list[int]:
-        """[min_pixels, max_pixels] of the policy's image processor."""
-        return list(self.policy.image_bounds)
+    def image_geometry(self) -> dict[str, int]:
+        """The policy's image processor geometry (`core.imaging.ImageGeometry.to_json`)."""
+        return self.policy.image_geometry.to_json()
 
     def health(self) -> dict[str, Any]:
         with self._cond:
@@ -213,7 +213,7 @@ class InferenceServer:
                 "batches_run": self.batches_run,
                 "requests_served": self.requests_served,
                 "busy_seconds": self.busy_seconds,
-                "image_bounds": self.image_bounds,
+                "image_geometry": self.image_geometry,
                 "model": self.model_name,
                 "pid": os.getpid(),
             }
@@ -350,9 +350,9 @@ def completion_body(request: ChatRequest, result: Any, *, server: InferenceServe
         },
         "policy_version": version,
         "mean_entropy": gen.mean_entropy,
-        # The processor's pixel bounds decide the model image size, hence what the
-        # coordinates in the text mean: the client maps them back to the screen with these.
-        "image_bounds": server.image_bounds,
+        # The processor's geometry decides the model image size, hence what the coordinates
+        # in the text mean: the client maps them back to the screen with it.
+        "image_geometry": server.image_geometry,
     }
 
 

@@ -32,20 +32,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-)
 
 from core.actions import (
-    IMAGE_FACTOR,
     ActionParseError,
     CoordSpace,
     format_action,
     from_screen,
-    model_image_size,
     parse_output,
     to_screen,
 )
+from core.imaging import ImageGeometry
 from core.losses import bc_loss
 from core.policy_io import (
     Policy,
@@ -65,27 +61,14 @@ from training.tiny_policy import build_tiny_policy
 # ------------------------------------------------------------------ samples -> model I/O
 
 
-@dataclass(frozen=True)
-class ImageBounds:
-    """The image processor's pixel bounds; rollout must map coordinates with the same."""
-
-    min_pixels: int = 4 * 28 * 28
-    max_pixels: int = 256 * 28 * 28
-
-
 def sample_messages(sample: GroundingSample) -> list[dict]:
     """The prompt rollout builds for this screen: first turn, one screenshot."""
     return build_messages(instruction=sample.instruction, history=[], screenshots=[sample.png])
 
 
-def sample_response(sample: GroundingSample, *, coords: CoordSpace, bounds: ImageBounds) -> str:
+def sample_response(sample: GroundingSample, *, coords: CoordSpace, geometry: ImageGeometry) -> str:
     """``Action: click(start_box='<|box_start|>(x,y)<|box_end|>')`` in model coordinates."""
-    model_size = model_image_size(
-        width=sample.width,
-        height=sample.height,
-        min_pixels=bounds.min_pixels,
-        max_pixels=bounds.max_pixels,
-    )
+    model_size = geometry.model_size(width=sample.width, height=sample.height)
     click = Action(type=ActionType.CLICK, x=sample.x, y=sample.y)
     mapped = from_screen(
         click, screen_size=(sample.width, sample.height), model_size=model_size, coords=coords
@@ -94,7 +77,7 @@ def sample_response(sample: GroundingSample, *, coords: CoordSpace, bounds: Imag
 
 
 def predicted_click(
-    text: str, *, sample: GroundingSample, coords: CoordSpace, bounds: ImageBounds
+    text: str, *, sample: GroundingSample, coords: CoordSpace, geometry: ImageGeometry
 ) -> tuple[int, int] | None:
     """The screen pixel a model output clicks, or None (unparsable / not a click)."""
     try:
@@ -103,12 +86,7 @@ def predicted_click(
         return None
     if action.type != ActionType.CLICK or action.x is None or action.y is None:
         return None
-    model_size = model_image_size(
-        width=sample.width,
-        height=sample.height,
-        min_pixels=bounds.min_pixels,
-        max_pixels=bounds.max_pixels,
-    )
+    model_size = geometry.model_size(width=sample.width, height=sample.height)
     screen = to_screen(
         action, screen_size=(sample.width, sample.height), model_size=model_size, coords=coords
     )
@@ -116,11 +94,11 @@ def predicted_click(
 
 
 def bc_batch_loss(
-    policy: Policy, samples: list[GroundingSample], *, coords: CoordSpace, bounds: ImageBounds
+    policy: Policy, samples: list[GroundingSample], *, coords: CoordSpace, geometry: ImageGeometry
 ) -> torch.Tensor:
     """Mean negative log-likelihood of the target responses (scalar, with gradient)."""
     responses = [
-        response_token_ids(policy, sample_response(s, coords=coords, bounds=bounds))
+        response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
     batch = encode_batch(policy, [sample_messages(s) for s in samples], responses=responses)
@@ -128,15 +106,10 @@ def bc_batch_loss(
     return bc_loss(logprobs, mask)
 
 
-def target_image_tokens(sample: GroundingSample, *, bounds: ImageBounds) -> list[int]:
-    """Raster indices of the image tokens (28x28 px cells of the model image) that overlap
+def target_image_tokens(sample: GroundingSample, *, geometry: ImageGeometry) -> list[int]:
+    """Raster indices of the image tokens (factor x factor px cells of the model image) that overlap
     the sample's target box."""
-    mw, mh = model_image_size(
-        width=sample.width,
-        height=sample.height,
-        min_pixels=bounds.min_pixels,
-        max_pixels=bounds.max_pixels,
-    )
+    mw, mh = geometry.model_size(width=sample.width, height=sample.height)
     sx, sy = mw / sample.width, mh / sample.height
     x0, y0, x1, y1 = (
         sample.box[0] * sx,
@@ -144,7 +117,8 @@ def target_image_tokens(sample: GroundingSample, *, bounds: ImageBounds) -> list
         sample.box[2] * sx,
         sample.box[3] * sy,
     )
-    cell, cols = IMAGE_FACTOR, mw // IMAGE_FACTOR  # one image token per 28x28 px
+    cell = geometry.factor  # one image token per cell x cell px
+    cols = mw // cell
     return [
         r * cols + c
         for r in range(mh // cell)
@@ -204,7 +178,7 @@ def bc_batch_loss_cached(
     samples: list[GroundingSample],
     *,
     coords: CoordSpace,
-    bounds: ImageBounds,
+    geometry: ImageGeometry,
     attention_weight: float = 0.0,
     attention_heads: int = 1,
     parts: dict[str, float] | None = None,
@@ -225,7 +199,7 @@ def bc_batch_loss_cached(
     from transformers import DynamicCache
 
     responses = [
-        response_token_ids(policy, sample_response(s, coords=coords, bounds=bounds))
+        response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
     enc = encode_batch(policy, [sample_messages(s) for s in samples], responses=responses)
@@ -283,7 +257,7 @@ def bc_batch_loss_cached(
     if attention_weight > 0:
         if not out.attentions:
             raise ValueError("attention supervision needs eager attention (no weights returned)")
-        target_tokens = [target_image_tokens(s, bounds=bounds) for s in samples]
+        target_tokens = [target_image_tokens(s, geometry=geometry) for s in samples]
         per_head = [
             attention_supervision_loss(
                 out.attentions[-1][:, head],
@@ -311,7 +285,7 @@ def grounding_accuracy(
     samples: list[GroundingSample],
     *,
     coords: CoordSpace,
-    bounds: ImageBounds,
+    geometry: ImageGeometry,
     batch_size: int = 16,
 ) -> dict[str, float]:
     """Greedy outputs on `samples`: fraction clicking inside the target box, overall and
@@ -323,7 +297,7 @@ def grounding_accuracy(
         chunk = samples[i : i + batch_size]
         outs = generate(policy, [sample_messages(s) for s in chunk], max_new_tokens=40, greedy=True)
         for s, out in zip(chunk, outs, strict=True):
-            point = predicted_click(out.text, sample=s, coords=coords, bounds=bounds)
+            point = predicted_click(out.text, sample=s, coords=coords, geometry=geometry)
             parsed += point is not None
             hit = (
                 point is not None
@@ -353,8 +327,6 @@ class PretrainConfig:
     weight_decay: float = 0.0
     coords: str = "pixel"
     miniwob_fraction: float = 0.5  # share of each batch drawn from the MiniWoB demos
-    min_pixels: int = 4 * 28 * 28
-    max_pixels: int = 256 * 28 * 28
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -429,7 +401,6 @@ def pretrain(
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     coords: CoordSpace = config.coords  # type: ignore[assignment]
-    bounds = ImageBounds(config.min_pixels, config.max_pixels)
     miniwob = list(miniwob)
     random.Random(config.seed + 1).shuffle(miniwob)
     n_held = min(config.eval_samples, len(miniwob) // 10)
@@ -443,9 +414,7 @@ def pretrain(
         policy = _fresh_policy(config)
     if config.attention_supervision > 0:
         policy.model.set_attn_implementation("eager")  # the loss reads attention weights
-    policy.image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=bounds.min_pixels, max_pixels=bounds.max_pixels
-    )
+    geometry = policy.image_geometry  # the processor the policy ships with: one source
     optimizer = torch.optim.AdamW(
         policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
@@ -472,7 +441,7 @@ def pretrain(
             policy,
             batch,
             coords=coords,
-            bounds=bounds,
+            geometry=geometry,
             attention_weight=config.attention_supervision,
             parts=parts,
         )
@@ -489,13 +458,13 @@ def pretrain(
                 {"step": step, "seconds": round(elapsed, 1), "loss": round(running, 4), **terms}
             )
         if step % config.eval_every == 0:
-            figures = grounding_accuracy(policy, held, coords=coords, bounds=bounds)
+            figures = grounding_accuracy(policy, held, coords=coords, geometry=geometry)
             history.append({"step": step, "seconds": round(elapsed, 1), **figures})
             log(f"step {step} {elapsed:.0f}s loss {running:.3f} " + json.dumps(figures))
         elif step % 10 == 0:
             log(f"step {step} {elapsed:.0f}s loss {running:.3f} " + json.dumps(parts))
     seconds = time.perf_counter() - started
-    final = grounding_accuracy(policy, held, coords=coords, bounds=bounds)
+    final = grounding_accuracy(policy, held, coords=coords, geometry=geometry)
     log(f"final after {step} steps, {seconds:.0f}s: " + json.dumps(final))
     policy.model.eval()
     policy.model.set_attn_implementation("sdpa")  # saved as the architecture's default

@@ -36,11 +36,14 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
+from core.imaging import QWEN_MERGE, QWEN_PATCH, ImageGeometry
 from core.policy_io import QWEN2_VL_CHAT_TEMPLATE
 
-PIXELS_PER_IMAGE_TOKEN = 28 * 28
-MIN_PIXELS = 4 * PIXELS_PER_IMAGE_TOKEN
-MAX_PIXELS = 256 * PIXELS_PER_IMAGE_TOKEN
+TINY_GEOMETRY = ImageGeometry.from_tokens(
+    min_tokens=4, max_tokens=256, factor=QWEN_PATCH * QWEN_MERGE
+)
+"""The processor the tiny policy is built with; everything else reads it back from the
+checkpoint's preprocessor_config.json (`core.imaging.ImageGeometry.from_policy_dir`)."""
 
 # Order fixes the ids: <|endoftext|> is 0 (pad), <|im_end|> is 2 (eos).
 SPECIAL_TOKENS = (
@@ -251,7 +254,12 @@ def build_tiny_policy(
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        min_pixels=TINY_GEOMETRY.min_pixels,
+        max_pixels=TINY_GEOMETRY.max_pixels,
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+    ).save_pretrained(out)
     # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
     (out / "chat_template.json").write_text(
         json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"

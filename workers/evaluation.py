@@ -18,17 +18,19 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from core.imaging import QWEN25_VL, ImageGeometry
 from core.protocol import TaskSpec
 from datamanager.config import RunConfig
 from datamanager.eval_metrics import summary
 from datamanager.models import EvalJob, EvalStatus, PolicyVersion, Purpose, Run, Task, Trajectory
+from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
 from datamanager.selectors.evaluations import eval_job_task_results
 from datamanager.services import episodes
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
 from rollout.local_server import LocalPolicyServer
-from workers.runs import PolicyNotFound, policy_path
+from workers.config_mapping import episode_config
 from workers.slot_worker import DbRecorder, discard_env, process_env
 
 log = logging.getLogger("dartboard.evaluate")
@@ -40,7 +42,7 @@ class EvalSetupError(Exception):
 
 def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:
     """(checkpoint dir, version) for 'oracle' (None), 'run:ID:vN' or a local directory."""
-    if policy == "oracle":
+    if policy == ORACLE_POLICY:
         return None, None
     if policy.startswith("run:"):
         try:
@@ -108,10 +110,7 @@ def eval_job_create(
 def _policy_endpoint(job: EvalJob) -> Iterator[tuple[PolicyEndpoint, OracleEndpoint | None]]:
     checkpoint, version = resolve_checkpoint(job.policy)
     if checkpoint is None:
-        oracle = OracleEndpoint(
-            min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
-            max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
-        )
+        oracle = OracleEndpoint(geometry=QWEN25_VL)
         yield oracle, oracle
         return
     log_path = settings.LOG_ROOT / f"eval-{job.pk}-server.log"
@@ -201,10 +200,25 @@ def _done(job: EvalJob) -> int:
     return Trajectory.objects.filter(eval_job=job).exclude(status="running").count()
 
 
+def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
+    """The run's rollout settings (the defaults for an evaluation outside a run) with the
+    job's decoding, in the image geometry of the checkpoint under evaluation."""
+    cfg = RunConfig.from_dict(job.run.config) if job.run_id else RunConfig()
+    checkpoint, _ = resolve_checkpoint(job.policy)
+    return episode_config(
+        cfg,
+        step_cap=cfg.curation.default_step_cap,
+        seed=seed,
+        temperature=0.0 if job.greedy else job.temperature,
+        geometry=QWEN25_VL if checkpoint is None else ImageGeometry.from_policy_dir(checkpoint),
+    )
+
+
 def _one_episode(
     job: EvalJob, task: Task, i: int, policy: PolicyEndpoint, oracle: OracleEndpoint | None
 ) -> None:
     seed = job.seed * 1000 + i  # the same seeds for every policy: comparable cells
+    config = _episode_config(job, seed)
     with transaction.atomic():
         traj = Trajectory.objects.create(
             task=task,
@@ -213,20 +227,13 @@ def _one_episode(
             eval_job=job,
             instruction=task.instruction,
             seed=seed,
-            step_cap=15,
+            step_cap=config.step_cap,
         )
     spec = TaskSpec(
         name=task.name,
         env_kind=task.env_kind,
         env_config=task.env_config,
         instruction=task.instruction,
-        seed=seed,
-    )
-    config = EpisodeConfig(
-        step_cap=15,
-        temperature=job.temperature if not job.greedy else 0.0,
-        image_min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
-        image_max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
         seed=seed,
     )
     try:

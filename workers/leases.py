@@ -3,7 +3,7 @@ at most one live worker holds at a time.
 
 A lease is a Redis key with a TTL (settings.DARTBOARD_LEASE_TTL_S) that its holder renews; a
 killed holder's lease lapses within the TTL. A pending marker is set when the work's task is
-enqueued and cleared when a worker starts it, so the watchdog (datamanager/watchdog.py) can
+enqueued and cleared when a worker starts it, so the watchdog (workers/watchdog.py) can
 tell work that is waiting in a queue from work whose worker died, and re-enqueues only the
 latter.
 """

@@ -10,38 +10,13 @@ from django.db import transaction
 
 from datamanager.config import RunConfig
 from datamanager.models import PolicyVersion, Run
+from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
 from datamanager.services import episodes
 from datamanager.services.runs import run_control
 from rollout.router import RouterAdmin
 from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
 
 log = logging.getLogger(__name__)
-
-SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
-
-
-class PolicyNotFound(Exception):
-    pass
-
-
-def policy_path(name: str) -> Path:
-    """'shipped' (the repository's pretrained tiny policy), 'untrained' (built by
-    `manage.py make_tiny_policy`) or a local Hugging Face checkpoint directory."""
-    if name == "shipped":
-        path = SHIPPED_POLICY
-        if not (path / "config.json").exists():
-            # Until a grounded policy ships, fall back to the locally built untrained one.
-            path = settings.DARTBOARD_HOME / "policies" / "untrained"
-    elif name == "untrained":
-        path = settings.DARTBOARD_HOME / "policies" / "untrained"
-    else:
-        path = Path(name).expanduser()
-    if not (path / "config.json").exists():
-        raise PolicyNotFound(
-            f"policy {name!r}: no Hugging Face checkpoint at {path} (run "
-            "`python manage.py make_tiny_policy` for the untrained tiny policy)"
-        )
-    return path
 
 
 def run_current_policy(*, run: Run) -> tuple[int, Path]:
@@ -78,7 +53,7 @@ def run_start_workers(*, run_id: int) -> None:
     cfg = RunConfig.from_dict(run.config)
     episodes.taskstats_ensure(run=run)
     episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
-    scripted = cfg.policy == "oracle"  # the scripted oracle: no model, nothing to train
+    scripted = cfg.policy == ORACLE_POLICY  # the scripted oracle: no model, nothing to train
     version, checkpoint = (0, Path()) if scripted else run_current_policy(run=run)
 
     def enqueue() -> None:
@@ -102,7 +77,7 @@ def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
     work += [
         slot_work(run_id=run_id, backend="desktop", index=i) for i in range(cfg.env.desktop_slots)
     ]
-    if cfg.policy != "oracle":
+    if cfg.policy != ORACLE_POLICY:
         work.append(trainer_work(run_id=run_id, mode=cfg.mode))
     return work
 

@@ -25,6 +25,7 @@ from django.db import connection
 from core.protocol import Env, EnvUnavailable, TaskSpec
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
+from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
@@ -35,13 +36,12 @@ from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
-from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, StepRecord, run_episode
+from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
+from workers.config_mapping import episode_config
 from workers.dbutil import refresh_connection
 from workers.leases import RedisLease, slot_work
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
-
-ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
 
 log = logging.getLogger("dartboard.slots")
 
@@ -167,21 +167,6 @@ def inference_urls() -> list[str]:
     return list(settings.DARTBOARD_INFERENCE_URLS)
 
 
-def episode_config(cfg: RunConfig, *, step_cap: int, seed: int) -> EpisodeConfig:
-    return EpisodeConfig(
-        step_cap=step_cap,
-        max_images=cfg.rollout.max_images,
-        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_parse_errors=cfg.rollout.max_parse_errors,
-        image_min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
-        image_max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
-        seed=seed,
-    )
-
-
 def serve_slot(
     *,
     run_id: int,
@@ -275,10 +260,7 @@ def _run_claim(
         env = process_env(backend, timeout_s=cfg.env.step_timeout_s)
         policy: PolicyEndpoint = client
         if cfg.policy == ORACLE_POLICY:
-            oracle = OracleEndpoint(
-                min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
-                max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
-            )
+            oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy))
             env, policy = ObservedEnv(env, oracle), oracle
         result = run_episode(
             env=env,

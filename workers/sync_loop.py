@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 
 from celery import current_app as celery_app
-from django.db import transaction
 
 from datamanager.config import RunConfig
-from datamanager.events import publish_on_commit
-from datamanager.models import PolicyVersion, Run, RunStatus
+from datamanager.models import Run, RunStatus
 from datamanager.services import batches
 from datamanager.services.runs import run_set_message
-from workers.dbutil import refresh_connection
-from workers.runs import router_sync
-from workers.training_loop import get_trainer, update_config
+from workers.config_mapping import update_config
+from workers.training_loop import get_trainer, run_loop, update_and_publish
 
 log = logging.getLogger("dartboard.sync")
 
@@ -72,40 +68,24 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     run_set_message(
         run_id=run.pk, message=f"synchronous round: training on {len(batch.samples)} steps"
     )
-    trained_version = trainer.state.version
-    metrics = trainer.update(batch.samples, update_config(cfg))
-    path = trainer.save_version(trained_version + 1)
-    with transaction.atomic():
-        update = batches.batch_commit(
-            run=run, batch=batch, metrics=metrics, trained_version=trained_version, kind="sync"
-        )
-        PolicyVersion.objects.create(run=run, version=trained_version + 1, checkpoint=str(path))
-        publish_on_commit(
-            run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
-        )
-    # Every worker loads at once; the next round waits for it (the synchronous baseline).
-    router_sync(run_id=run.pk, checkpoint=path, version=trained_version + 1, rolling=False)
+    # Every worker loads the new version at once; the next round waits for it.
+    update_and_publish(
+        run=run,
+        trainer=trainer,
+        batch=batch,
+        config=update_config(cfg),
+        kind="sync",
+        publish=True,
+        rolling=False,
+    )
     return True
 
 
 def sync_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
-    """Run rounds until the run stops, max_updates is reached, the time slice ends or `stop`
-    is set (this worker lost the run's trainer lease)."""
-    deadline = time.monotonic() + max_seconds
-    while time.monotonic() < deadline:
-        if stop is not None and stop.is_set():
-            return "trainer lease lost"
-        refresh_connection()
-        run = Run.objects.get(pk=run_id)
-        if run.status != RunStatus.RUNNING:
-            return f"run is {run.status}"
-        cfg = RunConfig.from_dict(run.config)
-        if (
-            cfg.trainer.max_updates
-            and get_trainer(run, cfg).state.updates >= cfg.trainer.max_updates
-        ):
-            return "max_updates reached"
+    """The synchronous driver's time slice: rounds until the run loop ends it."""
+
+    def body(run: Run, cfg: RunConfig) -> str | None:
         timeout = cfg.rollout.request_timeout_s * 40 + 600
-        if not sync_round(run=run, cfg=cfg, episode_timeout_s=timeout):
-            return "run stopped"
-    return "time slice over"
+        return None if sync_round(run=run, cfg=cfg, episode_timeout_s=timeout) else "run stopped"
+
+    return run_loop(run_id=run_id, max_seconds=max_seconds, stop=stop, body=body)

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
@@ -21,10 +22,12 @@ from django.db import transaction
 from datamanager.config import RunConfig
 from datamanager.events import publish_on_commit
 from datamanager.models import PolicyVersion, Run, RunStatus, TaskGroup, Trajectory
+from datamanager.policies import policy_path
 from datamanager.services import batches, episodes
 from datamanager.services.runs import run_set_message
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
+from workers.config_mapping import update_config
 from workers.dbutil import refresh_connection
 from workers.evaluation import eval_schedule_for_version
 from workers.leases import (
@@ -36,7 +39,7 @@ from workers.leases import (
     work_started,
 )
 from workers.lifecycle import shutdown_requested
-from workers.runs import policy_path, policy_version_record_reach, router_sync
+from workers.runs import policy_version_record_reach, router_sync
 
 log = logging.getLogger("dartboard.trainer")
 
@@ -44,24 +47,6 @@ _TRAINERS: dict[int, PolicyTrainer] = {}  # one per run in this worker process
 
 SLICE_SECONDS = 600.0
 RETRY_SECONDS = 30.0
-
-
-def update_config(cfg: RunConfig) -> UpdateConfig:
-    t, c = cfg.trainer, cfg.curation
-    return UpdateConfig(
-        loss_type=t.loss_type,
-        aggregation=t.loss_aggregation,
-        clip_low=t.clip_low,
-        clip_high=t.clip_high,
-        kl_coef=t.kl_coef,
-        bc_weight=t.bc_weight,
-        entropy_top_q=c.entropy_top_q if c.high_entropy else 1.0,
-        entropy_recenter=c.entropy_recenter,
-        truncated_is=c.truncated_is,
-        is_cap=c.is_cap,
-        micro_batch=t.micro_batch,
-        max_grad_norm=t.grad_clip,
-    )
 
 
 def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
@@ -101,11 +86,18 @@ def _waiting_message(run: Run, cfg: RunConfig) -> str:
     )
 
 
-def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
-    """Train until the run stops, max_updates is reached, the time slice ends or `stop` is
-    set (this worker lost the run's trainer lease)."""
+def run_loop(
+    *,
+    run_id: int,
+    max_seconds: float,
+    stop: threading.Event | None,
+    body: Callable[[Run, RunConfig], str | None],
+) -> str:
+    """The one skeleton of the decoupled trainer and the synchronous driver: call `body`
+    until the run stops, max_updates is reached, the time slice ends, the worker shuts
+    down or `stop` is set (this worker lost the run's trainer lease). `body` returns a
+    reason to end the slice, or None to go on."""
     deadline = time.monotonic() + max_seconds
-    last_message = ""
     while time.monotonic() < deadline:
         if shutdown_requested.is_set():
             return "time slice over"  # re-enqueued: a restarted worker resumes the run
@@ -117,63 +109,104 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
             return f"run is {run.status}"
         cfg = RunConfig.from_dict(run.config)
         trainer = get_trainer(run, cfg)
-        policy_version_record_reach(run_id=run_id)
         if cfg.trainer.max_updates and trainer.state.updates >= cfg.trainer.max_updates:
             run_set_message(run_id=run_id, message=f"trainer done: {trainer.state.updates} updates")
             return "max_updates reached"
-        if trainer.state.updates < cfg.trainer.warm_start_bc_updates:
-            _warm_start_update(run, cfg, trainer)
-            continue
-        batch = batches.batch_collect(run=run, current_version=trainer.state.version)
-        if batch is not None and not batch.samples and batch.empty_group_ids:
-            message = "trainer " + batches.batch_skip(batch=batch)
-            log.info("run %s: %s", run_id, message)
-            run_set_message(run_id=run_id, message=message)
-            continue
-        if batch is None or not batch.samples:
-            # A killed env worker leaves its episode running: end it so the group completes.
-            episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
-            message = _waiting_message(run, cfg)
-            if message != last_message:
-                run_set_message(run_id=run_id, message=message)
-                last_message = message
-            time.sleep(1.0)
-            continue
-        run_set_message(run_id=run_id, message=f"training on {len(batch.samples)} steps")
-        trained_version = trainer.state.version
-        metrics = trainer.update(batch.samples, update_config(cfg))
-        publish = trainer.state.updates % cfg.trainer.checkpoint_every == 0
-        path = trainer.save_version(trained_version + 1) if publish else None
-        with transaction.atomic():
-            update = batches.batch_commit(
-                run=run, batch=batch, metrics=metrics, trained_version=trained_version
-            )
-            if path is not None:
-                PolicyVersion.objects.create(
-                    run=run, version=trained_version + 1, checkpoint=str(path)
-                )
-                schedule_eval(run_id=run_id, version=trained_version + 1)
-                transaction.on_commit(
-                    functools.partial(
-                        router_sync, run_id=run_id, checkpoint=path, version=trained_version + 1
-                    )
-                )
-            publish_on_commit(
-                run_id=run_id,
-                kind="update",
-                data={"number": update.number, "metrics": update.metrics},
-            )
-        last_message = ""
+        reason = body(run, cfg)
+        if reason is not None:
+            return reason
     return "time slice over"
 
 
-def schedule_eval(*, run_id: int, version: int) -> None:
-    """Evaluate every N-th version on the eval split (off unless the run config asks)."""
-    eval_schedule_for_version(run_id=run_id, version=version)
+def policy_version_publish(
+    *, run: Run, version: int, checkpoint: Path, rolling: bool = True
+) -> PolicyVersion:
+    """Publish a trained version; call inside the update's transaction. After commit the
+    router loads it (one worker at a time, or all at once for the synchronous baseline,
+    which then waits for it) and its scheduled evaluation, if any, is enqueued."""
+    published = PolicyVersion.objects.create(run=run, version=version, checkpoint=str(checkpoint))
+    eval_schedule_for_version(run_id=run.pk, version=version)
+    transaction.on_commit(
+        functools.partial(
+            router_sync, run_id=run.pk, checkpoint=checkpoint, version=version, rolling=rolling
+        )
+    )
+    return published
+
+
+def update_and_publish(
+    *,
+    run: Run,
+    trainer: PolicyTrainer,
+    batch: batches.Batch,
+    config: UpdateConfig,
+    kind: str,
+    publish: bool,
+    rolling: bool = True,
+) -> None:
+    """Train one update on `batch`, record it (and its version when `publish`) in one
+    transaction, and tell the dashboard after commit."""
+    trained_version = trainer.state.version
+    metrics = trainer.update(batch.samples, config)
+    path = trainer.save_version(trained_version + 1) if publish else None
+    with transaction.atomic():
+        update = batches.batch_commit(
+            run=run, batch=batch, metrics=metrics, trained_version=trained_version, kind=kind
+        )
+        if path is not None:
+            policy_version_publish(
+                run=run, version=trained_version + 1, checkpoint=path, rolling=rolling
+            )
+        publish_on_commit(
+            run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
+        )
+
+
+def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:
+    """The decoupled trainer's time slice: warm start, then an update whenever enough ready
+    groups exist (saying on the run what it waits for meanwhile)."""
+    last_message = ""
+
+    def body(run: Run, cfg: RunConfig) -> str | None:
+        nonlocal last_message
+        trainer = get_trainer(run, cfg)
+        policy_version_record_reach(run_id=run.pk)
+        if trainer.state.updates < cfg.trainer.warm_start_bc_updates:
+            _warm_start_update(run, cfg, trainer)
+            return None
+        batch = batches.batch_collect(run=run, current_version=trainer.state.version)
+        if batch is not None and not batch.samples and batch.empty_group_ids:
+            message = "trainer " + batches.batch_skip(batch=batch)
+            log.info("run %s: %s", run.pk, message)
+            run_set_message(run_id=run.pk, message=message)
+            return None
+        if batch is None or not batch.samples:
+            # A killed env worker leaves its episode running: end it so the group completes.
+            episodes.trajectories_abort_orphans(run_id=run.pk, stale_after_s=cfg.env.silent_after_s)
+            message = _waiting_message(run, cfg)
+            if message != last_message:
+                run_set_message(run_id=run.pk, message=message)
+                last_message = message
+            time.sleep(1.0)
+            return None
+        run_set_message(run_id=run.pk, message=f"training on {len(batch.samples)} steps")
+        update_and_publish(
+            run=run,
+            trainer=trainer,
+            batch=batch,
+            config=update_config(cfg),
+            kind="rl",
+            publish=(trainer.state.updates + 1) % cfg.trainer.checkpoint_every == 0,
+        )
+        last_message = ""
+        return None
+
+    return run_loop(run_id=run_id, max_seconds=max_seconds, stop=stop, body=body)
 
 
 def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None:
-    """One behaviour-cloning update on the experience pool of the run's tasks."""
+    """One behaviour-cloning update on the experience pool of the run's tasks; the last one
+    publishes the warm-started version."""
     batch = batches.pool_batch(
         run=run, cfg=cfg, current_version=trainer.state.version, seed=trainer.state.updates
     )
@@ -186,27 +219,14 @@ def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None
         message=f"behaviour-cloning warm start {trainer.state.updates + 1}/"
         f"{cfg.trainer.warm_start_bc_updates} on {len(batch.samples)} demo steps",
     )
-    bc = dataclasses.replace(update_config(cfg), bc_weight=1.0, kl_coef=0.0)
-    trained_version = trainer.state.version
-    metrics = trainer.update(batch.samples, bc)
-    done = trainer.state.updates >= cfg.trainer.warm_start_bc_updates
-    path = trainer.save_version(trained_version + 1) if done else None
-    with transaction.atomic():
-        update = batches.batch_commit(
-            run=run,
-            batch=batch,
-            metrics=metrics,
-            trained_version=trained_version,
-            kind="warm_start",
-        )
-        if path is not None:
-            PolicyVersion.objects.create(run=run, version=trained_version + 1, checkpoint=str(path))
-            transaction.on_commit(
-                lambda: router_sync(run_id=run.pk, checkpoint=path, version=trained_version + 1)
-            )
-        publish_on_commit(
-            run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
-        )
+    update_and_publish(
+        run=run,
+        trainer=trainer,
+        batch=batch,
+        config=dataclasses.replace(update_config(cfg), bc_weight=1.0, kl_coef=0.0),
+        kind="warm_start",
+        publish=trainer.state.updates + 1 >= cfg.trainer.warm_start_bc_updates,
+    )
 
 
 def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:

@@ -13,7 +13,7 @@ mid-task (SIGKILL, the OOM killer, a lost machine) leaves its message unacknowle
 broker's visibility timeout, an hour. The supervisor restarts the worker process at once, but
 without this the restarted worker would sit idle and the slot or the trainer would be gone
 for that hour, with nothing on the dashboard saying so. Work that is only waiting in a queue
-(a pending marker, datamanager/leases.py) is left alone, so a busy worker pool does not pile
+(a pending marker, workers/leases.py) is left alone, so a busy worker pool does not pile
 up copies; a copy that does start finds the lease held and ends.
 """
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
-
 from datamanager.config import TaskSelection
-from datamanager.models import Run, Task
+from datamanager.models import Task
 
 
 def task_list(*, selection: TaskSelection) -> list[Task]:
@@ -15,7 +13,3 @@ def task_list(*, selection: TaskSelection) -> list[Task]:
         qs = qs.filter(name__in=selection.names)
     wanted = set(selection.tags)
     return [t for t in qs if wanted.issubset(t.tags)]
-
-
-def run_list() -> QuerySet[Run]:
-    return Run.objects.select_related("owner").order_by("-created_at")

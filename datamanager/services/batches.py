@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from django.core.files.storage import default_storage
 from django.db import transaction
 
-from core.prompts import HistoryTurn, build_messages
+from core.prompts import HistoryTurn, build_messages, image_token_counter
 from core.samples import TrainSample, UpdateMetrics
 from datamanager import curation
 from datamanager.config import RunConfig
 from datamanager.models import GroupStatus, Run, Step, TaskGroup, TaskStat, TrainUpdate, Trajectory
+from datamanager.policies import policy_geometry
 
 
 @dataclass
@@ -52,6 +53,7 @@ def trajectory_samples(
 ) -> list[TrainSample]:
     """One TrainSample per step, its prompt rebuilt exactly as the rollout built it."""
     out = []
+    count_image_tokens = image_token_counter(policy_geometry(cfg.policy))
     shots: list[bytes] = []
     history: list[HistoryTurn] = []
     for step in steps:
@@ -65,6 +67,7 @@ def trajectory_samples(
                 screenshots=shots[-cfg.rollout.max_images :],
                 max_images=cfg.rollout.max_images,
                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                count_image_tokens=count_image_tokens,
             )
             out.append(
                 TrainSample(
@@ -85,10 +88,6 @@ def trajectory_samples(
             )
         history.append(HistoryTurn.from_output(step.raw_output))
     return out
-
-
-def ready_group_count(*, run_id: int) -> int:
-    return TaskGroup.objects.filter(run_id=run_id, status=GroupStatus.READY).count()
 
 
 def batch_collect(*, run: Run, current_version: int, min_groups: int | None = None) -> Batch | None:

@@ -10,6 +10,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from core.imaging import ImageGeometry
 from datamanager.models import Step, Task, TaskStat, Trajectory
 
 
@@ -32,8 +33,10 @@ def demo_store(
     reward: float,
     source: str = "precollected",
     in_pool: bool = True,
+    geometry: ImageGeometry | None = None,
 ) -> Trajectory:
-    """One successful trajectory with its steps, in the task's experience pool."""
+    """One successful trajectory with its steps, in the task's experience pool. `geometry`
+    is the image geometry its model coordinates were written in (oracle demos)."""
     now = timezone.now()
     traj = Trajectory.objects.create(
         task=task,
@@ -44,6 +47,7 @@ def demo_store(
         in_pool=in_pool,
         instruction=instruction,
         finished_at=now,
+        details={"image_geometry": geometry.to_json()} if geometry is not None else {},
     )
     for i, s in enumerate(steps):
         step = Step(
@@ -78,3 +82,20 @@ def pool_refresh(*, task_ids: list[int]) -> None:
 
 def pool_count(*, task: Task) -> int:
     return Trajectory.objects.filter(task=task, in_pool=True).count()
+
+
+@transaction.atomic
+def pool_retire_other_geometry(*, task: Task, geometry: ImageGeometry) -> int:
+    """Take out of the pool the task's oracle demos written in another image geometry (or
+    before demos recorded theirs): a warm start on them clones clicks in a coordinate space
+    the policy never sees. They stay stored, out of the pool. Returns how many."""
+    wanted = geometry.to_json()
+    stale = [
+        t.pk
+        for t in Trajectory.objects.filter(task=task, in_pool=True, source="precollected")
+        if t.details.get("image_geometry") != wanted
+    ]
+    Trajectory.objects.filter(pk__in=stale).update(in_pool=False)
+    if stale:
+        pool_refresh(task_ids=[task.pk])
+    return len(stale)

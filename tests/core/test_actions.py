@@ -11,11 +11,10 @@ from core.actions import (
     format_action,
     format_action_call,
     from_screen,
-    model_image_size,
     parse_output,
-    smart_resize,
     to_screen,
 )
+from core.imaging import QWEN25_VL
 from core.protocol import SCROLL_DIRECTIONS, Action, ActionType
 
 # ---------------------------------------------------------------------------------------------
@@ -313,61 +312,7 @@ def test_arbitrary_text_raises_nothing_but_action_parse_error(text: str, coords:
 
 
 # ---------------------------------------------------------------------------------------------
-# smart_resize and coordinate mapping
-
-
-@pytest.mark.parametrize(
-    ("height", "width", "expected"),
-    [
-        (210, 160, (224, 168)),  # MiniWoB: 210/28 = 7.5 rounds (half to even) to 8
-        (1080, 1920, (1092, 1932)),  # 38.57 -> 39, 68.57 -> 69; 2.1 MP is under the cap
-        (42, 1000, (56, 1008)),  # 1.5 -> 2, 35.7 -> 36
-        (70, 700, (56, 700)),  # 2.5 rounds to 2 (half to even)
-        (20, 30, (56, 84)),  # 28x28 < min_pixels: beta = sqrt(3136/600) = 2.286, ceil
-        (
-            4000,
-            6000,
-            (2912, 4368),
-        ),  # 24 MP > max: beta = 1.3669, floor(104.5)=104, floor(156.8)=156
-    ],
-)
-def test_smart_resize_known_values(height: int, width: int, expected: tuple[int, int]) -> None:
-    assert smart_resize(height, width) == expected
-
-
-def test_smart_resize_with_the_transformers_processor_default_cap() -> None:
-    # Qwen2VLImageProcessor's own default max_pixels is 28*28*1280.
-    assert smart_resize(1080, 1920, max_pixels=28 * 28 * 1280) == (728, 1316)
-
-
-def test_smart_resize_refuses_extreme_aspect_ratios() -> None:
-    with pytest.raises(ValueError, match="aspect ratio must be at most 200"):
-        smart_resize(10, 2500)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    height=st.integers(min_value=15, max_value=5000),
-    width=st.integers(min_value=15, max_value=5000),
-    max_pixels=st.sampled_from([16384 * 28 * 28, 28 * 28 * 1280, 200 * 28 * 28]),
-)
-def test_smart_resize_matches_the_transformers_image_processor(
-    height: int, width: int, max_pixels: int
-) -> None:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        smart_resize as reference,
-    )
-
-    if max(height, width) / min(height, width) > 200:
-        return
-    assert smart_resize(height, width, max_pixels=max_pixels) == reference(
-        height, width, min_pixels=4 * 28 * 28, max_pixels=max_pixels
-    )
-
-
-def test_model_image_size_is_width_then_height() -> None:
-    assert model_image_size(width=1920, height=1080) == (1932, 1092)
-    assert model_image_size(width=160, height=210) == (168, 224)
+# coordinate mapping
 
 
 @pytest.mark.parametrize(
@@ -424,7 +369,7 @@ def test_from_screen_then_to_screen_lands_within_one_model_pixel(
 ) -> None:
     if max(screen) / min(screen) > 200:
         return
-    model = model_image_size(width=screen[0], height=screen[1])
+    model = QWEN25_VL.model_size(width=screen[0], height=screen[1])
     x, y = int(point[0] * screen[0]), int(point[1] * screen[1])
     action = Action(type=ActionType.CLICK, x=x, y=y)
     back = to_screen(

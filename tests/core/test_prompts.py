@@ -7,15 +7,17 @@ import io
 import pytest
 from PIL import Image
 
+from core.imaging import QWEN25_VL
 from core.prompts import (
     DEFAULT_SYSTEM_PROMPT,
     HistoryTurn,
     build_messages,
     decode_image_parts,
-    estimate_image_tokens,
     estimate_tokens,
     image_part,
+    image_token_counter,
 )
+from training.tiny_policy import TINY_GEOMETRY
 
 
 def png(width: int, height: int, shade: int = 0) -> bytes:
@@ -79,7 +81,11 @@ def test_first_turn_is_instruction_and_current_screen() -> None:
 def test_a_tiny_budget_keeps_instruction_and_current_screen() -> None:
     history, screenshots = episode(6)
     messages = build_messages(
-        instruction="Book a flight", history=history, screenshots=screenshots, max_prompt_tokens=1
+        instruction="Book a flight",
+        history=history,
+        screenshots=screenshots,
+        max_prompt_tokens=1,
+        count_image_tokens=image_token_counter(QWEN25_VL),
     )
     assert messages == [
         {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
@@ -127,10 +133,16 @@ def test_the_budget_drops_the_oldest_turns_first() -> None:
 
 def test_default_budget_counts_qwen_image_tokens() -> None:
     assert estimate_tokens("abcde") == 2
-    assert estimate_image_tokens(png(160, 210)) == 48  # 168x224 model image, 6x8 tokens
+    count = image_token_counter(QWEN25_VL)
+    assert count(png(160, 210)) == 48  # 168x224 model image, 6x8 tokens
+    assert image_token_counter(TINY_GEOMETRY)(png(800, 600)) == 234  # 504x364: 18x13
     history, screenshots = episode(3)
     small = build_messages(
-        instruction="x", history=history, screenshots=screenshots, max_prompt_tokens=10_000
+        instruction="x",
+        history=history,
+        screenshots=screenshots,
+        max_prompt_tokens=10_000,
+        count_image_tokens=count,
     )
     assert len(assistant_texts(small)) == 3
 

@@ -4,7 +4,6 @@ trajectory with the arrow keys, promote it and override its reward."""
 
 from __future__ import annotations
 
-import io
 import socket
 import subprocess
 import sys
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
-from PIL import Image
 
 from core.procutil import terminate_pid
+from tests.conftest import png_bytes
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,17 +92,11 @@ def page(monkeypatch):
             browser.close()
 
 
-def png(color) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (160, 210), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def record(trajectory_id: int, index: int, action: dict) -> None:
     from datamanager.services.episodes import step_record
 
     step_record(
-        trajectory_id=trajectory_id, index=index, screenshot_png=png((40 * index, 120, 200)),
+        trajectory_id=trajectory_id, index=index, screenshot_png=png_bytes(color=(40 * index, 120, 200)),
         width=160, height=210, raw_output=f"Thought: go {index}\nAction: click(...)",
         thought=f"go {index}", action=action, parse_error="", prompt_tokens=10,
         response_tokens=5, rollout_logprobs=[-0.2, -0.1], mean_entropy=0.4, policy_version=0,

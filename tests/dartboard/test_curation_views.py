@@ -12,7 +12,6 @@ import pytest
 from django.conf import settings
 from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
-from PIL import Image
 
 from datamanager.archive import InvalidUpload, archive_read
 from datamanager.config import RunConfig
@@ -25,14 +24,9 @@ from datamanager.services.episodes import (
     taskstats_ensure,
     trajectory_finish,
 )
+from tests.conftest import png_bytes
 
 pytestmark = pytest.mark.django_db
-
-
-def png(color=(10, 200, 30), size=(160, 210)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture
@@ -48,7 +42,7 @@ def finished(run, *, steps=4, success=True) -> Trajectory:
     claim = task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
     for i in range(steps):
         step_record(
-            trajectory_id=claim.trajectory_id, index=i, screenshot_png=png((i * 50, 0, 0)),
+            trajectory_id=claim.trajectory_id, index=i, screenshot_png=png_bytes(color=(i * 50, 0, 0)),
             width=160, height=210, raw_output="Action: wait()", thought=f"t{i}",
             action={"type": "click", "x": i, "y": i}, parse_error="", prompt_tokens=1,
             response_tokens=1, rollout_logprobs=[-1.0], mean_entropy=0.5, policy_version=1,
@@ -212,7 +206,10 @@ def upload(client, data: bytes, in_pool=True):
 
 
 def test_upload_imports_trajectories_with_screenshots(ada_client, run):
-    files = {"s/0.png": png(), "s/1.png": png((0, 0, 255), (300, 200))}
+    files = {
+        "s/0.png": png_bytes(color=(10, 200, 30)),
+        "s/1.png": png_bytes(300, 200, color=(0, 0, 255)),
+    }
     r = upload(ada_client, archive(GOOD, files))
     assert r.status_code == 302 and r["Location"] == "/trajectories/?source=precollected"
     ok, bad = Trajectory.objects.filter(source="precollected").order_by("pk")
@@ -240,11 +237,11 @@ def test_upload_imports_trajectories_with_screenshots(ada_client, run):
 @pytest.mark.parametrize(
     ("manifest", "files", "errors"),
     [
-        (GOOD, {"s/0.png": png()}, ["manifest.json: [0].steps[1].screenshot: 's/1.png' is not in the archive"]),
-        ([{**GOOD[0], "task": "nope"}], {"s/0.png": png(), "s/1.png": png()},
+        (GOOD, {"s/0.png": png_bytes(color=(10, 200, 30))}, ["manifest.json: [0].steps[1].screenshot: 's/1.png' is not in the archive"]),
+        ([{**GOOD[0], "task": "nope"}], {"s/0.png": png_bytes(color=(10, 200, 30)), "s/1.png": png_bytes(color=(10, 200, 30))},
          ["manifest.json: [0].task: no task named 'nope'; import it first"]),
-        ([{**GOOD[1], "reward": 3}], {"s/0.png": png()}, ["manifest.json: [0].reward: must be a number in [0, 1], got 3"]),
-        ([{**GOOD[1], "steps": [{"screenshot": "s/0.png", "action": {"type": "click"}}]}], {"s/0.png": png()},
+        ([{**GOOD[1], "reward": 3}], {"s/0.png": png_bytes(color=(10, 200, 30))}, ["manifest.json: [0].reward: must be a number in [0, 1], got 3"]),
+        ([{**GOOD[1], "steps": [{"screenshot": "s/0.png", "action": {"type": "click"}}]}], {"s/0.png": png_bytes(color=(10, 200, 30))},
          ["manifest.json: [0].steps[0].action: click needs x and y"]),
         ([{**GOOD[1]}], {"s/0.png": b"GIF89a not a png"}, ["s/0.png: not a readable PNG"]),
         ({"not": "a list"}, {}, ["manifest.json: must be a non-empty list of trajectories"]),
@@ -290,7 +287,16 @@ def test_failed_import_cleans_up_written_files(run, monkeypatch):
     monkeypatch.setattr(Step, "save", failing_save)
     with pytest.raises(RuntimeError):
         curate.trajectories_import(
-            fileobj=io.BytesIO(archive(GOOD, {"s/0.png": png(), "s/1.png": png()})), in_pool=True
+            fileobj=io.BytesIO(
+                archive(
+                    GOOD,
+                    {
+                        "s/0.png": png_bytes(color=(10, 200, 30)),
+                        "s/1.png": png_bytes(color=(10, 200, 30)),
+                    },
+                )
+            ),
+            in_pool=True,
         )
     assert not Trajectory.objects.filter(source="precollected").exists()
     assert media_files() == files_before

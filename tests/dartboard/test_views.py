@@ -3,12 +3,10 @@ charts, the task board, the trajectory list and inspector; and nothing without a
 
 from __future__ import annotations
 
-import io
 import re
 
 import pytest
 from django.test import Client
-from PIL import Image
 
 from datamanager.config import RunConfig
 from datamanager.models import (
@@ -29,14 +27,9 @@ from datamanager.services.episodes import (
     taskstats_ensure,
     trajectory_finish,
 )
+from tests.conftest import png_bytes
 
 pytestmark = pytest.mark.django_db
-
-
-def png(color=(200, 220, 240), size=(160, 210)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def make_run(owner=None, name="click-run", **cfg) -> Run:
@@ -61,7 +54,7 @@ def episode(run: Run, slot: EnvSlot | None, *, steps: int, success: bool | None,
         step_record(
             trajectory_id=claim.trajectory_id,
             index=i,
-            screenshot_png=png((i * 40 % 255, 90, 200)),
+            screenshot_png=png_bytes(color=(i * 40 % 255, 90, 200)),
             width=160,
             height=210,
             raw_output=f"Thought: step {i}\nAction: click(...)",

@@ -17,6 +17,7 @@ from envmanager.miniwob_tasks import (
     miniwob_task_names,
     miniwob_task_records,
 )
+from training.tiny_policy import TINY_GEOMETRY
 
 
 def miniwob_spec(subdomain: str, seed: int = 0) -> TaskSpec:
@@ -179,8 +180,8 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
     from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
     from rollout.episode import EpisodeConfig, ListRecorder, run_episode
 
-    config = EpisodeConfig(step_cap=3, image_min_pixels=4 * 28 * 28, image_max_pixels=256 * 28 * 28)
-    oracle = OracleEndpoint(min_pixels=config.image_min_pixels, max_pixels=config.image_max_pixels)
+    config = EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY)
+    oracle = OracleEndpoint(geometry=config.image_geometry)
     clicker = _RepeatFirstAnswer(lambda messages: oracle.complete(messages).text)
     recorder = ListRecorder()
     result = run_episode(
@@ -246,8 +247,7 @@ def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
     result = run_episode(
         env=miniwob_env, policy=Timed(), recorder=ListRecorder(),
         task=miniwob_spec("click-test", seed=4), pacer=pacer(),
-        config=EpisodeConfig(step_cap=3, image_min_pixels=4 * 28 * 28,
-                             image_max_pixels=256 * 28 * 28),
+        config=EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY),
     )  # fmt: skip
     thread.join(timeout=20)
     assert (result.end_reason, result.steps) == ("step_cap", 3)

@@ -8,24 +8,23 @@ import torch
 
 from core.policy_io import load_policy
 from training.pretrain import (
-    ImageBounds,
     attention_supervision_loss,
     bc_batch_loss_cached,
     target_image_tokens,
 )
 from training.synthetic import box_sample, make_sample
-from training.tiny_policy import build_tiny_policy
+from training.tiny_policy import TINY_GEOMETRY, build_tiny_policy
 
 
 def test_target_tokens_are_the_28px_cells_the_box_overlaps():
     # 160x210 -> 168x224 model px: 6 columns x 8 rows of 28 px cells; sx = 1.05, sy = 224/210.
-    assert target_image_tokens(box_sample((0, 0, 10, 10)), bounds=ImageBounds()) == [0]
+    assert target_image_tokens(box_sample((0, 0, 10, 10)), geometry=TINY_GEOMETRY) == [0]
     # x 30..50 -> 31.5..52.5 (column 1); y 90..100 -> 96.0..106.7 (row 3): token 3*6+1.
-    assert target_image_tokens(box_sample((30, 90, 50, 100)), bounds=ImageBounds()) == [19]
+    assert target_image_tokens(box_sample((30, 90, 50, 100)), geometry=TINY_GEOMETRY) == [19]
     # y 100..110 -> 106.7..117.3 crosses into row 4 (from 112 px): tokens 19 and 25.
-    assert target_image_tokens(box_sample((30, 100, 50, 110)), bounds=ImageBounds()) == [19, 25]
+    assert target_image_tokens(box_sample((30, 100, 50, 110)), geometry=TINY_GEOMETRY) == [19, 25]
     # Straddling two columns and two rows: 4 tokens.
-    assert target_image_tokens(box_sample((20, 20, 40, 40)), bounds=ImageBounds()) == [0, 1, 6, 7]
+    assert target_image_tokens(box_sample((20, 20, 40, 40)), geometry=TINY_GEOMETRY) == [0, 1, 6, 7]
 
 
 def test_attention_loss_is_minus_log_of_the_mass_on_the_target():
@@ -84,9 +83,9 @@ def test_one_supervised_step_moves_the_head_towards_the_target(arch, tmp_path):
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.5)
 
     def attention_only() -> torch.Tensor:
-        bc = bc_batch_loss_cached(policy, batch, coords="pixel", bounds=ImageBounds())
+        bc = bc_batch_loss_cached(policy, batch, coords="pixel", geometry=TINY_GEOMETRY)
         both = bc_batch_loss_cached(
-            policy, batch, coords="pixel", bounds=ImageBounds(), attention_weight=1.0
+            policy, batch, coords="pixel", geometry=TINY_GEOMETRY, attention_weight=1.0
         )
         return both - bc
 
@@ -106,7 +105,7 @@ def test_attention_supervision_without_eager_attention_is_a_clear_error(tmp_path
             policy,
             [make_sample(random.Random(0))],
             coords="pixel",
-            bounds=ImageBounds(),
+            geometry=TINY_GEOMETRY,
             attention_weight=1.0,
         )
 
@@ -119,7 +118,7 @@ def test_cached_loss_equals_the_plain_loss_even_when_every_row_shares_the_instru
     same = [box_sample((10, 60, 40, 80)), box_sample((90, 120, 130, 140))]  # the same instruction
     mixed = [make_sample(random.Random(i)) for i in range(3)]
     for batch in (same, mixed):
-        kw = {"coords": "pixel", "bounds": ImageBounds()}
+        kw = {"coords": "pixel", "geometry": TINY_GEOMETRY}
         with torch.no_grad():
             plain = bc_batch_loss(policy, batch, **kw)
             cached = bc_batch_loss_cached(policy, batch, **kw)

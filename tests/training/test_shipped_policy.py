@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from core.policy_io import load_policy
-from training.pretrain import ImageBounds, grounding_accuracy
+from training.pretrain import grounding_accuracy
 from training.synthetic import make_sample
+from training.tiny_policy import TINY_GEOMETRY
 
 SHIPPED = Path(__file__).resolve().parents[2] / "policies" / "tiny-grounded"
 
@@ -40,7 +41,7 @@ def test_it_loads_as_qwen3_vl_and_clicks_on_unseen_screens(shipped):
     # Synthetic screens from a seed no training batch drew (the pretraining uses seed 0's
     # stream; its held-out set uses 10_000_019).
     screens = [make_sample(random.Random(424_242 + i)) for i in range(32)]
-    figures = grounding_accuracy(shipped, screens, coords="pixel", bounds=ImageBounds())
+    figures = grounding_accuracy(shipped, screens, coords="pixel", geometry=TINY_GEOMETRY)
     assert figures["parse_rate"] == 1.0
     # A random click lands in a synthetic target ~3% of the time (their mean share of the
     # screen); the untrained policy never produces a click at all.

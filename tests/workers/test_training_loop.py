@@ -5,6 +5,7 @@ import pytest
 import torch
 from django.conf import settings
 
+from datamanager.config import RunConfig
 from datamanager.models import GroupStatus, PolicyVersion, Run, Step, TaskGroup, TrainUpdate
 from datamanager.services import batches
 from tests.datamanager.factories import make_running_run, make_tasks, play
@@ -117,6 +118,11 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
     Run.objects.filter(pk=run.pk).update(
         config={**run.config, "trainer": {**run.config["trainer"], "max_updates": 2}}
     )
+    run.refresh_from_db()
+    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    assert (resumed.state.updates, resumed.state.version) == (1, 1)
+    for name, value in resumed.policy.model.state_dict().items():
+        assert torch.equal(value, weights[name]), f"{name} differs from the published version"
     _fill(run, version=1)
     training_loop.train_for(run_id=run.pk, max_seconds=120)
     trainer = training_loop._TRAINERS[run.pk]

@@ -1,14 +1,21 @@
-"""`python manage.py collect_demos [--per-task N] [--tasks a,b] [--kinds miniwob,desktop]`:
+"""`python manage.py collect_demos [--per-task N] [--tasks a,b] [--kinds miniwob,desktop]
+[--policy shipped]`:
 solve tasks with the scripted oracles in real environments and put the successes in each
 task's experience pool. Failed oracle episodes are reported, never stored as demos."""
 
-from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
+from core.imaging import ProcessorNotSupported
 from core.protocol import TaskSpec
 from datamanager.models import Task
-from datamanager.services.pool import DemoStep, demo_store, pool_count
+from datamanager.policies import PolicyNotFound, policy_geometry
+from datamanager.services.pool import (
+    DemoStep,
+    demo_store,
+    pool_count,
+    pool_retire_other_geometry,
+)
 from envmanager.demo_collection import collect_demo
 from envmanager.oracles import has_oracle
 from workers.slot_worker import discard_env, process_env
@@ -24,12 +31,27 @@ class Command(BaseCommand):
         )
         parser.add_argument("--kinds", default="miniwob", help="Backends: miniwob,desktop.")
         parser.add_argument("--split", default="train")
+        parser.add_argument(
+            "--policy",
+            default="shipped",
+            help="The policy the demos are for: they are written in its model coordinates.",
+        )
 
-    def handle(self, *args, per_task, tasks, kinds, split, **options):
+    def handle(self, *args, per_task, tasks, kinds, split, policy, **options):
+        try:
+            geometry = policy_geometry(policy)
+        except (PolicyNotFound, ProcessorNotSupported) as exc:
+            raise CommandError(str(exc)) from None
         kinds = [k for k in kinds.split(",") if k]
         qs = Task.objects.filter(env_kind__in=kinds, split=split)
         if tasks:
             qs = qs.filter(name__in=tasks.split(","))
+        retired = sum(pool_retire_other_geometry(task=t, geometry=geometry) for t in qs)
+        if retired:
+            self.stdout.write(
+                f"{retired} pool demos in another image geometry than {policy!r}'s taken out "
+                "of the pool (collected again below)"
+            )
         todo = [
             t
             for t in qs
@@ -52,8 +74,7 @@ class Command(BaseCommand):
                     outcome = collect_demo(
                         env=env,
                         task=spec,
-                        min_pixels=settings.DARTBOARD_IMAGE_MIN_PIXELS,
-                        max_pixels=settings.DARTBOARD_IMAGE_MAX_PIXELS,
+                        geometry=geometry,
                     )
                     if not outcome.success or not outcome.steps:
                         failed += 1
@@ -66,6 +87,7 @@ class Command(BaseCommand):
                         instruction=outcome.instruction,
                         reward=outcome.reward,
                         steps=[DemoStep(*s) for s in outcome.steps],
+                        geometry=geometry,
                     )
                     stored += 1
         finally:

@@ -1,0 +1,51 @@
+"""Resolving a run's policy name to its checkpoint directory and its image geometry."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from django.conf import settings
+
+from core.imaging import QWEN25_VL, ImageGeometry
+
+ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
+
+SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
+
+
+class PolicyNotFound(Exception):
+    pass
+
+
+def policy_path(name: str) -> Path:
+    """'shipped' (the repository's pretrained tiny policy), 'untrained' (built by
+    `manage.py make_tiny_policy`) or a local Hugging Face checkpoint directory."""
+    if name == "shipped":
+        path = SHIPPED_POLICY
+        if not (path / "config.json").exists():
+            # Until a grounded policy ships, fall back to the locally built untrained one.
+            path = settings.DARTBOARD_HOME / "policies" / "untrained"
+    elif name == "untrained":
+        path = settings.DARTBOARD_HOME / "policies" / "untrained"
+    else:
+        path = Path(name).expanduser()
+    if not (path / "config.json").exists():
+        raise PolicyNotFound(
+            f"policy {name!r}: no Hugging Face checkpoint at {path} (run "
+            "`python manage.py make_tiny_policy` for the untrained tiny policy)"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry_of(path: str) -> ImageGeometry:
+    return ImageGeometry.from_policy_dir(path)
+
+
+def policy_geometry(name: str) -> ImageGeometry:
+    """The image geometry of the policy's processor: every coordinate and image-token count
+    of a run comes from here. The scripted oracle writes and reads Qwen2.5-VL's."""
+    if name == ORACLE_POLICY:
+        return QWEN25_VL
+    return _geometry_of(str(policy_path(name)))

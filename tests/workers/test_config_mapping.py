@@ -1,0 +1,107 @@
+"""Every run knob reaches the code it is meant to change, or says where it is read; a knob
+that would do nothing under the chosen setting is refused with its field named."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, get_args
+
+import pytest
+
+from datamanager.config import ConfigError, RunConfig
+from workers.config_mapping import READ_ELSEWHERE, episode_config, update_config
+
+
+def leaf_fields(cls: type = RunConfig, prefix: str = "") -> dict[str, Any]:
+    """'section.name' -> type hint of every leaf field of the run config."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(leaf_fields(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = hints[f.name]
+    return out
+
+
+def read_elsewhere(path: str) -> bool:
+    return path in READ_ELSEWHERE or f"{path.split('.')[0]}.*" in READ_ELSEWHERE
+
+
+def other_value(hint: Any, value: Any) -> Any:
+    """A valid value different from the default."""
+    if hint is bool:
+        return not value
+    choices = get_args(hint)
+    if choices and all(isinstance(c, str) for c in choices):
+        return next(c for c in choices if c != value)
+    if hint is int or isinstance(value, int):
+        return value + 1
+    return value * 0.5 if value else 0.5
+
+
+def mapped_outputs(cfg: RunConfig) -> tuple[Any, Any]:
+    return update_config(cfg), episode_config(cfg, step_cap=5, seed=1)
+
+
+def with_field(path: str, value: Any) -> RunConfig:
+    section, _, name = path.rpartition(".")
+    data: dict[str, Any] = {name: value}
+    if section:
+        data = {section: data}
+    return RunConfig.from_dict(data)
+
+
+MAPPED = [p for p in leaf_fields() if not read_elsewhere(p)]
+
+
+def test_every_run_knob_is_mapped_or_says_where_it_is_read() -> None:
+    stale = [p for p in READ_ELSEWHERE if not p.endswith(".*") and p not in leaf_fields()]
+    assert not stale, f"READ_ELSEWHERE names fields the run config no longer has: {stale}"
+    assert "trainer.ppo_epochs" in MAPPED and "trainer.mini_batches" in MAPPED
+    assert "rollout.max_images" in MAPPED and "trainer.gspo_clip_low" in MAPPED
+
+
+@pytest.mark.parametrize("path", MAPPED)
+def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -> None:
+    hints = leaf_fields()
+    default = RunConfig()
+    section, _, name = path.rpartition(".")
+    value = getattr(getattr(default, section) if section else default, name)
+    if path == "trainer.loss_type":
+        changed = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
+    elif path.startswith("trainer.gspo_clip"):
+        changed = RunConfig.from_dict(
+            {"trainer": {"loss_type": "gspo", name: other_value(hints[path], value)}}
+        )
+        default = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
+    else:
+        changed = with_field(path, other_value(hints[path], value))
+    assert mapped_outputs(changed) != mapped_outputs(default), f"{path} reaches nothing"
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"trainer": {"loss_type": "gspo", "clip_low": 0.1}}, "trainer.clip_low"),
+        ({"trainer": {"loss_type": "gspo", "clip_high": 0.3}}, "trainer.clip_high"),
+        ({"trainer": {"gspo_clip_high": 0.01}}, "trainer.gspo_clip_high"),
+        ({"curation": {"truncated_is": False, "is_cap": 2.0}}, "curation.is_cap"),
+        ({"curation": {"high_entropy": False, "entropy_top_q": 0.5}}, "curation.entropy_top_q"),
+        ({"curation": {"dynamic_budget": False, "n_min": 3}}, "curation.n_min"),
+    ],
+)
+def test_a_knob_that_does_nothing_under_the_chosen_setting_is_refused(
+    data: dict, field: str
+) -> None:
+    with pytest.raises(ConfigError, match="has no effect") as caught:
+        RunConfig.from_dict(data)
+    assert caught.value.path == field
+
+
+def test_evaluation_and_rollout_share_the_run_settings() -> None:
+    cfg = RunConfig.from_dict({"rollout": {"max_images": 2, "max_new_tokens": 40}})
+    greedy = episode_config(cfg, step_cap=7, seed=3, temperature=0.0)
+    assert (greedy.max_images, greedy.max_new_tokens, greedy.temperature) == (2, 40, 0.0)
+    assert greedy.image_geometry == episode_config(cfg, step_cap=1, seed=1).image_geometry

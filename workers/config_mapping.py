@@ -1,0 +1,95 @@
+"""The one mapping from a run's config to what the DART modules take: `UpdateConfig` for the
+trainer, `EpisodeConfig` for rollout and evaluation.
+
+Every RunConfig field is either mapped here or named in `READ_ELSEWHERE` with the place that
+reads it; tests/workers/test_config_mapping.py checks both, so a new knob cannot be dropped
+on the way to the code it is meant to change.
+"""
+
+from __future__ import annotations
+
+from core.imaging import ImageGeometry
+from datamanager.config import RunConfig
+from datamanager.policies import policy_geometry
+from rollout.episode import EpisodeConfig
+from training.update import UpdateConfig
+
+READ_ELSEWHERE: dict[str, str] = {
+    "mode": "workers.runs.run_live_work (decoupled or the synchronous driver)",
+    "sync_lockstep": "workers.sync_loop.sync_round",
+    "policy": "datamanager.policies (start checkpoint and image geometry)",
+    "seed": "datamanager.services.episodes (task sampling and decode seeds)",
+    "tasks.*": "datamanager.selectors.tasks.task_list",
+    "env.*": "workers.slot_worker and workers.runs (slots, timeouts, heartbeats)",
+    "rollout.request_timeout_s": "workers.slot_worker (the policy client's timeout)",
+    "rollout.inference_workers": "dartboard.launcher (inference workers started)",
+    "trainer.lr": "workers.training_loop.get_trainer (the optimizer)",
+    "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",
+    "trainer.min_groups": "datamanager.services.batches.batch_collect",
+    "trainer.max_steps_per_update": "datamanager.services.batches.batch_collect",
+    "trainer.warm_start_bc_updates": "workers.training_loop (the warm start)",
+    "trainer.checkpoint_every": "workers.training_loop (when a version is published)",
+    "trainer.max_updates": "workers.training_loop.run_loop",
+    "trainer.bf16": "workers.training_loop.get_trainer",
+    "curation.dynamic_budget": "datamanager.services.episodes (rollout budgets)",
+    "curation.n_max": "datamanager.services.episodes (rollout budgets)",
+    "curation.n_min": "datamanager.services.episodes (rollout budgets)",
+    "curation.budget_threshold": "datamanager.services.episodes (rollout budgets)",
+    "curation.dynamic_step_cap": "datamanager.services.episodes (step caps)",
+    "curation.default_step_cap": "datamanager.services.episodes (step caps)",
+    "curation.step_cap_margin": "datamanager.services.episodes (step caps)",
+    "curation.experience_pool": "datamanager.services.episodes and batches (pool joins)",
+    "curation.pool_ratio": "datamanager.services.episodes (pool joins)",
+    "curation.staleness_k": "datamanager.services.batches (stale steps left out)",
+    "curation.max_uses_per_step": "datamanager.services.batches",
+    "curation.success_window": "datamanager.services.episodes (task success rates)",
+    "evaluation.*": "workers.evaluation (scheduled evaluation)",
+}
+
+
+def update_config(cfg: RunConfig) -> UpdateConfig:
+    """The trainer's knobs for one RL update of this run."""
+    t, c = cfg.trainer, cfg.curation
+    return UpdateConfig(
+        loss_type=t.loss_type,
+        aggregation=t.loss_aggregation,
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        gspo_clip_low=t.gspo_clip_low,
+        gspo_clip_high=t.gspo_clip_high,
+        kl_coef=t.kl_coef,
+        bc_weight=t.bc_weight,
+        entropy_top_q=c.entropy_top_q if c.high_entropy else 1.0,
+        entropy_recenter=c.entropy_recenter,
+        truncated_is=c.truncated_is,
+        is_cap=c.is_cap,
+        micro_batch=t.micro_batch,
+        mini_batches=t.mini_batches,
+        ppo_epochs=t.ppo_epochs,
+        max_grad_norm=t.grad_clip,
+    )
+
+
+def episode_config(
+    cfg: RunConfig,
+    *,
+    step_cap: int,
+    seed: int | None,
+    temperature: float | None = None,
+    geometry: ImageGeometry | None = None,
+) -> EpisodeConfig:
+    """Rollout settings of this run for one episode. `temperature` overrides the run's
+    (evaluation decodes greedily with 0); `geometry` that of the run's policy (evaluation of
+    another checkpoint)."""
+    r = cfg.rollout
+    return EpisodeConfig(
+        step_cap=step_cap,
+        max_images=r.max_images,
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature if temperature is None else temperature,
+        top_p=r.top_p,
+        max_parse_errors=r.max_parse_errors,
+        seed=seed,
+        image_geometry=geometry or policy_geometry(cfg.policy),
+    )

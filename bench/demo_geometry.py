@@ -32,6 +32,7 @@ from core.protocol import TaskSpec  # noqa: E402
 from envmanager.demo_collection import collect_demo  # noqa: E402
 from envmanager.desktop_env import DesktopEnv  # noqa: E402
 from envmanager.desktop_tasks import DESKTOP_TASKS  # noqa: E402
+from envmanager.miniwob_env import MiniWoBEnv  # noqa: E402
 
 SHIPPED = ROOT / "policies" / "tiny-grounded"
 
@@ -73,6 +74,20 @@ def main() -> None:
             rows.append((name, demo_nll(policy, old, QWEN25_VL), demo_nll(policy, new, shipped)))
     finally:
         env.close()
+    # Control: a MiniWoB++ click demo (160x210 is the same model image in both geometries),
+    # on the screens the shipped policy was pretrained on.
+    miniwob = MiniWoBEnv()
+    try:
+        spec = TaskSpec(
+            name="miniwob/click-button",
+            env_kind="miniwob",
+            env_config={"task": "click-button"},
+            seed=10_000,
+        )
+        demo = collect_demo(env=miniwob, task=spec, geometry=shipped)
+        control = demo_nll(policy, demo, shipped)
+    finally:
+        miniwob.close()
     print(f"shipped policy {SHIPPED.name}: processor {shipped}")
     print(
         "| desktop task | NLL/token, Qwen2.5-VL bounds (before) | NLL/token, policy's processor |"
@@ -84,6 +99,7 @@ def main() -> None:
         f"| mean | {statistics.fmean(r[1] for r in rows):.2f} | "
         f"{statistics.fmean(r[2] for r in rows):.2f} |"
     )
+    print(f"| control: miniwob/click-button | {control:.2f} | {control:.2f} |")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def _evaluate(label: str, policy: str, *, args, seed_base: int) -> dict:
     """Greedy success on the held-out seeds (unless --k 0) and, with --instances, on the
     training instances: {"" or "train_": (success rate, {task: success rate})}."""
     from datamanager.models import Task
-    from workers.evaluation import eval_job_create, eval_job_run
+    from datamanager.services.evaluations import eval_job_create
+    from workers.evaluation import eval_job_run
 
     task_rows = list(Task.objects.filter(name__in=_tasks(args)))
     evals = [("", args.k, args.eval_seed)] if args.k else []

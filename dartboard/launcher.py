@@ -153,7 +153,7 @@ def default_specs(
     inference_workers: int = 1,
     router_port: int = 8100,
 ) -> list[ProcSpec]:
-    """web (daphne), Celery workers (rollout, train, one solo worker per env slot), Celery
+    """web (daphne), Celery workers (default, train, one solo worker per env slot), Celery
     beat (the runs watchdog) and,
     with a policy, the rollout service: inference workers behind the router."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
@@ -163,16 +163,8 @@ def default_specs(
             python_argv("-m", "daphne", "-b", host, "-p", str(port), "dartboard.asgi:application"),
         ),
         ProcSpec(
-            "worker-rollout",
-            [
-                *celery,
-                "-Q",
-                "rollout,default",
-                "--pool=threads",
-                "--concurrency=4",
-                "-n",
-                "rollout@%h",
-            ],
+            "worker-default",
+            [*celery, "-Q", "default", "--pool=threads", "--concurrency=4", "-n", "default@%h"],
         ),
         ProcSpec("worker-train", [*celery, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
         # The runs watchdog (workers/watchdog.py): brings back the slot and trainer tasks

@@ -44,7 +44,7 @@ from datamanager.models import (
     Trajectory,
 )
 from workers.leases import redis_client
-from workers.runs import run_live_work as live_work
+from workers.runs import run_live_work
 
 FINISHED = ("succeeded", "failed")
 
@@ -176,7 +176,7 @@ class LiveWorkRow:
     text: str
 
 
-def run_live_work(*, run: Run) -> list[LiveWorkRow]:
+def live_work_rows(*, run: Run) -> list[LiveWorkRow]:
     """Who holds each of a running run's slots and its trainer now (Redis leases,
     workers/leases.py); empty unless the run is running."""
     if run.status != "running":
@@ -184,7 +184,7 @@ def run_live_work(*, run: Run) -> list[LiveWorkRow]:
     rows = []
     client = redis_client()
     try:
-        for work in live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config)):
+        for work in run_live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config)):
             holder = client.get(work.lease_key)
             if holder is not None:
                 rows.append(LiveWorkRow(work.label, "live", f"held by {holder.decode()}"))

@@ -27,8 +27,7 @@ from django.urls import reverse
 from django.views.decorators.cache import cache_control
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import figures
-from dartboard import viewmodels as dashboard
+from dartboard import figures, viewmodels
 from dartboard.forms import (
     EvalCompareForm,
     EvalJobFilterForm,
@@ -42,7 +41,7 @@ from dartboard.forms import (
 from datamanager.archive import InvalidUpload
 from datamanager.models import EvalJob, Run, TaskStat, Trajectory
 from datamanager.selectors import evaluations
-from datamanager.services import review as curate
+from datamanager.services import review
 from datamanager.services import runs as services
 from workers import runs
 
@@ -55,10 +54,10 @@ def _user(request: HttpRequest) -> User:
 
 @require_GET
 def runs_list(request: HttpRequest) -> HttpResponse:
-    runs = list(dashboard.runs_overview()[:200])
+    runs = list(viewmodels.runs_overview()[:200])
     for run in runs:
         row = cast(Any, run)  # n_succeeded/n_finished come from runs_overview's .annotate()
-        row.success_rate = dashboard.success_rate(row.n_succeeded, row.n_finished)
+        row.success_rate = viewmodels.success_rate(row.n_succeeded, row.n_finished)
     return render(request, "dashboard/runs.html", {"runs": runs})
 
 
@@ -87,16 +86,16 @@ def run_new(request: HttpRequest) -> HttpResponse:
 @require_GET
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    slots = dashboard.run_slots(run=run)
+    slots = viewmodels.run_slots(run=run)
     task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
     return render(
         request,
         "dashboard/run_detail.html",
         {
             "run": run,
-            "summary": dashboard.run_summary(run=run),
+            "summary": viewmodels.run_summary(run=run),
             "slots": slots,
-            "live_work": dashboard.run_live_work(run=run),
+            "live_work": viewmodels.live_work_rows(run=run),
             "task_names": task_names,
             "config_json": json.dumps(run.config, indent=2),
         },
@@ -120,7 +119,7 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
     """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
     run = get_object_or_404(Run, pk=run_id)
-    return JsonResponse(figures.run_figures(dashboard.chart_data(run=run)))
+    return JsonResponse(figures.run_figures(viewmodels.chart_data(run=run)))
 
 
 @require_GET
@@ -129,14 +128,14 @@ def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
     run = get_object_or_404(Run, pk=run_id)
     tasks = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
     return JsonResponse(
-        {"slots": [t.__dict__ for t in dashboard.run_slots(run=run)], "tasks": tasks}
+        {"slots": [t.__dict__ for t in viewmodels.run_slots(run=run)], "tasks": tasks}
     )
 
 
 @require_GET
 def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    rows = dashboard.task_board(run=run)
+    rows = viewmodels.task_board(run=run)
     for row in rows:
         row["spark"] = figures.sparkline_svg(row["history"])
     return render(request, "dashboard/task_board.html", {"run": run, "rows": rows})
@@ -151,7 +150,7 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
         form = TaskOverrideForm(request.POST)
         if form.is_valid():
             try:
-                curate.taskstat_override(
+                review.taskstat_override(
                     stat_id=stat.pk,
                     pinned_budget=form.cleaned_data["pinned_budget"],
                     boost=form.cleaned_data["boost"],
@@ -159,7 +158,7 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
                     reason=form.cleaned_data["reason"],
                     user=_user(request),
                 )
-            except curate.CurationError as exc:
+            except review.CurationError as exc:
                 form.add_error(None, str(exc))
             else:
                 messages.success(request, f"Task {stat.task.name} updated.")
@@ -182,11 +181,11 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
 @require_GET
 def trajectory_list(request: HttpRequest) -> HttpResponse:
     form = TrajectoryFilterForm(request.GET or None)
-    flt = dashboard.TrajectoryFilter()
+    flt = viewmodels.TrajectoryFilter()
     if form.is_bound and form.is_valid():
         d = form.cleaned_data
         pool = {"yes": True, "no": False}.get(d["in_pool"])
-        flt = dashboard.TrajectoryFilter(
+        flt = viewmodels.TrajectoryFilter(
             run_id=d["run"],
             task=d["task"],
             task_exact=d["task_exact"],
@@ -197,7 +196,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             policy_version=d["policy_version"],
             in_pool=pool,
         )
-    page = dashboard.trajectory_page(flt=flt, page=request.GET.get("page", 1))
+    page = viewmodels.trajectory_page(flt=flt, page=request.GET.get("page", 1))
     query = _query_without_page(request)
     return render(
         request,
@@ -291,7 +290,7 @@ def evaluation_compare(request: HttpRequest) -> HttpResponse:
 
 def _trajectory_context(trajectory_id: int, **forms) -> dict:
     try:
-        traj, steps = dashboard.trajectory_detail(trajectory_id=trajectory_id)
+        traj, steps = viewmodels.trajectory_detail(trajectory_id=trajectory_id)
     except Trajectory.DoesNotExist:
         raise Http404(f"no trajectory {trajectory_id}") from None
     for s in steps:
@@ -325,19 +324,19 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
     target = reverse("trajectory_detail", args=[traj.pk])
     try:
         if action == "promote":
-            curate.trajectory_promote(trajectory_id=traj.pk)
+            review.trajectory_promote(trajectory_id=traj.pk)
             messages.success(request, "Added to the task's experience pool.")
         elif action == "unpool":
-            curate.trajectory_unpool(trajectory_id=traj.pk)
+            review.trajectory_unpool(trajectory_id=traj.pk)
             messages.success(request, "Removed from the experience pool.")
         elif action == "reject":
-            curate.trajectory_reject(trajectory_id=traj.pk)
+            review.trajectory_reject(trajectory_id=traj.pk)
             messages.success(request, "Rejected: it will never be trained on.")
         elif action == "trim":
             form = TrimForm(request.POST)
             if not form.is_valid():
                 return _invalid(request, traj, "trim_form", form)
-            copy = curate.trajectory_trim(
+            copy = review.trajectory_trim(
                 trajectory_id=traj.pk, keep_steps=form.cleaned_data["keep_steps"]
             )
             messages.success(request, f"Curated copy #{copy.pk} with {copy.length} steps.")
@@ -346,7 +345,7 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
             reward_form = RewardOverrideForm(request.POST)
             if not reward_form.is_valid():
                 return _invalid(request, traj, "reward_form", reward_form)
-            curate.trajectory_override_reward(
+            review.trajectory_override_reward(
                 trajectory_id=traj.pk,
                 reward=reward_form.cleaned_data["reward"],
                 reason=reward_form.cleaned_data["reason"],
@@ -355,7 +354,7 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
             messages.success(request, "Reward overridden.")
         else:
             raise Http404(f"no curation action {action!r}")
-    except curate.CurationError as exc:
+    except review.CurationError as exc:
         messages.error(request, f"Not done: {exc}.")
     return HttpResponseRedirect(target)
 
@@ -374,7 +373,7 @@ def upload(request: HttpRequest) -> HttpResponse:
         form = UploadForm(request.POST, request.FILES)
         if form.is_valid():
             try:
-                imported = curate.trajectories_import(
+                imported = review.trajectories_import(
                     fileobj=form.cleaned_data["archive"], in_pool=form.cleaned_data["in_pool"]
                 )
             except InvalidUpload as exc:

@@ -8,10 +8,15 @@ from pathlib import Path
 from django.conf import settings
 
 from core.imaging import QWEN25_VL, ImageGeometry
+from datamanager.models import PolicyVersion
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
 
 SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
+
+
+class EvalSetupError(Exception):
+    """The evaluation could not run (bad policy, no tasks, server failed to start)."""
 
 
 class PolicyNotFound(Exception):
@@ -49,3 +54,22 @@ def policy_geometry(name: str) -> ImageGeometry:
     if name == ORACLE_POLICY:
         return QWEN25_VL
     return _geometry_of(str(policy_path(name)))
+
+
+def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:
+    """(checkpoint dir, version) for 'oracle' (None), 'run:ID:vN' or a local directory."""
+    if policy == ORACLE_POLICY:
+        return None, None
+    if policy.startswith("run:"):
+        try:
+            _, run_id, v = policy.split(":")
+            pv = PolicyVersion.objects.get(run_id=int(run_id), version=int(v.lstrip("v")))
+        except (ValueError, PolicyVersion.DoesNotExist):
+            raise EvalSetupError(
+                f"policy {policy!r}: no such run policy version (use run:ID:vN)"
+            ) from None
+        return Path(pv.checkpoint), pv.version
+    try:
+        return policy_path(policy), None
+    except PolicyNotFound as exc:
+        raise EvalSetupError(str(exc)) from None

@@ -10,31 +10,35 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from core.protocol import Action, Env, Evaluation, Observation, TaskSpec
 
 
 class BusyClock:
-    def __init__(self) -> None:
+    """Busy seconds of one worker's environment. `now` is injectable (tests)."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
         self._lock = threading.Lock()
         self._total = 0.0
         self._since: float | None = None
 
     def start(self) -> None:
         with self._lock:
-            self._since = time.monotonic()
+            self._since = self._now()
 
     def stop(self) -> None:
         with self._lock:
             if self._since is not None:
-                self._total += time.monotonic() - self._since
+                self._total += self._now() - self._since
                 self._since = None
 
     def seconds(self) -> float:
         """Busy seconds so far, the call under way included."""
         with self._lock:
-            running = 0.0 if self._since is None else time.monotonic() - self._since
+            running = 0.0 if self._since is None else self._now() - self._since
             return self._total + running
 
 

@@ -35,7 +35,7 @@ def test_every_compose_service_runs_a_real_entry_point():
         "redis",
         "web",
         "worker-env",
-        "worker-rollout",
+        "worker-default",
         "worker-train",
         "beat",
         "vllm",
@@ -74,5 +74,6 @@ def test_every_compose_service_runs_a_real_entry_point():
                 assert (ROOT / (module.replace(".", "/") + ".py")).exists()
         else:
             raise AssertionError(f"{name}: unexpected command {cmd!r}")
-    assert {"env", "rollout", "train", "default"} <= queues
+    routed = {route["queue"] for route in settings.CELERY_TASK_ROUTES.values()}
+    assert routed | {settings.CELERY_TASK_DEFAULT_QUEUE} <= queues  # every task has a consumer
     assert "beat:default" in queues  # beat sends the watchdog to a queue a worker consumes

@@ -11,21 +11,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from celery import current_app as celery_app
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from core.imaging import QWEN25_VL, ImageGeometry
 from core.protocol import TaskSpec
 from datamanager.config import RunConfig
-from datamanager.eval_metrics import summary
-from datamanager.models import EvalJob, EvalStatus, PolicyVersion, Purpose, Run, Task, Trajectory
-from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
-from datamanager.selectors.evaluations import eval_job_task_results
-from datamanager.services import episodes
+from datamanager.models import EvalJob, Run, Task
+from datamanager.policies import resolve_checkpoint
+from datamanager.selectors.evaluations import eval_episode_ended
+from datamanager.services import episodes, evaluations
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
@@ -34,76 +31,6 @@ from workers.config_mapping import episode_config
 from workers.slot_worker import DbRecorder, discard_env, process_env
 
 log = logging.getLogger("dartboard.evaluate")
-
-
-class EvalSetupError(Exception):
-    """The evaluation could not run (bad policy, no tasks, server failed to start)."""
-
-
-def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:
-    """(checkpoint dir, version) for 'oracle' (None), 'run:ID:vN' or a local directory."""
-    if policy == ORACLE_POLICY:
-        return None, None
-    if policy.startswith("run:"):
-        try:
-            _, run_id, v = policy.split(":")
-            pv = PolicyVersion.objects.get(run_id=int(run_id), version=int(v.lstrip("v")))
-        except (ValueError, PolicyVersion.DoesNotExist):
-            raise EvalSetupError(
-                f"policy {policy!r}: no such run policy version (use run:ID:vN)"
-            ) from None
-        return Path(pv.checkpoint), pv.version
-    try:
-        return policy_path(policy), None
-    except PolicyNotFound as exc:
-        raise EvalSetupError(str(exc)) from None
-
-
-def select_tasks(spec: str) -> list[Task]:
-    """'split:eval', 'tag:click' or a comma-separated list of task names."""
-    if spec.startswith("split:"):
-        tasks = list(Task.objects.filter(split=spec.removeprefix("split:")))
-    elif spec.startswith("tag:"):
-        tag = spec.removeprefix("tag:")
-        tasks = [t for t in Task.objects.all() if tag in t.tags]
-    else:
-        names = [n for n in spec.split(",") if n]
-        tasks = list(Task.objects.filter(name__in=names))
-        missing = sorted(set(names) - {t.name for t in tasks})
-        if missing:
-            raise EvalSetupError(f"unknown task(s): {', '.join(missing)}")
-    if not tasks:
-        raise EvalSetupError(f"task selection {spec!r} matches no task")
-    return sorted(tasks, key=lambda t: t.name)
-
-
-def eval_job_create(
-    *,
-    name: str,
-    policy: str,
-    tasks: list[Task],
-    k: int,
-    seed: int = 0,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    run_id: int | None = None,
-    policy_version: int | None = None,
-) -> EvalJob:
-    if k < 1:
-        raise EvalSetupError(f"k must be >= 1, got {k}")
-    resolve_checkpoint(policy)  # fail now, with the reason, not in a worker later
-    return EvalJob.objects.create(
-        name=name,
-        policy=policy,
-        task_names=[t.name for t in tasks],
-        k=k,
-        seed=seed,
-        greedy=greedy,
-        temperature=0.0 if greedy else temperature,
-        run_id=run_id,
-        policy_version=policy_version,
-        total=len(tasks) * k,
-    )
 
 
 @contextlib.contextmanager
@@ -128,38 +55,26 @@ def eval_job_run(
 ) -> EvalJob:
     """Run the job's episodes (this shard's tasks) here, one env per backend; whoever
     finishes the last episode writes the report."""
-    job = EvalJob.objects.get(pk=job_id)
-    EvalJob.objects.filter(pk=job_id).update(status=EvalStatus.RUNNING, error="")
+    job = evaluations.eval_job_start(job_id=job_id)
     tasks = list(Task.objects.filter(name__in=job.task_names).order_by("name"))[shard::shards]
     kinds = sorted({t.env_kind for t in tasks})
     try:
         with _policy_endpoint(job) as (policy, oracle):
             for task in tasks:
                 for i in range(job.k):
-                    if (
-                        Trajectory.objects.filter(eval_job=job, task=task, seed=job.seed * 1000 + i)
-                        .exclude(status="running")
-                        .exists()
-                    ):
+                    if eval_episode_ended(job_id=job.pk, task_id=task.pk, seed=job.seed * 1000 + i):
                         continue  # resumed job: this episode is done
                     _one_episode(job, task, i, policy, oracle)
-                    EvalJob.objects.filter(pk=job_id).update(done=_done(job))
+                    evaluations.eval_job_progress(job_id=job_id)
                     if on_episode:
                         on_episode()
     except Exception as exc:
-        EvalJob.objects.filter(pk=job_id).update(
-            status=EvalStatus.FAILED, error=f"{type(exc).__name__}: {exc}"
-        )
+        evaluations.eval_job_fail(job_id=job_id, error=f"{type(exc).__name__}: {exc}")
         raise
     finally:
         for kind in kinds:
             discard_env(kind)
-    if _done(job) >= job.total:
-        report = eval_report(job_id=job_id)
-        EvalJob.objects.filter(pk=job_id).update(
-            status=EvalStatus.FINISHED, report=report, finished_at=timezone.now(), done=_done(job)
-        )
-    return EvalJob.objects.get(pk=job_id)
+    return evaluations.eval_job_finish_if_done(job_id=job_id)
 
 
 def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
@@ -174,7 +89,7 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
     )
     if not tasks:
         return None
-    job = eval_job_create(
+    job = evaluations.eval_job_create(
         name=f"{run.name} v{version}",
         policy=f"run:{run_id}:v{version}",
         tasks=tasks,
@@ -196,10 +111,6 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
     return job
 
 
-def _done(job: EvalJob) -> int:
-    return Trajectory.objects.filter(eval_job=job).exclude(status="running").count()
-
-
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
     """The run's rollout settings (the defaults for an evaluation outside a run) with the
     job's decoding, in the image geometry of the checkpoint under evaluation."""
@@ -219,16 +130,9 @@ def _one_episode(
 ) -> None:
     seed = job.seed * 1000 + i  # the same seeds for every policy: comparable cells
     config = _episode_config(job, seed)
-    with transaction.atomic():
-        traj = Trajectory.objects.create(
-            task=task,
-            run=job.run,
-            purpose=Purpose.EVAL,
-            eval_job=job,
-            instruction=task.instruction,
-            seed=seed,
-            step_cap=config.step_cap,
-        )
+    traj = evaluations.eval_trajectory_start(
+        job=job, task=task, seed=seed, step_cap=config.step_cap
+    )
     spec = TaskSpec(
         name=task.name,
         env_kind=task.env_kind,
@@ -262,20 +166,3 @@ def _one_episode(
         env_ms=result.env_ms,
         model_ms=result.model_ms,
     )
-
-
-def eval_report(*, job_id: int) -> dict:
-    job = EvalJob.objects.get(pk=job_id)
-    results = eval_job_task_results(job)
-    return {
-        "job": job.pk,
-        "name": job.name,
-        "policy": job.policy,
-        "policy_version": job.policy_version,
-        "k": job.k,
-        "seed": job.seed,
-        "greedy": job.greedy,
-        "temperature": job.temperature,
-        "summary": summary(results),
-        "tasks": [r.as_json() for r in results],
-    }

@@ -12,7 +12,8 @@ from datamanager.config import RunConfig
 from datamanager.models import PolicyVersion, Run
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
 from datamanager.services import episodes
-from datamanager.services.runs import run_control
+from datamanager.services.runs import run_control, run_set_message
+from datamanager.services.versions import policy_version_add_reach
 from rollout.router import RouterAdmin
 from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
 
@@ -92,8 +93,8 @@ def router_sync(*, run_id: int, checkpoint: Path, version: int, rolling: bool = 
         )
     except Exception as exc:
         log.warning("run %s: router not told about version %s: %s", run_id, version, exc)
-        Run.objects.filter(pk=run_id).update(
-            status_message=f"router unreachable for policy version {version}: {exc}"
+        run_set_message(
+            run_id=run_id, message=f"router unreachable for policy version {version}: {exc}"
         )
 
 
@@ -108,6 +109,4 @@ def policy_version_record_reach(*, run_id: int) -> None:
             serving = [w.url for w in admin.workers() if w.policy_version == latest.version]
     except Exception:
         return
-    reached = sorted(set(latest.reached_workers) | set(serving))
-    if reached != sorted(latest.reached_workers):
-        PolicyVersion.objects.filter(pk=latest.pk).update(reached_workers=reached)
+    policy_version_add_reach(version_id=latest.pk, workers=serving)

@@ -25,6 +25,7 @@ from datamanager.models import PolicyVersion, Run, RunStatus, TaskGroup, Traject
 from datamanager.policies import policy_path
 from datamanager.services import batches, episodes
 from datamanager.services.runs import run_set_message
+from datamanager.services.versions import policy_version_create
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
 from workers.config_mapping import update_config
@@ -124,7 +125,7 @@ def policy_version_publish(
     """Publish a trained version; call inside the update's transaction. After commit the
     router loads it (one worker at a time, or all at once for the synchronous baseline,
     which then waits for it) and its scheduled evaluation, if any, is enqueued."""
-    published = PolicyVersion.objects.create(run=run, version=version, checkpoint=str(checkpoint))
+    published = policy_version_create(run=run, version=version, checkpoint=checkpoint)
     eval_schedule_for_version(run_id=run.pk, version=version)
     transaction.on_commit(
         functools.partial(

@@ -271,3 +271,34 @@ def eval_compare(*, a_id: int, b_id: int) -> tuple[EvalJob, EvalJob, list[EvalCo
     rows = [EvalCompareRow(task=t, a=_cell(cells, a, t), b=_cell(cells, b, t)) for t in tasks]
     rows.sort(key=lambda r: (not r.differs, -abs(r.difference or 0.0), r.task))
     return a, b, rows
+
+
+def eval_job_done(*, job_id: int) -> int:
+    """Episodes of the job that have ended (any status but running)."""
+    return Trajectory.objects.filter(eval_job_id=job_id).exclude(status="running").count()
+
+
+def eval_report(*, job_id: int) -> dict:
+    job = EvalJob.objects.get(pk=job_id)
+    results = eval_job_task_results(job)
+    return {
+        "job": job.pk,
+        "name": job.name,
+        "policy": job.policy,
+        "policy_version": job.policy_version,
+        "k": job.k,
+        "seed": job.seed,
+        "greedy": job.greedy,
+        "temperature": job.temperature,
+        "summary": summary(results),
+        "tasks": [r.as_json() for r in results],
+    }
+
+
+def eval_episode_ended(*, job_id: int, task_id: int, seed: int) -> bool:
+    """Whether this episode of the job already ended (a resumed job skips it)."""
+    return (
+        Trajectory.objects.filter(eval_job_id=job_id, task_id=task_id, seed=seed)
+        .exclude(status="running")
+        .exists()
+    )

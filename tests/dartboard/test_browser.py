@@ -148,7 +148,7 @@ def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, 
 
     tile.click()
     page.wait_for_selector(f"h1 >> text=Trajectory #{claim.trajectory_id}")
-    time.sleep(1.0)  # let the inspector's socket connect before the event is sent
+    page.wait_for_selector("html[data-live=open]", state="attached")  # subscribed to events
     in_thread(trajectory_finish, trajectory_id=claim.trajectory_id, status="succeeded", reward=1.0)
     page.wait_for_selector("#traj-status.succeeded")  # the page refreshed itself live
 

@@ -2,7 +2,7 @@
 task x policy matrix, a comparison of two jobs, and the episodes behind every number.
 
 Jobs and their episodes are real rows; finished jobs carry the report the harness writes
-(`workers.evaluation.eval_report`)."""
+(`datamanager.selectors.evaluations.eval_report`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from django.utils import timezone
 from datamanager.config import RunConfig
 from datamanager.eval_metrics import wilson_interval
 from datamanager.models import EvalJob, EvalStatus, Purpose, Run, Step, Task, Trajectory
+from datamanager.selectors.evaluations import eval_report
 from datamanager.services.runs import run_create
-from workers.evaluation import eval_report
 
 pytestmark = pytest.mark.django_db
 

@@ -396,17 +396,20 @@ def test_charts_of_an_empty_run_say_no_data(ada_client):
 
 
 def test_task_board_rows_and_sparkline(ada_client):
-    run = make_run()
+    run = make_run(curation={"n_max": 2, "n_min": 2})  # 4 episodes complete 2 groups
     for i in range(4):
         episode(run, None, steps=2, success=i != 1)
     html = ada_client.get(f"/runs/{run.pk}/tasks/").content.decode()
-    for stat in TaskStat.objects.filter(run=run).select_related("task"):
+    stats = list(TaskStat.objects.filter(run=run).select_related("task"))
+    assert stats
+    for stat in stats:
+        # Every task of this run has played: its history and last success exist.
+        assert TaskStatHistory.objects.filter(run=run, task=stat.task).exists()
+        assert stat.last_success_at is not None
         row = re.search(rf'<tr data-task="{stat.task.name}".*?</tr>', html, re.S).group(0)
         assert f"<td>{stat.step_cap}</td>" in row and f"{stat.attempts} " in row
-        if TaskStatHistory.objects.filter(run=run, task=stat.task).exists():
-            assert '<svg class="spark"' in row
-        if stat.last_success_at:
-            assert " ago" in row
+        assert '<svg class="spark"' in row
+        assert " ago" in row
 
 
 def test_task_override_records_user_time_and_reason(ada_client):

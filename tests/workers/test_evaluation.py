@@ -8,8 +8,9 @@ from django.core.management import CommandError, call_command
 
 from datamanager.models import EvalJob, Task, TaskStat, Trajectory
 from datamanager.services import batches
+from datamanager.services.evaluations import eval_job_create
 from tests.datamanager.factories import make_running_run
-from workers.evaluation import eval_job_create, eval_job_run
+from workers.evaluation import eval_job_run
 
 pytestmark = [pytest.mark.django_db, pytest.mark.browser, pytest.mark.slow]
 

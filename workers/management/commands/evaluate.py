@@ -14,7 +14,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
-from workers.evaluation import EvalSetupError, eval_job_create, eval_job_run, select_tasks
+from datamanager.policies import EvalSetupError
+from datamanager.selectors.tasks import tasks_select
+from datamanager.services.evaluations import eval_job_create
+from workers.evaluation import eval_job_run
 
 CSV_FIELDS = [
     "task", "episodes", "successes", "success_rate", "ci_low", "ci_high", "mean_reward",
@@ -49,7 +52,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, policy, tasks, k, seed, sampled, temperature, name, out, **options):
         try:
-            selected = select_tasks(tasks)
+            selected = tasks_select(spec=tasks)
             job = eval_job_create(
                 name=name or f"{policy} on {tasks}",
                 policy=policy,

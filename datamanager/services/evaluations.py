@@ -1,0 +1,84 @@
+"""Writes of evaluation jobs: the job, its progress and report, its trajectories."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from datamanager.models import EvalJob, EvalStatus, Purpose, Task, Trajectory
+from datamanager.policies import EvalSetupError, resolve_checkpoint
+from datamanager.selectors.evaluations import eval_job_done, eval_report
+
+
+def eval_job_create(
+    *,
+    name: str,
+    policy: str,
+    tasks: list[Task],
+    k: int,
+    seed: int = 0,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    run_id: int | None = None,
+    policy_version: int | None = None,
+) -> EvalJob:
+    if k < 1:
+        raise EvalSetupError(f"k must be >= 1, got {k}")
+    resolve_checkpoint(policy)  # fail now, with the reason, not in a worker later
+    return EvalJob.objects.create(
+        name=name,
+        policy=policy,
+        task_names=[t.name for t in tasks],
+        k=k,
+        seed=seed,
+        greedy=greedy,
+        temperature=0.0 if greedy else temperature,
+        run_id=run_id,
+        policy_version=policy_version,
+        total=len(tasks) * k,
+    )
+
+
+def eval_job_start(*, job_id: int) -> EvalJob:
+    EvalJob.objects.filter(pk=job_id).update(status=EvalStatus.RUNNING, error="")
+    return EvalJob.objects.get(pk=job_id)
+
+
+def eval_job_progress(*, job_id: int) -> int:
+    """Record how many of the job's episodes are done; returns that count."""
+    done = eval_job_done(job_id=job_id)
+    EvalJob.objects.filter(pk=job_id).update(done=done)
+    return done
+
+
+def eval_job_fail(*, job_id: int, error: str) -> None:
+    EvalJob.objects.filter(pk=job_id).update(status=EvalStatus.FAILED, error=error)
+
+
+def eval_job_finish_if_done(*, job_id: int) -> EvalJob:
+    """Whoever finishes the job's last episode writes its report."""
+    job = EvalJob.objects.get(pk=job_id)
+    done = eval_job_done(job_id=job_id)
+    if done >= job.total:
+        EvalJob.objects.filter(pk=job_id).update(
+            status=EvalStatus.FINISHED,
+            report=eval_report(job_id=job_id),
+            finished_at=timezone.now(),
+            done=done,
+        )
+    return EvalJob.objects.get(pk=job_id)
+
+
+@transaction.atomic
+def eval_trajectory_start(*, job: EvalJob, task: Task, seed: int, step_cap: int) -> Trajectory:
+    """An evaluation episode's trajectory (purpose eval: never trained on, never counted in
+    task statistics)."""
+    return Trajectory.objects.create(
+        task=task,
+        run=job.run,
+        purpose=Purpose.EVAL,
+        eval_job=job,
+        instruction=task.instruction,
+        seed=seed,
+        step_cap=step_cap,
+    )

@@ -6,7 +6,10 @@ is ~20 ms. Screenshots come from `scrot -o -` (PNG on stdout), measured 18 ms me
 
 Model actions arrive only as structured `Action`s and become fixed xdotool argv lists (no
 shell). Task setup comes only from `envmanager.desktop_tasks`. Each reset kills the previous
-task's app process groups, recreates the task's sandbox directory and runs the setup steps.
+task's app process groups, recreates the task's directory and runs the setup steps. Every
+app the policy drives runs in the desktop's bubblewrap sandbox (`envmanager.sandbox`: an
+unprivileged uid, no network, a clean environment, a tmpfs home, no view of the worker's
+files or secrets); Xvfb, openbox, xdotool and scrot are the platform's and run outside it.
 
     env = DesktopEnv(); obs = env.reset(TaskSpec(name="desktop/double-click", env_kind="desktop",
                                                  env_config={"task": "desktop/double-click"}))
@@ -18,13 +21,11 @@ import contextlib
 import pathlib
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import psutil
 
-from core.procutil import die_with_parent
 from core.protocol import (
     Action,
     ActionNotSupported,
@@ -35,6 +36,7 @@ from core.protocol import (
     TaskSpec,
 )
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
+from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox, SandboxLimits, SandboxUnavailable
 from envmanager.xserver import XServer, XServerError, _stop
 
 WIDTH, HEIGHT = 800, 600
@@ -113,6 +115,7 @@ class DesktopEnv:
         settle_s: float = 0.15,
         wait_seconds: float = 1.0,
         evaluate_wait_s: float = 1.5,
+        limits: SandboxLimits = SandboxLimits(),
     ) -> None:
         """settle_s: pause after each action so apps draw before the screenshot.
         evaluate_wait_s: evaluate re-reads the state this long until the checker passes
@@ -122,10 +125,12 @@ class DesktopEnv:
         self.settle_s = settle_s
         self.wait_seconds = wait_seconds
         self.evaluate_wait_s = evaluate_wait_s
+        self.limits = limits
         self._x: XServer | None = None
+        self._jail: Sandbox | None = None
         self._apps: list[subprocess.Popen] = []
         self._root = pathlib.Path(tempfile.mkdtemp(prefix="dartboard-desktop-"))
-        self._sandbox = self._root / "task"
+        self._sandbox = self._root / "task"  # the task directory, on the host side
         self._task_name: str | None = None
         self._instruction = ""
         self._step = 0
@@ -137,6 +142,7 @@ class DesktopEnv:
             self._x = XServer.start(width=WIDTH, height=HEIGHT, timeout_s=self.timeout_s)
         except (XServerError, OSError, subprocess.SubprocessError) as exc:
             raise EnvUnavailable(f"desktop: cannot start Xvfb/openbox: {exc}") from exc
+        self._jail = Sandbox(task_dir=self._sandbox, display=self._x.display, limits=self.limits)
 
     def _stop_apps(self) -> None:
         for app in self._apps:
@@ -146,6 +152,9 @@ class DesktopEnv:
     def close(self) -> None:
         """Stop the task's apps, openbox and Xvfb; safe to call twice."""
         self._stop_apps()
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None
         if self._x is not None:
             self._x.stop()
             self._x = None
@@ -217,12 +226,12 @@ class DesktopEnv:
             self.close()
             self._start()
         self._stop_apps()
-        shutil.rmtree(self._sandbox, ignore_errors=True)
-        self._sandbox.mkdir(parents=True)
-        (self._sandbox / "dartapp.py").write_text(DARTAPP)
+        jail = self._require_jail()
+        jail.prepare_task_dir()
+        jail.write_file("dartapp.py", DARTAPP)
         for step in definition.setup:
             if isinstance(step, WriteFile):
-                (self._sandbox / step.path).write_text(step.content)
+                jail.write_file(step.path, step.content)
             elif isinstance(step, Launch):
                 self._launch(step)
         self._task_name = definition.name
@@ -230,28 +239,20 @@ class DesktopEnv:
         self._step = 0
         return self._observe()
 
+    def _require_jail(self) -> Sandbox:
+        if self._jail is None:
+            raise EnvUnavailable("desktop: no sandbox (the desktop is closed)")
+        return self._jail
+
     def _launch(self, step: Launch) -> None:
-        x = self._require_alive("reset")
-        values = {
-            "sandbox": str(self._sandbox),
-            "python": sys.executable,
-            "app": str(self._sandbox / "dartapp.py"),
-        }
+        self._require_alive("reset")
+        # Paths as the sandboxed app sees them.
+        values = {"sandbox": TASK_DIR, "python": AGENT_PYTHON, "app": f"{TASK_DIR}/dartapp.py"}
         argv = [arg.format(**values) for arg in step.argv]
-        env = x.environ()
-        env["HOME"] = str(self._sandbox)
-        env["PS1"] = "$ "
-        self._apps.append(
-            subprocess.Popen(
-                argv,
-                cwd=self._sandbox,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        )
+        try:
+            self._apps.append(self._require_jail().popen(argv))
+        except (SandboxUnavailable, OSError) as exc:
+            raise EnvUnavailable(f"desktop: cannot start {argv[0]} in its sandbox: {exc}") from exc
         deadline = time.monotonic() + self.timeout_s * 2  # chromium's first start is slow
         while step.window not in " ".join(self.window_titles()):
             if time.monotonic() > deadline:

@@ -13,9 +13,12 @@ Checkers inspect state a user would check: a file's content, a window's title.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.protocol import Action, ActionType, Evaluation
@@ -148,14 +151,51 @@ class DesktopTask:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+MAX_CHECKED_BYTES = 64 * 1024  # a checker reads at most this much of a task file
+
+
+class TaskFileRefused(Exception):
+    """A task file the checker will not read; the message says why."""
+
+
+def read_task_file(directory: Path, name: str) -> str | None:
+    """The text of `name` in the task directory, or None when it does not exist.
+
+    The sandboxed agent owns the directory and can put anything there: the file is opened
+    without following a symlink, must be a regular file, and at most MAX_CHECKED_BYTES are
+    read (`ln -s /dev/zero done.txt` or a link to a secret is refused, never read)."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symlink
+            raise TaskFileRefused(f"{name} is a symlink or unreadable ({exc.strerror})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TaskFileRefused(f"{name} is not a regular file")
+            data = os.read(fd, MAX_CHECKED_BYTES + 1)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    if len(data) > MAX_CHECKED_BYTES:
+        raise TaskFileRefused(f"{name} is larger than {MAX_CHECKED_BYTES} bytes")
+    return data.decode(errors="replace")
+
+
 def file_equals(path: str, expected: str) -> Callable[[DesktopState], Evaluation]:
-    """Checker: sandbox/path exists and its text (trailing whitespace stripped) == expected."""
+    """Checker: the task file exists and its text (trailing whitespace stripped) == expected."""
 
     def check(state: DesktopState) -> Evaluation:
-        target = state.sandbox / path
-        if not target.exists():
+        try:
+            text = read_task_file(state.sandbox, path)
+        except TaskFileRefused as exc:
+            return Evaluation(reward=0.0, success=False, details={"reason": str(exc)})
+        if text is None:
             return Evaluation(reward=0.0, success=False, details={"reason": f"{path} missing"})
-        got = target.read_text(errors="replace").rstrip()
+        got = text.rstrip()
         ok = got == expected
         return Evaluation(
             reward=1.0 if ok else 0.0,
@@ -197,8 +237,10 @@ _XTERM = (
     "--norc",
     "--noprofile",
 )
+# --no-sandbox: chromium's own sandbox needs user namespaces or a setuid helper, neither of
+# which it gets inside bubblewrap; the bubblewrap sandbox around it is the isolation.
 _CHROMIUM = (
-    "chromium", "--app=file://{sandbox}/page.html", "--user-data-dir={sandbox}/.chromium",
+    "chromium", "--app=file://{sandbox}/page.html", "--user-data-dir=/home/agent/.chromium",
     "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
     "--no-first-run", "--no-default-browser-check", "--window-position=0,0",
     "--window-size=800,600",

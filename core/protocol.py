@@ -69,6 +69,16 @@ class Action:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "type", ActionType(self.type))
+        # Checked here, so every boundary (model output, uploads, stored steps) gets it: a
+        # coordinate that is not an integer once reached an SVG unescaped.
+        for name in ("x", "y", "x2", "y2"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("key", "text", "direction"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
         t = self.type
         if (t in POINT_ACTIONS or t == ActionType.DRAG) and (self.x is None or self.y is None):
             raise ValueError(f"{t.value} needs x and y")
@@ -103,6 +113,9 @@ class Action:
             raise ValueError(f"unknown action fields: {sorted(unknown)}")
         if "type" not in data:
             raise ValueError("an action needs a 'type'")
+        if not isinstance(data["type"], str) or data["type"] not in ActionType._value2member_map_:
+            known = ", ".join(t.value for t in ActionType)
+            raise ValueError(f"type must be one of {known}, got {data['type']!r}")
         return cls(**data)
 
 

@@ -7,8 +7,11 @@ trace; the chart endpoint refreshes every few seconds, so the dicts are built di
 
 from __future__ import annotations
 
-from html import escape
+import math
 from typing import Any
+
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 
 _LAYOUT = {
     "margin": {"l": 48, "r": 12, "t": 36, "b": 36},
@@ -143,87 +146,118 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def sparkline_svg(values: list[float], *, width: int = 120, height: int = 24) -> str:
-    """A tiny inline SVG line of success rates in [0, 1] (empty string for no points)."""
+def sparkline_svg(values: list[float], *, width: int = 120, height: int = 24) -> SafeString:
+    """A tiny inline SVG line of success rates in [0, 1] (empty for no points). Every value
+    goes through format_html: nothing stored reaches the page unescaped."""
     if not values:
-        return ""
+        return mark_safe("")
     if len(values) == 1:
         values = [values[0], values[0]]
     step = width / (len(values) - 1)
     pts = " ".join(
-        f"{i * step:.1f},{height - 2 - max(0.0, min(1.0, v)) * (height - 4):.1f}"
+        f"{i * step:.1f},{height - 2 - max(0.0, min(1.0, float(v))) * (height - 4):.1f}"
         for i, v in enumerate(values)
     )
-    return (
-        f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
-        f'<polyline fill="none" stroke="#2f6fed" stroke-width="1.5" points="{pts}"/></svg>'
+    return format_html(
+        '<svg class="spark" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        '<polyline fill="none" stroke="#2f6fed" stroke-width="1.5" points="{pts}"/></svg>',
+        w=int(width),
+        h=int(height),
+        pts=pts,
     )
 
 
 _SCROLL = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
 
 
+def _f(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _number(value: Any) -> int | float | None:
+    """A coordinate from a stored action: a finite number, else None (drawn as nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return value
+
+
 def action_overlay_svg(
     action: dict[str, Any] | None, *, width: int, height: int, uid: str = "0"
-) -> str:
+) -> SafeString:
     """An SVG (viewBox in screen pixels) to lay over the step's screenshot.
 
     click/double/right: a ring at (x, y); drag: an arrow from (x, y) to (x2, y2); scroll: an
     arrow from (x, y) in the scroll direction; type/hotkey/finished: the text in a label.
     `uid` makes the arrowhead's id unique on the page (a marker inside a hidden step
-    would not render for the visible ones).
+    would not render for the visible ones). Stored actions come from uploads too: every
+    value is escaped by format_html, and a coordinate that is not a number draws nothing.
     """
-    head = f"head-{escape(uid)}"
     if not action or width <= 0 or height <= 0:
-        return ""
+        return mark_safe("")
+    head = f"head-{uid}"
     t = action.get("type")
     r = max(4.0, min(width, height) / 30)
     sw = max(1.5, r / 3)
-    parts: list[str] = []
-    x, y = action.get("x"), action.get("y")
-    if t in ("click", "left_double", "right_single") and x is not None:
-        parts.append(
-            f'<circle cx="{x}" cy="{y}" r="{r:.1f}" class="ring" stroke-width="{sw:.1f}"/>'
-        )
-        parts.append(f'<circle cx="{x}" cy="{y}" r="{sw:.1f}" class="dot"/>')
+    parts: list[SafeString] = []
+    x, y = _number(action.get("x")), _number(action.get("y"))
+    x2, y2 = _number(action.get("x2")), _number(action.get("y2"))
+    has_point = x is not None and y is not None
+    if t in ("click", "left_double", "right_single") and has_point:
+        ring = '<circle cx="{x}" cy="{y}" r="{r}" class="ring" stroke-width="{sw}"/>'
+        parts.append(format_html(ring, x=x, y=y, r=_f(r), sw=_f(sw)))
+        parts.append(format_html('<circle cx="{}" cy="{}" r="{}" class="dot"/>', x, y, _f(sw)))
         if t == "left_double":
-            parts.append(
-                f'<circle cx="{x}" cy="{y}" r="{r * 1.6:.1f}" class="ring" stroke-width="{sw:.1f}"/>'
-            )
-    elif t == "drag" and x is not None:
+            parts.append(format_html(ring, x=x, y=y, r=_f(r * 1.6), sw=_f(sw)))
+    elif t == "drag" and has_point and x2 is not None and y2 is not None:
         parts.append(
-            f'<line x1="{x}" y1="{y}" x2="{action["x2"]}" y2="{action["y2"]}" class="arrow" '
-            f'stroke-width="{sw:.1f}" marker-end="url(#{head})"/>'
+            format_html(
+                '<line x1="{}" y1="{}" x2="{}" y2="{}" class="arrow" stroke-width="{}" '
+                'marker-end="url(#{})"/>',
+                x, y, x2, y2, _f(sw), head,
+            )
+        )  # fmt: skip
+        parts.append(
+            format_html('<circle cx="{}" cy="{}" r="{}" class="dot"/>', x, y, _f(sw * 1.5))
         )
-        parts.append(f'<circle cx="{x}" cy="{y}" r="{sw * 1.5:.1f}" class="dot"/>')
-    elif t == "scroll" and x is not None:
-        assert y is not None, "a scroll action has both x and y (Action.__post_init__)"
-        dx, dy = _SCROLL.get(action.get("direction", "down"), (0, 1))
+    elif t == "scroll" and has_point:
+        assert x is not None and y is not None
+        dx, dy = _SCROLL.get(str(action.get("direction", "down")), (0, 1))
         length = min(width, height) / 4
         parts.append(
-            f'<line x1="{x}" y1="{y}" x2="{x + dx * length:.1f}" y2="{y + dy * length:.1f}" '
-            f'class="arrow" stroke-width="{sw:.1f}" marker-end="url(#{head})"/>'
-        )
+            format_html(
+                '<line x1="{}" y1="{}" x2="{}" y2="{}" class="arrow" '
+                'stroke-width="{}" marker-end="url(#{})"/>',
+                x, y, _f(x + dx * length), _f(y + dy * length), _f(sw), head,
+            )
+        )  # fmt: skip
     label = None
     if t == "type":
         label = f"type: {action.get('text', '')!r}"
     elif t == "hotkey":
         label = f"hotkey: {action.get('key', '')}"
     elif t in ("finished", "call_user", "wait"):
-        label = t + (f": {action['text']}" if action.get("text") else "")
+        label = f"{t}" + (f": {action['text']}" if action.get("text") else "")
     if label:
         fs = max(8.0, height / 18)
         parts.append(
-            f'<text x="{fs / 2:.1f}" y="{height - fs / 2:.1f}" font-size="{fs:.1f}" '
-            f'class="label">{escape(label)}</text>'
-        )
-    defs = (
-        f'<defs><marker id="{head}" markerWidth="6" markerHeight="6" refX="5" refY="3" '
-        'orient="auto"><path d="M0,0 L6,3 L0,6 z" class="head"/></marker></defs>'
+            format_html(
+                '<text x="{}" y="{}" font-size="{}" class="label">{}</text>',
+                _f(fs / 2), _f(height - fs / 2), _f(fs), label,
+            )
+        )  # fmt: skip
+    defs = format_html(
+        '<defs><marker id="{}" markerWidth="6" markerHeight="6" refX="5" refY="3" '
+        'orient="auto"><path d="M0,0 L6,3 L0,6 z" class="head"/></marker></defs>',
+        head,
     )
-    return (
-        f'<svg class="overlay" viewBox="0 0 {width} {height}" preserveAspectRatio="none" '
-        f'data-action="{escape(str(t))}">{defs}{"".join(parts)}</svg>'
+    return format_html(
+        '<svg class="overlay" viewBox="0 0 {} {}" preserveAspectRatio="none" '
+        'data-action="{}">{}{}</svg>',
+        int(width),
+        int(height),
+        str(t),
+        defs,
+        format_html_join("", "{}", ((p,) for p in parts)),
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from django import forms
 
+from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import ConfigError, RunConfig
 from datamanager.models import (
     EnvKind,
@@ -174,6 +175,15 @@ class UploadForm(forms.Form):
     in_pool = forms.BooleanField(
         required=False, initial=True, help_text="Successful ones join their task's pool."
     )
+
+    def clean_archive(self) -> Any:
+        upload = self.cleaned_data["archive"]
+        if upload.size > MAX_UPLOAD_BYTES:
+            raise forms.ValidationError(
+                f"the archive is {upload.size // 2**20} MiB; at most "
+                f"{MAX_UPLOAD_BYTES // 2**20} MiB in one upload"
+            )
+        return upload
 
 
 def _choices(choices: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -79,7 +79,8 @@ class PolicyTrainer:
             self.policy.model.parameters(), lr=lr, weight_decay=weight_decay
         )
         if resume is not None:
-            state = torch.load(resume / STATE_FILE, map_location=device, weights_only=False)
+            # weights_only: a state file is data (tensors, numbers), never code to unpickle.
+            state = torch.load(resume / STATE_FILE, map_location=device, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.state = TrainerState(updates=state["updates"], version=state["version"])
 

@@ -94,14 +94,35 @@ def holder_name(what: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{what}"
 
 
+# Check-and-set in one step on the server: between a GET and a SET another worker could
+# take a lapsed lease, and this holder would overwrite it (two workers on one slot).
+_RENEW = """
+local current = redis.call('GET', KEYS[1])
+if current == false or current == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class RedisLease:
-    """At most one live holder of `key`: a Redis key with a TTL, renewed by its holder."""
+    """At most one live holder of `key`: a Redis key with a TTL, renewed by its holder.
+    Renew and release are Lua scripts, atomic on the server."""
 
     def __init__(self, *, key: str, holder: str, ttl_s: float | None = None) -> None:
         self.key = key
         self.holder = holder
         self.ttl_s = int(max(1, round(ttl_s or settings.DARTBOARD_LEASE_TTL_S)))
         self.redis = redis_client()
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
 
     def _current(self) -> bytes | None:
         # Without decode_responses the client answers bytes; redis types `get` for both modes.
@@ -114,26 +135,21 @@ class RedisLease:
         while True:
             if self.redis.set(self.key, self.holder, nx=True, ex=self.ttl_s):
                 return None
-            current = self._current()
-            if current is not None and current.decode() == self.holder:
-                self.redis.expire(self.key, self.ttl_s)
+            if self.renew():  # ours already (a re-delivered task of this holder)
                 return None
+            current = self._current()
             if time.monotonic() > deadline:
                 return current.decode() if current else "another worker"
             time.sleep(1.0)
 
     def renew(self) -> bool:
-        """Extend the lease; False when another holder has it (this one stalled past the TTL)."""
-        current = self._current()
-        if current is not None and current.decode() != self.holder:
-            return False
-        self.redis.set(self.key, self.holder, ex=self.ttl_s)
-        return True
+        """Extend the lease (taking it again if it lapsed and nobody took it); False when
+        another holder has it (this one stalled past the TTL)."""
+        return bool(self._renew(keys=[self.key], args=[self.holder, self.ttl_s]))
 
     def release(self) -> None:
-        current = self._current()
-        if current is not None and current.decode() == self.holder:
-            self.redis.delete(self.key)
+        """Give the lease up if it is still ours, and close the connection."""
+        self._release(keys=[self.key], args=[self.holder])
         self.redis.close()
 
 

@@ -262,7 +262,7 @@ def test_bad_upload_names_file_and_field_and_imports_nothing(
 
 def test_upload_that_is_not_a_zip(ada_client, run):
     r = upload(ada_client, b"hello")
-    assert r.status_code == 400 and "upload: not a .zip archive" in r.content.decode()
+    assert r.status_code == 400 and "upload: not a readable .zip archive" in r.content.decode()
 
 
 def test_archive_reports_every_problem_at_once(run):

@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+from rollout.auth import TOKEN_ENV  # noqa: E402
 
 
 def _png() -> bytes:
@@ -197,6 +201,8 @@ def main() -> None:
         return
 
     home = Path(tempfile.mkdtemp(prefix="dartboard-overhead-"))
+    # The rollout service demands a token; the servers and clients here share this one.
+    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
     env = {
         **os.environ,
         "DARTBOARD_HOME": str(home),

@@ -58,7 +58,7 @@ class PrivateStack:
 
         from dartboard.embedded_redis import EmbeddedRedis
         from dartboard.launcher import Supervisor, default_specs, wait_http
-        from workers.runs import policy_path
+        from datamanager.policies import policy_path
 
         self.redis = EmbeddedRedis(self.home / "redis" / "redis.sock")
         self.redis.start()

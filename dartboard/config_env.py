@@ -70,19 +70,31 @@ def database_url(home: Path) -> str:
 
 def secret_key(home: Path, *, production: bool) -> str:
     """SECRET_KEY from the environment; generated once under DARTBOARD_HOME for local use."""
-    raw = os.environ.get("SECRET_KEY", "").strip()
+    return _home_secret(home, name="SECRET_KEY", filename="secret_key", production=production)
+
+
+def service_token(home: Path, *, production: bool) -> str:
+    """DARTBOARD_SERVICE_TOKEN, which the router, inference servers and vLLM adapter demand;
+    from the environment, else generated once under DARTBOARD_HOME for local use."""
+    return _home_secret(
+        home, name="DARTBOARD_SERVICE_TOKEN", filename="service_token", production=production
+    )
+
+
+def _home_secret(home: Path, *, name: str, filename: str, production: bool) -> str:
+    raw = os.environ.get(name, "").strip()
     if raw:
         if production and len(raw) < 32:
             raise SettingsError(
-                "SECRET_KEY is shorter than 32 characters; generate a long random one."
+                f"{name} is shorter than 32 characters; generate a long random one."
             )
         return raw
     if production:
         raise SettingsError(
-            "DARTBOARD_ENV=production needs SECRET_KEY set explicitly, e.g. "
-            "SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))')."
+            f"DARTBOARD_ENV=production needs {name} set explicitly, e.g. "
+            f"{name}=$(python -c 'import secrets; print(secrets.token_urlsafe(50))')."
         )
-    path = home / "secret_key"
+    path = home / filename
     if path.exists():
         return path.read_text().strip()
     home.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from django.conf import settings
+
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 
 log = logging.getLogger("dartboard.launcher")
@@ -157,6 +159,11 @@ def default_specs(
     beat (the runs watchdog) and,
     with a policy, the rollout service: inference workers behind the router."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
+    # The rollout service demands the token and loads weights only from these roots.
+    service_env = {
+        "DARTBOARD_SERVICE_TOKEN": settings.DARTBOARD_SERVICE_TOKEN,
+        "DARTBOARD_CHECKPOINT_ROOTS": os.pathsep.join(settings.DARTBOARD_CHECKPOINT_ROOTS),
+    }
     specs = [
         ProcSpec(
             "web",
@@ -183,7 +190,8 @@ def default_specs(
             specs.append(
                 ProcSpec(
                     f"inference-{i}",
-                    python_argv(
+                    env=service_env,
+                    argv=python_argv(
                         "-m",
                         "rollout.server",
                         "--policy",
@@ -204,7 +212,7 @@ def default_specs(
         )
         for url in workers:
             router += ["--worker", url]
-        specs.append(ProcSpec("router", router))
+        specs.append(ProcSpec("router", router, env=service_env))
     return specs
 
 

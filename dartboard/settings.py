@@ -218,6 +218,15 @@ if PRODUCTION:
 DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
     "http://127.0.0.1:8100"
 ]
+# The router, inference servers and vLLM adapter demand this token (rollout/auth.py) and
+# load weights only from these roots.
+DARTBOARD_SERVICE_TOKEN = config_env.service_token(DARTBOARD_HOME, production=PRODUCTION)
+DARTBOARD_CHECKPOINT_ROOTS = [
+    str(CHECKPOINT_ROOT),
+    str(BASE_DIR / "policies"),
+    str(DARTBOARD_HOME / "policies"),
+    *[r for r in os.environ.get("DARTBOARD_CHECKPOINT_ROOTS", "").split(os.pathsep) if r],
+]
 
 # Benchmarks: emulate slow (OSWorld-like) environments; see envmanager/latency.py.
 DARTBOARD_ENV_LATENCY = os.environ.get("DARTBOARD_ENV_LATENCY", "off")

@@ -22,6 +22,7 @@ import httpx
 
 from core.completion import Completion
 from core.imaging import ImageGeometry
+from rollout.auth import bearer, client_token
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -37,14 +38,22 @@ class InferenceUnavailable(InferenceError):
 class PolicyClient:
     """Thread-safe client over one or several inference base URLs (or one router URL)."""
 
-    def __init__(self, base_urls: str | list[str], *, timeout: float = 60.0, model: str = "policy"):
+    def __init__(
+        self,
+        base_urls: str | list[str],
+        *,
+        timeout: float = 60.0,
+        model: str = "policy",
+        token: str | None = None,
+    ):
+        """`token`: the service token (default: DARTBOARD_SERVICE_TOKEN)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("PolicyClient needs at least one base URL")
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
         self.model = model
-        self._http = httpx.Client(timeout=timeout)
+        self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token)))
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._lock = threading.Lock()
 

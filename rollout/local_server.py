@@ -3,6 +3,7 @@ an arbitrary checkpoint, tests, benchmarks) and stop it again."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from core.procutil import die_with_parent, terminate_pid
+from rollout.auth import TOKEN_ENV, client_token
 
 
 class ServerStartError(RuntimeError):
@@ -34,12 +36,15 @@ class LocalPolicyServer:
         threads: int = 1,
         log_path: Path | None = None,
         extra_args: list[str] | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the service token the server demands (default: DARTBOARD_SERVICE_TOKEN)."""
         self.checkpoint = checkpoint
         self.version = version
         self.threads = threads
         self.log_path = log_path
         self.extra_args = extra_args or []
+        self.token = client_token(token)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -68,6 +73,7 @@ class LocalPolicyServer:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, TOKEN_ENV: self.token or ""},
             preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout

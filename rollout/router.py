@@ -26,6 +26,9 @@ Endpoints:
 - GET /health: {"status", "workers", "target_version", "syncing", "active"};
   GET /admin/events: the status changes (for dashboards and tests).
 
+Every route but GET /health needs the service token, and the router sends it to its
+workers; a sync names a checkpoint under the checkpoint roots (`rollout.auth`).
+
 Worker statuses: active (routed), stale (healthy but behind the target version, waiting for
 its reload), draining, loading, suspect (answered 503 or timed out), dead (refused the
 connection). A background prober polls every worker's /health and brings suspect and dead
@@ -38,6 +41,7 @@ import argparse
 import collections
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -45,10 +49,25 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
+
+from rollout.auth import (
+    ROOTS_ENV,
+    SOCKET_TIMEOUT_S,
+    TOKEN_ENV,
+    RequestRefused,
+    bearer,
+    check_token,
+    checkpoint_allowed,
+    checkpoint_roots,
+    client_token,
+    content_length,
+    service_token,
+)
 
 log = logging.getLogger("rollout.router")
 
@@ -128,6 +147,8 @@ class Router:
         request_timeout: float = 600.0,
         probe_interval: float = 1.0,
         reload_timeout: float = 600.0,
+        token: str | None = None,
+        roots: list[Path] | None = None,
     ):
         self.wait_timeout = wait_timeout
         self.request_timeout = request_timeout
@@ -144,7 +165,8 @@ class Router:
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=2000)
         self._seq = 0
         self._stop = threading.Event()
-        self._http = httpx.Client(timeout=request_timeout)
+        self.roots = roots or []
+        self._http = httpx.Client(timeout=request_timeout, headers=bearer(client_token(token)))
         self._threads = [
             threading.Thread(target=self._probe_loop, name="router-prober", daemon=True),
             threading.Thread(target=self._sync_loop, name="router-sync", daemon=True),
@@ -561,6 +583,8 @@ class Handler(BaseHTTPRequestHandler):
     # client's delayed ACK (tens of ms per request on loopback; see bench/overhead.py).
     disable_nagle_algorithm = True
     router: Router  # set on the subclass made in serve()
+    token: str
+    timeout = SOCKET_TIMEOUT_S  # socket reads: a stalled client is dropped
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s " + format, self.address_string(), *args)
@@ -579,8 +603,18 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, _error_body(status, message), headers)
 
     def _raw_body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
+        length = content_length(self.headers.get("Content-Length"))
         return self.rfile.read(length) if length else b""
+
+    def _authorized(self) -> bool:
+        """Check the service token; answer 401 (and drop any body) when it is wrong."""
+        try:
+            check_token(self.headers.get("Authorization"), self.token)
+        except RequestRefused as exc:
+            self.close_connection = True
+            self._error(exc.status, str(exc))
+            return False
+        return True
 
     def _json_body(self) -> dict[str, Any]:
         try:
@@ -595,6 +629,8 @@ class Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if path == "/health":
             self._send(200, self.router.health())
+        elif not self._authorized():
+            return
         elif path == "/admin/workers":
             self._send(200, [asdict(w) for w in self.router.workers()])
         elif path == "/admin/events":
@@ -604,6 +640,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
+        if not self._authorized():
+            return
         try:
             if path == "/v1/chat/completions":
                 self._chat()
@@ -615,6 +653,8 @@ class Handler(BaseHTTPRequestHandler):
                 checkpoint, version = body.get("checkpoint"), body.get("version")
                 if not isinstance(checkpoint, str) or not checkpoint:
                     raise ValueError("checkpoint must be a directory path string")
+                if self.router.roots:  # else the workers check their own roots
+                    checkpoint_allowed(checkpoint, self.router.roots)
                 if not isinstance(version, int) or isinstance(version, bool):
                     raise ValueError("version must be an integer")
                 run, rolling = body.get("run"), body.get("rolling", True)
@@ -632,11 +672,16 @@ class Handler(BaseHTTPRequestHandler):
                 self._error(404, f"no route POST {path}")
         except SyncRejected as exc:
             self._error(409, str(exc))
+        except RequestRefused as exc:
+            self.close_connection = True
+            self._error(exc.status, str(exc))
         except ValueError as exc:
             self._error(400, str(exc))
 
     def do_DELETE(self) -> None:
         parts = urlsplit(self.path)
+        if not self._authorized():
+            return
         if parts.path != "/admin/workers":
             self._error(404, f"no route DELETE {parts.path}")
             return
@@ -658,7 +703,10 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 timeout = float(self.headers["X-Dartboard-Timeout"])
             except ValueError:
-                raise ValueError("X-Dartboard-Timeout must be a number of seconds") from None
+                timeout = math.nan
+            if not math.isfinite(timeout) or timeout <= 0:
+                # nan made the wait loop spin: only a finite positive number of seconds
+                raise ValueError("X-Dartboard-Timeout must be a positive number of seconds")
         try:
             reply = self.router.complete(body, timeout=timeout)
         except NoWorkerAvailable as exc:
@@ -681,9 +729,9 @@ def _url_field(body: dict[str, Any]) -> str:
     return _normalize_url(url)
 
 
-def serve(router: Router, *, host: str, port: int) -> ThreadingHTTPServer:
+def serve(router: Router, *, host: str, port: int, token: str) -> ThreadingHTTPServer:
     """Bind the HTTP server (port 0 picks a free one) and start the router's threads."""
-    handler = type("BoundHandler", (Handler,), {"router": router})
+    handler = type("BoundHandler", (Handler,), {"router": router, "token": token})
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
     router.start()
@@ -699,9 +747,10 @@ class RouterAdmin:
     admin.wait_for_version(3, timeout=300)
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 30.0):
+    def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None):
+        """`token`: the service token (default: DARTBOARD_SERVICE_TOKEN)."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout)
+        self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token)))
 
     def close(self) -> None:
         self._http.close()
@@ -774,14 +823,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--probe-interval", type=float, default=1.0)
+    parser.add_argument("--token-file", default=None, help=f"else ${TOKEN_ENV}")
+    parser.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        help=f"a directory a sync may name (repeatable; else ${ROOTS_ENV})",
+    )
     args = parser.parse_args(argv)
+    token = service_token(args.token_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     router = Router(
         wait_timeout=args.wait_timeout,
         request_timeout=args.request_timeout,
         probe_interval=args.probe_interval,
+        token=token,
+        roots=checkpoint_roots(args.checkpoint_root, served=None),
     )
-    httpd = serve(router, host=args.host, port=args.port)
+    httpd = serve(router, host=args.host, port=args.port, token=token)
     for url in args.worker:
         router.register(url)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())

@@ -16,6 +16,9 @@ Endpoints:
 - GET /health: {"status": "ok"|"draining"|"loading", "policy_version", "in_flight",
   "queued", "pid", ...}; GET /v1/models.
 
+Every route but /health needs the service token, a reload loads only from the checkpoint
+roots, and bodies are capped (`rollout.auth`).
+
 Dynamic batching: one background thread takes the first waiting request, takes whatever
 else is queued, and waits up to max_wait_ms (default 50) for more only while the batch is
 smaller than the number of requests recently in flight together (capped by max_batch);
@@ -40,9 +43,21 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from core.policy_io import generate, load_policy, load_weights_into, to_qwen_messages
+from rollout.auth import (
+    ROOTS_ENV,
+    SOCKET_TIMEOUT_S,
+    TOKEN_ENV,
+    RequestRefused,
+    check_token,
+    checkpoint_allowed,
+    checkpoint_roots,
+    content_length,
+    service_token,
+)
 
 log = logging.getLogger("rollout.server")
 
@@ -99,8 +114,9 @@ def parse_chat_request(body: Any, *, default_model: str, max_tokens_limit: int) 
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise RequestError("top_p must be a number in (0, 1]", param="top_p")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError("seed must be an integer", param="seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        # torch's generator takes 64 bits: a larger seed failed the whole batch it was in.
+        raise RequestError("seed must be an integer from 0 to 2**63 - 1", param="seed")
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise RequestError("logprobs must be a boolean", param="logprobs")
@@ -363,7 +379,10 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "dartboard-inference/1"
     disable_nagle_algorithm = True  # headers and body are two writes (see rollout/router.py)
     app: InferenceServer  # set on the subclass made in serve()
+    token: str  # the service token (rollout.auth)
+    roots: list[Path]  # where a reload may load from
     request_timeout_s = 600.0
+    timeout = SOCKET_TIMEOUT_S  # socket reads: a stalled client is dropped
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s " + format, self.address_string(), *args)
@@ -385,16 +404,28 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, body, {k.replace("_", "-"): v for k, v in headers.items()})
 
     def _json_body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        length = content_length(self.headers.get("Content-Length"))
         raw = self.rfile.read(length) if length else b""
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from exc
 
+    def _authorized(self) -> bool:
+        """Check the service token; answer 401 (and drop any body) when it is wrong."""
+        try:
+            check_token(self.headers.get("Authorization"), self.token)
+        except RequestRefused as exc:
+            self.close_connection = True  # the unread body must not become the next request
+            self._error(exc.status, str(exc))
+            return False
+        return True
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, self.app.health())
+        elif not self._authorized():
+            return
         elif self.path == "/v1/models":
             self._send(
                 200, {"object": "list", "data": [{"id": self.app.model_name, "object": "model"}]}
@@ -403,6 +434,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, f"no route GET {self.path}")
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         try:
             body = self._json_body()
             if self.path == "/v1/chat/completions":
@@ -413,6 +446,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._error(404, f"no route POST {self.path}")
         except RequestError as exc:
             self._error(400, str(exc), param=exc.param)
+        except RequestRefused as exc:
+            self.close_connection = True
+            self._error(exc.status, str(exc), param=exc.param)
 
     def _chat(self, body: Any) -> None:
         app = self.app
@@ -438,6 +474,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError("checkpoint must be a directory path string", param="checkpoint")
         if not _is_int(body.get("version")):
             raise RequestError("version must be an integer", param="version")
+        checkpoint_allowed(body["checkpoint"], self.roots)
         if not os.path.isfile(os.path.join(body["checkpoint"], "config.json")):
             raise RequestError(
                 f"checkpoint {body['checkpoint']} is not a model directory (no config.json)",
@@ -455,9 +492,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"policy_version": body["version"], "reload_s": round(seconds, 3)})
 
 
-def serve(app: InferenceServer, *, host: str, port: int) -> ThreadingHTTPServer:
+def serve(
+    app: InferenceServer, *, host: str, port: int, token: str, roots: list[Path]
+) -> ThreadingHTTPServer:
     """Bind the HTTP server (port 0 picks a free one) and start the batching thread."""
-    handler = type("BoundHandler", (Handler,), {"app": app})
+    handler = type("BoundHandler", (Handler,), {"app": app, "token": token, "roots": roots})
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
     app.worker_name = f"{host}:{httpd.server_address[1]}"
@@ -486,7 +525,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--model-name", default=None, help="name echoed in replies")
+    parser.add_argument("--token-file", default=None, help=f"else ${TOKEN_ENV}")
+    parser.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        help=f"a directory reloads may load from (repeatable; else ${ROOTS_ENV}, else the "
+        "directory holding --policy)",
+    )
     args = parser.parse_args(argv)
+    token = service_token(args.token_file)
+    roots = checkpoint_roots(args.checkpoint_root, served=args.policy)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         import torch
@@ -501,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_limit=args.max_tokens_limit,
         model_name=args.model_name,
     )
-    httpd = serve(app, host=args.host, port=args.port)
+    httpd = serve(app, host=args.host, port=args.port, token=token, roots=roots)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())
     print(
         f"serving {args.policy} v{args.version} on http://{app.worker_name}",

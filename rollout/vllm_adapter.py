@@ -9,7 +9,10 @@ difference: POST /v1/chat/completions is passed through (asking vLLM for per-tok
 logprobs and top-5 alternatives, from which the client estimates the entropy) and the reply
 gains `policy_version`; POST /v1/reload {"checkpoint", "version"} drains, calls the worker
 extension through vLLM's /collective_rpc, then serves the new version; GET /health reports
-status, version and in-flight requests. CUDA-only: exercised on GPU hosts, not in CI.
+status, version and in-flight requests. Every route but /health needs the service token
+and a reload loads only from the checkpoint roots (`rollout.auth`); keep vLLM itself (and its
+dev-mode /collective_rpc) reachable only from this adapter. CUDA-only: exercised on GPU
+hosts, not in CI.
 """
 
 from __future__ import annotations
@@ -18,9 +21,20 @@ import argparse
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from rollout.auth import (
+    SOCKET_TIMEOUT_S,
+    RequestRefused,
+    check_token,
+    checkpoint_allowed,
+    checkpoint_roots,
+    content_length,
+    service_token,
+)
 
 
 class Adapter:
@@ -83,10 +97,13 @@ class Adapter:
             }
 
 
-def make_handler(adapter: Adapter) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    adapter: Adapter, *, token: str, roots: list[Path]
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # headers and body are two writes
+        timeout = SOCKET_TIMEOUT_S
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
@@ -103,20 +120,27 @@ def make_handler(adapter: Adapter) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length", 0))
             try:
+                check_token(self.headers.get("Authorization"), token)
+                length = content_length(self.headers.get("Content-Length"))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestRefused(400, "request body must be a JSON object")
+                if self.path == "/v1/chat/completions":
+                    self._send(*adapter.chat(body))
+                elif self.path == "/v1/reload":
+                    checkpoint, version = body.get("checkpoint"), body.get("version")
+                    if not isinstance(checkpoint, str) or not isinstance(version, int):
+                        raise RequestRefused(400, "reload needs checkpoint (str), version (int)")
+                    checkpoint_allowed(checkpoint, roots)
+                    self._send(*adapter.reload(checkpoint, version))
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
             except json.JSONDecodeError as exc:
                 self._send(400, {"error": {"message": f"invalid JSON: {exc}"}})
-                return
-            if self.path == "/v1/chat/completions":
-                self._send(*adapter.chat(body))
-            elif self.path == "/v1/reload":
-                self._send(
-                    *adapter.reload(str(body.get("checkpoint")), int(body.get("version", 0)))
-                )
-            else:
-                self._send(404, {"error": {"message": f"no route {self.path}"}})
+            except RequestRefused as exc:
+                self.close_connection = True
+                self._send(exc.status, {"error": {"message": str(exc), "param": exc.param}})
 
     return Handler
 
@@ -127,9 +151,16 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8101)
     parser.add_argument("--version", type=int, default=0)
+    parser.add_argument("--token-file", default=None, help="else $DARTBOARD_SERVICE_TOKEN")
+    parser.add_argument(
+        "--checkpoint-root", action="append", default=[], help="else $DARTBOARD_CHECKPOINT_ROOTS"
+    )
     args = parser.parse_args()
+    token = service_token(args.token_file)
+    roots = checkpoint_roots(args.checkpoint_root, served=None)
     adapter = Adapter(args.vllm, args.version)
-    ThreadingHTTPServer((args.host, args.port), make_handler(adapter)).serve_forever()
+    handler = make_handler(adapter, token=token, roots=roots)
+    ThreadingHTTPServer((args.host, args.port), handler).serve_forever()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ them the suite runs on SQLite and an embedded Redis (started by tests/conftest.p
 """
 
 import os
+import secrets
 import tempfile
 
 _home = tempfile.mkdtemp(prefix="dartboard-test-")
 os.environ["DARTBOARD_HOME"] = _home
 os.environ.pop("DARTBOARD_ENV", None)
+# The rollout service's token, in the environment so the servers and clients tests start
+# (in this process and in subprocesses) all hold the same one.
+os.environ["DARTBOARD_SERVICE_TOKEN"] = secrets.token_urlsafe(32)
 for _var, _test_var in (("DATABASE_URL", "TEST_DATABASE_URL"), ("REDIS_URL", "TEST_REDIS_URL")):
     if os.environ.get(_test_var):
         os.environ[_var] = os.environ[_test_var]

@@ -42,8 +42,9 @@ def _policy_endpoint(job: EvalJob) -> Iterator[tuple[PolicyEndpoint, OracleEndpo
         return
     log_path = settings.LOG_ROOT / f"eval-{job.pk}-server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with LocalPolicyServer(checkpoint, version=version or 0, log_path=log_path) as url:
-        client = PolicyClient(url, timeout=120)
+    token = settings.DARTBOARD_SERVICE_TOKEN
+    with LocalPolicyServer(checkpoint, version=version or 0, log_path=log_path, token=token) as url:
+        client = PolicyClient(url, timeout=120, token=token)
         try:
             yield client, None
         finally:

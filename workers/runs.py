@@ -88,9 +88,9 @@ def router_sync(*, run_id: int, checkpoint: Path, version: int, rolling: bool = 
     decoupled design) or all at once (the synchronous baseline). A failure is said on the
     run (the dashboard shows it) and logged; the next publish tries again."""
     try:
-        RouterAdmin(settings.DARTBOARD_INFERENCE_URLS[0]).sync(
-            checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling
-        )
+        RouterAdmin(
+            settings.DARTBOARD_INFERENCE_URLS[0], token=settings.DARTBOARD_SERVICE_TOKEN
+        ).sync(checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling)
     except Exception as exc:
         log.warning("run %s: router not told about version %s: %s", run_id, version, exc)
         run_set_message(
@@ -105,7 +105,9 @@ def policy_version_record_reach(*, run_id: int) -> None:
     if latest is None:
         return
     try:
-        with RouterAdmin(settings.DARTBOARD_INFERENCE_URLS[0], timeout=3) as admin:
+        with RouterAdmin(
+            settings.DARTBOARD_INFERENCE_URLS[0], timeout=3, token=settings.DARTBOARD_SERVICE_TOKEN
+        ) as admin:
             serving = [w.url for w in admin.workers() if w.policy_version == latest.version]
     except Exception:
         return

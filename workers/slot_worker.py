@@ -198,7 +198,11 @@ def serve_slot(
     busy = _SlotBusy(slot.env_busy_s)
     heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease, busy)
     heartbeat.start()
-    client = PolicyClient(inference_urls(), timeout=cfg.rollout.request_timeout_s)
+    client = PolicyClient(
+        inference_urls(),
+        timeout=cfg.rollout.request_timeout_s,
+        token=settings.DARTBOARD_SERVICE_TOKEN,
+    )
     deadline = time.monotonic() + max_seconds
     episodes_run = 0
     try:

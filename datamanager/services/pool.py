@@ -50,23 +50,34 @@ def demo_store(
         details={"image_geometry": geometry.to_json()} if geometry is not None else {},
     )
     for i, s in enumerate(steps):
-        step = Step(
+        demo_step_store(
             trajectory=traj,
             index=i,
-            screen_width=s.width,
-            screen_height=s.height,
-            raw_output=s.raw_output,
-            thought=s.thought,
-            action=s.action,
+            step=s,
+            path=f"demos/task-{task.pk}/traj-{traj.pk}/{i:03d}.png",
         )
-        step.screenshot.save(
-            f"demos/task-{task.pk}/traj-{traj.pk}/{i:03d}.png",
-            ContentFile(s.screenshot_png),
-            save=False,
-        )
-        step.save()
     pool_refresh(task_ids=[task.pk])
     return traj
+
+
+def demo_step_store(*, trajectory: Trajectory, index: int, step: DemoStep, path: str) -> Step:
+    """One pre-collected step with its screenshot saved under `path` in media storage."""
+    row = Step(
+        trajectory=trajectory,
+        index=index,
+        screen_width=step.width,
+        screen_height=step.height,
+        raw_output=step.raw_output,
+        thought=step.thought,
+        action=step.action,
+    )
+    row.screenshot.save(path, ContentFile(step.screenshot_png), save=False)
+    try:
+        row.save()
+    except BaseException:
+        row.screenshot.storage.delete(row.screenshot.name)  # no screenshot without its row
+        raise
+    return row
 
 
 def pool_refresh(*, task_ids: list[int]) -> None:

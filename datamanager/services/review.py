@@ -27,6 +27,7 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
+from datamanager.services.pool import DemoStep, demo_step_store
 
 
 class CurationError(ValueError):
@@ -256,21 +257,15 @@ def trajectories_import(*, fileobj: IO[bytes], in_pool: bool) -> list[Trajectory
                     instruction=item.instruction or tasks[item.task].instruction,
                 )
                 for j, s in enumerate(item.steps):
-                    step = Step(
+                    demo = DemoStep(s.png, s.width, s.height, s.raw_output, s.thought, s.action)
+                    step = demo_step_store(
                         trajectory=traj,
                         index=j,
-                        screen_width=s.width,
-                        screen_height=s.height,
-                        raw_output=s.raw_output,
-                        thought=s.thought,
-                        action=s.action,
-                    )
-                    step.screenshot.save(
-                        f"precollected/traj-{traj.pk}/{j:03d}.png", ContentFile(s.png), save=False
+                        step=demo,
+                        path=f"precollected/traj-{traj.pk}/{j:03d}.png",
                     )
                     assert step.screenshot.name is not None  # save() stored it under this name
                     written.append(step.screenshot.name)
-                    step.save()
                 out.append(traj)
             pool_sizes_refresh(task_ids={t.pk for t in tasks.values()})
     except BaseException:

@@ -22,8 +22,9 @@ from django.utils import timezone
 from dartboard.launcher import Supervisor, default_specs, wait_http
 from datamanager.config import RunConfig
 from datamanager.models import PolicyVersion, Run, Step, Task, TrainUpdate, Trajectory
+from datamanager.policies import policy_path
 from datamanager.services.runs import run_control, run_create
-from workers.runs import policy_path, run_start_workers
+from workers.runs import run_start_workers
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -113,7 +114,7 @@ def stack(subprocess_env, settings, tmp_path, live_work_keys_cleared):
         if s.name != "web"
     ]
     for spec in specs:
-        spec.env = env
+        spec.env = {**spec.env, **env}
     supervisor = Supervisor(home=tmp_path, specs=specs)
     supervisor.start()
     try:

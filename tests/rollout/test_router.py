@@ -20,6 +20,7 @@ import torch
 
 from core.completion import Completion
 from core.policy_io import load_policy, save_checkpoint
+from rollout.auth import bearer, client_token
 from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
 from training.tiny_policy import build_tiny_policy
@@ -27,6 +28,7 @@ from training.tiny_policy import build_tiny_policy
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
+AUTH = bearer(client_token(None))  # the test settings' service token
 SERVER = [sys.executable, "-m", "rollout.server"]
 MESSAGES = [{"role": "user", "content": "Click the submit button."}]
 
@@ -201,7 +203,9 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
     polls: list[tuple[float, dict]] = []
     with ClientLoops(cluster.router, n=4) as loops:
         wait_until(lambda: loops.each_has(1), what="first answers")
-        seq_before = max(e["seq"] for e in httpx.get(f"{cluster.router}/admin/events").json())
+        seq_before = max(
+            e["seq"] for e in httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
+        )
         t_sync = time.monotonic()
         reply = admin.sync(str(checkpoints[1]), 1)
         assert reply["target_version"] == 1
@@ -238,7 +242,7 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
         assert all(c.completion.policy_version == 1 for c in served if c.started > at_v1)
 
     # At least W-1 = 1 worker active at every moment, by polling and by the router's log.
-    events = httpx.get(f"{cluster.router}/admin/events").json()
+    events = httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
     assert min(h["active"] for _, h in polls) >= 1
     assert min(replay_active_counts(events, since_seq=seq_before + 1)) >= 1
     reloaded = [e["worker"] for e in events if e["status"] == "loading"]
@@ -248,7 +252,9 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
 
     # The router never moves the policy backwards.
     r = httpx.post(
-        f"{cluster.router}/admin/sync", json={"checkpoint": str(checkpoints[0]), "version": 0}
+        f"{cluster.router}/admin/sync",
+        headers=AUTH,
+        json={"checkpoint": str(checkpoints[0]), "version": 0},
     )
     assert r.status_code == 409
     assert r.json()["error"]["message"] == (
@@ -342,7 +348,7 @@ def test_no_worker_answers_503_with_a_clear_message_after_the_wait_bound():
     try:
         body = {"messages": MESSAGES, "max_tokens": 4}
         started = time.monotonic()
-        r = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=30)
+        r = httpx.post(f"{router}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
         assert 1.0 <= time.monotonic() - started < 5
         assert r.status_code == 503
         assert r.json()["error"]["message"] == (
@@ -353,7 +359,7 @@ def test_no_worker_answers_503_with_a_clear_message_after_the_wait_bound():
         dead = f"http://127.0.0.1:{free_port()}"
         with RouterAdmin(router) as admin:
             assert admin.register(dead).status == "dead"
-        r = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=30)
+        r = httpx.post(f"{router}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
         assert r.status_code == 503
         assert r.json()["error"]["message"] == (
             f"no active inference worker within 1 s ({dead} dead)"
@@ -370,7 +376,7 @@ def test_all_at_once_sync_drains_every_worker_and_a_new_run_starts_its_own_versi
     # The synchronous baseline: both workers drain before either reloads.
     admin.sync(str(checkpoints[1]), 1, run=7, rolling=False)
     admin.wait_for_version(1, timeout=120)
-    events = httpx.get(f"{cluster.router}/admin/events").json()
+    events = httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
     order = [(e["worker"], e["status"]) for e in events if e["status"] in ("draining", "loading")]
     first_loading = next(i for i, (_, s) in enumerate(order) if s == "loading")
     assert {w for w, s in order[:first_loading] if s == "draining"} == set(cluster.workers)

@@ -17,6 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from core.policy_io import load_policy, save_checkpoint
+from rollout.auth import bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
 from training.tiny_policy import build_tiny_policy
 
@@ -41,6 +42,9 @@ MESSAGES = [
         ],
     }
 ]
+
+
+AUTH = bearer(client_token(None))  # the test settings' service token
 
 
 def free_port() -> int:
@@ -129,11 +133,11 @@ def test_concurrent_clients_get_sampled_answers_with_policy_version(server):
 
 
 def test_malformed_requests_get_400_naming_the_field(server):
-    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json")
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, content=b"{not json")
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith("request body is not valid JSON")
 
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny"})
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json={"model": "tiny"})
     assert r.status_code == 400
     assert r.json()["error"] == {
         "message": "messages must be a non-empty list",
@@ -141,10 +145,12 @@ def test_malformed_requests_get_400_naming_the_field(server):
         "param": "messages",
         "code": 400,
     }
-    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES, "top_p": 0})
+    r = httpx.post(
+        f"{server}/v1/chat/completions", headers=AUTH, json={"messages": MESSAGES, "top_p": 0}
+    )
     assert r.json()["error"]["message"] == "top_p must be a number in (0, 1]"
     bad_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": bad_image})
+    r = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json={"messages": bad_image})
     assert r.status_code == 400
     assert "messages[0].content[0].image_url.url" in r.json()["error"]["message"]
 
@@ -164,7 +170,9 @@ def test_client_skips_a_dead_worker_and_gives_up_clearly(server):
 def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints):
     pid = httpx.get(f"{server}/health").json()["pid"]
     greedy = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
-    before = httpx.post(f"{server}/v1/chat/completions", json=greedy, timeout=60).json()
+    before = httpx.post(
+        f"{server}/v1/chat/completions", headers=AUTH, json=greedy, timeout=60
+    ).json()
 
     stop = threading.Event()
     done, errors = [], []
@@ -187,6 +195,7 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
         target=lambda: long_reply.append(
             httpx.post(
                 f"{server}/v1/chat/completions",
+                headers=AUTH,
                 json={"messages": MESSAGES, "max_tokens": 200},
                 timeout=120,
             )
@@ -200,6 +209,7 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
         target=lambda: reload_reply.append(
             httpx.post(
                 f"{server}/v1/reload",
+                headers=AUTH,
                 json={"checkpoint": str(checkpoints[1]), "version": 1},
                 timeout=120,
             )
@@ -208,7 +218,7 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
     reloader.start()
     while httpx.get(f"{server}/health").json()["status"] == "ok" and reloader.is_alive():
         time.sleep(0.01)
-    refused = httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES})
+    refused = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json={"messages": MESSAGES})
     reloader.join()
     long.join()
     n_after = len(done)
@@ -226,7 +236,9 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
     assert {c.policy_version for c in done} == {0, 1}
     health = httpx.get(f"{server}/health").json()
     assert health["pid"] == pid and health["policy_version"] == 1
-    after = httpx.post(f"{server}/v1/chat/completions", json=greedy, timeout=60).json()
+    after = httpx.post(
+        f"{server}/v1/chat/completions", headers=AUTH, json=greedy, timeout=60
+    ).json()
     assert after["policy_version"] == 1
     assert [t["logprob"] for t in after["choices"][0]["logprobs"]["content"]] != [
         t["logprob"] for t in before["choices"][0]["logprobs"]["content"]

@@ -49,6 +49,6 @@ def test_it_loads_as_qwen3_vl_and_clicks_on_unseen_screens(shipped):
 
 
 def test_make_run_starts_from_it(settings):
-    from workers.runs import policy_path
+    from datamanager.policies import policy_path
 
     assert policy_path("shipped") == SHIPPED

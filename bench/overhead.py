@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from rollout.auth import TOKEN_ENV  # noqa: E402
+from rollout.auth import TOKEN_ENV, bearer, client_token  # noqa: E402
 
 
 def _png() -> bytes:
@@ -178,7 +178,7 @@ def _router_cost(router: str, messages: list, n: int) -> dict:
 
     body = {"model": "policy", "messages": messages, "max_tokens": 1, "logprobs": True}
     added, totals = [], []
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=bearer(client_token(None))) as http:
         http.post(f"{router}/v1/chat/completions", json=body).raise_for_status()  # warm up
         for _ in range(n):
             started = time.perf_counter()

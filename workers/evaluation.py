@@ -115,7 +115,7 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
     """The run's rollout settings (the defaults for an evaluation outside a run) with the
     job's decoding, in the image geometry of the checkpoint under evaluation."""
-    cfg = RunConfig.from_dict(job.run.config) if job.run_id else RunConfig()
+    cfg = RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
     checkpoint, _ = resolve_checkpoint(job.policy)
     return episode_config(
         cfg,

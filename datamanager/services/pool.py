@@ -75,7 +75,8 @@ def demo_step_store(*, trajectory: Trajectory, index: int, step: DemoStep, path:
     try:
         row.save()
     except BaseException:
-        row.screenshot.storage.delete(row.screenshot.name)  # no screenshot without its row
+        if row.screenshot.name:  # no screenshot without its row
+            row.screenshot.storage.delete(row.screenshot.name)
         raise
     return row
 

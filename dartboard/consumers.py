@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from datamanager.events import run_group
+from datamanager.roles import CAN_VIEW
 
 
 class RunEventsConsumer(AsyncJsonWebsocketConsumer):
-    """Forwards a run's events to a logged-in browser. Anonymous sockets are closed (4401)."""
+    """Forwards a run's events to a browser whose user may view runs. Anonymous sockets are
+    closed with 4401, those of users without the viewer permission with 4403."""
 
     group: str | None = None
 
@@ -16,6 +19,9 @@ class RunEventsConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
+            return
+        if not await database_sync_to_async(user.has_perm)(CAN_VIEW):
+            await self.close(code=4403)
             return
         self.group = run_group(int(self.scope["url_route"]["kwargs"]["run_id"]))
         await self.channel_layer.group_add(self.group, self.channel_name)

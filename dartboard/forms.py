@@ -17,6 +17,8 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
+from datamanager.policies import NAMED_POLICIES
+from datamanager.roles import CAN_ADMINISTER
 
 _TITLES = {"": "Run", "tasks": "Tasks", "env": "Environments"}
 
@@ -99,8 +101,16 @@ class RunForm(forms.Form):
 
     name = forms.CharField(max_length=200, help_text="A name to find the run by.")
 
-    def __init__(self, *args: Any, from_config: dict[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        from_config: dict[str, Any] | None = None,
+        user: Any = None,
+        **kwargs: Any,
+    ):
+        """`user`: who submits it; settings only an admin may choose are refused for others."""
         super().__init__(*args, **kwargs)
+        self.user = user
         defaults = RunConfig().to_dict()
         for section, name, tp, f in config_fields():
             key = name.split(".", 1)[1] if section else name
@@ -147,6 +157,17 @@ class RunForm(forms.Form):
             missing = [n for n in names if n not in known]
             if missing:
                 self.add_error("tasks.names", f"no task named {', '.join(missing)}")
+        if self.user is not None and not self.user.has_perm(CAN_ADMINISTER):
+            # A checkpoint path loads arbitrary weights on the shared workers, and a desktop
+            # slot hands the policy a shell: both are an admin's call.
+            if self.config.policy not in NAMED_POLICIES:
+                self.add_error(
+                    "policy",
+                    f"only an admin may point a run at a checkpoint path; use one of "
+                    f"{', '.join(NAMED_POLICIES)}",
+                )
+            if self.config.env.desktop_slots:
+                self.add_error("env.desktop_slots", "only an admin may give a run desktop slots")
         return cleaned
 
 

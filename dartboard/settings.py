@@ -212,6 +212,17 @@ LOGGING = {
 if PRODUCTION:
     SESSION_COOKIE_SECURE = config_env.env_bool("DARTBOARD_SECURE_COOKIES", default=True)
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+# Behind a TLS-terminating proxy (README, Security model): the proxy sets X-Forwarded-Proto,
+# the browser's origin is trusted for CSRF, and HSTS tells browsers to stay on https.
+if config_env.env_bool("DARTBOARD_TLS_PROXY", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^health/$"]  # the orchestrator's probe speaks plain http
+CSRF_TRUSTED_ORIGINS = config_env.env_list("CSRF_TRUSTED_ORIGINS")
+SECURE_HSTS_SECONDS = int(config_env.env_seconds("DARTBOARD_HSTS_SECONDS", 0))
+SECURE_HSTS_INCLUDE_SUBDOMAINS = False
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
 
 # The rollout service: the router (or inference workers) env slots send requests to. Image
 # bounds are not settings: they come from the policy's processor (core/imaging.py).

@@ -10,8 +10,9 @@ from importlib import resources
 from typing import Any, cast
 
 from django.contrib import messages
-from django.contrib.auth.decorators import login_not_required
+from django.contrib.auth.decorators import login_not_required, permission_required
 from django.contrib.auth.models import User
+from django.core.exceptions import PermissionDenied
 from django.core.files.storage import default_storage
 from django.http import (
     FileResponse,
@@ -40,6 +41,7 @@ from dartboard.forms import (
 )
 from datamanager.archive import InvalidUpload
 from datamanager.models import EvalJob, Run, TaskStat, Trajectory
+from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors import evaluations
 from datamanager.services import review
 from datamanager.services import runs as services
@@ -53,6 +55,7 @@ def _user(request: HttpRequest) -> User:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def runs_list(request: HttpRequest) -> HttpResponse:
     runs = list(viewmodels.runs_overview()[:200])
     for run in runs:
@@ -62,10 +65,11 @@ def runs_list(request: HttpRequest) -> HttpResponse:
 
 
 @require_http_methods(["GET", "POST"])
+@permission_required(CAN_CREATE, raise_exception=True)
 def run_new(request: HttpRequest) -> HttpResponse:
     """The run form. GET ?from=<run id> pre-fills it from that run's resolved config."""
     if request.method == "POST":
-        form = RunForm(request.POST)
+        form = RunForm(request.POST, user=_user(request))
         if form.is_valid():
             run = services.run_create(
                 name=form.cleaned_data["name"], config=form.config, owner=_user(request)
@@ -84,6 +88,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     slots = viewmodels.run_slots(run=run)
@@ -103,11 +108,12 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 @require_POST
+@permission_required(CAN_CONTROL, raise_exception=True)
 def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
     get_object_or_404(Run, pk=run_id)
     action = request.POST.get("action", "")
     try:
-        run = runs.run_apply(run_id=run_id, action=action)
+        run = runs.run_apply(run_id=run_id, action=action, user=_user(request))
     except (services.InvalidTransition, runs.RunNotStartable) as exc:
         messages.error(request, f"Could not {action or 'change'} the run: {exc}.")
     else:
@@ -116,6 +122,7 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
     """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
     run = get_object_or_404(Run, pk=run_id)
@@ -123,6 +130,7 @@ def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
     """The env wall as JSON (the wall's fallback when the WebSocket is down)."""
     run = get_object_or_404(Run, pk=run_id)
@@ -133,6 +141,7 @@ def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     rows = viewmodels.task_board(run=run)
@@ -142,6 +151,7 @@ def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 @require_http_methods(["GET", "POST"])
+@permission_required(CAN_CURATE, raise_exception=True)
 def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpResponse:
     stat = get_object_or_404(
         TaskStat.objects.select_related("task", "run"), pk=stat_id, run_id=run_id
@@ -179,6 +189,7 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def trajectory_list(request: HttpRequest) -> HttpResponse:
     form = TrajectoryFilterForm(request.GET or None)
     flt = viewmodels.TrajectoryFilter()
@@ -221,6 +232,7 @@ def _run_filter(request: HttpRequest) -> tuple[EvalJobFilterForm, int | None, Ru
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def evaluation_list(request: HttpRequest) -> HttpResponse:
     form, run_id, run = _run_filter(request)
     listing = evaluations.eval_job_list(run_id=run_id, page=request.GET.get("page", 1))
@@ -240,6 +252,7 @@ def evaluation_list(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def evaluation_detail(request: HttpRequest, job_id: int) -> HttpResponse:
     try:
         report = evaluations.eval_job_report(job_id=job_id)
@@ -249,6 +262,7 @@ def evaluation_detail(request: HttpRequest, job_id: int) -> HttpResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def evaluation_matrix(request: HttpRequest) -> HttpResponse:
     form, run_id, run = _run_filter(request)
     matrix = evaluations.eval_matrix(run_id=run_id)
@@ -266,6 +280,7 @@ def evaluation_matrix(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def evaluation_compare(request: HttpRequest) -> HttpResponse:
     """?a=ID&b=ID. A missing, malformed or unknown id is explained on the page."""
     form = EvalCompareForm(request.GET or None)
@@ -313,11 +328,13 @@ def _trajectory_context(trajectory_id: int, **forms) -> dict:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
     return render(request, "dashboard/trajectory_detail.html", _trajectory_context(trajectory_id))
 
 
 @require_POST
+@permission_required(CAN_CURATE, raise_exception=True)
 def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> HttpResponse:
     """promote / unpool / reject / trim / reward, each one service call."""
     traj = get_object_or_404(Trajectory, pk=trajectory_id)
@@ -342,6 +359,8 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
             messages.success(request, f"Curated copy #{copy.pk} with {copy.length} steps.")
             target = reverse("trajectory_detail", args=[copy.pk])
         elif action == "reward":
+            if not request.user.has_perm(CAN_ADMINISTER):
+                raise PermissionDenied("only an admin may override a reward")
             reward_form = RewardOverrideForm(request.POST)
             if not reward_form.is_valid():
                 return _invalid(request, traj, "reward_form", reward_form)
@@ -366,6 +385,7 @@ def _invalid(request: HttpRequest, traj: Trajectory, name: str, form) -> HttpRes
 
 
 @require_http_methods(["GET", "POST"])
+@permission_required(CAN_CURATE, raise_exception=True)
 def upload(request: HttpRequest) -> HttpResponse:
     """Import pre-collected trajectories from a .zip (format: datamanager/archive.py)."""
     errors: list[str] = []
@@ -396,6 +416,7 @@ def health(request: HttpRequest) -> JsonResponse:
 
 
 @require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
 def media(request: HttpRequest, key: str) -> HttpResponseBase:
     """Screenshots and other media, for logged-in users only (never a public directory)."""
     if ".." in key.split("/") or not default_storage.exists(key):

@@ -64,9 +64,29 @@ class Run(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # The roles (datamanager/roles.py): viewers read, operators run and curate, admins
+        # also choose policy paths and desktop slots and override rewards.
+        permissions = [
+            ("control_run", "Start, pause, resume and stop runs"),
+            ("curate", "Curate trajectories and tasks, upload demonstrations"),
+            ("administer", "Policy paths, desktop slots and reward overrides"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} (#{self.pk})"
+
+
+class RunAction(models.Model):
+    """Audit record of a run control action: who, what, when, and what came of it."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="actions")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    action = models.CharField(max_length=16)
+    outcome = models.TextField(help_text="The run's status after it, or why it was refused.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
 
 
 class TaskStat(models.Model):

@@ -11,6 +11,7 @@ from core.imaging import QWEN25_VL, ImageGeometry
 from datamanager.models import PolicyVersion
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
+NAMED_POLICIES = ("shipped", "untrained", ORACLE_POLICY)  # every other name is a path
 
 SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -44,15 +45,43 @@ def live_work_keys_cleared() -> None:
         client.close()
 
 
+def user_in_role(django_user_model, name: str, role: str, *, password: str = "") -> Any:
+    from datamanager.roles import role_group
+
+    user = django_user_model.objects.create_user(name, password=password or f"{name}-pass-123")
+    user.groups.add(role_group(role))
+    return user
+
+
 @pytest.fixture
 def researcher(django_user_model):
-    """Ada, a logged-in RL researcher."""
-    return django_user_model.objects.create_user("ada", password="lovelace-pass-1")
+    """Ada, an RL researcher with the operator role: runs and curates."""
+    return user_in_role(django_user_model, "ada", "operator", password="lovelace-pass-1")
 
 
 @pytest.fixture
 def ada_client(client, researcher):
     client.force_login(researcher)
+    return client
+
+
+@pytest.fixture
+def grace_client(django_user_model):
+    """Grace, the lab's admin (policy paths, desktop slots, reward overrides)."""
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user_in_role(django_user_model, "grace", "admin"))
+    return client
+
+
+@pytest.fixture
+def viewer_client(django_user_model):
+    """Victor, who may look at everything and change nothing."""
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user_in_role(django_user_model, "victor", "viewer"))
     return client
 
 

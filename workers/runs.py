@@ -6,13 +6,19 @@ import logging
 from pathlib import Path
 
 from django.conf import settings
+from django.contrib.auth.models import User
 from django.db import transaction
 
 from datamanager.config import RunConfig
-from datamanager.models import PolicyVersion, Run
+from datamanager.models import PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
 from datamanager.services import episodes
-from datamanager.services.runs import run_control, run_set_message
+from datamanager.services.runs import (
+    InvalidTransition,
+    run_action_record,
+    run_control,
+    run_set_message,
+)
 from datamanager.services.versions import policy_version_add_reach
 from rollout.router import RouterAdmin
 from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
@@ -32,19 +38,41 @@ class RunNotStartable(Exception):
     """A run cannot start; the message says why (no tasks, no checkpoint...)."""
 
 
-@transaction.atomic
-def run_apply(*, run_id: int, action: str) -> Run:
+def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
     """start/pause/resume/stop a run; starting or resuming also starts its workers.
 
     All or nothing: a run whose workers cannot start stays as it was, with the reason raised
-    as InvalidTransition or RunNotStartable."""
-    run = run_control(run_id=run_id, action=action)
-    if run.status == "running":
-        try:
-            run_start_workers(run_id=run_id)
-        except (episodes.NoTasks, PolicyNotFound) as exc:
-            raise RunNotStartable(str(exc)) from None
+    as InvalidTransition or RunNotStartable. Every attempt is recorded with who and when,
+    the refused ones too."""
+    try:
+        with transaction.atomic():
+            run = run_control(run_id=run_id, action=action)
+            if run.status == RunStatus.RUNNING:
+                _check_inference_free(run)
+                try:
+                    run_start_workers(run_id=run_id)
+                except (episodes.NoTasks, PolicyNotFound) as exc:
+                    raise RunNotStartable(str(exc)) from None
+    except (InvalidTransition, RunNotStartable) as exc:
+        run_action_record(run_id=run_id, action=action, user=user, outcome=f"refused: {exc}")
+        raise
+    run_action_record(run_id=run_id, action=action, user=user, outcome=run.status)
     return run
+
+
+def _check_inference_free(run: Run) -> None:
+    """The inference workers serve one run's policy at a time: a second model run would
+    silently switch the first one's weights under it, so it is refused instead."""
+    if RunConfig.from_dict(run.config).policy == ORACLE_POLICY:
+        return  # the scripted oracle uses no inference worker
+    for other in Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
+        pk=run.pk
+    ):
+        if RunConfig.from_dict(other.config).policy != ORACLE_POLICY:
+            raise RunNotStartable(
+                f"run #{other.pk} {other.name!r} is {other.status} on the shared inference "
+                "workers; stop it first (two runs would switch each other's weights)"
+            )
 
 
 def run_start_workers(*, run_id: int) -> None:

@@ -9,7 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from datamanager.config import RunConfig
-from datamanager.models import Run, RunStatus, Task
+from datamanager.models import Run, RunAction, RunStatus, Task
 from datamanager.task_import import TaskRecord
 
 
@@ -69,6 +69,11 @@ def run_control(*, run_id: int, action: str) -> Run:
     run.status_message = ""
     run.save(update_fields=["status", "started_at", "finished_at", "status_message", "updated_at"])
     return run
+
+
+def run_action_record(*, run_id: int, action: str, user: User | None, outcome: str) -> None:
+    """Audit a run control attempt: who, what, when, and its outcome (a status or refusal)."""
+    RunAction.objects.create(run_id=run_id, action=action[:16], user=user, outcome=outcome)
 
 
 def run_set_message(*, run_id: int, message: str) -> None:

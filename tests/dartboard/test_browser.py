@@ -106,12 +106,15 @@ def record(trajectory_id: int, index: int, action: dict) -> None:
 
 def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, tiny_policy_dir):
     from datamanager.models import EnvSlot, Run, Task, Trajectory
+    from datamanager.roles import role_group
     from datamanager.services.episodes import task_claim, taskstats_ensure, trajectory_finish
 
     in_thread(Task.objects.create, name="click-button", env_kind="miniwob", instruction="Click OK")
     # The server runs the project's settings (PBKDF2), the suite MD5: store a PBKDF2 hash.
     hashed = PBKDF2PasswordHasher().encode("lovelace-pass-1", "saltsalt", iterations=1000)
     in_thread(type(researcher).objects.filter(pk=researcher.pk).update, password=hashed)
+    # A run on a checkpoint path is an admin's to create: Ada is the lab's admin here.
+    in_thread(lambda: researcher.groups.add(role_group("admin")))
 
     page.goto(f"{daphne}/accounts/login/")
     page.fill("input[name=username]", "ada")

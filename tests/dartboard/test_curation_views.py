@@ -139,14 +139,19 @@ def test_reward_override_is_audited_and_moves_status(run, researcher):
 # --- pages -------------------------------------------------------------------------------
 
 
-def test_pages_promote_reject_trim_and_override(ada_client, run):
+def test_pages_promote_reject_trim_and_override(ada_client, grace_client, run):
     traj = finished(run)
     base = f"/trajectories/{traj.pk}"
     r = ada_client.post(f"{base}/promote/", follow=True)
     assert b"Added to the task" in r.content and b"in pool" in r.content
-    r = ada_client.post(f"{base}/reward/", {"reward": "0.5", "reason": "partly right"}, follow=True)
+    # A reward override is an admin's (Ada operates); Grace administers.
+    r = ada_client.post(f"{base}/reward/", {"reward": "0.5", "reason": "partly right"})
+    assert r.status_code == 403
+    r = grace_client.post(
+        f"{base}/reward/", {"reward": "0.5", "reason": "partly right"}, follow=True
+    )
     html = r.content.decode()
-    assert "Reward overridden." in html and "partly right" in html and "by ada" in html
+    assert "Reward overridden." in html and "partly right" in html and "by grace" in html
     r = ada_client.post(f"{base}/trim/", {"keep_steps": 2})
     copy = Trajectory.objects.get(curated_from=traj)
     assert r["Location"] == f"/trajectories/{copy.pk}/" and copy.length == 2
@@ -165,7 +170,10 @@ def test_pages_promote_reject_trim_and_override(ada_client, run):
         ("trim", {"keep_steps": "0"}, "greater than or equal to 1"),
     ],
 )
-def test_curation_forms_reject_bad_input_and_write_nothing(ada_client, run, action, data, message):
+def test_curation_forms_reject_bad_input_and_write_nothing(
+    grace_client, run, action, data, message
+):
+    ada_client = grace_client  # an admin: reward overrides are admin-only
     traj = finished(run)
     before = list(Trajectory.objects.values())
     r = ada_client.post(f"/trajectories/{traj.pk}/{action}/", data)

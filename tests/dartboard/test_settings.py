@@ -70,3 +70,25 @@ def test_home_that_is_a_file_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setenv("DARTBOARD_HOME", str(f))
     with pytest.raises(config_env.SettingsError, match="is a file, not a directory"):
         config_env.dartboard_home()
+
+
+def test_tls_proxy_settings_for_a_production_deployment(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({
+        "DJANGO_SETTINGS_MODULE": "dartboard.settings", "DARTBOARD_HOME": str(tmp_path),
+        "DARTBOARD_ENV": "production", "SECRET_KEY": "k" * 50,
+        "ALLOWED_HOSTS": "dartboard.example.org", "DARTBOARD_TLS_PROXY": "1",
+        "CSRF_TRUSTED_ORIGINS": "https://dartboard.example.org",
+        "DARTBOARD_HSTS_SECONDS": "31536000",
+    })  # fmt: skip
+    code = (
+        "import django; django.setup(); from django.conf import settings as s; "
+        "print(s.SECURE_PROXY_SSL_HEADER, s.CSRF_TRUSTED_ORIGINS, s.SECURE_HSTS_SECONDS, "
+        "s.SESSION_COOKIE_SECURE, s.SECURE_SSL_REDIRECT)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == (
+        "('HTTP_X_FORWARDED_PROTO', 'https') ['https://dartboard.example.org'] 31536000 True True"
+    ), result.stderr

@@ -389,6 +389,9 @@ class EvalJob(models.Model):
     error = models.TextField(blank=True)
     done = models.PositiveIntegerField(default=0)
     total = models.PositiveIntegerField(default=0)
+    shards = models.PositiveIntegerField(
+        default=0, help_text="Env-slot tasks it runs on (0: run in-process, not watched)."
+    )
     report = models.JSONField(default=dict, blank=True)
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL

@@ -38,7 +38,11 @@ def live_work_keys_cleared() -> None:
 
     client = redis_client()
     try:
-        for pattern in ("dartboard:slot-lease:*", "dartboard:trainer-lease:*"):
+        for pattern in (
+            "dartboard:slot-lease:*",
+            "dartboard:trainer-lease:*",
+            "dartboard:eval-lease:*",
+        ):
             for key in client.scan_iter(pattern):
                 client.delete(key)
     finally:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from celery import current_app as celery_app
 from django.conf import settings
 from django.db import transaction
 
@@ -21,13 +20,21 @@ from core.protocol import TaskSpec
 from datamanager.config import RunConfig
 from datamanager.models import EvalJob, Run, Task
 from datamanager.policies import resolve_checkpoint
-from datamanager.selectors.evaluations import eval_episode_ended
+from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
 from datamanager.services import episodes, evaluations
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
 from rollout.local_server import LocalPolicyServer
 from workers.config_mapping import episode_config
+from workers.leases import (
+    LeaseKeeper,
+    RedisLease,
+    eval_shard_work,
+    holder_name,
+    work_enqueue,
+    work_started,
+)
 from workers.slot_worker import DbRecorder, discard_env, process_env
 
 log = logging.getLogger("dartboard.evaluate")
@@ -57,7 +64,9 @@ def eval_job_run(
     """Run the job's episodes (this shard's tasks) here, one env per backend; whoever
     finishes the last episode writes the report."""
     job = evaluations.eval_job_start(job_id=job_id)
-    tasks = list(Task.objects.filter(name__in=job.task_names).order_by("name"))[shard::shards]
+    names = eval_shard_tasks(job=job, shard=shard, shards=shards)
+    by_name = {t.name: t for t in Task.objects.filter(name__in=names)}
+    tasks = [by_name[n] for n in names if n in by_name]
     kinds = sorted({t.env_kind for t in tasks})
     try:
         with _policy_endpoint(job) as (policy, oracle):
@@ -90,6 +99,8 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
     )
     if not tasks:
         return None
+    slots = cfg.env.miniwob_slots + cfg.env.desktop_slots
+    shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
     job = evaluations.eval_job_create(
         name=f"{run.name} v{version}",
         policy=f"run:{run_id}:v{version}",
@@ -98,18 +109,36 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
         greedy=cfg.evaluation.greedy,
         run_id=run_id,
         policy_version=version,
+        shards=shards,
     )
-    slots = cfg.env.miniwob_slots + cfg.env.desktop_slots
-    shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
 
     def enqueue() -> None:
         for shard in range(shards):
-            celery_app.send_task(
-                "workers.tasks.eval_shard", args=(job.pk, shard, shards), queue="env"
-            )
+            work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=shards))
 
     transaction.on_commit(enqueue)
     return job
+
+
+def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
+    """Run one shard of a scheduled job while holding its lease, so the watchdog can tell a
+    shard whose worker died (no lease, nothing queued) and enqueue it again; the shard then
+    resumes, skipping the episodes that already ended."""
+    work = eval_shard_work(job_id=job_id, shard=shard, shards=shards)
+    work_started(work)
+    lease = RedisLease(key=work.lease_key, holder=holder_name(work.label))
+    holder = lease.acquire()
+    if holder is not None:
+        lease.release()  # not ours: closes the connection only
+        return f"{work.label} is held by {holder}"
+    keeper = LeaseKeeper(lease)
+    keeper.start()
+    try:
+        job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
+    finally:
+        keeper.stop()
+        lease.release()
+    return f"{work.label}: {job.done}/{job.total}"
 
 
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:

@@ -67,6 +67,17 @@ def trainer_work(*, run_id: int, mode: str) -> LiveWork:
     )
 
 
+def eval_shard_work(*, job_id: int, shard: int, shards: int) -> LiveWork:
+    """One env slot's share of a scheduled evaluation job."""
+    return LiveWork(
+        label=f"evaluation #{job_id} shard {shard + 1}/{shards}",
+        lease_key=f"dartboard:eval-lease:{job_id}:{shard}",
+        task="workers.tasks.eval_shard",
+        args=(job_id, shard, shards),
+        queue="env",
+    )
+
+
 def work_enqueue(work: LiveWork, *, countdown: float | None = None) -> None:
     """Mark `work` pending, then send its task (by name: the env cluster and the trainer may
     live in other code bases' workers)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import shared_task
 
-from workers.evaluation import eval_job_run
+from workers.evaluation import eval_shard_serve
 from workers.leases import slot_work, work_enqueue, work_started
 from workers.slot_worker import serve_lockstep_episode, serve_slot
 from workers.sync_loop import sync_for
@@ -43,8 +43,7 @@ def episode_once(
 @shared_task(name="workers.tasks.eval_shard", acks_late=True)
 def eval_shard(job_id: int, shard: int, shards: int) -> str:
     """One env slot's share of an evaluation job."""
-    job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
-    return f"eval #{job_id} shard {shard}/{shards}: {job.done}/{job.total}"
+    return eval_shard_serve(job_id=job_id, shard=shard, shards=shards)
 
 
 @shared_task(name="workers.tasks.train_run", acks_late=True)

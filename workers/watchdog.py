@@ -6,7 +6,9 @@ For every running run it
 1. ends the episodes of env workers that stopped heart-beating (`aborted`, with the reason),
    so their groups complete;
 2. enqueues again each env slot task and the trainer task that has had neither a lease nor a
-   pending message for DARTBOARD_WATCHDOG_GRACE_S, and says so on the run.
+   pending message for DARTBOARD_WATCHDOG_GRACE_S, and says so on the run;
+3. does the same for each unfinished shard of a scheduled evaluation job (the shard resumes
+   where it stopped).
 
 Why it is needed: Celery acknowledges a task when it ends (acks_late), and a worker killed
 mid-task (SIGKILL, the OOM killer, a lost machine) leaves its message unacknowledged until the
@@ -26,10 +28,11 @@ from typing import Any
 from django.conf import settings
 
 from datamanager.config import RunConfig
-from datamanager.models import Run, RunStatus, TrainUpdate
+from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
+from datamanager.selectors.evaluations import eval_shard_finished
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
-from workers.leases import LiveWork, redis_client, work_enqueue
+from workers.leases import LiveWork, eval_shard_work, redis_client, work_enqueue
 from workers.runs import run_live_work
 
 log = logging.getLogger("dartboard.watchdog")
@@ -62,8 +65,33 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
                 log.warning("run %s: %s", run.pk, message)
                 run_set_message(run_id=run.pk, message=message)
                 restarted.append(f"run {run.pk}: {work.label}")
+        restarted += _evaluation_pass(client, now)
     finally:
         client.close()
+    return restarted
+
+
+def _evaluation_pass(client: Any, now: float) -> list[str]:
+    """Enqueue again the unfinished shards of scheduled evaluation jobs whose worker died."""
+    restarted = []
+    jobs = EvalJob.objects.filter(
+        shards__gt=0, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)
+    ).select_related("run")
+    for job in jobs:
+        for shard in range(job.shards):
+            work = eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards)
+            if eval_shard_finished(job=job, shard=shard) or not _lapsed(client, work, now):
+                continue
+            work_enqueue(work)
+            message = (
+                f"watchdog: {work.label} had no live worker for "
+                f"{settings.DARTBOARD_WATCHDOG_GRACE_S:.0f} s; enqueued again (it resumes "
+                "after the episodes that ended)"
+            )
+            log.warning("%s", message)
+            if job.run is not None and job.run.status == RunStatus.RUNNING:
+                run_set_message(run_id=job.run.pk, message=message)
+            restarted.append(work.label)
     return restarted
 
 

@@ -295,6 +295,22 @@ def eval_report(*, job_id: int) -> dict:
     }
 
 
+def eval_shard_tasks(*, job: EvalJob, shard: int, shards: int) -> list[str]:
+    """The task names one shard of a job runs (every shards-th, in name order)."""
+    return sorted(job.task_names)[shard::shards]
+
+
+def eval_shard_finished(*, job: EvalJob, shard: int) -> bool:
+    """Whether every episode of this shard of the job has ended."""
+    names = eval_shard_tasks(job=job, shard=shard, shards=job.shards)
+    ended = (
+        Trajectory.objects.filter(eval_job=job, task__name__in=names)
+        .exclude(status="running")
+        .count()
+    )
+    return ended >= len(names) * job.k
+
+
 def eval_episode_ended(*, job_id: int, task_id: int, seed: int) -> bool:
     """Whether this episode of the job already ended (a resumed job skips it)."""
     return (

@@ -21,6 +21,7 @@ def eval_job_create(
     temperature: float = 1.0,
     run_id: int | None = None,
     policy_version: int | None = None,
+    shards: int = 0,
 ) -> EvalJob:
     if k < 1:
         raise EvalSetupError(f"k must be >= 1, got {k}")
@@ -36,6 +37,7 @@ def eval_job_create(
         run_id=run_id,
         policy_version=policy_version,
         total=len(tasks) * k,
+        shards=shards,
     )
 
 

@@ -98,3 +98,43 @@ def test_a_second_trainer_task_finds_the_lease_held_and_ends(redis, settings):
 
     assert tasks.train_run(run.pk) == f"the trainer of run {run.pk} is held by other:7:trainer"
     assert redis.llen("train") == queued  # and it did not re-enqueue itself
+
+
+def test_a_lost_evaluation_shard_is_enqueued_again_and_a_finished_one_is_not(redis):
+    """A scheduled evaluation's shard whose worker died (no lease, nothing queued) comes back;
+    a shard whose episodes all ended, or one whose worker is alive, is left alone."""
+    from datamanager.models import EvalJob, Task, Trajectory
+    from datamanager.services.evaluations import eval_job_create, eval_job_start
+    from workers.leases import eval_shard_work
+
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 1}})
+    for name in ("eval-a", "eval-b", "eval-c"):
+        Task.objects.create(name=name, env_kind="miniwob", split="eval")
+    job = eval_job_create(
+        name="v1", policy="oracle", tasks=list(Task.objects.filter(split="eval")), k=1,
+        run_id=run.pk, policy_version=1, shards=3,
+    )  # fmt: skip
+    eval_job_start(job_id=job.pk)
+    # Shard 0 (eval-a) has finished its episode; shard 1's worker is alive; shard 2's died.
+    Trajectory.objects.create(
+        task=Task.objects.get(name="eval-a"), eval_job=job, purpose="eval", status="succeeded"
+    )
+    redis.set(eval_shard_work(job_id=job.pk, shard=1, shards=3).lease_key, "h:2:x", ex=60)
+    for work in (
+        slot_work(run_id=run.pk, backend="miniwob", index=0),
+        trainer_work(run_id=run.pk, mode="decoupled"),
+    ):
+        redis.set(work.lease_key, "h:1:x", ex=60)
+    env_before = redis.llen("env")
+
+    assert watchdog_pass(now=2000.0) == []
+    assert watchdog_pass(now=2006.0) == [f"evaluation #{job.pk} shard 3/3"]
+    assert ("workers.tasks.eval_shard", [job.pk, 2, 3]) in _queued_tasks(redis, "env")
+    assert redis.llen("env") == env_before + 1
+    run.refresh_from_db()
+    assert run.status_message.startswith(f"watchdog: evaluation #{job.pk} shard 3/3 had no")
+    assert watchdog_pass(now=2100.0) == []  # queued now: not enqueued twice
+    EvalJob.objects.filter(pk=job.pk).update(status="finished")
+    redis.delete(eval_shard_work(job_id=job.pk, shard=2, shards=3).pending_key)
+    assert watchdog_pass(now=2200.0) == [] and watchdog_pass(now=2300.0) == []  # done jobs

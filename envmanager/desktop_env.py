@@ -41,6 +41,9 @@ from envmanager.xserver import XServer, XServerError, _stop
 
 WIDTH, HEIGHT = 800, 600
 SCROLL_CLICKS = 3  # wheel clicks per UI-TARS scroll
+# xdotool types ~5 ms a character: a longer text would outlast the step timeout and take the
+# desktop down with it (found by tests/security/test_fuzz_outputs.py with 20,000 characters).
+MAX_TYPE_CHARS = 1000
 SCROLL_BUTTONS = {"up": "4", "down": "5", "left": "6", "right": "7"}
 
 # Canonical key names (lower case, as UI-TARS writes them) -> X keysyms for xdotool.
@@ -348,7 +351,12 @@ class DesktopEnv:
         if t == ActionType.HOTKEY:
             return ["xdotool", "key", "--clearmodifiers", xdotool_hotkey(key=action.key or "")]
         if t == ActionType.TYPE:
-            return ["xdotool", "type", "--delay", "5", "--", action.text or ""]
+            text = action.text or ""
+            if len(text) > MAX_TYPE_CHARS:
+                raise ActionNotSupported(
+                    f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
+                )
+            return ["xdotool", "type", "--delay", "5", "--", text]
         if t == ActionType.SCROLL:
             button = SCROLL_BUTTONS[action.direction or "down"]
             return [

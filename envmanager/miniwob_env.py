@@ -32,10 +32,12 @@ import contextlib
 import io
 import os
 import pathlib
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -49,6 +51,7 @@ from core.protocol import (
     Observation,
     TaskSpec,
 )
+from envmanager.sandboxed_browser import browser_launcher
 
 SCREEN_WIDTH = 160  # miniwob.constants.TASK_WIDTH: the task area, top-left of the page
 SCREEN_HEIGHT = 210  # miniwob.constants.TASK_HEIGHT
@@ -244,6 +247,13 @@ class MiniWoBEnv:
         self._fields: dict[str, str] = {}
         self._instruction = ""
         self._marker = uuid.uuid4().hex
+        # Playwright starts the browser through this launcher: chromium in the sandbox.
+        self._launcher_dir = Path(tempfile.mkdtemp(prefix="dartboard-miniwob-"))
+        self._executable = str(
+            browser_launcher(
+                self._launcher_dir, chromium=self.chromium, pages=miniwob_html_dir().parent
+            )
+        )
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -251,7 +261,7 @@ class MiniWoBEnv:
         self._playwright = _DRIVER.acquire()
         try:
             self._browser = self._playwright.chromium.launch(
-                executable_path=self.chromium,
+                executable_path=self._executable,
                 # An unknown switch chromium ignores, so browser_pid() can tell ours apart.
                 args=[*CHROMIUM_ARGS, f"--dartboard-env={self._marker}"],
                 timeout=self.timeout_s * 1000,

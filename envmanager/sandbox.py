@@ -110,37 +110,13 @@ class Sandbox:
         """The bwrap command line that runs `program` (paths as the sandbox sees them)."""
         number = self.display.lstrip(":").split(".")[0]
         x_socket = f"/tmp/.X11-unix/X{number}"
-        args = [
-            bwrap_path(),
-            "--unshare-all",  # user, pid, ipc, uts, cgroup and network namespaces
-            "--die-with-parent",
-            "--new-session",
-            "--clearenv",
-            *[a for k, v in self.environ().items() for a in ("--setenv", k, v)],
-            "--ro-bind", "/usr", "/usr",
-            "--symlink", "usr/bin", "/bin",
-            "--symlink", "usr/lib", "/lib",
-            "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/sbin", "/sbin",
-        ]  # fmt: skip
-        for entry in ETC_ENTRIES:
-            if os.path.lexists(f"/etc/{entry}"):
-                args += ["--ro-bind", f"/etc/{entry}", f"/etc/{entry}"]
-        # The font cache: without it every app start rebuilds it (measured +280 ms a reset).
-        if os.path.isdir("/var/cache/fontconfig"):
-            args += ["--ro-bind", "/var/cache/fontconfig", "/var/cache/fontconfig"]
-        args += [
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--tmpfs", "/tmp",
-            "--tmpfs", HOME,
-            "--bind", str(self.task_dir), TASK_DIR,
-            "--ro-bind", x_socket, x_socket,
-            "--chdir", TASK_DIR,
-            "--",
-            *program,
-        ]  # fmt: skip
-        return args
+        return bwrap_argv(
+            program,
+            env=self.environ(),
+            binds=[(str(self.task_dir), TASK_DIR)],
+            ro_binds=[(x_socket, x_socket)],
+            chdir=TASK_DIR,
+        )
 
     def popen(self, program: list[str]) -> subprocess.Popen:
         """Start `program` in the sandbox, in its own process group (stopped by killpg)."""
@@ -175,20 +151,59 @@ class Sandbox:
 
     def _drop_privileges(self) -> Callable[[], None]:
         limits, cgroups = self.limits, list(self._cgroups)
+        return lambda: drop_privileges(limits, cgroups)  # in the child, between fork and exec
 
-        def preexec() -> None:  # runs in the child between fork and exec
-            for group in cgroups:
-                (group / "cgroup.procs").write_text(str(os.getpid()))
-            file_size = limits.file_size_mb * 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            os.setgroups([])
-            os.setgid(AGENT_GID)
-            os.setuid(AGENT_UID)
-            die_with_parent()  # after setuid: a credential change clears the death signal
 
-        return preexec
+def bwrap_argv(
+    program: list[str],
+    *,
+    env: dict[str, str],
+    binds: list[tuple[str, str]],
+    ro_binds: list[tuple[str, str]],
+    chdir: str,
+) -> list[str]:
+    """bwrap with every namespace unshared (no network), a clean environment `env`, /usr and
+    a few /etc entries read-only, its own /proc, /dev and tmpfs /tmp and home, plus `binds`
+    (read-write) and `ro_binds`, each (host path, sandbox path)."""
+    args = [
+        bwrap_path(),
+        "--unshare-all",  # user, pid, ipc, uts, cgroup and network namespaces
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        *[a for k, v in env.items() for a in ("--setenv", k, v)],
+        "--ro-bind", "/usr", "/usr",
+        "--symlink", "usr/bin", "/bin",
+        "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64",
+        "--symlink", "usr/sbin", "/sbin",
+    ]  # fmt: skip
+    for entry in ETC_ENTRIES:
+        if os.path.lexists(f"/etc/{entry}"):
+            args += ["--ro-bind", f"/etc/{entry}", f"/etc/{entry}"]
+    # The font cache: without it every app start rebuilds it (measured +280 ms a reset).
+    if os.path.isdir("/var/cache/fontconfig"):
+        args += ["--ro-bind", "/var/cache/fontconfig", "/var/cache/fontconfig"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", HOME]
+    for host, inside in binds:
+        args += ["--bind", host, inside]
+    for host, inside in ro_binds:
+        args += ["--ro-bind", host, inside]
+    return [*args, "--chdir", chdir, "--", *program]
+
+
+def drop_privileges(limits: SandboxLimits, cgroups: list[Path]) -> None:
+    """Join the cgroups, set the limits and become the agent uid (in a child before exec)."""
+    for group in cgroups:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    file_size = limits.file_size_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.setgroups([])
+    os.setgid(AGENT_GID)
+    os.setuid(AGENT_UID)
+    die_with_parent()  # after setuid: a credential change clears the death signal
 
 
 _warned_no_cgroup = False

@@ -28,12 +28,10 @@ from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
 from rollout.local_server import LocalPolicyServer
 from workers.config_mapping import episode_config
 from workers.leases import (
-    LeaseKeeper,
-    RedisLease,
     eval_shard_work,
     holder_name,
     work_enqueue,
-    work_started,
+    work_hold,
 )
 from workers.slot_worker import DbRecorder, discard_env, process_env
 
@@ -125,19 +123,13 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
     shard whose worker died (no lease, nothing queued) and enqueue it again; the shard then
     resumes, skipping the episodes that already ended."""
     work = eval_shard_work(job_id=job_id, shard=shard, shards=shards)
-    work_started(work)
-    lease = RedisLease(key=work.lease_key, holder=holder_name(work.label))
-    holder = lease.acquire()
-    if holder is not None:
-        lease.release()  # not ours: closes the connection only
-        return f"{work.label} is held by {holder}"
-    keeper = LeaseKeeper(lease)
-    keeper.start()
+    keeper = work_hold(work, holder=holder_name(work.label))
+    if isinstance(keeper, str):
+        return f"{work.label} is held by {keeper}"
     try:
         job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
     finally:
-        keeper.stop()
-        lease.release()
+        keeper.finish()
     return f"{work.label}: {job.done}/{job.total}"
 
 

@@ -188,3 +188,23 @@ class LeaseKeeper(threading.Thread):
     def stop(self) -> None:
         self.stop_event.set()
         self.join(timeout=5)
+
+    def finish(self) -> None:
+        """Stop renewing and give the lease up (if it is still ours)."""
+        self.stop()
+        self.lease.release()
+
+
+def work_hold(work: LiveWork, *, holder: str) -> LeaseKeeper | str:
+    """Called by a task as it starts its live work: clear the pending marker and take the
+    work's lease. Returns the running keeper (the caller ends with `keeper.finish()`), or
+    the name of the live worker that holds it (the caller then ends at once)."""
+    work_started(work)
+    lease = RedisLease(key=work.lease_key, holder=holder)
+    other = lease.acquire()
+    if other is not None:
+        lease.release()  # not ours: closes the connection only
+        return other
+    keeper = LeaseKeeper(lease)
+    keeper.start()
+    return keeper

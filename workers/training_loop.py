@@ -32,12 +32,10 @@ from workers.config_mapping import update_config
 from workers.dbutil import refresh_connection
 from workers.evaluation import eval_schedule_for_version
 from workers.leases import (
-    LeaseKeeper,
-    RedisLease,
     holder_name,
     trainer_work,
     work_enqueue,
-    work_started,
+    work_hold,
 )
 from workers.lifecycle import shutdown_requested
 from workers.runs import policy_version_record_reach, router_sync
@@ -239,14 +237,9 @@ def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
     what failed, the trainer held in memory (maybe half-updated) is dropped so the retry
     resumes from the last published checkpoint, and the retry comes RETRY_SECONDS later."""
     work = trainer_work(run_id=run_id, mode=mode)
-    work_started(work)
-    lease = RedisLease(key=work.lease_key, holder=holder_name(f"trainer:{run_id}"))
-    holder = lease.acquire()
-    if holder is not None:
-        lease.release()  # not ours: closes the connection only
-        return f"the trainer of run {run_id} is held by {holder}"
-    keeper = LeaseKeeper(lease)
-    keeper.start()
+    keeper = work_hold(work, holder=holder_name(f"trainer:{run_id}"))
+    if isinstance(keeper, str):
+        return f"the trainer of run {run_id} is held by {keeper}"
     try:
         reason = loop(run_id=run_id, max_seconds=SLICE_SECONDS, stop=keeper.lost)
     except Exception as exc:
@@ -263,8 +256,7 @@ def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
         work_enqueue(work, countdown=RETRY_SECONDS)
         return f"failed: {type(exc).__name__}: {exc}"
     finally:
-        keeper.stop()
-        lease.release()
+        keeper.finish()
     if keeper.lost.is_set():
         # Another worker holds this run's trainer now; this one's weights are not trusted.
         trainer_forget(run_id=run_id)

@@ -77,3 +77,23 @@ def test_every_compose_service_runs_a_real_entry_point():
     routed = {route["queue"] for route in settings.CELERY_TASK_ROUTES.values()}
     assert routed | {settings.CELERY_TASK_DEFAULT_QUEUE} <= queues  # every task has a consumer
     assert "beat:default" in queues  # beat sends the watchdog to a queue a worker consumes
+
+
+def test_compose_keeps_internal_services_off_the_public_network():
+    """Only the web publishes a port and joins a routable network; vLLM (whose dev mode
+    reloads weights over HTTP) is reachable only from its adapter; every service that runs
+    Dartboard code gets the service token."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services, networks = compose["services"], compose["networks"]
+    assert networks["internal"]["internal"] is True and networks["vllm"]["internal"] is True
+    published = {name for name, svc in services.items() if svc.get("ports")}
+    assert published == {"web"}
+    for name, svc in services.items():
+        joined = set(svc["networks"])
+        assert "public" not in joined or name == "web", name
+        assert "vllm" not in joined or name in ("vllm", "vllm-adapter"), name
+        if name == "vllm":
+            assert joined == {"vllm"}
+        env = svc.get("environment", {})
+        if "image" not in svc or svc.get("build"):
+            assert "DARTBOARD_SERVICE_TOKEN" in env, name

@@ -302,14 +302,49 @@ def to_qwen_messages(messages: list[Message]) -> tuple[list[Message], list[Image
     return out, images
 
 
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest image a request may carry (a 4K screen fits); checked on the header, before the
+pixels are decoded, so a small PNG declaring a huge canvas costs nothing."""
+
+
 def _decode_data_url(url: Any, *, where: str) -> Image.Image:
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
         raise ValueError(f"{where} must be a data:image/...;base64, URL")
     try:
         image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1])))
+    except Exception as exc:
+        raise ValueError(f"{where} is not a decodable image: {exc}") from exc
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"{where} is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels per image"
+        )
+    try:
         return image.convert("RGB")
     except Exception as exc:
         raise ValueError(f"{where} is not a decodable image: {exc}") from exc
+
+
+def prompt_token_count(
+    policy: Policy, qwen_messages: list[Message], images: list[Image.Image]
+) -> int:
+    """Tokens the prompt will take, images included, without running the image processor
+    (the geometry gives each image's token count)."""
+    ids = _template_ids(policy, qwen_messages)
+    geometry = policy.image_geometry
+    image_tokens = sum(geometry.tokens(width=im.width, height=im.height) for im in images)
+    return len(ids) - len(images) + image_tokens
+
+
+def _template_ids(policy: Policy, qwen_messages: list[Message]) -> list[int]:
+    """The chat template's token ids, one `<|image_pad|>` per image."""
+    text = policy.tokenizer.apply_chat_template(
+        qwen_messages,
+        chat_template=policy.chat_template,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return policy.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _prompt_ids(
@@ -317,13 +352,7 @@ def _prompt_ids(
 ) -> tuple[list[int], list[Image.Image], torch.Tensor | None, torch.Tensor | None]:
     """Token ids of one prompt with image pads expanded, plus its images' patches/grids."""
     qwen_messages, images = to_qwen_messages(messages)
-    text = policy.tokenizer.apply_chat_template(
-        qwen_messages,
-        chat_template=policy.chat_template,
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    ids = policy.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = _template_ids(policy, qwen_messages)
     if not images:
         return ids, images, None, None
     processed = policy.image_processor(images=images, return_tensors="pt")

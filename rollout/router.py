@@ -24,10 +24,13 @@ Endpoints:
   first, then reloads them all. A newer sync supersedes an older one; within a run an older
   version than the target is refused (409); a new `run` starts its own version numbering.
 - GET /health: {"status", "workers", "target_version", "syncing", "active"};
-  GET /admin/events: the status changes (for dashboards and tests).
+  GET /admin/events: the status changes (for dashboards and tests); GET /v1/models: the
+  models the live workers report.
 
-Every route but GET /health needs the service token, and the router sends it to its
-workers; a sync names a checkpoint under the checkpoint roots (`rollout.auth`).
+Starlette on uvicorn (`rollout.asgi`): every route but GET /health needs the service token,
+and the router sends it to its workers; a sync names a checkpoint under the checkpoint roots
+(`rollout.auth`); errors are OpenAI error bodies with the field in `param`. The chat body is
+forwarded unread: the worker validates it, and its 400 comes back as it is.
 
 Worker statuses: active (routed), stale (healthy but behind the target version, waiting for
 its reload), draining, loading, suspect (answered 503 or timed out), dead (refused the
@@ -39,33 +42,43 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import math
-import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
+from rollout.asgi import (
+    JSONReply,
+    RequestError,
+    TokenGate,
+    bind,
+    error_body,
+    error_reply,
+    json_object,
+    model_card,
+    read_body,
+    run_blocking,
+    serve,
+    service_app,
+    threads_lifespan,
+)
 from rollout.auth import (
     ROOTS_ENV,
-    SOCKET_TIMEOUT_S,
     TOKEN_ENV,
-    RequestRefused,
     bearer,
-    check_token,
     checkpoint_allowed,
     checkpoint_roots,
     client_token,
-    content_length,
     service_token,
 )
 
@@ -119,6 +132,7 @@ class _Worker:
     last_error: str = ""
     failed_version: int | None = None  # a reload to this version failed: do not retry it
     loaded_run: int | None = None  # the run whose checkpoint the router loaded here (None: unknown)
+    model: str = ""  # the name its /health reports
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -210,6 +224,12 @@ class Router:
     def workers(self) -> list[WorkerInfo]:
         with self._cond:
             return [w.info() for w in self._workers.values()]
+
+    def models(self) -> list[str]:
+        """The model names the live workers serve (GET /v1/models)."""
+        with self._cond:
+            live = [w for w in self._workers.values() if w.status != "dead" and w.model]
+            return sorted({w.model for w in live})
 
     def health(self) -> dict[str, Any]:
         with self._cond:
@@ -378,6 +398,8 @@ class Router:
                     self._event(worker, "suspect", error)
                 return
             worker.failures = 0
+            if isinstance(health.get("model"), str):
+                worker.model = health["model"]
             if isinstance(health.get("policy_version"), int):
                 worker.policy_version = health["policy_version"]
             if health.get("status", "ok") != "ok":
@@ -562,180 +584,116 @@ def _json_or_error(response: httpx.Response) -> dict[str, Any]:
         body = None
     if isinstance(body, dict):
         return body
-    return _error_body(response.status_code, response.text[:500])
-
-
-def _error_body(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return error_body(response.status_code, response.text[:500])
 
 
 def _error_reply(status: int, message: str, worker: str = "") -> UpstreamReply:
-    return UpstreamReply(status, _error_body(status, message), worker)
+    return UpstreamReply(status, error_body(status, message), worker)
 
 
-class Handler(BaseHTTPRequestHandler):
-    """HTTP edge: parse, call the Router, map errors to status codes."""
+def build_app(router: Router, *, token: str) -> TokenGate:
+    """The ASGI app over `router` (module doc for the routes)."""
 
-    protocol_version = "HTTP/1.1"
-    server_version = "dartboard-router/1"
-    # Headers and body go out in two writes; with Nagle on, the body waits for the
-    # client's delayed ACK (tens of ms per request on loopback; see bench/overhead.py).
-    disable_nagle_algorithm = True
-    router: Router  # set on the subclass made in serve()
-    token: str
-    timeout = SOCKET_TIMEOUT_S  # socket reads: a stalled client is dropped
+    async def health(_: Request) -> Response:
+        return JSONReply(router.health())
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s " + format, self.address_string(), *args)
+    async def models(_: Request) -> Response:
+        return JSONReply({"object": "list", "data": [model_card(m) for m in router.models()]})
 
-    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, message: str, **headers: str) -> None:
-        self._send(status, _error_body(status, message), headers)
-
-    def _raw_body(self) -> bytes:
-        length = content_length(self.headers.get("Content-Length"))
-        return self.rfile.read(length) if length else b""
-
-    def _authorized(self) -> bool:
-        """Check the service token; answer 401 (and drop any body) when it is wrong."""
+    async def chat(http: Request) -> Response:
+        timeout = _timeout_header(http.headers.get("X-Dartboard-Timeout"))
+        body = await read_body(http)
         try:
-            check_token(self.headers.get("Authorization"), self.token)
-        except RequestRefused as exc:
-            self.close_connection = True
-            self._error(exc.status, str(exc))
-            return False
-        return True
-
-    def _json_body(self) -> dict[str, Any]:
-        try:
-            body = json.loads(self._raw_body() or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ValueError("request body must be a JSON object")
-        return body
-
-    def do_GET(self) -> None:
-        path = urlsplit(self.path).path
-        if path == "/health":
-            self._send(200, self.router.health())
-        elif not self._authorized():
-            return
-        elif path == "/admin/workers":
-            self._send(200, [asdict(w) for w in self.router.workers()])
-        elif path == "/admin/events":
-            self._send(200, self.router.events())
-        else:
-            self._error(404, f"no route GET {path}")
-
-    def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        if not self._authorized():
-            return
-        try:
-            if path == "/v1/chat/completions":
-                self._chat()
-            elif path == "/admin/workers":
-                info = self.router.register(_url_field(self._json_body()))
-                self._send(200, asdict(info))
-            elif path == "/admin/sync":
-                body = self._json_body()
-                checkpoint, version = body.get("checkpoint"), body.get("version")
-                if not isinstance(checkpoint, str) or not checkpoint:
-                    raise ValueError("checkpoint must be a directory path string")
-                if self.router.roots:  # else the workers check their own roots
-                    checkpoint_allowed(checkpoint, self.router.roots)
-                if not isinstance(version, int) or isinstance(version, bool):
-                    raise ValueError("version must be an integer")
-                run, rolling = body.get("run"), body.get("rolling", True)
-                if run is not None and (not isinstance(run, int) or isinstance(run, bool)):
-                    raise ValueError("run must be an integer (or left out)")
-                if not isinstance(rolling, bool):
-                    raise ValueError("rolling must be true or false")
-                self._send(
-                    202,
-                    self.router.request_sync(
-                        checkpoint=checkpoint, version=version, run=run, rolling=rolling
-                    ),
-                )
-            else:
-                self._error(404, f"no route POST {path}")
-        except SyncRejected as exc:
-            self._error(409, str(exc))
-        except RequestRefused as exc:
-            self.close_connection = True
-            self._error(exc.status, str(exc))
-        except ValueError as exc:
-            self._error(400, str(exc))
-
-    def do_DELETE(self) -> None:
-        parts = urlsplit(self.path)
-        if not self._authorized():
-            return
-        if parts.path != "/admin/workers":
-            self._error(404, f"no route DELETE {parts.path}")
-            return
-        try:
-            query = parse_qs(parts.query).get("url")
-            url = query[0] if query else _url_field(self._json_body())
-        except ValueError as exc:
-            self._error(400, str(exc))
-            return
-        if self.router.unregister(url):
-            self._send(200, {"unregistered": url})
-        else:
-            self._error(404, f"worker {url} is not registered")
-
-    def _chat(self) -> None:
-        body = self._raw_body()
-        timeout = None
-        if self.headers.get("X-Dartboard-Timeout"):
-            try:
-                timeout = float(self.headers["X-Dartboard-Timeout"])
-            except ValueError:
-                timeout = math.nan
-            if not math.isfinite(timeout) or timeout <= 0:
-                # nan made the wait loop spin: only a finite positive number of seconds
-                raise ValueError("X-Dartboard-Timeout must be a positive number of seconds")
-        try:
-            reply = self.router.complete(body, timeout=timeout)
+            reply = await run_blocking(router.complete, body, timeout=timeout)
         except NoWorkerAvailable as exc:
-            self._error(503, str(exc), Retry_After="1")
-            return
-        self._send(
-            reply.status,
-            reply.body,
-            {
-                "X-Dartboard-Worker": reply.worker,
-                "X-Dartboard-Upstream-Ms": f"{reply.upstream_ms:.3f}",
-            },
+            return error_reply(503, str(exc), headers={"Retry-After": "1"})
+        headers = {
+            "X-Dartboard-Worker": reply.worker,
+            "X-Dartboard-Upstream-Ms": f"{reply.upstream_ms:.3f}",
+        }
+        return JSONReply(reply.body, reply.status, headers=headers)
+
+    async def workers(_: Request) -> Response:
+        return JSONReply([asdict(w) for w in router.workers()])
+
+    async def register(http: Request) -> Response:
+        url = _url_field(await json_object(http))
+        return JSONReply(asdict(await run_blocking(router.register, url)))
+
+    async def unregister(http: Request) -> Response:
+        url = http.query_params.get("url") or _url_field(await json_object(http))
+        if not router.unregister(url):
+            return error_reply(404, f"worker {url} is not registered", param="url")
+        return JSONReply({"unregistered": url})
+
+    async def sync(http: Request) -> Response:
+        body = await json_object(http)
+        checkpoint, version = body.get("checkpoint"), body.get("version")
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise RequestError("checkpoint must be a directory path string", param="checkpoint")
+        if router.roots:  # else the workers check their own roots
+            checkpoint_allowed(checkpoint, router.roots)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise RequestError("version must be an integer", param="version")
+        run, rolling = body.get("run"), body.get("rolling", True)
+        if run is not None and (not isinstance(run, int) or isinstance(run, bool)):
+            raise RequestError("run must be an integer (or left out)", param="run")
+        if not isinstance(rolling, bool):
+            raise RequestError("rolling must be true or false", param="rolling")
+        try:
+            state = router.request_sync(
+                checkpoint=checkpoint, version=version, run=run, rolling=rolling
+            )
+        except SyncRejected as exc:
+            return error_reply(409, str(exc), param="version")
+        return JSONReply(state, 202)
+
+    async def events(_: Request) -> Response:
+        return JSONReply(router.events())
+
+    return service_app(
+        [
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/admin/workers", workers, methods=["GET"]),
+            Route("/admin/workers", register, methods=["POST"]),
+            Route("/admin/workers", unregister, methods=["DELETE"]),
+            Route("/admin/sync", sync, methods=["POST"]),
+            Route("/admin/events", events),
+        ],
+        token=token,
+        lifespan=threads_lifespan(router.start, router.stop),
+    )
+
+
+def _timeout_header(value: str | None) -> float | None:
+    """X-Dartboard-Timeout as seconds; nan made the wait loop spin, so only a finite positive
+    number passes."""
+    if not value:
+        return None
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = math.nan
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise RequestError(
+            f"X-Dartboard-Timeout must be a positive number of seconds, got {value!r}",
+            param="X-Dartboard-Timeout",
         )
+    return timeout
 
 
 def _url_field(body: dict[str, Any]) -> str:
     url = body.get("url")
     if not isinstance(url, str) or not url:
-        raise ValueError("url must be the worker's base URL, e.g. http://127.0.0.1:8101")
-    return _normalize_url(url)
-
-
-def serve(router: Router, *, host: str, port: int, token: str) -> ThreadingHTTPServer:
-    """Bind the HTTP server (port 0 picks a free one) and start the router's threads."""
-    handler = type("BoundHandler", (Handler,), {"router": router, "token": token})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    router.start()
-    return httpd
+        raise RequestError(
+            "url must be the worker's base URL, e.g. http://127.0.0.1:8101", param="url"
+        )
+    try:
+        return _normalize_url(url)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="url") from exc
 
 
 class RouterAdmin:
@@ -840,23 +798,15 @@ def main(argv: list[str] | None = None) -> None:
         token=token,
         roots=checkpoint_roots(args.checkpoint_root, served=None),
     )
-    httpd = serve(router, host=args.host, port=args.port, token=token)
+    sock = bind(args.host, args.port)
     for url in args.worker:
         router.register(url)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())
     print(
-        f"routing on http://{args.host}:{httpd.server_address[1]} "
-        f"over {len(args.worker)} worker(s)",
+        f"routing on http://{args.host}:{sock.getsockname()[1]} over {len(args.worker)} worker(s)",
         file=sys.stderr,
         flush=True,
     )
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
-        router.stop()
+    serve(build_app(router, token=token), sock)
 
 
 if __name__ == "__main__":

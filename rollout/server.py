@@ -14,10 +14,14 @@ Endpoints:
 - POST /v1/reload {"checkpoint": dir, "version": int}: stops taking requests (503 +
   Retry-After), finishes the accepted ones, copies the new weights in, resumes.
 - GET /health: {"status": "ok"|"draining"|"loading", "policy_version", "in_flight",
-  "queued", "pid", ...}; GET /v1/models.
+  "queued", "pid", ...}; GET /v1/models: the served model (--model-name, else the
+  directory's name).
 
-Every route but /health needs the service token, a reload loads only from the checkpoint
-roots, and bodies are capped (`rollout.auth`).
+Starlette on uvicorn (`rollout.asgi`): every route but /health needs the service token, a
+reload loads only from the checkpoint roots, bodies are capped and timed, and every field is
+checked (seed range, finite numbers, at most MAX_IMAGES images of at most
+`core.policy_io.MAX_IMAGE_PIXELS` each, a prompt of at most --max-prompt-tokens); a refusal is
+an OpenAI error body naming the field in `param`.
 
 Dynamic batching: one background thread takes the first waiting request, takes whatever
 else is queued, and waits up to max_wait_ms (default 50) for more only while the batch is
@@ -30,44 +34,56 @@ runs on inference hosts without the database.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
-import json
+import functools
 import logging
 import math
 import os
 import queue
-import signal
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from core.policy_io import generate, load_policy, load_weights_into, to_qwen_messages
+from PIL import Image
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from core.policy_io import (
+    generate,
+    load_policy,
+    load_weights_into,
+    prompt_token_count,
+    to_qwen_messages,
+)
+from rollout.asgi import (
+    JSONReply,
+    RequestError,
+    TokenGate,
+    bind,
+    error_body,
+    json_object,
+    model_card,
+    run_blocking,
+    serve,
+    service_app,
+    threads_lifespan,
+)
 from rollout.auth import (
     ROOTS_ENV,
-    SOCKET_TIMEOUT_S,
     TOKEN_ENV,
-    RequestRefused,
-    check_token,
     checkpoint_allowed,
     checkpoint_roots,
-    content_length,
     service_token,
 )
 
 log = logging.getLogger("rollout.server")
-
-
-class RequestError(ValueError):
-    """A malformed request; `param` names the offending field."""
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -82,13 +98,20 @@ class ChatRequest:
     seed: int | None
     logprobs: bool
     top_logprobs: int
-    done: threading.Event = field(default_factory=threading.Event)
+    images: list[Image.Image] = field(default_factory=list)  # decoded, in prompt order
     result: Any = None
     error: str | None = None
+    on_done: Callable[[], object] | None = None  # called from the batch thread once it is answered
 
 
-def parse_chat_request(body: Any, *, default_model: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a decoded JSON body; raise RequestError with an exact message."""
+MAX_IMAGES = 16  # DART's prompts carry up to 5 screenshots
+
+
+def parse_chat_request(
+    body: Any, *, default_model: str, max_tokens_limit: int, max_images: int = MAX_IMAGES
+) -> ChatRequest:
+    """Validate a decoded JSON body, images decoded; raise RequestError with an exact
+    message naming the field."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     messages = body.get("messages")
@@ -128,11 +151,16 @@ def parse_chat_request(body: Any, *, default_model: str, max_tokens_limit: int) 
         raise RequestError("model must be a string", param="model")
     # Decode images now, so a bad one is this client's 400 and not the batch's failure.
     try:
-        to_qwen_messages(messages)
+        _, images = to_qwen_messages(messages)
     except ValueError as exc:
         raise RequestError(str(exc), param="messages") from exc
+    if len(images) > max_images:
+        raise RequestError(
+            f"messages carry {len(images)} images; at most {max_images}", param="messages"
+        )
     return ChatRequest(
         messages=messages,
+        images=images,
         model=model,
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -169,6 +197,7 @@ class InferenceServer:
         max_batch: int = 8,
         max_wait_ms: float = 50.0,
         max_tokens_limit: int = 1024,
+        max_prompt_tokens: int = 32768,
         model_name: str | None = None,
     ):
         self.policy = load_policy(policy_dir, device=device)
@@ -177,6 +206,7 @@ class InferenceServer:
         self.max_wait_s = max_wait_ms / 1000
         self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
         self.max_tokens_limit = max_tokens_limit
+        self.max_prompt_tokens = max_prompt_tokens
         self.model_name = model_name or os.path.basename(os.path.normpath(policy_dir))
         self.status = "ok"
         self.in_flight = 0
@@ -197,6 +227,22 @@ class InferenceServer:
         self._thread.join(timeout=30)
 
     # --------------------------------------------------------- requests
+
+    def parse(self, body: Any) -> ChatRequest:
+        """A validated request whose prompt fits (RequestError otherwise). Decodes images and
+        tokenizes: call off the event loop."""
+        request = parse_chat_request(
+            body, default_model=self.model_name, max_tokens_limit=self.max_tokens_limit
+        )
+        qwen_messages, _ = to_qwen_messages(request.messages)
+        tokens = prompt_token_count(self.policy, qwen_messages, request.images)
+        if tokens > self.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt takes {tokens} tokens (images included); at most "
+                f"{self.max_prompt_tokens}",
+                param="messages",
+            )
+        return request
 
     def submit(self, request: ChatRequest) -> bool:
         """Queue a request; False when the server is draining or loading (caller sends 503)."""
@@ -292,7 +338,8 @@ class InferenceServer:
             for request in batch:
                 request.error = f"generation failed: {type(exc).__name__}: {exc}"
         for request in batch:
-            request.done.set()
+            if request.on_done is not None:
+                request.on_done()
 
     # --------------------------------------------------------- reload
 
@@ -329,21 +376,24 @@ def completion_body(request: ChatRequest, result: Any, *, server: InferenceServe
         content = []
         for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.token_logprobs, strict=True)):
             text = tok.decode([tid], skip_special_tokens=False)
+            alternatives = (
+                gen.top_logprobs[i][: request.top_logprobs] if request.top_logprobs else []
+            )
             entry = {
                 "token": text,
                 "token_id": tid,
                 "logprob": lp,
                 "bytes": list(text.encode("utf-8")),
-            }
-            if request.top_logprobs:
-                entry["top_logprobs"] = [
+                "top_logprobs": [
                     {
                         "token": tok.decode([t], skip_special_tokens=False),
                         "token_id": t,
                         "logprob": p,
+                        "bytes": list(tok.decode([t], skip_special_tokens=False).encode("utf-8")),
                     }
-                    for t, p in gen.top_logprobs[i][: request.top_logprobs]
-                ]
+                    for t, p in alternatives
+                ],
+            }
             content.append(entry)
         logprobs = {"content": content}
     return {
@@ -372,136 +422,88 @@ def completion_body(request: ChatRequest, result: Any, *, server: InferenceServe
     }
 
 
-class Handler(BaseHTTPRequestHandler):
-    """HTTP edge: parse, call the InferenceServer, map errors to status codes."""
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a client that timed out has cancelled it
+        future.set_result(None)
 
-    protocol_version = "HTTP/1.1"
-    server_version = "dartboard-inference/1"
-    disable_nagle_algorithm = True  # headers and body are two writes (see rollout/router.py)
-    app: InferenceServer  # set on the subclass made in serve()
-    token: str  # the service token (rollout.auth)
-    roots: list[Path]  # where a reload may load from
+
+def _reply(
+    app: InferenceServer, body: dict, status: int = 200, headers: dict[str, str] | None = None
+) -> JSONReply:
+    headers = {"X-Dartboard-Worker": app.worker_name, **(headers or {})}
+    return JSONReply(body, status, headers=headers)
+
+
+def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGate:
+    """The ASGI app serving `app` (module doc for the routes)."""
+
     request_timeout_s = 600.0
-    timeout = SOCKET_TIMEOUT_S  # socket reads: a stalled client is dropped
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s " + format, self.address_string(), *args)
+    async def health(_: Request) -> Response:
+        return _reply(app, app.health())
 
-    def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("X-Dartboard-Worker", self.app.worker_name)
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, message: str, *, param: str | None = None, **headers) -> None:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-        self._send(status, body, {k.replace("_", "-"): v for k, v in headers.items()})
-
-    def _json_body(self) -> Any:
-        length = content_length(self.headers.get("Content-Length"))
-        raw = self.rfile.read(length) if length else b""
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from exc
-
-    def _authorized(self) -> bool:
-        """Check the service token; answer 401 (and drop any body) when it is wrong."""
-        try:
-            check_token(self.headers.get("Authorization"), self.token)
-        except RequestRefused as exc:
-            self.close_connection = True  # the unread body must not become the next request
-            self._error(exc.status, str(exc))
-            return False
-        return True
-
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._send(200, self.app.health())
-        elif not self._authorized():
-            return
-        elif self.path == "/v1/models":
-            self._send(
-                200, {"object": "list", "data": [{"id": self.app.model_name, "object": "model"}]}
-            )
-        else:
-            self._error(404, f"no route GET {self.path}")
-
-    def do_POST(self) -> None:
-        if not self._authorized():
-            return
-        try:
-            body = self._json_body()
-            if self.path == "/v1/chat/completions":
-                self._chat(body)
-            elif self.path == "/v1/reload":
-                self._reload(body)
-            else:
-                self._error(404, f"no route POST {self.path}")
-        except RequestError as exc:
-            self._error(400, str(exc), param=exc.param)
-        except RequestRefused as exc:
-            self.close_connection = True
-            self._error(exc.status, str(exc), param=exc.param)
-
-    def _chat(self, body: Any) -> None:
-        app = self.app
-        request = parse_chat_request(
-            body, default_model=app.model_name, max_tokens_limit=app.max_tokens_limit
-        )
+    async def chat(http: Request) -> Response:
+        body = await json_object(http)
+        request = await run_blocking(app.parse, body)  # CPU work, off the event loop
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[None] = loop.create_future()
+        request.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, answered)
         if not app.submit(request):
-            self._error(503, f"worker is {app.status}: retry on another", Retry_After="1")
-            return
+            message = f"worker is {app.status}: retry on another"
+            return _reply(app, error_body(503, message), 503, {"Retry-After": "1"})
         try:
-            if not request.done.wait(self.request_timeout_s):
-                self._error(504, f"generation did not finish in {self.request_timeout_s:.0f} s")
-                return
+            await asyncio.wait_for(answered, request_timeout_s)
+        except TimeoutError:
+            message = f"generation did not finish in {request_timeout_s:.0f} s"
+            return _reply(app, error_body(504, message), 504)
         finally:
             app.finish()
         if request.error:
-            self._error(500, request.error)
-        else:
-            self._send(200, completion_body(request, request.result, server=app))
+            return _reply(app, error_body(500, request.error), 500)
+        return _reply(app, completion_body(request, request.result, server=app))
 
-    def _reload(self, body: Any) -> None:
-        if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str):
-            raise RequestError("checkpoint must be a directory path string", param="checkpoint")
-        if not _is_int(body.get("version")):
-            raise RequestError("version must be an integer", param="version")
-        checkpoint_allowed(body["checkpoint"], self.roots)
-        if not os.path.isfile(os.path.join(body["checkpoint"], "config.json")):
+    async def models(_: Request) -> Response:
+        return _reply(app, {"object": "list", "data": [model_card(app.model_name)]})
+
+    async def reload(http: Request) -> Response:
+        body = await json_object(http)
+        checkpoint, version = reload_fields(body, roots)
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             raise RequestError(
-                f"checkpoint {body['checkpoint']} is not a model directory (no config.json)",
+                f"checkpoint {checkpoint} is not a model directory (no config.json)",
                 param="checkpoint",
             )
         try:
-            seconds = self.app.reload(checkpoint=body["checkpoint"], version=body["version"])
+            seconds = await run_blocking(app.reload, checkpoint=checkpoint, version=version)
         except RuntimeError as exc:
-            self._error(409, str(exc))
-            return
+            return _reply(app, error_body(409, str(exc)), 409)
         except Exception as exc:
-            log.exception("reload from %s failed", body["checkpoint"])
-            self._error(500, f"reload failed, kept version {self.app.version}: {exc}")
-            return
-        self._send(200, {"policy_version": body["version"], "reload_s": round(seconds, 3)})
+            log.exception("reload from %s failed", checkpoint)
+            message = f"reload failed, kept version {app.version}: {exc}"
+            return _reply(app, error_body(500, message), 500)
+        return _reply(app, {"policy_version": version, "reload_s": round(seconds, 3)})
+
+    return service_app(
+        [
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/reload", reload, methods=["POST"]),
+        ],
+        token=token,
+        lifespan=threads_lifespan(app.start, app.stop),
+    )
 
 
-def serve(
-    app: InferenceServer, *, host: str, port: int, token: str, roots: list[Path]
-) -> ThreadingHTTPServer:
-    """Bind the HTTP server (port 0 picks a free one) and start the batching thread."""
-    handler = type("BoundHandler", (Handler,), {"app": app, "token": token, "roots": roots})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    app.worker_name = f"{host}:{httpd.server_address[1]}"
-    app.start()
-    return httpd
+def reload_fields(body: dict[str, Any], roots: list[Path]) -> tuple[str, int]:
+    """The checkpoint (under a root) and version a reload names."""
+    checkpoint, version = body.get("checkpoint"), body.get("version")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise RequestError("checkpoint must be a directory path string", param="checkpoint")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RequestError("version must be an integer", param="version")
+    checkpoint_allowed(checkpoint, roots)
+    return checkpoint, version
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -523,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-batching", action="store_true", help="batch size 1 (benchmarks)")
     parser.add_argument("--max-tokens-limit", type=int, default=1024)
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=32768, help="longest prompt, images included"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--model-name", default=None, help="name echoed in replies")
     parser.add_argument("--token-file", default=None, help=f"else ${TOKEN_ENV}")
@@ -548,22 +553,17 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=1 if args.no_batching else args.max_batch,
         max_wait_ms=0 if args.no_batching else args.max_wait_ms,
         max_tokens_limit=args.max_tokens_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
         model_name=args.model_name,
     )
-    httpd = serve(app, host=args.host, port=args.port, token=token, roots=roots)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown).start())
+    sock = bind(args.host, args.port)
+    app.worker_name = f"{args.host}:{sock.getsockname()[1]}"
     print(
         f"serving {args.policy} v{args.version} on http://{app.worker_name}",
         file=sys.stderr,
         flush=True,
     )
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
-        app.stop()
+    serve(build_app(app, token=token, roots=roots), sock)
 
 
 if __name__ == "__main__":

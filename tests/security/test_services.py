@@ -118,7 +118,7 @@ def test_bodies_that_lie_about_their_length_are_refused(stack) -> None:
     for url in (server, router):
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {token}"
         reply = raw_request(url, head + "\r\nContent-Length: -5")
-        assert reply.startswith("HTTP/1.1 400") and "is negative" in reply
+        assert reply.startswith("HTTP/1.1 400")  # uvicorn's HTTP parser refuses it unread
         reply = raw_request(url, head + f"\r\nContent-Length: {2**40}")
         assert reply.startswith("HTTP/1.1 413") and "at most" in reply
     assert httpx.get(f"{server}/health").json()["status"] == "ok"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 from PIL import Image
 from transformers import (
     AutoConfig,
@@ -48,6 +49,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from core.imaging import ImageGeometry
+from core.lora import adapter_base, attach_adapter, is_adapter_dir, swap_adapter
 
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -95,11 +97,20 @@ _MODEL_CLASSES: dict[str, Any] = {
 class Policy:
     """A loaded policy: model, tokenizer, image processor and chat template."""
 
-    model: PreTrainedModel
+    model: PreTrainedModel  # or a peft PeftModel around one (LoRA: `core.lora`)
     tokenizer: Any
     image_processor: Qwen2VLImageProcessorPil
     chat_template: str
-    path: Path
+    path: Path  # the directory loaded: a full checkpoint or an adapter
+    base: Path | None = None  # the base checkpoint under the weights (path itself when full)
+
+    def __post_init__(self) -> None:
+        if self.base is None:
+            self.base = self.path
+
+    @property
+    def has_adapter(self) -> bool:
+        return isinstance(self.model, PeftModel)
 
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)
@@ -181,11 +192,18 @@ class Generation:
 def load_policy(
     path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> Policy:
-    """Load a Qwen2-VL / Qwen2.5-VL directory (tiny policy or e.g. UI-TARS-1.5-7B), locally.
+    """Load a Qwen2-VL / Qwen2.5-VL directory (tiny policy or e.g. UI-TARS-1.5-7B), locally;
+    or a LoRA adapter directory (`core.lora`): its base, then the adapter attached.
 
     dtype defaults to float32 on CPU and bfloat16 elsewhere.
     """
     path = Path(path)
+    if is_adapter_dir(path):
+        policy = load_policy(adapter_base(path), device=device, dtype=dtype)
+        policy.model = attach_adapter(policy.model, path)  # type: ignore[assignment]
+        policy.model.eval()
+        policy.path = path
+        return policy
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
     model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
@@ -195,7 +213,7 @@ def load_policy(
         )
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # No device_map: that needs `accelerate`, which this environment does not ship.
+    # No device_map: weights go to one device here (sharding is the trainer's business).
     model = _MODEL_CLASSES[model_type].from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -235,11 +253,18 @@ def save_checkpoint(policy: Policy, out_dir: str | Path) -> Path:
 @torch.no_grad()
 def load_weights_into(policy: Policy, checkpoint_dir: str | Path) -> None:
     """Copy the weights of `checkpoint_dir` (same architecture) into policy.model in place.
+    An adapter directory swaps only the adapter (`core.lora`); a full checkpoint after an
+    adapter drops the adapter first.
 
     The checkpoint is loaded through from_pretrained (which maps saved key names to module
     names) on the CPU, then copied into the live parameters (on whatever device they are);
     peak host memory is one extra copy of the weights. Raises ValueError when the architectures differ.
     """
+    if is_adapter_dir(checkpoint_dir):
+        _load_adapter_into(policy, Path(checkpoint_dir))
+        return
+    if isinstance(policy.model, PeftModel):  # a full checkpoint after adapters: plain again
+        policy.model = policy.model.unload()
     model = policy.model
     fresh = type(model).from_pretrained(  # type: ignore[attr-defined]
         checkpoint_dir, local_files_only=True, dtype=next(model.parameters()).dtype
@@ -255,6 +280,23 @@ def load_weights_into(policy: Policy, checkpoint_dir: str | Path) -> None:
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     del fresh
+    policy.path = policy.base = Path(checkpoint_dir)
+
+
+def _load_adapter_into(policy: Policy, adapter_dir: Path) -> None:
+    """Swap the adapter in place (or attach it to the plain base); the base must be the one
+    the adapter was trained on."""
+    base = adapter_base(adapter_dir).resolve()
+    assert policy.base is not None
+    if base != policy.base.resolve():
+        raise ValueError(
+            f"{adapter_dir} adapts {base}, but this policy's base is {policy.base.resolve()}"
+        )
+    if policy.has_adapter:
+        swap_adapter(policy.model, adapter_dir)  # type: ignore[arg-type]
+    else:
+        policy.model = attach_adapter(policy.model, adapter_dir).eval()  # type: ignore[assignment]
+    policy.path = adapter_dir
 
 
 def _config_diff(a: dict, b: dict) -> list[str]:
@@ -613,7 +655,7 @@ def _per_row(value: float | list[float], n: int, name: str) -> list[float]:
 
 
 def sequence_logprobs(
-    model: PreTrainedModel | Policy, batch: EncodedBatch
+    model: PreTrainedModel | PeftModel | Policy, batch: EncodedBatch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward prompt + response; per-token log-probs and entropies, with gradients.
 

@@ -138,16 +138,32 @@ class TrainerConfig:
     ppo_epochs: int = knob(1, "Passes over each batch (>1 lets the policy drift from pi_old).")
     mini_batches: int = knob(1, "Optimizer steps per pass (the batch split into this many).")
     kl_coef: float = knob(
-        0.1, "KL to the initial policy (0 disables and frees the reference model)."
+        0.1,
+        "KL to the initial policy (0 disables and frees the reference model; under LoRA the "
+        "reference is the base with the adapters off, no second copy).",
     )
     bc_weight: float = knob(0.0, "Weight of the behaviour-cloning loss on experience-pool demos.")
     warm_start_bc_updates: int = knob(0, "Behaviour-cloning updates on the pool before RL.")
     checkpoint_every: int = knob(1, "Publish a PolicyVersion every N updates.")
     max_updates: int = knob(0, "Stop after N updates (0: until stopped).")
     bf16: bool = knob(True, "bf16 autocast on GPU (ignored on CPU).")
+    lora_rank: int = knob(
+        0, "LoRA adapter rank on the language model's projections (0: full fine-tuning)."
+    )
+    lora_alpha: int = knob(32, "LoRA scaling numerator (the update is scaled by alpha / rank).")
+    lora_vision: bool = knob(False, "LoRA adapters on the vision tower too (else it is frozen).")
+    gradient_checkpointing: bool = knob(
+        False, "Recompute activations in the backward pass (less memory, about 30% more time)."
+    )
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
+        if self.lora_rank == 0:
+            _unused_knob(self, "lora_alpha", "under full fine-tuning (set lora_rank)")
+            _unused_knob(self, "lora_vision", "under full fine-tuning (set lora_rank)")
+        else:
+            _check(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _check(self.grad_clip > 0, "grad_clip", "must be > 0")
         _check(self.micro_batch >= 1, "micro_batch", "must be >= 1")

@@ -12,7 +12,9 @@ Endpoints:
   chat.completion; each logprobs entry also carries `token_id`, and the body adds
   `policy_version` and `mean_entropy`. Log-probs are those of the model at temperature 1.
 - POST /v1/reload {"checkpoint": dir, "version": int}: stops taking requests (503 +
-  Retry-After), finishes the accepted ones, copies the new weights in, resumes.
+  Retry-After), finishes the accepted ones, copies the new weights in, resumes. A LoRA
+  adapter directory (`core.lora`) swaps only the adapter's weights (megabytes) into the live
+  model; its base must be the one served.
 - GET /health: {"status": "ok"|"draining"|"loading", "policy_version", "in_flight",
   "queued", "pid", ...}; GET /v1/models: the served model (--model-name, else the
   directory's name).
@@ -55,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from core.lora import is_adapter_dir
 from core.policy_io import (
     generate,
     load_policy,
@@ -468,9 +471,12 @@ def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGa
     async def reload(http: Request) -> Response:
         body = await json_object(http)
         checkpoint, version = reload_fields(body, roots)
-        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        if not is_adapter_dir(checkpoint) and not os.path.isfile(
+            os.path.join(checkpoint, "config.json")
+        ):
             raise RequestError(
-                f"checkpoint {checkpoint} is not a model directory (no config.json)",
+                f"checkpoint {checkpoint} is neither a model directory (config.json) nor a "
+                "LoRA adapter (adapter_config.json)",
                 param="checkpoint",
             )
         try:

@@ -5,8 +5,15 @@ Pure PyTorch (+ transformers model I/O): it never imports Django. The Celery tas
 `workers.training_loop` feeds it `TrainSample`s and records what it returns.
 
 Checkpoints: `run_dir/v00003/` is a normal HF directory (loadable by the inference server)
-plus `trainer_state.pt` (optimizer state, update counter). A directory is written under a
-temporary name and renamed when complete, so a crash never leaves a half checkpoint.
+plus `trainer_state.pt` (optimizer state, update counter); under LoRA it is a peft adapter
+directory (megabytes; its base is the run's start checkpoint, `core.lora`). A directory is
+written under a temporary name and renamed when complete, so a crash never leaves a half
+checkpoint.
+
+Modes: full fine-tuning (a frozen second copy is the KL reference), or LoRA adapters on the
+language model's projections (`lora=LoraSpec(...)`; base weights frozen; the KL reference is
+the same model with its adapters disabled, so nothing is held twice). Either can turn on
+gradient checkpointing (activations recomputed in the backward pass).
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy_io import (
     Policy,
     encode_batch,
@@ -34,6 +43,27 @@ from core.samples import TrainSample, UpdateMetrics
 from training.update import UpdateConfig, policy_update
 
 STATE_FILE = "trainer_state.pt"
+
+
+class _AdaptersOff(nn.Module):
+    """The KL reference under LoRA: the trained model with its adapters switched off (the base
+    it started from), computed on the one copy of the weights."""
+
+    peft_model: PeftModel
+
+    def __init__(self, peft_model: nn.Module) -> None:
+        super().__init__()
+        assert isinstance(peft_model, PeftModel)
+        object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass. Non-reentrant, so
+    frozen inputs (LoRA's frozen embeddings) still get gradients through the adapters."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    assert isinstance(base, PreTrainedModel)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False
 
 
 def version_dir(run_dir: Path, version: int) -> Path:
@@ -61,28 +91,59 @@ class PolicyTrainer:
         device: str = "cpu",
         bf16: bool = True,
         published_versions: Sequence[int] = (),
+        lora: LoraSpec | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.device = device
         self.use_bf16 = bf16 and device.startswith("cuda")
         self.state = TrainerState()
         resume = self._resume_dir(published_versions)
-        self.policy: Policy = load_policy(resume or start_checkpoint, device=device)
+        if lora is None:
+            self.policy: Policy = load_policy(resume or start_checkpoint, device=device)
+        else:
+            self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
         self.policy.model.train()
         self._disable_dropout(self.policy.model)
+        if gradient_checkpointing:
+            _enable_checkpointing(self.policy.model)
         self.ref_model: nn.Module | None = None
-        if kl_coef > 0:
+        if kl_coef > 0 and lora is not None:
+            self.ref_model = _AdaptersOff(self.policy.model)
+        elif kl_coef > 0:
             self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.policy.model.parameters(), lr=lr, weight_decay=weight_decay
+            self.trainable_parameters(), lr=lr, weight_decay=weight_decay
         )
         if resume is not None:
             # weights_only: a state file is data (tensors, numbers), never code to unpickle.
             state = torch.load(resume / STATE_FILE, map_location=device, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.state = TrainerState(updates=state["updates"], version=state["version"])
+
+    @staticmethod
+    def _load_with_adapters(
+        start: Path, resume: Path | None, lora: LoraSpec, device: str
+    ) -> Policy:
+        """The start checkpoint with fresh adapters, or with the resumed version's adapter."""
+        policy = load_policy(start, device=device)
+        if resume is None:
+            policy.model = add_adapters(policy.model, lora, base=start)  # type: ignore[assignment]
+            return policy
+        if not is_adapter_dir(resume):
+            raise ValueError(
+                f"{resume} holds full weights, but this run trains LoRA adapters: the run's "
+                "trainer settings changed after it published (start a new run instead)"
+            )
+        policy.model = attach_adapter(policy.model, resume, trainable=True)  # type: ignore[assignment]
+        policy.path = resume
+        return policy
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates: every weight, or only the adapters under LoRA."""
+        return [p for p in self.policy.model.parameters() if p.requires_grad]
 
     def _resume_dir(self, published: Sequence[int]) -> Path | None:
         for version in sorted(published, reverse=True):
@@ -103,7 +164,10 @@ class PolicyTrainer:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Response-token log-probs, entropies and mask [B, T] for a micro-batch."""
         # policy_update passes back what update() gave it: self.policy.model or self.ref_model.
-        assert isinstance(model, PreTrainedModel)
+        if isinstance(model, _AdaptersOff):
+            with model.peft_model.disable_adapter():
+                return self.logprob_fn(model.peft_model, samples)
+        assert isinstance(model, PreTrainedModel | PeftModel)
         responses = [
             list(s.response_token_ids)
             if s.response_token_ids

@@ -9,7 +9,8 @@ on the way to the code it is meant to change.
 from __future__ import annotations
 
 from core.imaging import ImageGeometry
-from datamanager.config import RunConfig
+from core.lora import LoraSpec
+from datamanager.config import RunConfig, TrainerConfig
 from datamanager.policies import policy_geometry
 from rollout.episode import EpisodeConfig
 from training.update import UpdateConfig
@@ -31,6 +32,10 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.checkpoint_every": "workers.training_loop (when a version is published)",
     "trainer.max_updates": "workers.training_loop.run_loop",
     "trainer.bf16": "workers.training_loop.get_trainer",
+    "trainer.lora_rank": "lora_spec below (LoRA or full fine-tuning)",
+    "trainer.lora_alpha": "lora_spec below",
+    "trainer.lora_vision": "lora_spec below",
+    "trainer.gradient_checkpointing": "workers.training_loop.get_trainer",
     "curation.dynamic_budget": "datamanager.services.episodes (rollout budgets)",
     "curation.n_max": "datamanager.services.episodes (rollout budgets)",
     "curation.n_min": "datamanager.services.episodes (rollout budgets)",
@@ -45,6 +50,13 @@ READ_ELSEWHERE: dict[str, str] = {
     "curation.success_window": "datamanager.services.episodes (task success rates)",
     "evaluation.*": "workers.evaluation (scheduled evaluation)",
 }
+
+
+def lora_spec(trainer: TrainerConfig) -> LoraSpec | None:
+    """The adapters the trainer adds, or None for full fine-tuning."""
+    if trainer.lora_rank == 0:
+        return None
+    return LoraSpec(rank=trainer.lora_rank, alpha=trainer.lora_alpha, vision=trainer.lora_vision)
 
 
 def update_config(cfg: RunConfig) -> UpdateConfig:

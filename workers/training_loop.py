@@ -28,7 +28,7 @@ from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
-from workers.config_mapping import update_config
+from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import refresh_connection
 from workers.evaluation import eval_schedule_for_version
 from workers.leases import (
@@ -66,6 +66,8 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
             device="cuda" if torch.cuda.is_available() else "cpu",
             bf16=cfg.trainer.bf16,
             published_versions=published,
+            lora=lora_spec(cfg.trainer),
+            gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         )
     return trainer
 

@@ -10,20 +10,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from core.completion import Completion
-from core.policy_io import load_policy, save_checkpoint
 from rollout.auth import bearer, client_token
 from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
-from training.tiny_policy import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -74,68 +70,6 @@ def start_process(args: list[str], *, health_url: str) -> subprocess.Popen:
             log.seek(0)
             pytest.fail(f"{args[0]} did not start: {log.read().decode()[-2000:]}")
         time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny policy (v0) and a perturbed copy of it (v1)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    v0 = build_tiny_policy(root / "v0")
-    policy = load_policy(v0)
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    return v0, save_checkpoint(policy, root / "v1")
-
-
-@dataclass
-class Cluster:
-    router: str
-    workers: list[str]
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-
-
-@pytest.fixture
-def cluster(checkpoints) -> Iterator[Cluster]:
-    """Two inference workers at v0 and a router over them, as the launcher starts them."""
-    started: list[subprocess.Popen] = []
-    try:
-        ports = [free_port(), free_port()]
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for port in ports:  # start both before waiting, so they load in parallel
-            started.append(
-                subprocess.Popen(
-                    [
-                        *SERVER,
-                        "--policy",
-                        str(checkpoints[0]),
-                        "--port",
-                        str(port),
-                        "--threads",
-                        "1",
-                    ],
-                    cwd=ROOT,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        router_port = free_port()
-        router = f"http://127.0.0.1:{router_port}"
-        args = ["rollout.router", "--port", str(router_port), "--probe-interval", "0.5"]
-        for url in urls:
-            args += ["--worker", url]
-        started.append(start_process(args, health_url=f"{router}/health"))
-        admin = RouterAdmin(router)
-        wait_until(
-            lambda: [w.status for w in admin.workers()] == ["active", "active"],
-            timeout=90,
-            what="both workers active",
-        )
-        admin.close()
-        yield Cluster(router=router, workers=urls, procs=dict(zip(urls, started, strict=False)))
-    finally:
-        for proc in started:
-            stop_process(proc)
 
 
 @dataclass

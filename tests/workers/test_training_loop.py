@@ -5,6 +5,8 @@ import pytest
 import torch
 from django.conf import settings
 
+from core.lora import is_adapter_dir
+from core.policy_io import load_policy
 from datamanager.config import RunConfig
 from datamanager.models import GroupStatus, PolicyVersion, Run, Step, TaskGroup, TrainUpdate
 from datamanager.services import batches
@@ -132,6 +134,32 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
     assert Step.objects.filter(trajectory__run=run, train_uses__gt=1).count() == 0
     assert Step.objects.filter(trajectory__run=run, train_uses=1).count() == 16
     del weights
+
+
+def test_a_lora_run_publishes_adapter_versions_and_resumes_from_them(run_on_tiny):
+    run = run_on_tiny
+    trainer_cfg = {**run.config["trainer"], "lora_rank": 4, "lora_alpha": 8, "kl_coef": 0.1}
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
+    run.refresh_from_db()
+    _fill(run)
+    training_loop._TRAINERS.clear()
+    base = {k: v.clone() for k, v in load_policy(run.config["policy"]).model.state_dict().items()}
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    published = settings.CHECKPOINT_ROOT / f"run-{run.pk}" / "v00001"
+    assert PolicyVersion.objects.get(run=run).checkpoint == str(published)
+    assert is_adapter_dir(published) and not (published / "model.safetensors").exists()
+    trained = training_loop._TRAINERS[run.pk].policy.model
+    assert any("lora_B" in n and v.abs().sum() > 0 for n, v in trained.named_parameters())
+    frozen = trained.get_base_model().state_dict()  # LoRA-wrapped layers keep theirs in base_layer
+    for key, value in base.items():
+        wrapped = key.rsplit(".", 1)[0] + ".base_layer." + key.rsplit(".", 1)[1]
+        assert torch.equal(frozen.get(key, frozen.get(wrapped)), value), key
+    training_loop._TRAINERS.clear()  # the worker died: resume from the adapter version
+    resumed = training_loop.get_trainer(run, _cfg(run))
+    assert (resumed.state.updates, resumed.state.version) == (1, 1)
+    for name, value in resumed.policy.model.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(value, dict(trained.named_parameters())[name]), name
 
 
 def _cfg(run):

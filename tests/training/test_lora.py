@@ -1,0 +1,174 @@
+"""The trainer's real-model modes on the tiny policy: LoRA adapters (only they change, the
+reference is the base, a version is a small adapter directory that loads and serves),
+gradient checkpointing (the same update), and resume in each mode (continues exactly)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.lora import LoraSpec, is_adapter_dir
+from core.policy_io import load_policy, load_weights_into
+from core.samples import TrainSample
+from tests.conftest import png_bytes
+from training.trainer import PolicyTrainer, version_dir
+from training.update import UpdateConfig
+
+LORA = LoraSpec(rank=4, alpha=8)
+CONFIG = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=4)
+
+
+def samples(seed: int = 0) -> list[TrainSample]:
+    """Two task groups of two one-step trajectories each, one success and one failure."""
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(64, 48)).decode()
+    out = []
+    for i in range(4):
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"Click button {i // 2 + seed}."},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ]
+        out.append(
+            TrainSample(
+                step_id=100 * seed + i,
+                trajectory_id=100 * seed + i,
+                group_id=i // 2,
+                messages=messages,
+                response_text=f"Action: click(start_box='({10 * i},{20 + i})')",
+                reward=float(i % 2),
+                rollout_logprobs=[],
+                mean_entropy=1.0,
+                policy_version=0,
+            )
+        )
+    return out
+
+
+def trainer(start: Path, run_dir: Path, **kwargs) -> PolicyTrainer:
+    torch.manual_seed(0)  # LoRA's A matrices are random at init
+    kwargs.setdefault("kl_coef", 0.1)
+    return PolicyTrainer(start_checkpoint=start, run_dir=run_dir, lr=1e-2, **kwargs)
+
+
+def logprobs(t: PolicyTrainer, model: torch.nn.Module, batch: list[TrainSample]) -> torch.Tensor:
+    with torch.no_grad():
+        values, _, mask = t.logprob_fn(model, batch)
+    return values[mask.bool()]
+
+
+def test_lora_trains_only_the_adapters_and_the_reference_is_the_base(
+    tiny_policy_dir, tmp_path
+) -> None:
+    t = trainer(tiny_policy_dir, tmp_path / "run", lora=LORA)
+    before = {n: p.detach().clone() for n, p in t.policy.model.named_parameters()}
+    trainable = {n for n, p in t.policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum(before[n].numel() for n in trainable) < 0.05 * sum(
+        v.numel() for v in before.values()
+    )
+    assert not any(".visual." in n for n in trainable)  # the vision tower stays frozen
+    batch = samples()
+    base_trainer = trainer(tiny_policy_dir, tmp_path / "base", kl_coef=0)
+    base = logprobs(base_trainer, base_trainer.policy.model, batch)
+    # lora_B starts at zero: before any update the adapted model is the base.
+    assert torch.allclose(logprobs(t, t.policy.model, batch), base, atol=1e-5)
+
+    for _ in range(3):
+        t.update(batch, CONFIG)
+
+    after = dict(t.policy.model.named_parameters())
+    changed = [n for n in trainable if not torch.equal(after[n], before[n])]
+    assert any("lora_B" in n for n in changed)
+    frozen_changed = [n for n in before if n not in trainable and not torch.equal(after[n], before[n])]  # fmt: skip
+    assert frozen_changed == []
+    # The policy moved; the reference (adapters off, same weights) is still exactly the base.
+    assert not torch.allclose(logprobs(t, t.policy.model, batch), base, atol=1e-3)
+    assert torch.allclose(logprobs(t, t.ref_model, batch), base, atol=1e-5)
+
+
+def test_a_lora_version_is_a_small_adapter_directory_that_loads_as_trained(
+    tiny_policy_dir, tmp_path
+) -> None:
+    t = trainer(tiny_policy_dir, tmp_path / "run", lora=LORA)
+    batch = samples()
+    t.update(batch, CONFIG)
+    published = t.save_version(1)
+    assert is_adapter_dir(published)
+    size = sum(f.stat().st_size for f in published.glob("*.safetensors"))
+    full = sum(f.stat().st_size for f in tiny_policy_dir.glob("*.safetensors"))
+    assert size < full / 10, (size, full)
+
+    served = load_policy(published)
+    assert served.base is not None and served.base.resolve() == tiny_policy_dir.resolve()
+    expected = logprobs(t, t.policy.model, batch)
+    assert torch.allclose(logprobs(t, served.model, batch), expected, atol=1e-5)
+
+    # Swapped in place into a live model that serves the base: the same numbers.
+    live = load_policy(tiny_policy_dir)
+    load_weights_into(live, published)
+    assert torch.allclose(logprobs(t, live.model, batch), expected, atol=1e-5)
+    t.update(batch, CONFIG)
+    load_weights_into(live, t.save_version(2))  # the second adapter replaces the first
+    assert torch.allclose(logprobs(t, live.model, batch), logprobs(t, t.policy.model, batch), atol=1e-5)  # fmt: skip
+    load_weights_into(live, tiny_policy_dir)  # full weights again: the adapter is gone
+    assert not live.has_adapter
+
+
+def test_an_adapter_for_another_base_is_refused(tiny_policy_dir, tmp_path) -> None:
+    import shutil
+
+    other = Path(shutil.copytree(tiny_policy_dir, tmp_path / "other-base"))
+    published = trainer(other, tmp_path / "run", lora=LORA).save_version(1)
+    live = load_policy(tiny_policy_dir)
+    with pytest.raises(ValueError, match=r"adapts .*other-base"):
+        load_weights_into(live, published)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_resume_continues_exactly(tiny_policy_dir, tmp_path, mode) -> None:
+    kwargs = {"lora": LORA} if mode == "lora" else {}
+    run = tmp_path / "run"
+    first = trainer(tiny_policy_dir, run, **kwargs)
+    first.update(samples(0), CONFIG)
+    first.save_version(1)
+    first.update(samples(1), CONFIG)
+    expected = {n: p.detach().clone() for n, p in first.policy.model.named_parameters()}
+
+    resumed = trainer(tiny_policy_dir, run, published_versions=[1], **kwargs)
+    assert resumed.state.version == 1 and resumed.state.updates == 1
+    resumed.update(samples(1), CONFIG)
+    got = dict(resumed.policy.model.named_parameters())
+    assert got.keys() == expected.keys()
+    worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
+    assert worst < 1e-6, worst
+
+
+def test_a_lora_run_refuses_to_resume_from_full_weights(tiny_policy_dir, tmp_path) -> None:
+    run = tmp_path / "run"
+    trainer(tiny_policy_dir, run).save_version(1)
+    with pytest.raises(ValueError, match="holds full weights, but this run trains LoRA"):
+        trainer(tiny_policy_dir, run, published_versions=[1], lora=LORA)
+    assert version_dir(run, 1).is_dir()
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, tmp_path, mode) -> None:
+    kwargs = {"lora": LORA} if mode == "lora" else {}
+    plain = trainer(tiny_policy_dir, tmp_path / "a", **kwargs)
+    recomputed = trainer(tiny_policy_dir, tmp_path / "b", gradient_checkpointing=True, **kwargs)
+    base_model = recomputed.policy.model
+    if mode == "lora":
+        base_model = base_model.get_base_model()
+    assert base_model.is_activation_checkpointing
+    metrics = [t.update(samples(), CONFIG) for t in (plain, recomputed)]
+    assert metrics[0].loss == pytest.approx(metrics[1].loss, abs=1e-6)
+    a = dict(plain.policy.model.named_parameters())
+    b = dict(recomputed.policy.model.named_parameters())
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6

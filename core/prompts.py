@@ -2,8 +2,9 @@ r"""The prompt builder shared by the rollout service and the trainer.
 
 `build_messages` produces OpenAI chat-completions messages in the UI-TARS layout::
 
-    system     the computer-use prompt (output format and action space)
-    user       the instruction
+    system     the template's system prompt
+    user       the template's head: the instruction (and, for UI-TARS-1.5, the whole
+               computer-use prompt around it)
     user       [image] screenshot before turn i      (only for the last `max_images` screens)
     assistant  "Thought: ...\nAction: ..."  of turn i  (every kept turn)
     ...
@@ -55,6 +56,61 @@ call_user() # The task is unsolvable, or you need the user's help.
 
 ## Note
 - Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part."""
+
+UI_TARS_15_HEAD = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task. 
+
+## Output Format
+```
+Thought: ...
+Action: ...
+```
+
+## Action Space
+click(start_box='<|box_start|>(x1,y1)<|box_end|>')
+left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
+right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
+drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
+hotkey(key='')
+type(content='') #If you want to submit your input, use "\\n" at the end of `content`.
+scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+wait() #Sleep for 5s and take a screenshot to check for any changes.
+finished()
+call_user() # Submit the task and call the user when the task is unsolvable, or when you need the user's help.
+
+## Note
+- Use {language} in `Thought` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+
+## User Instruction
+{instruction}
+"""  # noqa: W291 - the released template's line ends with a space
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """Where the computer-use prompt goes. `head` is the first user message, formatted with
+    `instruction` and `language`."""
+
+    name: str
+    system: str
+    head: str
+
+    def first_user_message(self, *, instruction: str, language: str) -> str:
+        # Not str.format: an instruction holding braces must come through as it is.
+        return self.head.replace("{language}", language).replace("{instruction}", instruction)
+
+
+PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
+    # Dartboard's own: the action list in the system prompt, the instruction alone after it
+    # (what the shipped tiny policy was pretrained on).
+    "dartboard": PromptTemplate("dartboard", DEFAULT_SYSTEM_PROMPT, "{instruction}"),
+    # UI-TARS-1.5's computer-use template as its released agents send it (OSWorld's UI-TARS-1.5
+    # agent): a bare system prompt, then one user message with the output format, the action
+    # list, the language line and the instruction at the end. Coordinates are absolute pixels
+    # of the processor-resized screenshot (run setting rollout.coords = "pixel").
+    "ui-tars-1.5": PromptTemplate("ui-tars-1.5", "You are a helpful assistant.", UI_TARS_15_HEAD),
+}
+PROMPT_NAMES: tuple[str, ...] = tuple(PROMPT_TEMPLATES)
 
 Message = dict[str, Any]
 
@@ -126,7 +182,8 @@ def build_messages(
     history: Sequence[HistoryTurn],
     screenshots: Sequence[bytes],
     max_images: int = 5,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    template: PromptTemplate = PROMPT_TEMPLATES["dartboard"],
+    language: str = "English",
     max_prompt_tokens: int | None = None,
     count_tokens: Callable[[str], int] = estimate_tokens,
     count_image_tokens: Callable[[bytes], int] | None = None,
@@ -159,6 +216,7 @@ def build_messages(
     def turn_image(i: int) -> bytes | None:
         return screenshots[i - offset] if i >= first_image_turn else None
 
+    head = template.first_user_message(instruction=instruction, language=language)
     first_kept = 0
     if max_prompt_tokens is not None:
         if count_image_tokens is None:
@@ -166,11 +224,8 @@ def build_messages(
                 "a prompt token budget needs count_image_tokens (image_token_counter of the "
                 "policy's image geometry)"
             )
-        fixed = (
-            count_tokens(system_prompt)
-            + count_tokens(instruction)
-            + count_image_tokens(screenshots[-1])
-        )
+        fixed = count_tokens(template.system) + count_tokens(head)
+        fixed += count_image_tokens(screenshots[-1])
         costs = []
         for i, turn in enumerate(history):
             image = turn_image(i)
@@ -183,8 +238,8 @@ def build_messages(
             first_kept += 1
 
     messages: list[Message] = [
-        {"role": "system", "content": system_prompt},
-        {"role": "user", "content": instruction},
+        {"role": "system", "content": template.system},
+        {"role": "user", "content": head},
     ]
     for i in range(first_kept, n_turns):
         image = turn_image(i)

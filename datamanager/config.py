@@ -102,8 +102,26 @@ class RolloutConfig:
         60.0, "An episode with no policy answer in this time ends as error."
     )
     inference_workers: int = knob(1, "Transformers inference workers started for the run (CPU).")
+    prompt: Literal["dartboard", "ui-tars-1.5"] = knob(
+        "dartboard",
+        "Prompt template: Dartboard's (the shipped tiny policy's) or UI-TARS-1.5's computer-use "
+        "template (for UI-TARS / Qwen2.5-VL checkpoints).",
+    )
+    coords: Literal["pixel", "relative1000"] = knob(
+        "pixel",
+        "Coordinates the model writes: pixels of the processor-resized screenshot (UI-TARS-1.5, "
+        "Qwen2.5-VL) or 0-999 fractions of the screen (UI-TARS-1.0, Qwen2-VL).",
+    )
+    language: str = knob("English", "UI-TARS-1.5 prompt: the language of the Thought part.")
 
     def __post_init__(self) -> None:
+        if self.prompt != "ui-tars-1.5":
+            _unused_knob(self, "language", "outside the ui-tars-1.5 prompt")
+        _check(
+            bool(self.language.strip()) and len(self.language) <= 40,
+            "language",
+            "must be a language name of at most 40 characters",
+        )
         _check(1 <= self.max_images <= 32, "max_images", "must be between 1 and 32")
         _check(self.max_prompt_tokens >= 256, "max_prompt_tokens", "must be >= 256")
         _check(1 <= self.max_new_tokens <= 4096, "max_new_tokens", "must be between 1 and 4096")

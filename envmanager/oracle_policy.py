@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from core.actions import format_screen_action
+from core.actions import CoordSpace, format_screen_action
 from core.completion import Completion
 from core.imaging import ImageGeometry
 from core.protocol import Action, ActionType, Env, Evaluation, Observation, TaskSpec
@@ -19,8 +19,9 @@ from envmanager.oracles import oracle_action
 
 
 class OracleEndpoint:
-    def __init__(self, *, geometry: ImageGeometry) -> None:
+    def __init__(self, *, geometry: ImageGeometry, coords: CoordSpace = "pixel") -> None:
         self.geometry = geometry
+        self.coords = coords
         self.task: TaskSpec | None = None
         self.observation: Observation | None = None
 
@@ -35,7 +36,7 @@ class OracleEndpoint:
         if action is None:
             action = Action(type=ActionType.FINISHED, text="done")
         text = format_screen_action(
-            action, screen_size=(obs.width, obs.height), geometry=self.geometry
+            action, screen_size=(obs.width, obs.height), geometry=self.geometry, coords=self.coords
         )
         return Completion.scripted(text, started=started, served_by="oracle")
 

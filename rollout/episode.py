@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
 from core.completion import Completion
 from core.imaging import ImageGeometry
-from core.prompts import HistoryTurn, build_messages, image_token_counter
+from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, image_token_counter
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 
 
@@ -101,6 +101,8 @@ class EpisodeConfig:
     top_p: float = 1.0
     max_parse_errors: int = 3
     coords: CoordSpace = "pixel"
+    prompt: str = "dartboard"  # a key of core.prompts.PROMPT_TEMPLATES
+    language: str = "English"  # the UI-TARS-1.5 template's Thought language
     seed: int | None = None
     # The policy's processor (`ImageGeometry.from_policy_dir`): prompt token budgets, and
     # coordinates when the server does not report its own. No default: a guessed geometry
@@ -175,6 +177,8 @@ def _run_episode(
             history=history,
             screenshots=screenshots[-config.max_images :],
             max_images=config.max_images,
+            template=PROMPT_TEMPLATES[config.prompt],
+            language=config.language,
             max_prompt_tokens=config.max_prompt_tokens,
             count_image_tokens=count_image_tokens,
         )

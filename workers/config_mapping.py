@@ -102,6 +102,9 @@ def episode_config(
         temperature=r.temperature if temperature is None else temperature,
         top_p=r.top_p,
         max_parse_errors=r.max_parse_errors,
+        coords=r.coords,
+        prompt=r.prompt,
+        language=r.language,
         seed=seed,
         image_geometry=geometry or policy_geometry(cfg.policy),
     )

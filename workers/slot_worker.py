@@ -264,7 +264,7 @@ def _run_claim(
         env = process_env(backend, timeout_s=cfg.env.step_timeout_s)
         policy: PolicyEndpoint = client
         if cfg.policy == ORACLE_POLICY:
-            oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy))
+            oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy), coords=cfg.rollout.coords)
             env, policy = ObservedEnv(env, oracle), oracle
         result = run_episode(
             env=env,

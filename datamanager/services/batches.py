@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from django.core.files.storage import default_storage
 from django.db import transaction
 
-from core.prompts import HistoryTurn, build_messages, image_token_counter
+from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, image_token_counter
 from core.samples import TrainSample, UpdateMetrics
 from datamanager import curation
 from datamanager.config import RunConfig
@@ -66,6 +66,8 @@ def trajectory_samples(
                 history=history,
                 screenshots=shots[-cfg.rollout.max_images :],
                 max_images=cfg.rollout.max_images,
+                template=PROMPT_TEMPLATES[cfg.rollout.prompt],
+                language=cfg.rollout.language,
                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                 count_image_tokens=count_image_tokens,
             )

@@ -10,6 +10,7 @@ from PIL import Image
 from core.imaging import QWEN25_VL
 from core.prompts import (
     DEFAULT_SYSTEM_PROMPT,
+    PromptTemplate,
     HistoryTurn,
     build_messages,
     decode_image_parts,
@@ -110,7 +111,7 @@ def test_the_budget_drops_the_oldest_turns_first() -> None:
         instruction="go",
         history=history,
         screenshots=screenshots,
-        system_prompt="sys",
+        template=PromptTemplate("test", "sys", "{instruction}"),
         max_prompt_tokens=budget,
         count_tokens=chars,
         count_image_tokens=image_cost,
@@ -122,7 +123,7 @@ def test_the_budget_drops_the_oldest_turns_first() -> None:
         instruction="go",
         history=history,
         screenshots=screenshots,
-        system_prompt="sys",
+        template=PromptTemplate("test", "sys", "{instruction}"),
         max_prompt_tokens=budget - 1,
         count_tokens=chars,
         count_image_tokens=image_cost,

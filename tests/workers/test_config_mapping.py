@@ -76,6 +76,9 @@ def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -
             {"trainer": {"loss_type": "gspo", name: other_value(hints[path], value)}}
         )
         default = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
+    elif path == "rollout.language":  # only the UI-TARS-1.5 template has a language line
+        changed = RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5", name: "Chinese"}})
+        default = RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5"}})
     else:
         changed = with_field(path, other_value(hints[path], value))
     assert mapped_outputs(changed) != mapped_outputs(default), f"{path} reaches nothing"
@@ -90,6 +93,9 @@ def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -
         ({"curation": {"truncated_is": False, "is_cap": 2.0}}, "curation.is_cap"),
         ({"curation": {"high_entropy": False, "entropy_top_q": 0.5}}, "curation.entropy_top_q"),
         ({"curation": {"dynamic_budget": False, "n_min": 3}}, "curation.n_min"),
+        ({"rollout": {"language": "Chinese"}}, "rollout.language"),
+        ({"trainer": {"lora_alpha": 16}}, "trainer.lora_alpha"),
+        ({"trainer": {"lora_vision": True}}, "trainer.lora_vision"),
     ],
 )
 def test_a_knob_that_does_nothing_under_the_chosen_setting_is_refused(

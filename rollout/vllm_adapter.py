@@ -1,17 +1,23 @@
 """Put a `vllm serve` process behind Dartboard's inference-worker contract.
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve /models/policy --port 8200 --max-logprobs 20 \\
-        --api-key "$DARTBOARD_SERVICE_TOKEN" --worker-extension-cls rollout.vllm_ext.ReloadFromDisk
-    python -m rollout.vllm_adapter --vllm http://127.0.0.1:8200 --port 8101 --version 0
+    (the command in the README's *Scaling out* and docker-compose.yml's `vllm` service)
+    python -m rollout.vllm_adapter --vllm http://127.0.0.1:8200 --policy-dir /models/policy \\
+        --port 8101 --version 0
 
 The adapter answers like `rollout.server`, so the router and the env slots cannot tell the
 difference: POST /v1/chat/completions is checked field by field as `rollout.server` checks it
 (`parse_chat_request`: a bad field is a 400 naming it, before vLLM sees anything), then passed
 through asking vLLM for per-token logprobs and top-5 alternatives (from which the client
 estimates the entropy), and the reply gains `policy_version`; POST /v1/reload {"checkpoint",
-"version"} drains, calls the worker extension through vLLM's /collective_rpc, then serves the
-new version; GET /v1/models is vLLM's list; GET /health reports status, version, model and
-in-flight requests.
+"version"} with a LoRA adapter directory loads it into vLLM beside the serving one
+(/v1/load_lora_adapter), sends new requests to it at once and unloads the old adapter when its
+last request ends: no pause. Full weights drain, reload in place through the worker extension
+(/collective_rpc), then reset vLLM's prefix and multimodal caches (entries computed by the old
+weights would otherwise mix into new generations silently). GET /v1/models is vLLM's list;
+GET /health reports status, version, served name, image geometry (from the processor of
+--policy-dir, also in every reply) and in-flight requests. Requests name Dartboard's model;
+the adapter asks vLLM for what it serves now (the base's --served-model-name or the current
+adapter).
 
 Starlette on uvicorn (`rollout.asgi`): every route but /health needs the service token and a
 reload loads only from the checkpoint roots (`rollout.auth`); keep vLLM itself (and its
@@ -22,6 +28,7 @@ adapter's own checks are tested in CI with `rollout.server` standing in as the O
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +39,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from core.imaging import ImageGeometry
+from core.lora import is_adapter_dir
 from rollout.asgi import (
     JSONReply,
     TokenGate,
@@ -48,26 +57,38 @@ from rollout.server import parse_chat_request, reload_fields
 
 
 class Adapter:
-    """Status, version and in-flight count of one vLLM server; `cond` guards them."""
+    """Status, version, served name and in-flight counts of one vLLM server; `cond` guards
+    them. Requests are counted per policy version, so an adapter switch waits only for the
+    requests still on the old adapter."""
 
     def __init__(
-        self, vllm_url: str, version: int, *, token: str, max_tokens_limit: int = 1024
+        self,
+        vllm_url: str,
+        version: int,
+        *,
+        token: str,
+        geometry: ImageGeometry,
+        max_tokens_limit: int = 1024,
     ) -> None:
-        """`token` is sent to vLLM too: start it with `--api-key` set to the service token."""
+        """`token` is sent to vLLM too: start it with `--api-key` set to the service token.
+        `geometry` is the served model's processor's (`--policy-dir`): clients map
+        coordinates with it."""
         self.vllm = vllm_url.rstrip("/")
         self.version = version
+        self.geometry = geometry
         self.max_tokens_limit = max_tokens_limit
-        self.model = ""
+        self.model = ""  # vLLM's served name of the base model (--served-model-name)
+        self.serving = ""  # what requests ask vLLM for: the base, or the current LoRA adapter
         self.status = "ok"
-        self.in_flight = 0
+        self.in_flight: collections.Counter[int] = collections.Counter()  # by policy version
         self.cond = threading.Condition()
         self.http = httpx.Client(timeout=600, headers=bearer(token))
 
     def start(self) -> None:
-        """Learn the served model's name (the requests' default)."""
+        """Learn the served model's name (what every request asks vLLM for)."""
         try:
             listed = self.http.get(f"{self.vllm}/v1/models", timeout=10).json()
-            self.model = listed["data"][0]["id"]
+            self.model = self.serving = listed["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             print(f"vLLM at {self.vllm} lists no model yet: {exc}", file=sys.stderr, flush=True)
 
@@ -75,62 +96,95 @@ class Adapter:
         self.http.close()
 
     def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Validate (RequestError naming the field), then forward to vLLM."""
+        """Validate (RequestError naming the field), then forward to vLLM. The client's model
+        name is Dartboard's; vLLM is asked for what this adapter serves now."""
         request = parse_chat_request(
             body, default_model=self.model, max_tokens_limit=self.max_tokens_limit
         )
         with self.cond:
             if self.status != "ok":
                 return 503, error_body(503, f"worker is {self.status}: retry on another")
-            self.in_flight += 1
-            version = self.version
+            version, serving = self.version, self.serving or request.model
+            self.in_flight[version] += 1
         try:
-            body = {
+            forwarded = {
                 **body,
-                "model": request.model,
+                "model": serving,
                 "logprobs": True,
                 "top_logprobs": max(5, request.top_logprobs),
             }
-            body.setdefault("return_tokens_as_token_ids", True)
-            response = self.http.post(f"{self.vllm}/v1/chat/completions", json=body)
+            forwarded.setdefault("return_tokens_as_token_ids", True)
+            response = self.http.post(f"{self.vllm}/v1/chat/completions", json=forwarded)
             try:
                 reply = response.json()
             except ValueError:
-                reply = error_body(502, f"vLLM answered {response.status_code}: not JSON")
-                return 502, reply
+                return 502, error_body(502, f"vLLM answered {response.status_code}: not JSON")
             if response.status_code == 200:
                 reply["policy_version"] = version
+                reply["image_geometry"] = self.geometry.to_json()
             return response.status_code, reply
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
         finally:
             with self.cond:
-                self.in_flight -= 1
+                self.in_flight[version] -= 1
                 self.cond.notify_all()
 
     def reload(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
+        """A LoRA adapter directory is loaded beside the serving one and switched to with no
+        pause; full weights drain, reload in place and reset vLLM's caches."""
         with self.cond:
             if self.status != "ok":
                 return 409, error_body(409, "a reload is already running")
-            self.status = "draining"
-            self.cond.wait_for(lambda: self.in_flight == 0)
-            self.status = "loading"
+            self.status = "switching" if is_adapter_dir(checkpoint) else "draining"
         try:
-            response = self.http.post(
-                f"{self.vllm}/collective_rpc",
-                json={"method": "reload_from_disk", "args": [checkpoint]},
-            )
-            if response.status_code != 200:
-                message = f"vLLM reload failed, kept v{self.version}: {response.text[:300]}"
-                return 502, error_body(502, message)
-            with self.cond:
-                self.version = version
-            return 200, {"policy_version": version}
+            if is_adapter_dir(checkpoint):
+                return self._switch_adapter(checkpoint, version)
+            return self._reload_full(checkpoint, version)
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
         finally:
             with self.cond:
                 self.status = "ok"
+
+    def _switch_adapter(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
+        name = f"{self.model}-v{version}"
+        response = self.http.post(
+            f"{self.vllm}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": checkpoint}
+        )
+        if response.status_code != 200:
+            message = f"vLLM could not load adapter v{version}, kept v{self.version}: "
+            return 502, error_body(502, message + response.text[:300])
+        with self.cond:
+            old_version, old = self.version, self.serving
+            self.version, self.serving, self.status = version, name, "ok"
+            # New requests go to the new adapter now; the old one goes once its last ends.
+            self.cond.wait_for(lambda: self.in_flight[old_version] == 0)
+        if old != self.model:
+            self.http.post(f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": old})
+        return 200, {"policy_version": version, "served_as": name}
+
+    def _reload_full(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
+        with self.cond:
+            self.cond.wait_for(lambda: sum(self.in_flight.values()) == 0)
+            self.status = "loading"
+        response = self.http.post(
+            f"{self.vllm}/collective_rpc",
+            json={"method": "reload_from_disk", "args": [checkpoint]},
+        )
+        if response.status_code != 200:
+            message = f"vLLM reload failed, kept v{self.version}: {response.text[:300]}"
+            return 502, error_body(502, message)
+        # Cached prefixes (and image encodings) were computed by the old weights: a request
+        # reusing them would mix the two versions without any error.
+        for cache in ("/reset_prefix_cache", "/reset_mm_cache"):
+            reset = self.http.post(f"{self.vllm}{cache}")
+            if reset.status_code != 200 and cache == "/reset_prefix_cache":
+                message = f"weights are v{version} but {cache} failed: {reset.text[:200]}"
+                return 502, error_body(502, message)
+        with self.cond:
+            self.version, self.serving = version, self.model
+        return 200, {"policy_version": version}
 
     def models(self) -> tuple[int, dict[str, Any]]:
         try:
@@ -144,9 +198,11 @@ class Adapter:
             return {
                 "status": self.status,
                 "policy_version": self.version,
-                "in_flight": self.in_flight,
+                "in_flight": sum(self.in_flight.values()),
                 "queued": 0,
                 "model": self.model,
+                "serving": self.serving,
+                "image_geometry": self.geometry.to_json(),
                 "backend": "vllm",
             }
 
@@ -184,6 +240,12 @@ def build_app(adapter: Adapter, *, token: str, roots: list[Path]) -> TokenGate:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rollout.vllm_adapter")
     parser.add_argument("--vllm", required=True, help="base URL of `vllm serve`")
+    parser.add_argument(
+        "--policy-dir",
+        required=True,
+        help="the model directory vLLM serves, as this host sees it (its processor's image "
+        "geometry is what clients map coordinates with)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8101)
     parser.add_argument("--version", type=int, default=0)
@@ -195,7 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     token = service_token(args.token_file)
     roots = checkpoint_roots(args.checkpoint_root, served=None)
-    adapter = Adapter(args.vllm, args.version, token=token, max_tokens_limit=args.max_tokens_limit)
+    adapter = Adapter(
+        args.vllm,
+        args.version,
+        token=token,
+        geometry=ImageGeometry.from_policy_dir(args.policy_dir),
+        max_tokens_limit=args.max_tokens_limit,
+    )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)
     serve(build_app(adapter, token=token, roots=roots), sock)

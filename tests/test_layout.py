@@ -97,3 +97,43 @@ def test_compose_keeps_internal_services_off_the_public_network():
         env = svc.get("environment", {})
         if "image" not in svc or svc.get("build"):
             assert "DARTBOARD_SERVICE_TOKEN" in env, name
+
+
+def _readme_command(program: str) -> tuple[dict[str, str], list[str]]:
+    """The README's shell command running `program`: its environment and its arguments."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in readme.split("```bash")[1:] if f"{program} " in b.split("```")[0])
+    text = block.split("```")[0].replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if f"{program} " in line)
+    words = shlex.split(line, posix=False)
+    env = dict(w.split("=", 1) for w in words[: words.index(program)] if "=" in w)
+    return env, words[words.index(program) + 1 :]
+
+
+def _options(args: list[str]) -> dict[str, str]:
+    """--flag value pairs (a flag without a value maps to ""); secrets' values left out."""
+    out: dict[str, str] = {}
+    for i, word in enumerate(args):
+        if word.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else ""
+            out[word] = "<secret>" if word == "--api-key" else value
+    return out
+
+
+def test_the_readme_runs_vllm_exactly_as_compose_does():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    env, args = _readme_command("vllm")
+    assert args[0] == "serve"
+    readme = {"--model": args[1], **_options(args[2:])}
+    composed = _options(compose["vllm"]["command"])
+    for deployment_only in ("--host", "--port"):
+        readme.pop(deployment_only, None)
+        composed.pop(deployment_only, None)
+    assert readme == composed
+    compose_env = {k: v for k, v in compose["vllm"]["environment"].items() if k != "PYTHONPATH"}
+    assert env == compose_env
+    _, adapter_args = _readme_command("rollout.vllm_adapter")
+    adapter = _options(compose["vllm-adapter"]["command"][3:])
+    assert _options(adapter_args)["--policy-dir"] == adapter["--policy-dir"] == "/models/policy"

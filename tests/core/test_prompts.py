@@ -10,8 +10,8 @@ from PIL import Image
 from core.imaging import QWEN25_VL
 from core.prompts import (
     DEFAULT_SYSTEM_PROMPT,
-    PromptTemplate,
     HistoryTurn,
+    PromptTemplate,
     build_messages,
     decode_image_parts,
     estimate_tokens,

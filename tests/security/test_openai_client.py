@@ -14,6 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
+from core.imaging import ImageGeometry
 from rollout.auth import client_token
 from tests.conftest import png_bytes
 from tests.rollout.test_router import free_port, start_process, stop_process
@@ -63,7 +64,8 @@ def endpoints(tiny_policy_dir) -> Iterator[dict[str, str]]:
             health_url=f"{urls['router']}/health",
         ))  # fmt: skip
         procs.append(start_process(
-            ["rollout.vllm_adapter", "--vllm", urls["server"], "--port", str(ports["adapter"])],
+            ["rollout.vllm_adapter", "--vllm", urls["server"], "--port", str(ports["adapter"]),
+             "--policy-dir", str(tiny_policy_dir)],
             health_url=f"{urls['adapter']}/health",
         ))  # fmt: skip
         yield urls
@@ -111,6 +113,17 @@ def test_a_chat_completion_with_an_image_and_logprobs(endpoints, name) -> None:
 @pytest.mark.parametrize("name", ["server", "router", "adapter"])
 def test_the_model_list(endpoints, name) -> None:
     assert [m.id for m in client(endpoints[name]).models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("name", ["server", "router", "adapter"])
+def test_every_reply_carries_the_processors_image_geometry(endpoints, name, tiny_policy_dir):
+    expected = ImageGeometry.from_policy_dir(tiny_policy_dir).to_json()
+    reply = client(endpoints[name]).chat.completions.create(
+        model="policy",  # what Dartboard's client sends: every backend serves its own model
+        messages=[image_message(png_bytes())],  # type: ignore[list-item]
+        max_tokens=2,
+    )
+    assert reply.model_extra and reply.model_extra["image_geometry"] == expected
 
 
 BAD_FIELDS = {

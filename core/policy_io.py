@@ -667,13 +667,17 @@ def sequence_logprobs(
     if isinstance(model, Policy):
         model = model.model
     batch = batch.to(next(model.parameters()).device)
-    logits = model(**batch.model_inputs(), use_cache=False).logits  # [B, T, V]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # predicts tokens 1..T-1
-    targets = batch.input_ids[:, 1:]
-    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
-    entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
     mask = batch.response_mask
-    zero = torch.zeros_like(picked[:, :1])
-    token_logprobs = torch.cat([zero, picked], dim=1) * mask
-    token_entropy = torch.cat([zero, entropy], dim=1) * mask
+    width = mask.shape[1]
+    # Responses end every (left-padded) row: only their K positions need logits. A real
+    # prompt is ~14,000 tokens and the vocabulary ~152,000: all logits would be 4 GB in bf16.
+    k = min(width - 1, max(1, int(mask.sum(1).max())))
+    logits = model(**batch.model_inputs(), use_cache=False, logits_to_keep=k + 1).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, K, V]: tokens T-K..T-1
+    targets = batch.input_ids[:, width - k :]
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, K]
+    before = torch.zeros_like(picked[:, :1]).expand(-1, width - k)
+    token_logprobs = torch.cat([before, picked], dim=1) * mask
+    token_entropy = torch.cat([before, entropy], dim=1) * mask
     return token_logprobs, token_entropy, mask

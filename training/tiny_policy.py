@@ -152,9 +152,13 @@ def build_tiny_policy(
     temporal_section: int | None = None,
     arch: str = "qwen3_vl",
     vision_positions: int = 576,
+    model_vocab: int | None = None,
 ) -> Path:
     """Write a random-weight vision-language model (~6M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
+
+    `model_vocab` sizes the embedding and output layers past the tokenizer's vocabulary (a
+    real model's 152k, for memory benchmarks); by default they match the tokenizer.
 
     `arch` is "qwen3_vl" (default) or "qwen2_5_vl". Both keep patch 14 and a 2x2 merge (one
     image token = 28x28 px, so rollout's coordinate mapping is the same). What differs is
@@ -200,7 +204,7 @@ def build_tiny_policy(
         side = (half - temporal_section) // 2
         mrope = [temporal_section, side, side]
     text: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
+        "vocab_size": model_vocab or len(tokenizer),
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,

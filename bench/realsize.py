@@ -117,15 +117,20 @@ def counts(config: Qwen2_5_VLConfig) -> Counts:
 # ------------------------------------------------------------------ measured activations
 
 
-def saved_bytes(model: nn.Module, inputs: dict, response: int) -> int:
-    """Bytes of the distinct tensors autograd saves in one forward (the backward's memory)."""
+def saved_bytes(model: nn.Module, inputs: dict, response: int, vocab: int) -> tuple[int, int]:
+    """Bytes of the distinct tensors autograd saves in one forward (the backward's memory):
+    all of them, and those over the vocabulary (the response logits and their softmax)."""
     seen: dict[tuple[int, int], int] = {}
+    over_vocab: dict[tuple[int, int], int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, nn.Parameter) or t.device.type != "cpu":
-            return t  # weights are counted as weights
         storage = t.untyped_storage()
+        if storage.data_ptr() in weights:
+            return t  # a weight (or its transpose) is counted as a weight
         seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        if t.dim() and t.shape[-1] == vocab:
+            over_vocab[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         return t
 
     model.train()
@@ -134,7 +139,7 @@ def saved_bytes(model: nn.Module, inputs: dict, response: int) -> int:
         loss = out.logits.float().log_softmax(-1).mean()
     loss.backward()
     del out, loss
-    return sum(seen.values())
+    return sum(seen.values()), sum(over_vocab.values())
 
 
 def probe_inputs(config: Qwen2_5_VLConfig, *, text_tokens: int, side: int) -> tuple[dict, int, int]:
@@ -156,7 +161,8 @@ def probe_inputs(config: Qwen2_5_VLConfig, *, text_tokens: int, side: int) -> tu
 
 @dataclass(frozen=True)
 class Activations:
-    base_per_token: float  # embeddings, final norm, response logits
+    base_per_token: float  # embeddings, final norm
+    logits_per_position_vocab: float  # response logits, log-softmax, entropy (per vocab entry)
     lm_per_token_layer: float
     vision_per_patch_block: float  # 0 when the vision tower is frozen
     lm_boundary_per_token: float  # what a checkpointed decoder layer keeps (its input)
@@ -166,6 +172,7 @@ class Activations:
 def measure_activations(shape: dict, *, dtype: torch.dtype, lora: bool) -> Activations:
     """Per-layer, per-token saved bytes from real forwards at the shape's widths."""
     results = {}
+    logits = 0
     text = dict(shape["text"])
     for layers, depth in ((1, 1), (2, 1), (1, 2)):
         config = config_of(text, tie=shape["tie"], vision=VISION, layers=layers, depth=depth,
@@ -176,15 +183,16 @@ def measure_activations(shape: dict, *, dtype: torch.dtype, lora: bool) -> Activ
             model = add_adapters(model, LORA, base=ROOT)
         inputs, tokens, patches = probe_inputs(config, text_tokens=256, side=224)
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        results[(layers, depth)] = saved_bytes(model, inputs, RESPONSE_TOKENS)
+        results[(layers, depth)], logits = saved_bytes(model, inputs, RESPONSE_TOKENS, 2048)
         del model
         gc.collect()
     lm_layer = (results[(2, 1)] - results[(1, 1)]) / tokens
     vision_block = max(0.0, (results[(1, 2)] - results[(1, 1)]) / patches)
-    base = max(0.0, results[(1, 1)] - lm_layer * tokens - vision_block * patches) / tokens
+    rest = results[(1, 1)] - lm_layer * tokens - vision_block * patches - logits
     size = torch.finfo(dtype).bits // 8
     return Activations(
-        base_per_token=base,
+        base_per_token=max(0.0, rest) / tokens,
+        logits_per_position_vocab=logits / ((RESPONSE_TOKENS + 1) * 2048),
         lm_per_token_layer=lm_layer,
         vision_per_patch_block=vision_block,
         lm_boundary_per_token=shape["text"]["hidden_size"] * size,
@@ -209,8 +217,8 @@ class Plan:
 
 
 def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool, dtype_bytes: int,
-         checkpointing: bool, shards: int, tokens: int, patches: int,
-         kl: bool = True) -> Plan:  # fmt: skip
+         checkpointing: bool, shards: int, tokens: int, patches: int, vocab: int,
+         sequences: int = 1, kl: bool = True) -> Plan:  # fmt: skip
     trainable = c.lora if lora else c.params
     weights = (c.params + (c.lora if lora else 0)) * dtype_bytes / shards
     grads = trainable * dtype_bytes / shards
@@ -219,12 +227,15 @@ def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool, dt
     per_layer = act.lm_per_token_layer * tokens
     per_block = act.vision_per_patch_block * patches
     if checkpointing:
-        kept = act.lm_boundary_per_token * tokens * layers
-        kept += act.vision_boundary_per_patch * patches * depth
-        activations = kept + max(per_layer, per_block)  # one layer recomputed at a time
+        activations = act.lm_boundary_per_token * tokens * layers
+        activations += act.vision_boundary_per_patch * patches * depth
     else:
         activations = per_layer * layers + per_block * depth
+    # The backward pass holds one layer's activation gradients beside what is kept (and,
+    # under checkpointing, that layer's recomputed activations: one more layer).
+    activations += max(per_layer, per_block) * (2 if checkpointing else 1)
     activations += act.base_per_token * tokens
+    activations += act.logits_per_position_vocab * sequences * (RESPONSE_TOKENS + 1) * vocab
     return Plan(weights, grads, optimizer, reference, activations)
 
 
@@ -255,7 +266,8 @@ def plan_table() -> None:
                             continue  # LoRA on one GPU (replicas, not shards, add GPUs)
                         p = plan(c, act, layers=layers, depth=depth, lora=lora, dtype_bytes=size,
                                  checkpointing=checkpointing, shards=shards, tokens=tokens,
-                                 patches=patches)  # fmt: skip
+                                 patches=patches,
+                                 vocab=shape["text"]["vocab_size"])  # fmt: skip
                         print(
                             f"| {name} ({c.params / 1e9:.2f}B) | "
                             f"{'LoRA r16' if lora else 'full'} | "
@@ -324,19 +336,23 @@ def validate_child(workdir: Path) -> None:
         trainer.update(samples, config)
     seconds = (time.monotonic() - started) / 2
     measured = peak() - before
-    from core.policy_io import encode_batch
+    from core.policy_io import encode_batch, response_token_ids
 
-    batch = encode_batch(trainer.policy, [s.messages for s in samples])
+    batch = encode_batch(
+        trainer.policy,
+        [s.messages for s in samples],
+        responses=[response_token_ids(trainer.policy, s.response_text) for s in samples],
+    )
     tokens = int(batch.attention_mask.sum())
     patches = int(batch.image_grid_thw.prod(-1).sum()) if batch.image_grid_thw is not None else 0
     c = counts(trainer.policy.model.get_base_model().config)
     act = measure_activations({**MID, "text": MID["text"]}, dtype=torch.float32, lora=True)
     p = plan(c, act, layers=MID["text"]["num_hidden_layers"], depth=MID_VISION["depth"],
-             lora=True, dtype_bytes=4, checkpointing=False, shards=1,
-             tokens=tokens + 4 * RESPONSE_TOKENS, patches=patches)  # fmt: skip
+             lora=True, dtype_bytes=4, checkpointing=False, shards=1, tokens=tokens,
+             patches=patches, vocab=MID["text"]["vocab_size"], sequences=4)  # fmt: skip
     print(
         f"mid-size model: {c.params / 1e9:.2f}B parameters, LoRA r{LORA.rank} "
-        f"({c.lora / 1e6:.1f}M), fp32, CPU; one update of 4 steps ({tokens} prompt tokens)"
+        f"({c.lora / 1e6:.1f}M), fp32, CPU; one update of 4 steps ({tokens} tokens)"
     )
     print(f"loaded weights (RSS after load - before): {(loaded - before) / GB:.2f} GB")
     print("| | weights | grads | optimizer | activations | total GB |")

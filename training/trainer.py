@@ -40,6 +40,7 @@ from core.policy_io import (
     sequence_logprobs,
 )
 from core.samples import TrainSample, UpdateMetrics
+from training.replicas import Replicas
 from training.update import UpdateConfig, policy_update
 
 STATE_FILE = "trainer_state.pt"
@@ -93,8 +94,13 @@ class PolicyTrainer:
         published_versions: Sequence[int] = (),
         lora: LoraSpec | None = None,
         gradient_checkpointing: bool = False,
+        replicas: Replicas | None = None,
     ) -> None:
+        """`replicas`: this process is one of several data-parallel replicas (one per GPU,
+        `training.replicas`); every replica builds the trainer the same way and calls
+        `update` with the same samples, and only the leader saves versions."""
         self.run_dir = run_dir
+        self.replicas = replicas
         self.device = device
         self.use_bf16 = bf16 and device.startswith("cuda")
         self.state = TrainerState()
@@ -114,6 +120,8 @@ class PolicyTrainer:
             self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        if replicas is not None:
+            replicas.align(self.trainable_parameters())
         self.optimizer = torch.optim.AdamW(
             self.trainable_parameters(), lr=lr, weight_decay=weight_decay
         )
@@ -192,6 +200,7 @@ class PolicyTrainer:
             logprob_fn=self.logprob_fn,
             config=config,
             policy_version=self.state.version,
+            replicas=self.replicas,
         )
         self.state.updates += 1
         return metrics

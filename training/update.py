@@ -16,6 +16,7 @@ Run the tests: `.venv/bin/pytest -p no:django tests/training/test_update.py -q`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from core.losses import (
     truncated_is_weights,
 )
 from core.samples import TrainSample, UpdateMetrics
+from training.replicas import Replicas
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,14 @@ class _TokenStats:
     ref: Tensor | None
     is_weight: Tensor | None
     entropy_sum: float
+
+    def to(self, device: torch.device | str) -> _TokenStats:
+        return _TokenStats(
+            old=self.old.to(device),
+            ref=None if self.ref is None else self.ref.to(device),
+            is_weight=None if self.is_weight is None else self.is_weight.to(device),
+            entropy_sum=self.entropy_sum,
+        )
 
 
 def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdatePlan:
@@ -239,16 +249,19 @@ def _pi_old_pass(
     order: Sequence[int],
     logprob_fn: LogprobFn,
     config: UpdateConfig,
+    replicas: Replicas | None = None,
 ) -> tuple[dict[int, _TokenStats], int]:
     """Log-probs of pi_old (and pi_ref) for the samples in `order`, no gradient, plus IS weights.
+    With `replicas`, each computes its share of the micro-batches and all get every result.
 
     Returns per-sample stats (keyed by sample index) and the count of steps whose
     `rollout_logprobs` do not line up with their response tokens (their IS weight is 1).
     """
     stats: dict[int, _TokenStats] = {}
     misaligned = 0
+    micros = _batches(order, config.micro_batch)
     with torch.no_grad():
-        for micro in _batches(order, config.micro_batch):
+        for micro in replicas.mine(micros) if replicas else micros:
             micro_samples = [samples[i] for i in micro]
             logprobs, entropy, mask = logprob_fn(model, micro_samples)
             mask = mask.bool()
@@ -284,6 +297,11 @@ def _pi_old_pass(
                     is_weight=weight,
                     entropy_sum=float(entropy[b][row].float().sum().item()),
                 )
+    if replicas is not None:
+        device = next(model.parameters()).device
+        gathered = replicas.merge({i: s.to("cpu") for i, s in stats.items()})
+        stats = {i: s.to(device) for i, s in gathered.items()}
+        misaligned = int(replicas.sum_floats([misaligned])[0])
     return stats, misaligned
 
 
@@ -309,8 +327,11 @@ def _optimizer_step(
     stats: dict[int, _TokenStats],
     logprob_fn: LogprobFn,
     config: UpdateConfig,
+    replicas: Replicas | None = None,
 ) -> tuple[_StepTotals, float]:
-    """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm."""
+    """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm.
+    With `replicas`, each takes its share of the micro-batches and the gradients (and totals)
+    are summed before clipping, so every replica takes the same step."""
     use_bc = config.bc_weight > 0
     pg_items = [i for i in part if plan.pg_keep[i]]
     token_norm = float(sum(stats[i].old.numel() for i in pg_items))
@@ -329,7 +350,8 @@ def _optimizer_step(
         pg_norm = sum(plan.step_weight[i] for i in weight_of)
     totals = _StepTotals()
     optimizer.zero_grad(set_to_none=True)
-    for micro in _batches(part, config.micro_batch):
+    micros = _batches(part, config.micro_batch)
+    for micro in replicas.mine(micros) if replicas else micros:
         micro_samples = [samples[i] for i in micro]
         logprobs, _, mask = logprob_fn(model, micro_samples)
         mask = mask.bool()
@@ -392,6 +414,9 @@ def _optimizer_step(
         totals.clipped += out.clip_fraction * units
         totals.clip_units += units
     params = [p for p in model.parameters() if p.requires_grad]
+    if replicas is not None:
+        replicas.sum_gradients(params)
+        totals = _StepTotals(*replicas.sum_floats(dataclasses.astuple(totals)))
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -407,6 +432,7 @@ def policy_update(
     logprob_fn: LogprobFn,
     config: UpdateConfig,
     policy_version: int | None = None,
+    replicas: Replicas | None = None,
 ) -> UpdateMetrics:
     """Run one policy update on `samples` and return what it did.
 
@@ -419,6 +445,8 @@ def policy_update(
         logprob_fn: see the module docstring.
         policy_version: the version being trained (pi_old), for the staleness histogram;
             default: the newest version among the online samples.
+        replicas: data-parallel replicas (`training.replicas`): every replica calls this with
+            the same samples and config, and all take the same optimizer steps.
     Returns:
         UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
@@ -468,6 +496,7 @@ def policy_update(
         order=order,
         logprob_fn=logprob_fn,
         config=config,
+        replicas=replicas,
     )
     pg_items = [i for i in order if plan.pg_keep[i]]
     metrics.n_tokens = sum(stats[i].old.numel() for i in pg_items)
@@ -497,6 +526,7 @@ def policy_update(
                 stats=stats,
                 logprob_fn=logprob_fn,
                 config=config,
+                replicas=replicas,
             )
             metrics.optimizer_steps += 1
             sums.loss += totals.loss

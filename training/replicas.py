@@ -1,0 +1,89 @@
+"""Data-parallel replicas of the policy update: N processes (one per GPU, `torchrun`), each
+holding the whole model, deal an update's micro-batches round-robin and sum their gradients
+before every optimizer step, so the N replicas take exactly the step one process would
+(up to float summation order) and stay identical.
+
+Why summing is exact: `training.update` normalises every micro-batch's loss by the whole
+optimizer step's token / sequence / trajectory counts, so the step's gradient is the sum of
+the micro-batches' gradients, wherever they were computed. The pi_old pass is dealt the same
+way and its per-step statistics are gathered, so every replica sees all of them.
+
+    torch.distributed.init_process_group("nccl")         # or "gloo" on CPUs
+    replicas = Replicas.from_environment()               # rank and world from torchrun
+    trainer = PolicyTrainer(..., replicas=replicas)       # every rank; rank 0 saves versions
+
+Pure torch.distributed: no Django, no model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """This process's place among `world` replicas; torch.distributed is initialised."""
+
+    rank: int
+    world: int
+
+    @classmethod
+    def from_environment(cls) -> Replicas:
+        if not dist.is_initialized():
+            raise RuntimeError("Replicas need torch.distributed.init_process_group() first")
+        return cls(rank=dist.get_rank(), world=dist.get_world_size())
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 reads batches, records updates and saves versions."""
+        return self.rank == 0
+
+    def align(self, params: Sequence[nn.Parameter]) -> None:
+        """Give every replica the leader's values (fresh LoRA adapters start random)."""
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+    def mine(self, items: Sequence[T]) -> list[T]:
+        """This replica's share of `items`, dealt round-robin."""
+        return list(items[self.rank :: self.world])
+
+    def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """All-reduce (sum) the gradients of `params`, flattened into one buffer. A replica
+        with no micro-batch in this step contributes zeros."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def merge(self, part: dict[Any, Any]) -> dict[Any, Any]:
+        """Every replica's dict, merged (keys are disjoint: each replica filled its share)."""
+        gathered: list[dict[Any, Any] | None] = [None] * self.world
+        dist.all_gather_object(gathered, part)
+        merged: dict[Any, Any] = {}
+        for piece in gathered:
+            merged.update(piece or {})
+        return merged
+
+    def share(self, value: T) -> T:
+        """The leader's `value` on every replica (what to train on, and with which config)."""
+        box = [value if self.leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]

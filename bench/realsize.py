@@ -218,7 +218,8 @@ class Plan:
 
 def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool, dtype_bytes: int,
          checkpointing: bool, shards: int, tokens: int, patches: int, vocab: int,
-         sequences: int = 1, kl: bool = True) -> Plan:  # fmt: skip
+         sequences: int = 1, response: int = RESPONSE_TOKENS,
+         kl: bool = True) -> Plan:  # fmt: skip
     trainable = c.lora if lora else c.params
     weights = (c.params + (c.lora if lora else 0)) * dtype_bytes / shards
     grads = trainable * dtype_bytes / shards
@@ -235,7 +236,9 @@ def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool, dt
     # under checkpointing, that layer's recomputed activations: one more layer).
     activations += max(per_layer, per_block) * (2 if checkpointing else 1)
     activations += act.base_per_token * tokens
-    activations += act.logits_per_position_vocab * sequences * (RESPONSE_TOKENS + 1) * vocab
+    # The response logits and their softmax, kept for the backward pass; while the loss's
+    # backward runs, their gradients are as large again.
+    activations += 2 * act.logits_per_position_vocab * sequences * (response + 1) * vocab
     return Plan(weights, grads, optimizer, reference, activations)
 
 
@@ -349,7 +352,8 @@ def validate_child(workdir: Path) -> None:
     act = measure_activations({**MID, "text": MID["text"]}, dtype=torch.float32, lora=True)
     p = plan(c, act, layers=MID["text"]["num_hidden_layers"], depth=MID_VISION["depth"],
              lora=True, dtype_bytes=4, checkpointing=False, shards=1, tokens=tokens,
-             patches=patches, vocab=MID["text"]["vocab_size"], sequences=4)  # fmt: skip
+             patches=patches, vocab=MID["text"]["vocab_size"], sequences=4,
+             response=int(batch.response_mask.sum(1).max()))  # fmt: skip
     print(
         f"mid-size model: {c.params / 1e9:.2f}B parameters, LoRA r{LORA.rank} "
         f"({c.lora / 1e6:.1f}M), fp32, CPU; one update of 4 steps ({tokens} tokens)"

@@ -173,10 +173,14 @@ class TrainerConfig:
     gradient_checkpointing: bool = knob(
         False, "Recompute activations in the backward pass (less memory, about 30% more time)."
     )
+    replicas: int = knob(
+        1, "Data-parallel trainer processes, one per GPU (the worker starts N-1 followers)."
+    )
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
+        _check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")
         if self.lora_rank == 0:
             _unused_knob(self, "lora_alpha", "under full fine-tuning (set lora_rank)")
             _unused_knob(self, "lora_vision", "under full fine-tuning (set lora_rank)")

@@ -192,6 +192,10 @@ class PolicyTrainer:
             return sequence_logprobs(model, batch)
 
     def update(self, samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateMetrics:
+        """One policy update. The leader of replicas hands the followers the same samples
+        and config first (`training.replica_group`), so every replica takes this step."""
+        if self.replicas is not None and self.replicas.leader:
+            self.replicas.share(("update", list(samples), config))
         metrics = policy_update(
             model=self.policy.model,
             ref_model=self.ref_model,

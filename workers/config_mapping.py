@@ -36,6 +36,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.lora_alpha": "lora_spec below",
     "trainer.lora_vision": "lora_spec below",
     "trainer.gradient_checkpointing": "workers.training_loop.get_trainer",
+    "trainer.replicas": "workers.training_loop.get_trainer (followers started)",
     "curation.dynamic_budget": "datamanager.services.episodes (rollout budgets)",
     "curation.n_max": "datamanager.services.episodes (rollout budgets)",
     "curation.n_min": "datamanager.services.episodes (rollout budgets)",

@@ -26,6 +26,7 @@ from datamanager.policies import policy_path
 from datamanager.services import batches, episodes
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
+from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
 from workers.config_mapping import lora_spec, update_config
@@ -43,6 +44,7 @@ from workers.runs import policy_version_record_reach, router_sync
 log = logging.getLogger("dartboard.trainer")
 
 _TRAINERS: dict[int, PolicyTrainer] = {}  # one per run in this worker process
+_GROUPS: dict[int, ReplicaGroup] = {}  # a run's trainer replicas (trainer.replicas > 1)
 
 SLICE_SECONDS = 600.0
 RETRY_SECONDS = 30.0
@@ -57,18 +59,24 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
         # threads ran ~10x slower than 1 (oversubscription). GPU hosts are unaffected.
         torch.set_num_threads(settings.DARTBOARD_TORCH_THREADS)
         published = list(PolicyVersion.objects.filter(run=run).values_list("version", flat=True))
-        trainer = _TRAINERS[run.pk] = PolicyTrainer(
-            start_checkpoint=policy_path(cfg.policy),
-            run_dir=settings.CHECKPOINT_ROOT / f"run-{run.pk}",
+        lora = lora_spec(cfg.trainer)
+        spec = TrainerSpec(
+            start_checkpoint=str(policy_path(cfg.policy)),
+            run_dir=str(settings.CHECKPOINT_ROOT / f"run-{run.pk}"),
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
             kl_coef=cfg.trainer.kl_coef,
-            device="cuda" if torch.cuda.is_available() else "cpu",
             bf16=cfg.trainer.bf16,
             published_versions=published,
-            lora=lora_spec(cfg.trainer),
+            lora=dataclasses.asdict(lora) if lora else None,
             gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         )
+        if cfg.trainer.replicas > 1:
+            group = _GROUPS[run.pk] = ReplicaGroup.start(spec, world=cfg.trainer.replicas)
+            trainer = group.trainer
+        else:
+            trainer = spec.build(None, device="cuda" if torch.cuda.is_available() else "cpu")
+        _TRAINERS[run.pk] = trainer
     return trainer
 
 
@@ -76,6 +84,9 @@ def trainer_forget(*, run_id: int) -> None:
     """Drop this process's trainer of a run; the next get_trainer resumes from its newest
     published checkpoint (after a failed update the weights in memory are not trusted)."""
     _TRAINERS.pop(run_id, None)
+    group = _GROUPS.pop(run_id, None)
+    if group is not None:
+        group.close()
 
 
 def _waiting_message(run: Run, cfg: RunConfig) -> str:

@@ -162,6 +162,30 @@ def test_a_lora_run_publishes_adapter_versions_and_resumes_from_them(run_on_tiny
             assert torch.equal(value, dict(trained.named_parameters())[name]), name
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, lora):
+    """trainer.replicas = 2: the trainer worker starts a follower process and both take each
+    update; the loss is the one-process loss, and the follower is gone when the trainer is."""
+    runs = [run_on_tiny, make_running_run(run_on_tiny.config)]
+    losses = []
+    for run, replicas in zip(runs, (1, 2), strict=True):
+        extra = {"lora_rank": 4, "lora_alpha": 8} if lora else {}
+        trainer_cfg = {**run.config["trainer"], "replicas": replicas, **extra}
+        Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
+        run.refresh_from_db()
+        _fill(run)
+        training_loop._TRAINERS.clear()
+        torch.manual_seed(0)
+        assert training_loop.train_for(run_id=run.pk, max_seconds=300) == "max_updates reached"
+        losses.append(TrainUpdate.objects.get(run=run).metrics["loss"])
+        assert PolicyVersion.objects.filter(run=run, version=1).exists()
+    followers = training_loop._GROUPS[runs[1].pk].followers
+    assert len(followers) == 1 and followers[0].poll() is None
+    training_loop.trainer_forget(run_id=runs[1].pk)
+    assert followers[0].poll() == 0  # told to stop, and it did
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
 def _cfg(run):
     from datamanager.config import RunConfig
 

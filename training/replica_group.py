@@ -1,0 +1,160 @@
+"""Start a run's data-parallel trainer replicas: this process is rank 0 (the leader, which
+reads batches, records updates and saves versions) and N-1 follower processes
+(`python -m training.replica_group SPEC`) build the same trainer and take every update with
+it. The followers get the environment torchrun gives its workers (MASTER_ADDR, MASTER_PORT,
+RANK, LOCAL_RANK, WORLD_SIZE) and rank r uses GPU r; on CPUs they use gloo on the loopback
+device. They die with the leader's process and stop when it closes the group.
+
+    group = ReplicaGroup.start(spec, world=4)     # in the trainer worker
+    trainer = group.trainer                       # PolicyTrainer(replicas=...), rank 0
+    trainer.update(samples, config)               # every replica takes this step
+    group.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from core.lora import LoraSpec
+from core.procutil import die_with_parent, terminate_pid
+from training.replicas import Replicas
+from training.trainer import PolicyTrainer
+
+STOP = ("stop",)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """Everything a replica needs to build the same PolicyTrainer (JSON across processes)."""
+
+    start_checkpoint: str
+    run_dir: str
+    lr: float
+    weight_decay: float = 0.0
+    kl_coef: float = 0.1
+    bf16: bool = True
+    published_versions: list[int] = field(default_factory=list)
+    lora: dict[str, int | bool] | None = None  # LoraSpec's fields
+    gradient_checkpointing: bool = False
+
+    def build(self, replicas: Replicas | None, *, device: str) -> PolicyTrainer:
+        return PolicyTrainer(
+            start_checkpoint=Path(self.start_checkpoint),
+            run_dir=Path(self.run_dir),
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            kl_coef=self.kl_coef,
+            device=device,
+            bf16=self.bf16,
+            published_versions=self.published_versions,
+            lora=LoraSpec(**self.lora) if self.lora else None,  # type: ignore[arg-type]
+            gradient_checkpointing=self.gradient_checkpointing,
+            replicas=replicas,
+        )
+
+
+def _device(rank: int) -> str:
+    return f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class ReplicaGroup:
+    """The leader's handle on the followers and the process group."""
+
+    def __init__(self, trainer: PolicyTrainer, followers: list[subprocess.Popen]) -> None:
+        self.trainer = trainer
+        self.followers = followers
+
+    @classmethod
+    def start(cls, spec: TrainerSpec, *, world: int, timeout_s: float = 600.0) -> ReplicaGroup:
+        """Start world-1 followers, join them as rank 0 and build the leader's trainer."""
+        if world < 2:
+            raise ValueError(f"a replica group needs at least 2 processes, got {world}")
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a process group")
+        with socket.socket() as s:  # the rendezvous listens on the loopback only
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        followers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "training.replica_group", json.dumps(asdict(spec))],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                preexec_fn=die_with_parent,
+            )
+            for rank in range(1, world)
+        ]
+        try:
+            dist.init_process_group(
+                _backend(),
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            trainer = spec.build(Replicas(rank=0, world=world), device=_device(0))
+        except BaseException:
+            for proc in followers:
+                terminate_pid(proc.pid, timeout=10)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        return cls(trainer, followers)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Tell the followers to stop, leave the group and reap them."""
+        try:
+            if dist.is_initialized():
+                assert self.trainer.replicas is not None
+                self.trainer.replicas.share(STOP)
+                dist.destroy_process_group()
+        finally:
+            for proc in self.followers:
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    terminate_pid(proc.pid, timeout=10)
+                    proc.wait()
+
+
+def follow(spec: TrainerSpec) -> None:
+    """A follower's life: build the trainer, take every update the leader shares, stop."""
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(_backend(), init_method="env://")
+    replicas = Replicas.from_environment()
+    torch.set_num_threads(1)
+    try:
+        trainer = spec.build(replicas, device=_device(rank))
+        while True:
+            message: tuple[Any, ...] = replicas.share(STOP)  # the leader's value replaces it
+            if message == STOP:
+                return
+            _, samples, config = message
+            trainer.update(samples, config)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    follow(TrainerSpec(**json.loads(sys.argv[1])))

@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout.auth import (
@@ -47,6 +47,7 @@ from rollout.auth import (
 log = logging.getLogger("rollout.asgi")
 
 T = TypeVar("T")
+Endpoint = Callable[[Request], Awaitable[Response]]
 OPEN_PATHS = frozenset({"/health"})  # probes and load balancers call it without the token
 THREADS = 1024  # blocking requests served at once (each waits on a generation or a worker)
 
@@ -184,6 +185,28 @@ def service_app(
         },
     )
     return TokenGate(app, token=token)
+
+
+def worker_app(
+    endpoints: tuple[Endpoint, Endpoint, Endpoint, Endpoint],
+    *,
+    token: str,
+    threads: tuple[Callable[[], None], Callable[[], None]],
+) -> TokenGate:
+    """The inference-worker contract (the transformers server and the vLLM adapter serve the
+    same routes): `endpoints` are /health, /v1/models, /v1/chat/completions and /v1/reload;
+    `threads` start and stop the app's own threads with the server."""
+    health, models, chat, reload = endpoints
+    return service_app(
+        [
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/reload", reload, methods=["POST"]),
+        ],
+        token=token,
+        lifespan=threads_lifespan(*threads),
+    )
 
 
 def threads_lifespan(

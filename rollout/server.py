@@ -55,7 +55,6 @@ from typing import Any
 from PIL import Image
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from core.lora import is_adapter_dir
 from core.policy_io import (
@@ -75,8 +74,7 @@ from rollout.asgi import (
     model_card,
     run_blocking,
     serve,
-    service_app,
-    threads_lifespan,
+    worker_app,
 )
 from rollout.auth import (
     ROOTS_ENV,
@@ -489,16 +487,8 @@ def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGa
             return _reply(app, error_body(500, message), 500)
         return _reply(app, {"policy_version": version, "reload_s": round(seconds, 3)})
 
-    return service_app(
-        [
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/reload", reload, methods=["POST"]),
-        ],
-        token=token,
-        lifespan=threads_lifespan(app.start, app.stop),
-    )
+    endpoints = (health, models, chat, reload)
+    return worker_app(endpoints, token=token, threads=(app.start, app.stop))
 
 
 def reload_fields(body: dict[str, Any], roots: list[Path]) -> tuple[str, int]:

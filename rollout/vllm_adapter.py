@@ -37,7 +37,6 @@ from typing import Any
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
@@ -49,8 +48,7 @@ from rollout.asgi import (
     json_object,
     run_blocking,
     serve,
-    service_app,
-    threads_lifespan,
+    worker_app,
 )
 from rollout.auth import bearer, checkpoint_roots, service_token
 from rollout.server import parse_chat_request, reload_fields
@@ -225,16 +223,8 @@ def build_app(adapter: Adapter, *, token: str, roots: list[Path]) -> TokenGate:
         status, reply = await run_blocking(adapter.reload, checkpoint, version)
         return JSONReply(reply, status)
 
-    return service_app(
-        [
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/reload", reload, methods=["POST"]),
-        ],
-        token=token,
-        lifespan=threads_lifespan(adapter.start, adapter.stop),
-    )
+    endpoints = (health, models, chat, reload)
+    return worker_app(endpoints, token=token, threads=(adapter.start, adapter.stop))
 
 
 def main(argv: list[str] | None = None) -> None:

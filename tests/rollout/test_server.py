@@ -13,13 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from PIL import Image, ImageDraw
 
-from core.policy_io import load_policy, save_checkpoint
 from rollout.auth import bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
-from training.tiny_policy import build_tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -51,18 +48,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny policy (v0) and a perturbed copy of it (v1)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    v0 = build_tiny_policy(root / "v0")
-    policy = load_policy(v0)
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    return v0, save_checkpoint(policy, root / "v1")
 
 
 @pytest.fixture(scope="module")

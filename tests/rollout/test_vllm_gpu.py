@@ -103,20 +103,14 @@ def test_adapter_switch_and_full_reload_under_load(adapter_url, tiny_policy_dir)
     adapter_dir = trainer.save_version(1)
     with ClientLoops(adapter_url, n=8) as loops:
         wait_until(lambda: loops.each_has(1), what="first answers", timeout=120)
-        r = httpx.post(
-            f"{adapter_url}/v1/reload",
-            json={"checkpoint": str(adapter_dir), "version": 1},
-            headers=auth,
-            timeout=300,
-        )
-        assert r.status_code == 200, r.text
-        r = httpx.post(
-            f"{adapter_url}/v1/reload",
-            json={"checkpoint": str(tiny_policy_dir), "version": 2},
-            headers=auth,
-            timeout=600,
-        )
-        assert r.status_code == 200, r.text
+        for checkpoint, version in ((adapter_dir, 1), (tiny_policy_dir, 2)):  # LoRA, then full
+            r = httpx.post(
+                f"{adapter_url}/v1/reload",
+                json={"checkpoint": str(checkpoint), "version": version},
+                headers=auth,
+                timeout=600,
+            )
+            assert r.status_code == 200, r.text
         wait_until(lambda: loops.each_has(2), what="answers after the reloads", timeout=120)
     assert loops.errors == []
     assert {c.completion.policy_version for c in loops.all()} >= {0, 1, 2}

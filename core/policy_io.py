@@ -237,11 +237,14 @@ def _find_chat_template(path: Path, tokenizer: Any) -> str:
     return tokenizer.chat_template or QWEN2_VL_CHAT_TEMPLATE
 
 
-def save_checkpoint(policy: Policy, out_dir: str | Path) -> Path:
-    """Write weights, tokenizer, image processor and chat template; loadable by load_policy."""
+def save_checkpoint(
+    policy: Policy, out_dir: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write weights, tokenizer, image processor and chat template; loadable by load_policy.
+    `state_dict`: the weights to write when the model holds only a shard of them."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    policy.model.save_pretrained(out)
+    policy.model.save_pretrained(out, state_dict=state_dict)
     policy.tokenizer.save_pretrained(out)
     policy.image_processor.save_pretrained(out)
     (out / "chat_template.json").write_text(

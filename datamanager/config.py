@@ -176,11 +176,17 @@ class TrainerConfig:
     replicas: int = knob(
         1, "Data-parallel trainer processes, one per GPU (the worker starts N-1 followers)."
     )
+    shard: bool = knob(
+        False, "FSDP2: shard weights, gradients and AdamW state over the replicas (full FT)."
+    )
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
         _check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")
+        if self.shard:
+            _check(self.replicas > 1, "shard", "needs replicas > 1 (one shard per replica)")
+            _check(self.lora_rank == 0, "shard", "is for full fine-tuning (set lora_rank 0)")
         if self.lora_rank == 0:
             _unused_knob(self, "lora_alpha", "under full fine-tuning (set lora_rank)")
             _unused_knob(self, "lora_vision", "under full fine-tuning (set lora_rank)")

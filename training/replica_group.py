@@ -47,6 +47,7 @@ class TrainerSpec:
     published_versions: list[int] = field(default_factory=list)
     lora: dict[str, int | bool] | None = None  # LoraSpec's fields
     gradient_checkpointing: bool = False
+    shard: bool = False  # FSDP2 over the replicas (`training.sharding`)
 
     def build(self, replicas: Replicas | None, *, device: str) -> PolicyTrainer:
         return PolicyTrainer(
@@ -113,7 +114,9 @@ class ReplicaGroup:
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )
-            trainer = spec.build(Replicas(rank=0, world=world), device=_device(0))
+            trainer = spec.build(
+                Replicas(rank=0, world=world, sharded=spec.shard), device=_device(0)
+            )
         except BaseException:
             for proc in followers:
                 terminate_pid(proc.pid, timeout=10)
@@ -142,7 +145,7 @@ def follow(spec: TrainerSpec) -> None:
     """A follower's life: build the trainer, take every update the leader shares, stop."""
     rank = int(os.environ["RANK"])
     dist.init_process_group(_backend(), init_method="env://")
-    replicas = Replicas.from_environment()
+    replicas = Replicas.from_environment(sharded=spec.shard)
     torch.set_num_threads(1)
     try:
         trainer = spec.build(replicas, device=_device(rank))
@@ -150,6 +153,10 @@ def follow(spec: TrainerSpec) -> None:
             message: tuple[Any, ...] = replicas.share(STOP)  # the leader's value replaces it
             if message == STOP:
                 return
+            if message[0] == "save":  # the leader writes; a follower gives its shards
+                trainer.full_state()
+                trainer.state.version = message[1]
+                continue
             _, samples, config = message
             trainer.update(samples, config)
     finally:

@@ -34,12 +34,13 @@ class Replicas:
 
     rank: int
     world: int
+    sharded: bool = False  # FSDP2 (`training.sharding`): replicas run forward passes in lockstep
 
     @classmethod
-    def from_environment(cls) -> Replicas:
+    def from_environment(cls, *, sharded: bool = False) -> Replicas:
         if not dist.is_initialized():
             raise RuntimeError("Replicas need torch.distributed.init_process_group() first")
-        return cls(rank=dist.get_rank(), world=dist.get_world_size())
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(), sharded=sharded)
 
     @property
     def leader(self) -> bool:
@@ -56,9 +57,25 @@ class Replicas:
         """This replica's share of `items`, dealt round-robin."""
         return list(items[self.rank :: self.world])
 
+    def deal(self, micros: Sequence[T]) -> list[tuple[T, bool]]:
+        """This replica's micro-batches, each with whether it counts. Sharded replicas gather
+        weights together, so each runs the same number of passes: a replica short of work
+        repeats the first micro-batch as a pass that does not count (its loss times 0)."""
+        mine = [(m, True) for m in self.mine(micros)]
+        if self.sharded and micros:
+            mine += [(micros[0], False)] * (-(-len(micros) // self.world) - len(mine))
+        return mine
+
     def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """All-reduce (sum) the gradients of `params`, flattened into one buffer. A replica
-        with no micro-batch in this step contributes zeros."""
+        with no micro-batch in this step contributes zeros. Sharded replicas' gradient shards
+        were already averaged by FSDP's reduce-scatter: times N, they are the sum."""
+        if self.sharded:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(self.world)
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)

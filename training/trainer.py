@@ -41,6 +41,12 @@ from core.policy_io import (
 )
 from core.samples import TrainSample, UpdateMetrics
 from training.replicas import Replicas
+from training.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    shard_model,
+)
 from training.update import UpdateConfig, policy_update
 
 STATE_FILE = "trainer_state.pt"
@@ -101,6 +107,9 @@ class PolicyTrainer:
         `update` with the same samples, and only the leader saves versions."""
         self.run_dir = run_dir
         self.replicas = replicas
+        self.sharded = replicas is not None and replicas.sharded
+        if self.sharded and lora is not None:
+            raise ValueError("sharding is for full fine-tuning: LoRA adapters are replicated")
         self.device = device
         self.use_bf16 = bf16 and device.startswith("cuda")
         self.state = TrainerState()
@@ -113,6 +122,8 @@ class PolicyTrainer:
         self._disable_dropout(self.policy.model)
         if gradient_checkpointing:
             _enable_checkpointing(self.policy.model)
+        if self.sharded:
+            shard_model(self.policy.model)
         self.ref_model: nn.Module | None = None
         if kl_coef > 0 and lora is not None:
             self.ref_model = _AdaptersOff(self.policy.model)
@@ -120,7 +131,9 @@ class PolicyTrainer:
             self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        if replicas is not None:
+            if self.sharded:
+                shard_model(self.ref_model)
+        if replicas is not None and not self.sharded:
             replicas.align(self.trainable_parameters())
         self.optimizer = torch.optim.AdamW(
             self.trainable_parameters(), lr=lr, weight_decay=weight_decay
@@ -128,7 +141,10 @@ class PolicyTrainer:
         if resume is not None:
             # weights_only: a state file is data (tensors, numbers), never code to unpickle.
             state = torch.load(resume / STATE_FILE, map_location=device, weights_only=True)
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                load_full_optimizer_state(self.policy.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.state = TrainerState(updates=state["updates"], version=state["version"])
 
     @staticmethod
@@ -209,15 +225,28 @@ class PolicyTrainer:
         self.state.updates += 1
         return metrics
 
+    def full_state(self) -> tuple[dict[str, Tensor] | None, dict]:
+        """The weights to write (None: the model's own) and the optimizer state, unsharded.
+        Collective when sharded: every replica calls it (followers through `save_version`'s
+        message) and the leader writes."""
+        if self.sharded:
+            model = self.policy.model
+            return full_model_state(model), full_optimizer_state(model, self.optimizer)
+        return None, self.optimizer.state_dict()
+
     def save_version(self, version: int) -> Path:
-        """Write the current weights as `version` (atomically) and return the directory."""
+        """Write the current weights as `version` (atomically) and return the directory.
+        The leader of replicas has the followers take part (sharded weights are gathered)."""
+        if self.replicas is not None:
+            self.replicas.share(("save", version))
+        weights, optimizer = self.full_state()
         final = version_dir(self.run_dir, version)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_checkpoint(self.policy, tmp)
+        save_checkpoint(self.policy, tmp, state_dict=weights)
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "updates": self.state.updates,
                 "version": version,
             },

@@ -261,13 +261,15 @@ def _pi_old_pass(
     misaligned = 0
     micros = _batches(order, config.micro_batch)
     with torch.no_grad():
-        for micro in replicas.mine(micros) if replicas else micros:
+        for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
             micro_samples = [samples[i] for i in micro]
             logprobs, entropy, mask = logprob_fn(model, micro_samples)
             mask = mask.bool()
             ref_logprobs = None
             if ref_model is not None and config.kl_coef > 0:
                 ref_logprobs, _, _ = logprob_fn(ref_model, micro_samples)
+            if not counts:  # a sharded replica's lockstep pass
+                continue
             for b, i in enumerate(micro):
                 row = mask[b]
                 old = logprobs[b][row].float()
@@ -351,9 +353,12 @@ def _optimizer_step(
     totals = _StepTotals()
     optimizer.zero_grad(set_to_none=True)
     micros = _batches(part, config.micro_batch)
-    for micro in replicas.mine(micros) if replicas else micros:
+    for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
         micro_samples = [samples[i] for i in micro]
         logprobs, _, mask = logprob_fn(model, micro_samples)
+        if not counts:  # a sharded replica's lockstep pass: gradients of zero
+            (logprobs.sum() * 0.0).backward()
+            continue
         mask = mask.bool()
         for b, i in enumerate(micro):
             if int(mask[b].sum().item()) != stats[i].old.numel():

@@ -37,6 +37,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.lora_vision": "lora_spec below",
     "trainer.gradient_checkpointing": "workers.training_loop.get_trainer",
     "trainer.replicas": "workers.training_loop.get_trainer (followers started)",
+    "trainer.shard": "workers.training_loop.get_trainer (FSDP2 over the replicas)",
     "curation.dynamic_budget": "datamanager.services.episodes (rollout budgets)",
     "curation.n_max": "datamanager.services.episodes (rollout budgets)",
     "curation.n_min": "datamanager.services.episodes (rollout budgets)",

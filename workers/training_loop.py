@@ -70,6 +70,7 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
             published_versions=published,
             lora=dataclasses.asdict(lora) if lora else None,
             gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+            shard=cfg.trainer.shard,
         )
         if cfg.trainer.replicas > 1:
             group = _GROUPS[run.pk] = ReplicaGroup.start(spec, world=cfg.trainer.replicas)

@@ -20,6 +20,12 @@ TOLERANCE = 1e-4
 UPDATE = dataclasses.replace(CONFIG, micro_batch=2)  # 4 micro-batches: 2 per replica
 
 
+def _seen(metrics) -> tuple[float, float]:
+    """What an update reports that would show a lost or doubled share: loss and grad norm
+    (AdamW's step barely changes with a gradient's scale; the norm does)."""
+    return metrics.loss, metrics.grad_norm
+
+
 def batch() -> list:
     return [*samples(0), *samples(1)]  # eight steps in four groups
 
@@ -37,20 +43,22 @@ def test_two_replicas_take_the_one_process_step(tiny_policy_dir, tmp_path, mode)
 
     torch.manual_seed(1)
     alone = spec("alone").build(None, device="cpu")
-    losses = [alone.update(batch(), UPDATE).loss for _ in range(2)]
+    losses = [_seen(alone.update(batch(), UPDATE)) for _ in range(2)]
     expected = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
 
     torch.manual_seed(1)  # the leader's fresh adapters are the ones every replica takes
     group = ReplicaGroup.start(spec("replicas"), world=2)
     try:
-        got_losses = [group.trainer.update(batch(), UPDATE).loss for _ in range(2)]
+        got_losses = [_seen(group.trainer.update(batch(), UPDATE)) for _ in range(2)]
         got = dict(group.trainer.policy.model.named_parameters())
     finally:
         group.close()
     assert [p.returncode for p in group.followers] == [0]
     # Each replica computed half the micro-batches: the summed losses are the whole's (had
     # each done all of them, they would be twice as large).
-    assert got_losses == pytest.approx(losses, rel=1e-4)
+    assert [g for pair in got_losses for g in pair] == pytest.approx(
+        [x for pair in losses for x in pair], rel=1e-4
+    )
     assert got.keys() == expected.keys()
     worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
     assert worst < TOLERANCE, worst
@@ -61,3 +69,42 @@ def test_two_replicas_take_the_one_process_step(tiny_policy_dir, tmp_path, mode)
         if "lora_A" not in n  # fresh adapters' A matrices are random, not trained
     )
     assert moved > 100 * TOLERANCE  # equality is not two untouched copies
+
+
+def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_path) -> None:
+    """FSDP2 over two replicas (full fine-tuning): the saved version equals the one-process
+    weights, and resuming from it (each replica keeps its shard of the saved optimizer
+    state) continues as the one process does."""
+
+    def spec(name: str, published: list[int] | None = None, shard: bool = True) -> TrainerSpec:
+        return TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / name),
+                           lr=1e-2, kl_coef=0.1, published_versions=published or [],
+                           shard=shard)  # fmt: skip
+
+    alone = spec("alone", shard=False).build(None, device="cpu")
+    losses = [_seen(alone.update(batch(), UPDATE)) for _ in range(2)]
+    after_two = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
+    losses.append(_seen(alone.update(batch(), UPDATE)))
+    group = ReplicaGroup.start(spec("sharded"), world=2)
+    try:
+        got = [_seen(group.trainer.update(batch(), UPDATE)) for _ in range(2)]
+        saved = group.trainer.save_version(2)
+    finally:
+        group.close()
+    resumed = ReplicaGroup.start(spec("sharded", published=[2]), world=2)
+    try:
+        assert resumed.trainer.state.version == 2
+        got.append(_seen(resumed.trainer.update(batch(), UPDATE)))
+        final = resumed.trainer.save_version(3)
+    finally:
+        resumed.close()
+    assert [g for pair in got for g in pair] == pytest.approx(
+        [x for pair in losses for x in pair], rel=1e-4
+    )
+    after_three = dict(alone.policy.model.named_parameters())
+    for version_dir, expected in ((saved, after_two), (final, after_three)):
+        check = dataclasses.replace(spec("check", shard=False), start_checkpoint=str(version_dir))
+        weights = dict(check.build(None, device="cpu").policy.model.named_parameters())
+        assert weights.keys() == expected.keys()
+        worst = max((weights[n] - expected[n]).abs().max().item() for n in expected)
+        assert worst < TOLERANCE, (version_dir.name, worst)

@@ -111,3 +111,17 @@ def test_evaluation_and_rollout_share_the_run_settings() -> None:
     greedy = episode_config(cfg, step_cap=7, seed=3, temperature=0.0)
     assert (greedy.max_images, greedy.max_new_tokens, greedy.temperature) == (2, 40, 0.0)
     assert greedy.image_geometry == episode_config(cfg, step_cap=1, seed=1).image_geometry
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"shard": True}, "needs replicas > 1"),
+        ({"shard": True, "replicas": 2, "lora_rank": 8}, "is for full fine-tuning"),
+        ({"replicas": 0}, "must be from 1 to 64"),
+    ],
+)
+def test_sharding_settings_that_cannot_work_are_refused(trainer: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        RunConfig.from_dict({"trainer": trainer})
+    assert caught.value.path.startswith("trainer.")

@@ -162,14 +162,16 @@ def test_a_lora_run_publishes_adapter_versions_and_resumes_from_them(run_on_tiny
             assert torch.equal(value, dict(trained.named_parameters())[name]), name
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, lora):
+@pytest.mark.parametrize("mode", ["full", "lora", "sharded"])
+def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, mode):
     """trainer.replicas = 2: the trainer worker starts a follower process and both take each
     update; the loss is the one-process loss, and the follower is gone when the trainer is."""
     runs = [run_on_tiny, make_running_run(run_on_tiny.config)]
     losses = []
     for run, replicas in zip(runs, (1, 2), strict=True):
-        extra = {"lora_rank": 4, "lora_alpha": 8} if lora else {}
+        extra = {"lora_rank": 4, "lora_alpha": 8} if mode == "lora" else {}
+        if mode == "sharded" and replicas > 1:
+            extra["shard"] = True
         trainer_cfg = {**run.config["trainer"], "replicas": replicas, **extra}
         Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
         run.refresh_from_db()
@@ -184,6 +186,9 @@ def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, lora):
     training_loop.trainer_forget(run_id=runs[1].pk)
     assert followers[0].poll() == 0  # told to stop, and it did
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    if mode == "sharded":  # the published version holds the whole, gathered model
+        published = settings.CHECKPOINT_ROOT / f"run-{runs[1].pk}" / "v00001"
+        assert (published / "model.safetensors").stat().st_size > 1_000_000
 
 
 def _cfg(run):

@@ -21,6 +21,10 @@ from pathlib import Path
 from django.conf import settings
 
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
+from rollout.auth import TOKEN_ENV
+from rollout.vllm_command import VLLM_ENV, vllm_serve_args
+
+ROOT = str(Path(__file__).resolve().parent.parent)
 
 log = logging.getLogger("dartboard.launcher")
 
@@ -154,6 +158,7 @@ def default_specs(
     inference_version: int = 0,
     inference_workers: int = 1,
     router_port: int = 8100,
+    backend: str = "transformers",
 ) -> list[ProcSpec]:
     """web (daphne), Celery workers (default, train, one solo worker per env slot), Celery
     beat (the runs watchdog) and,
@@ -187,6 +192,9 @@ def default_specs(
         for i in range(inference_workers):
             wport = router_port + 1 + i
             workers.append(f"http://127.0.0.1:{wport}")
+            if backend == "vllm":
+                specs += vllm_specs(i, inference_policy, wport, router_port + 51 + i, service_env)
+                continue
             specs.append(
                 ProcSpec(
                     f"inference-{i}",
@@ -214,6 +222,27 @@ def default_specs(
             router += ["--worker", url]
         specs.append(ProcSpec("router", router, env=service_env))
     return specs
+
+
+def vllm_specs(
+    i: int, policy: str, port: int, vllm_port: int, service_env: dict[str, str]
+) -> list[ProcSpec]:
+    """vLLM on GPU i (on 127.0.0.1 only: its dev mode reloads weights) and the adapter that
+    puts it behind the inference-worker contract on `port`. `policy` is the base checkpoint;
+    the router's first sync loads the run's current version (an adapter, or full weights)."""
+    args = vllm_serve_args(
+        model_dir=policy, host="127.0.0.1", port=vllm_port, token=service_env[TOKEN_ENV]
+    )
+    vllm_env = {**service_env, **VLLM_ENV, "CUDA_VISIBLE_DEVICES": str(i), "PYTHONPATH": ROOT}
+    adapter = python_argv(
+        "-m", "rollout.vllm_adapter", "--vllm", f"http://127.0.0.1:{vllm_port}",
+        "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    return [
+        ProcSpec(f"vllm-{i}", python_argv("-m", "vllm.entrypoints.openai.api_server", *args),
+                 env=vllm_env),
+        ProcSpec(f"inference-{i}", adapter, env=service_env),
+    ]  # fmt: skip
 
 
 def wait_http(url: str, *, timeout: float) -> bool:

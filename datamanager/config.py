@@ -101,7 +101,12 @@ class RolloutConfig:
     request_timeout_s: float = knob(
         60.0, "An episode with no policy answer in this time ends as error."
     )
-    inference_workers: int = knob(1, "Transformers inference workers started for the run (CPU).")
+    inference_workers: int = knob(1, "Inference workers started for the run (one GPU each).")
+    backend: Literal["transformers", "vllm"] = knob(
+        "transformers",
+        "Inference workers: Dartboard's transformers server (CPU or GPU) or vLLM behind its "
+        "adapter (GPU hosts with requirements-gpu.txt).",
+    )
     prompt: Literal["dartboard", "ui-tars-1.5"] = knob(
         "dartboard",
         "Prompt template: Dartboard's (the shipped tiny policy's) or UI-TARS-1.5's computer-use "

@@ -137,3 +137,15 @@ def test_the_readme_runs_vllm_exactly_as_compose_does():
     _, adapter_args = _readme_command("rollout.vllm_adapter")
     adapter = _options(compose["vllm-adapter"]["command"][3:])
     assert _options(adapter_args)["--policy-dir"] == adapter["--policy-dir"] == "/models/policy"
+
+
+def test_compose_runs_vllm_with_the_launchers_arguments():
+    from rollout.vllm_command import VLLM_ENV, vllm_serve_args
+
+    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["vllm"]
+    composed = _options(service["command"])
+    launched = _options(
+        vllm_serve_args(model_dir="/models/policy", host="0.0.0.0", port=8200, token="t")
+    )
+    assert composed == launched
+    assert {k: v for k, v in service["environment"].items() if k != "PYTHONPATH"} == VLLM_ENV

@@ -24,6 +24,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "env.*": "workers.slot_worker and workers.runs (slots, timeouts, heartbeats)",
     "rollout.request_timeout_s": "workers.slot_worker (the policy client's timeout)",
     "rollout.inference_workers": "dartboard.launcher (inference workers started)",
+    "rollout.backend": "dartboard.launcher (which inference server it starts)",
     "trainer.lr": "workers.training_loop.get_trainer (the optimizer)",
     "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",
     "trainer.min_groups": "datamanager.services.batches.batch_collect",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
+from dartboard.launcher import default_specs
+from rollout.vllm_command import vllm_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,3 +104,30 @@ def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
     finally:
         if first.poll() is None:
             terminate_pid(first.pid, timeout=5)
+
+
+def test_a_vllm_run_starts_vllm_behind_its_adapter_per_worker(settings) -> None:
+    specs = default_specs(
+        host="127.0.0.1", port=8000, env_slots=1, inference_policy="/models/policy",
+        inference_workers=2, backend="vllm",
+    )  # fmt: skip
+    by_name = {s.name: s for s in specs}
+    assert {"vllm-0", "vllm-1", "inference-0", "inference-1", "router"} <= by_name.keys()
+    vllm = by_name["vllm-1"]
+    assert vllm.env["CUDA_VISIBLE_DEVICES"] == "1" and vllm.env["VLLM_SERVER_DEV_MODE"] == "1"
+    args = vllm.argv[vllm.argv.index("vllm.entrypoints.openai.api_server") + 1 :]
+    port = args[args.index("--port") + 1]
+    assert args[args.index("--host") + 1] == "127.0.0.1"  # dev mode: never off the host
+    assert args[args.index("--api-key") + 1] == settings.DARTBOARD_SERVICE_TOKEN
+    adapter = by_name["inference-1"].argv
+    assert adapter[adapter.index("--vllm") + 1] == f"http://127.0.0.1:{port}"
+    assert adapter[adapter.index("--policy-dir") + 1] == "/models/policy"
+    router = by_name["router"].argv
+    worker_port = adapter[adapter.index("--port") + 1]
+    assert f"http://127.0.0.1:{worker_port}" in router
+
+
+def test_a_vllm_run_on_a_host_without_vllm_is_refused_with_the_fix() -> None:
+    # This machine has no vLLM (its wheels are CUDA builds): the launcher says what to do.
+    message = vllm_missing()
+    assert message is not None and "pip install -r requirements-gpu.txt" in message

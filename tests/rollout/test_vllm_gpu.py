@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import yaml
 
 from core.lora import LoraSpec
 from rollout.auth import client_token
+from rollout.vllm_command import VLLM_ENV, vllm_serve_args
 from tests.rollout.test_router import (
     ROOT,
     ClientLoops,
@@ -37,26 +37,16 @@ pytestmark = [
 ]
 
 
-def compose_vllm_args(model_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
-    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["vllm"]
-    args = [
-        model_dir if a == "/models/policy" else client_token(None) if "SERVICE_TOKEN" in a else a
-        for a in service["command"]
-    ]
-    args[args.index("--port") + 1] = str(port)
-    args[args.index("--host") + 1] = "127.0.0.1"
-    env = {k: v for k, v in service["environment"].items() if k != "PYTHONPATH"}
-    return args, env
-
-
 @pytest.fixture(scope="module")
 def adapter_url(tiny_policy_dir) -> Iterator[str]:
     vllm_port, adapter_port = free_port(), free_port()
-    args, env = compose_vllm_args(str(tiny_policy_dir), vllm_port)
+    args = vllm_serve_args(  # what the launcher runs, and compose and the README spell out
+        model_dir=str(tiny_policy_dir), host="127.0.0.1", port=vllm_port, token=client_token(None)
+    )
     vllm = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
         cwd=ROOT,
-        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT)},
     )
     try:
         wait_until(

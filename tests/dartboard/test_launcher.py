@@ -131,3 +131,38 @@ def test_a_vllm_run_on_a_host_without_vllm_is_refused_with_the_fix() -> None:
     # This machine has no vLLM (its wheels are CUDA builds): the launcher says what to do.
     message = vllm_missing()
     assert message is not None and "pip install -r requirements-gpu.txt" in message
+
+
+@pytest.mark.slow
+def test_a_killed_embedded_redis_is_restarted_with_its_data(tmp_path):
+    import redis
+
+    port = _free_port()
+    launcher = _launch(tmp_path, port)
+    try:
+        _wait_for_login_page(port)
+        sock = tmp_path / "redis" / "redis.sock"
+        client = redis.Redis(unix_socket_path=str(sock))
+        client.set("queued-work", "still here")
+        time.sleep(1.5)  # appendfsync everysec: the write is on disk within a second
+        (victim,) = _our_redis_pids(tmp_path)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pids = _our_redis_pids(tmp_path)
+            if pids and victim not in pids:
+                try:
+                    if client.get("queued-work") == b"still here":
+                        break
+                except redis.ConnectionError:
+                    pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the embedded Redis was not restarted with its data")
+        assert (tmp_path / "redis" / "appendonly.aof").stat().st_size > 0
+        _wait_for_login_page(port)  # the dashboard is still up
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+    assert "embedded Redis exited with -9; restarting it on" in out
+    assert _all_children_gone(tmp_path, [])

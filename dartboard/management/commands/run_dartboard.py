@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.launcher import Supervisor, default_specs, wait_http
+from dartboard.launcher import Supervisor, default_specs, log, wait_http
 from dartboard.main_job import prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
@@ -107,6 +107,10 @@ class Command(BaseCommand):
             self.stdout.write(f"logs: {home / 'logs'}; stop with Ctrl-C")
             started = time.monotonic()
             while not exit_after or time.monotonic() - started < exit_after:
+                if redis is not None and (code := redis.exited()) is not None:
+                    log.warning("embedded Redis exited with %s; restarting it on %s",
+                                code, redis.socket_path)  # fmt: skip
+                    redis.start()
                 supervisor.watch_once()
                 time.sleep(1.0)
         except _Stop as stop:

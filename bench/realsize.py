@@ -142,7 +142,7 @@ def saved_bytes(model: nn.Module, inputs: dict, response: int, vocab: int) -> tu
     return sum(seen.values()), sum(over_vocab.values())
 
 
-def probe_inputs(config: Qwen2_5_VLConfig, *, text_tokens: int, side: int) -> tuple[dict, int, int]:
+def probe_inputs(*, text_tokens: int, side: int) -> tuple[dict, int, int]:
     """One image of side x side pixels inside text_tokens of text: inputs, tokens, patches."""
     grid = side // 14
     patches = grid * grid
@@ -181,7 +181,7 @@ def measure_activations(shape: dict, *, dtype: torch.dtype, lora: bool) -> Activ
         model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
         if lora:
             model = add_adapters(model, LORA, base=ROOT)
-        inputs, tokens, patches = probe_inputs(config, text_tokens=256, side=224)
+        inputs, tokens, patches = probe_inputs(text_tokens=256, side=224)
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         results[(layers, depth)], logits = saved_bytes(model, inputs, RESPONSE_TOKENS, 2048)
         del model

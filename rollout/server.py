@@ -100,6 +100,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     images: list[Image.Image] = field(default_factory=list)  # decoded, in prompt order
+    qwen_messages: list[dict[str, Any]] = field(default_factory=list)  # the template's form
     result: Any = None
     error: str | None = None
     on_done: Callable[[], object] | None = None  # called from the batch thread once it is answered
@@ -152,7 +153,7 @@ def parse_chat_request(
         raise RequestError("model must be a string", param="model")
     # Decode images now, so a bad one is this client's 400 and not the batch's failure.
     try:
-        _, images = to_qwen_messages(messages)
+        qwen_messages, images = to_qwen_messages(messages)
     except ValueError as exc:
         raise RequestError(str(exc), param="messages") from exc
     if len(images) > max_images:
@@ -162,6 +163,7 @@ def parse_chat_request(
     return ChatRequest(
         messages=messages,
         images=images,
+        qwen_messages=qwen_messages,
         model=model,
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -235,8 +237,7 @@ class InferenceServer:
         request = parse_chat_request(
             body, default_model=self.model_name, max_tokens_limit=self.max_tokens_limit
         )
-        qwen_messages, _ = to_qwen_messages(request.messages)
-        tokens = prompt_token_count(self.policy, qwen_messages, request.images)
+        tokens = prompt_token_count(self.policy, request.qwen_messages, request.images)
         if tokens > self.max_prompt_tokens:
             raise RequestError(
                 f"the prompt takes {tokens} tokens (images included); at most "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -52,6 +53,8 @@ from rollout.asgi import (
 )
 from rollout.auth import bearer, checkpoint_roots, service_token
 from rollout.server import parse_chat_request, reload_fields
+
+log = logging.getLogger("rollout.vllm_adapter")
 
 
 class Adapter:
@@ -159,7 +162,11 @@ class Adapter:
             # New requests go to the new adapter now; the old one goes once its last ends.
             self.cond.wait_for(lambda: self.in_flight[old_version] == 0)
         if old != self.model:
-            self.http.post(f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": old})
+            unloaded = self.http.post(
+                f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": old}
+            )
+            if unloaded.status_code != 200:  # it still serves; it holds one adapter too many
+                log.warning("vLLM did not unload adapter %s: %s", old, unloaded.text[:200])
         return 200, {"policy_version": version, "served_as": name}
 
     def _reload_full(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:

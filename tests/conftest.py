@@ -29,11 +29,7 @@ def _clean_home() -> Iterator[None]:
     shutil.rmtree(settings.DARTBOARD_HOME, ignore_errors=True)
 
 
-@pytest.fixture
-def live_work_keys_cleared() -> None:
-    """Delete env slot and trainer leases and their watchdog markers: a Redis server
-    outlives the test database, so an earlier session's run with the same id may have left
-    keys that would read as a live (or pending) worker."""
+def _clear_live_work_keys() -> None:
     from workers.leases import redis_client
 
     client = redis_client()
@@ -47,6 +43,16 @@ def live_work_keys_cleared() -> None:
                 client.delete(key)
     finally:
         client.close()
+
+
+@pytest.fixture
+def live_work_keys_cleared() -> Iterator[None]:
+    """Delete env slot and trainer leases and their watchdog markers, before the test and
+    after it: a Redis server outlives the test database, so a run with the same id (SQLite
+    reuses ids after a rollback) would find keys that read as a live or pending worker."""
+    _clear_live_work_keys()
+    yield
+    _clear_live_work_keys()
 
 
 def user_in_role(django_user_model, name: str, role: str, *, password: str = "") -> Any:

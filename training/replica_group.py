@@ -14,6 +14,7 @@ device. They die with the leader's process and stop when it closes the group.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from core.procutil import die_with_parent, terminate_pid
 from training.replicas import Replicas
 from training.trainer import PolicyTrainer
 
+log = logging.getLogger("dartboard.trainer")
 STOP = ("stop",)
 
 
@@ -97,7 +99,8 @@ class ReplicaGroup:
             "WORLD_SIZE": str(world),
             "GLOO_SOCKET_IFNAME": "lo",
         }
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if _backend() == "gloo":
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         followers = [
             subprocess.Popen(
                 [sys.executable, "-m", "training.replica_group", json.dumps(asdict(spec))],
@@ -126,13 +129,20 @@ class ReplicaGroup:
         return cls(trainer, followers)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Tell the followers to stop, leave the group and reap them."""
+        """Tell the followers to stop, leave the group and reap them. After a failed update
+        the group may be broken: the followers are then terminated, and the process group is
+        left anyway, so this worker can start a new group."""
         try:
             if dist.is_initialized():
                 assert self.trainer.replicas is not None
-                self.trainer.replicas.share(STOP)
-                dist.destroy_process_group()
+                try:
+                    self.trainer.replicas.share(STOP)
+                except Exception as exc:  # they are terminated below; the update's error stands
+                    log.warning("could not tell the trainer replicas to stop: %s", exc)
+                    timeout_s = 0.0
         finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
             for proc in self.followers:
                 try:
                     proc.wait(timeout=timeout_s)

@@ -127,8 +127,8 @@ def test_a_vllm_run_starts_vllm_behind_its_adapter_per_worker(settings) -> None:
     assert f"http://127.0.0.1:{worker_port}" in router
 
 
-def test_a_vllm_run_on_a_host_without_vllm_is_refused_with_the_fix() -> None:
-    # This machine has no vLLM (its wheels are CUDA builds): the launcher says what to do.
+def test_vllm_missing_names_the_fix_on_a_host_without_vllm() -> None:
+    # This machine has no vLLM (its wheels are CUDA builds): what run_dartboard prints.
     message = vllm_missing()
     assert message is not None and "pip install -r requirements-gpu.txt" in message
 

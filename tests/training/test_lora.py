@@ -5,6 +5,7 @@ gradient checkpointing (the same update), and resume in each mode (continues exa
 from __future__ import annotations
 
 import base64
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,6 @@ def test_a_lora_version_is_a_small_adapter_directory_that_loads_as_trained(
 
 
 def test_an_adapter_for_another_base_is_refused(tiny_policy_dir, tmp_path) -> None:
-    import shutil
-
     other = Path(shutil.copytree(tiny_policy_dir, tmp_path / "other-base"))
     published = trainer(other, tmp_path / "run", lora=LORA).save_version(1)
     live = load_policy(tiny_policy_dir)

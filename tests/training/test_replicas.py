@@ -108,3 +108,23 @@ def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_pa
         assert weights.keys() == expected.keys()
         worst = max((weights[n] - expected[n]).abs().max().item() for n in expected)
         assert worst < TOLERANCE, (version_dir.name, worst)
+
+
+def test_a_group_whose_follower_died_can_be_left_and_started_again(tiny_policy_dir, tmp_path):
+    """A dead follower fails the update (the error reaches the caller); leaving the broken
+    group still works, so the worker's next trainer can start a new one."""
+    spec = TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / "run"),
+                       lr=1e-2, kl_coef=0.1)  # fmt: skip
+    group = ReplicaGroup.start(spec, world=2)
+    group.followers[0].kill()
+    group.followers[0].wait()
+    with pytest.raises(RuntimeError):
+        group.trainer.update(batch(), UPDATE)
+    group.close()
+    assert not torch.distributed.is_initialized()
+    again = ReplicaGroup.start(spec, world=2)
+    try:
+        assert again.trainer.update(batch(), UPDATE).optimizer_steps == 1
+    finally:
+        again.close()
+    assert [p.returncode for p in again.followers] == [0]

@@ -26,16 +26,7 @@ def redis(settings, live_work_keys_cleared):
     for q, n in queued.items():  # take back what the test enqueued; no worker runs here
         while client.llen(q) > n:
             client.lpop(q)  # kombu pushes on the left and consumers pop on the right
-    # And the leases it faked: a later test's run may get the same id (SQLite reuses it
-    # after the rollback) and would find its slots held by nobody alive.
-    for pattern in (
-        "dartboard:slot-lease:*",
-        "dartboard:trainer-lease:*",
-        "dartboard:eval-lease:*",
-    ):
-        for key in client.scan_iter(pattern):
-            client.delete(key)
-    client.close()
+    client.close()  # the leases it faked go with live_work_keys_cleared
 
 
 def _queued_tasks(client, queue: str) -> list[tuple[str, list]]:

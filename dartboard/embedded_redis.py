@@ -30,10 +30,14 @@ def redis_server_binary() -> str:
 
 
 class EmbeddedRedis:
-    """One redis-server bound to `socket_path`; state kept next to it."""
+    """One redis-server bound to `socket_path` (and, with `port`, to 127.0.0.1:port); state
+    kept next to it. `persist=False` keeps nothing across a restart, as a Redis server run
+    without persistence would (the outage tests use it)."""
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, *, port: int = 0, persist: bool = True) -> None:
         self.socket_path = socket_path
+        self.port = port
+        self.persist = persist
         self.dir = socket_path.parent
         self.pidfile = self.dir / "redis.pid"
         self.logfile = self.dir / "redis.log"
@@ -41,6 +45,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        if self.port:
+            return f"redis://127.0.0.1:{self.port}/0"
         return f"unix://{self.socket_path}"
 
     def reap_stale(self) -> int | None:
@@ -79,14 +85,15 @@ class EmbeddedRedis:
         self.socket_path.unlink(missing_ok=True)
         cmd = [
             redis_server_binary(),
-            "--port", "0",
+            "--port", str(self.port),
+            *(["--bind", "127.0.0.1"] if self.port else []),
             "--unixsocket", str(self.socket_path),
             "--unixsocketperm", "700",
             "--dir", str(self.dir),
             "--save", "",
             # The append-only file under DARTBOARD_HOME: queued tasks, leases and results
             # outlive a crash of this redis-server (at most the last second is lost).
-            "--appendonly", "yes",
+            "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", "everysec",
             "--daemonize", "no",
             "--logfile", str(self.logfile),

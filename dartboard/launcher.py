@@ -3,7 +3,9 @@
 Every child gets a parent-death signal, and their pids are kept in DARTBOARD_HOME/run/,
 so a launcher killed with SIGKILL leaves nothing behind for long and a new launcher reaps
 any survivor (only processes whose command line matches what we started). A child that
-dies is restarted (with backoff); Ctrl-C or SIGTERM stops everything in order.
+dies is restarted (with backoff); Ctrl-C or SIGTERM stops everything in order. The embedded
+Redis is watched the same way: a dead redis-server is started again on the same socket with
+its append-only file, and every worker reconnects by itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from django.conf import settings
 
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
+from dartboard.embedded_redis import EmbeddedRedis, RedisStartError
 from rollout.auth import TOKEN_ENV
 from rollout.vllm_command import VLLM_ENV, vllm_serve_args
 
@@ -45,11 +48,14 @@ class _Child:
 
 
 class Supervisor:
-    """Starts, watches and stops the stack's processes."""
+    """Starts, watches and stops the stack's processes (and the embedded Redis, if given)."""
 
-    def __init__(self, *, home: Path, specs: list[ProcSpec]) -> None:
+    def __init__(
+        self, *, home: Path, specs: list[ProcSpec], redis: EmbeddedRedis | None = None
+    ) -> None:
         self.home = home
         self.specs = specs
+        self.redis = redis
         self.run_dir = home / "run"
         self.log_dir = home / "logs"
         self.pid_file = self.run_dir / "children.json"
@@ -108,7 +114,10 @@ class Supervisor:
         self._record()
 
     def watch_once(self) -> None:
-        """Restart any child that exited, with a backoff of up to 30 s."""
+        """Restart the embedded Redis if it died, and any child that exited (with a backoff
+        of up to 30 s)."""
+        if self.redis is not None and not self._stopping:
+            self._watch_redis(self.redis)
         for name, child in list(self.children.items()):
             code = child.proc.poll()
             if code is None or self._stopping:
@@ -123,6 +132,19 @@ class Supervisor:
             child.started = time.monotonic()
             child.restarts += 1
             self._record()
+
+    def _watch_redis(self, redis: EmbeddedRedis) -> None:
+        code = redis.exited()
+        if code is None:
+            return
+        log.warning("embedded Redis exited with %s; restarting it on %s (log %s)",
+                    code, redis.socket_path, redis.logfile)  # fmt: skip
+        try:
+            redis.start()
+        except RedisStartError as exc:  # tried again on the next watch
+            log.error("embedded Redis did not restart: %s", exc)
+        else:
+            log.warning("embedded Redis is back on %s", redis.socket_path)
 
     def stop(self) -> None:
         """Celery workers first (their current episode or update still needs the inference
@@ -143,6 +165,8 @@ class Supervisor:
                     child.proc.kill()
                     child.proc.wait()
         self.pid_file.unlink(missing_ok=True)
+        if self.redis is not None:
+            self.redis.stop()
 
 
 def python_argv(*args: str) -> list[str]:

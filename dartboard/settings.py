@@ -2,7 +2,8 @@
 
 Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, ALLOWED_HOSTS,
 DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
-DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S.
+DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S,
+DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S.
 See README.md, "Configuration".
 """
 
@@ -37,6 +38,8 @@ try:
     _lease_ttl_s = config_env.env_seconds("DARTBOARD_LEASE_TTL_S", 30.0)
     _watchdog_period_s = config_env.env_seconds("DARTBOARD_WATCHDOG_PERIOD_S", 10.0)
     _watchdog_grace_s = config_env.env_seconds("DARTBOARD_WATCHDOG_GRACE_S", 20.0)
+    _db_retry_s = config_env.env_seconds("DARTBOARD_DB_RETRY_S", 90.0)
+    _redis_retry_s = config_env.env_seconds("DARTBOARD_REDIS_RETRY_S", 60.0)
 except config_env.SettingsError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -61,6 +64,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+# A persistent connection is checked before a request (or a worker loop's iteration) reuses
+# it, so a restarted PostgreSQL costs one reconnect, not one failed request per process.
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Workers retry transient database errors (a restart, a lock) this long before the write
+# they were making fails with the reason (workers/dbutil.py).
+DARTBOARD_DB_RETRY_S = _db_retry_s
 
 INSTALLED_APPS = [
     "daphne",
@@ -77,6 +86,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: a database outage becomes a 503 saying so (dartboard/outage.py).
+    "dartboard.outage.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -159,7 +170,16 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Redis restarts: workers and beat reconnect by themselves, for as long as it takes (the
+# launcher restarts an embedded Redis; a server comes back when its operator starts it).
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_RETRY = True
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+# A running slot or trainer task goes on through a broker outage (its work is guarded by its
+# lease); cancelling it would only lose the episode under way.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
+CELERY_REDIS_BACKEND_HEALTH_CHECK_INTERVAL = 10
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"retry_policy": {"timeout": 5.0}}
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ROUTES = {
     "workers.tasks.slot_serve": {"queue": "env"},
@@ -168,7 +188,13 @@ CELERY_TASK_ROUTES = {
     "workers.tasks.train_run": {"queue": "train"},
     "workers.tasks.sync_run": {"queue": "train"},
 }
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 3600,
+    "socket_connect_timeout": 3,
+    "socket_timeout": 30,
+    "retry_on_timeout": True,
+    "health_check_interval": 10,
+}
 
 # Liveness (workers/leases.py, workers/watchdog.py): every env slot and every run's
 # trainer holds a Redis lease renewed by its worker. The watchdog (a Celery beat task,
@@ -178,6 +204,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 DARTBOARD_LEASE_TTL_S = _lease_ttl_s
 DARTBOARD_WATCHDOG_PERIOD_S = _watchdog_period_s
 DARTBOARD_WATCHDOG_GRACE_S = _watchdog_grace_s
+# How long a worker keeps trying Redis before an enqueue or a lease take fails (the watchdog
+# brings that work back once Redis is up again).
+DARTBOARD_REDIS_RETRY_S = _redis_retry_s
 CELERY_BEAT_SCHEDULE = {
     "runs-watchdog": {
         "task": "workers.tasks.runs_watchdog",

@@ -29,6 +29,7 @@ from django.views.decorators.cache import cache_control
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from dartboard import figures, viewmodels
+from dartboard import health as service_health
 from dartboard.forms import (
     EvalCompareForm,
     EvalJobFilterForm,
@@ -91,6 +92,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
 @permission_required(CAN_VIEW, raise_exception=True)
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
+    services = service_health.BOARD.services(run_id=run.pk, trainer=run.status == "running")
     slots = viewmodels.run_slots(run=run)
     task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
     return render(
@@ -103,7 +105,27 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "live_work": viewmodels.live_work_rows(run=run),
             "task_names": task_names,
             "config_json": json.dumps(run.config, indent=2),
+            "health": services,
+            "outage_banner": service_health.outage_banner(services),
+            "outages": service_health.recent_outages(),
         },
+    )
+
+
+@require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
+def run_health(request: HttpRequest, run_id: int) -> JsonResponse:
+    """The run page's health line: each service up or down since when, with its last error
+    (dartboard/health.py); polled by static/dartboard/health.js."""
+    status = Run.objects.values_list("status", flat=True).filter(pk=run_id).first()
+    if status is None:
+        raise Http404(f"no run {run_id}")
+    services = service_health.BOARD.services(run_id=run_id, trainer=status == "running")
+    return JsonResponse(
+        {
+            "services": [s.as_json() for s in services],
+            "banner": service_health.outage_banner(services),
+        }
     )
 
 

@@ -405,3 +405,24 @@ class EvalJob(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} (#{self.pk})"
+
+
+class ServiceOutage(models.Model):
+    """A time a service the platform needs (Redis, the database, the router, the inference
+    workers, a run's trainer) was seen down by the web's health probes, with its error.
+    `ended_at` is empty while it lasts. A database outage is written once it is back."""
+
+    service = models.CharField(max_length=64, help_text="redis, database, router, ...")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["service", "ended_at"])]
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.ended_at is None:
+            return None
+        return (self.ended_at - self.started_at).total_seconds()

@@ -1,6 +1,35 @@
-"""Database connection hygiene for long-running worker loops."""
+"""Database connection hygiene and outage retries for long-running worker loops.
 
+A worker outlives database restarts: PostgreSQL stopped and started again, a network blip,
+or SQLite's "database is locked" while another process holds the write lock. Each of those
+raises a transient `OperationalError` / `InterfaceError`; `db_retry` calls the function
+again with bounded exponential backoff (DARTBOARD_DB_RETRY_S in all), dropping the broken
+connection between tries so Django opens a fresh one. Anything else (a constraint, a
+missing table, a bug) is raised at once. Past the budget it raises `DatabaseUnavailable`,
+which names what was being written and the last error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.conf import settings
 from django.db import close_old_connections, connection
+from django.db.utils import InterfaceError, OperationalError
+
+log = logging.getLogger("dartboard.db")
+
+T = TypeVar("T")
+
+# SQLite's transient errors; its other OperationalErrors (no such table, syntax) are not.
+_SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o error")
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The database stayed unreachable (or locked) for the whole retry budget."""
 
 
 def refresh_connection() -> None:
@@ -9,3 +38,62 @@ def refresh_connection() -> None:
     transaction, or a test's) the connection is left alone."""
     if not connection.in_atomic_block:
         close_old_connections()
+
+
+def is_transient_db_error(exc: BaseException) -> bool:
+    """True for errors a retry can cure: a lost or refused connection, a server shutting
+    down, SQLite's lock timeout."""
+    if isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    if connection.vendor == "sqlite":
+        return any(text in str(exc).lower() for text in _SQLITE_TRANSIENT)
+    return True
+
+
+def _drop_connection() -> None:
+    try:
+        connection.close()
+    except Exception:  # closing a dead connection may fail too; a new one is opened anyway
+        log.debug("closing a broken database connection failed", exc_info=True)
+
+
+def db_retry(
+    fn: Callable[[int], T],
+    *,
+    what: str,
+    budget_s: float | None = None,
+    first_delay_s: float = 0.2,
+    max_delay_s: float = 5.0,
+) -> T:
+    """Call `fn(attempt)` (attempt 0, 1, ...) until it returns, retrying transient database
+    errors for up to `budget_s` seconds (settings.DARTBOARD_DB_RETRY_S by default). `fn`
+    must be safe to call again after a failure (each attempt is its own transaction, or
+    checks what an earlier attempt wrote: it gets the attempt number for that).
+
+    Inside an atomic block nothing can be retried (the transaction is lost with the
+    connection), so the error is raised as it is."""
+    budget = settings.DARTBOARD_DB_RETRY_S if budget_s is None else budget_s
+    deadline = time.monotonic() + budget
+    delay = first_delay_s
+    attempt = 0
+    while True:
+        try:
+            return fn(attempt)
+        except (OperationalError, InterfaceError) as exc:
+            if connection.in_atomic_block or not is_transient_db_error(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise DatabaseUnavailable(
+                    f"the database was unreachable for {budget:.0f} s while {what} "
+                    f"({attempt + 1} tries); last error: {type(exc).__name__}: "
+                    f"{str(exc).strip()}"
+                ) from exc
+            if attempt == 0:
+                log.warning("database error while %s, retrying for up to %.0f s: %s",
+                            what, budget, str(exc).strip())  # fmt: skip
+            _drop_connection()
+            time.sleep(delay)
+            delay = min(max_delay_s, delay * 2)
+            attempt += 1

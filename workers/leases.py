@@ -5,29 +5,74 @@ A lease is a Redis key with a TTL (settings.DARTBOARD_LEASE_TTL_S) that its hold
 killed holder's lease lapses within the TTL. A pending marker is set when the work's task is
 enqueued and cleared when a worker starts it, so the watchdog (workers/watchdog.py) can
 tell work that is waiting in a queue from work whose worker died, and re-enqueues only the
-latter.
+latter. The watchdog also looks for the message itself in the broker's queue (`QueuedTasks`):
+a marker whose message is gone (a Redis restart without its data, a message stranded with a
+dead connection) is lost work, not waiting work.
+
+Redis outages: every client here retries a failed command with backoff for a few seconds
+(`redis_client`); `work_enqueue` keeps trying for DARTBOARD_REDIS_RETRY_S; a lease keeper
+rides out an outage and takes its lease again when Redis is back, unless another holder took
+it meanwhile (then it says so and its holder stops).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
+import redis
 from celery import current_app as celery_app
 from django.conf import settings
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 log = logging.getLogger("dartboard.leases")
 
+T = TypeVar("T")
+
+# What an unreachable broker raises: redis-py's own errors, and kombu's wrapper of them
+# when Celery publishes a task.
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+              KombuOperationalError)  # fmt: skip
+
 
 def redis_client() -> Any:
-    import redis
+    """A client that retries a command on a dropped connection (3 times, backoff up to 1 s):
+    enough for a restart on the same socket; longer outages reach the caller."""
+    return redis.Redis.from_url(
+        settings.REDIS_URL,
+        socket_connect_timeout=3,
+        socket_timeout=10,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=3),
+        retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        health_check_interval=10,
+    )
 
-    return redis.Redis.from_url(settings.REDIS_URL)
+
+def redis_retry(fn: Callable[[], T], *, what: str, budget_s: float | None = None) -> T:
+    """Call `fn` until Redis answers, with backoff up to 5 s, for at most `budget_s`
+    (settings.DARTBOARD_REDIS_RETRY_S); then the last error is raised."""
+    budget = settings.DARTBOARD_REDIS_RETRY_S if budget_s is None else budget_s
+    deadline = time.monotonic() + budget
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except REDIS_DOWN as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis unreachable while %s (%s); retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay = min(5.0, delay * 2)
 
 
 @dataclass(frozen=True)
@@ -80,16 +125,23 @@ def eval_shard_work(*, job_id: int, shard: int, shards: int) -> LiveWork:
 
 def work_enqueue(work: LiveWork, *, countdown: float | None = None) -> None:
     """Mark `work` pending, then send its task (by name: the env cluster and the trainer may
-    live in other code bases' workers)."""
-    client = redis_client()
-    try:
-        # As long as the broker's visibility timeout: a message lost from the queue is given
-        # up for (and the work enqueued again by the watchdog) when the broker would have.
-        pending_ttl_s = settings.CELERY_BROKER_TRANSPORT_OPTIONS["visibility_timeout"]
-        client.set(work.pending_key, str(time.time()), ex=pending_ttl_s)
-    finally:
-        client.close()
-    celery_app.send_task(work.task, args=work.args, queue=work.queue, countdown=countdown)
+    live in other code bases' workers). Rides out a Redis outage of up to
+    DARTBOARD_REDIS_RETRY_S; past that the error is raised (and the watchdog brings the work
+    back once Redis is up)."""
+
+    def enqueue() -> None:
+        client = redis_client()
+        try:
+            # The marker holds when the task is due: a task sent with a countdown sits with a
+            # worker until then, not in the queue, and is not lost meanwhile.
+            due = time.time() + (countdown or 0.0)
+            pending_ttl_s = settings.CELERY_BROKER_TRANSPORT_OPTIONS["visibility_timeout"]
+            client.set(work.pending_key, str(due), ex=pending_ttl_s)
+        finally:
+            client.close()
+        celery_app.send_task(work.task, args=work.args, queue=work.queue, countdown=countdown)
+
+    redis_retry(enqueue, what=f"enqueueing the {work.label}")
 
 
 def work_started(work: LiveWork) -> None:
@@ -99,6 +151,51 @@ def work_started(work: LiveWork) -> None:
         client.delete(work.pending_key)
     finally:
         client.close()
+
+
+# kombu's Redis transport keeps a queue's messages in a list named after it, plus one list
+# per priority step (name + this separator + step) for messages sent with a priority.
+_PRIORITY_SEP = "\x06\x16"
+_PRIORITY_STEPS = (3, 6, 9)
+
+
+class QueuedTasks:
+    """The tasks waiting in the broker's queues, read once per queue (one LRANGE each) and
+    kept for this object's life: the watchdog makes one per pass."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._queues: dict[str, set[tuple[str, tuple[Any, ...]]]] = {}
+
+    def holds(self, work: LiveWork) -> bool:
+        if work.queue not in self._queues:
+            self._queues[work.queue] = self._read(work.queue)
+        return (work.task, tuple(work.args)) in self._queues[work.queue]
+
+    def _read(self, queue: str) -> set[tuple[str, tuple[Any, ...]]]:
+        found = set()
+        names = [queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in _PRIORITY_STEPS)]
+        for name in names:
+            for raw in self.client.lrange(name, 0, -1):
+                task = _message_task(raw)
+                if task is not None:
+                    found.add(task)
+        return found
+
+
+def _message_task(raw: bytes) -> tuple[str, tuple[Any, ...]] | None:
+    """(task name, args) of one kombu message as the Redis transport stores it; None for a
+    message that is not a Celery task of protocol 2 (nothing of ours)."""
+    try:
+        message = json.loads(raw)
+        name = message["headers"]["task"]
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(name), tuple(args)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
 
 
 def holder_name(what: str) -> str:
@@ -141,10 +238,15 @@ class RedisLease:
 
     def acquire(self) -> str | None:
         """None when acquired, else the name of the live holder. A lease left by a killed
-        holder lapses within the TTL, so this waits that long before giving up."""
+        holder lapses within the TTL, so this waits that long before giving up (and rides
+        out a Redis outage of up to DARTBOARD_REDIS_RETRY_S)."""
         deadline = time.monotonic() + self.ttl_s + 5
         while True:
-            if self.redis.set(self.key, self.holder, nx=True, ex=self.ttl_s):
+            taken = redis_retry(
+                lambda: self.redis.set(self.key, self.holder, nx=True, ex=self.ttl_s),
+                what=f"taking lease {self.key}",
+            )
+            if taken:
                 return None
             if self.renew():  # ours already (a re-delivered task of this holder)
                 return None
@@ -159,9 +261,15 @@ class RedisLease:
         return bool(self._renew(keys=[self.key], args=[self.holder, self.ttl_s]))
 
     def release(self) -> None:
-        """Give the lease up if it is still ours, and close the connection."""
-        self._release(keys=[self.key], args=[self.holder])
-        self.redis.close()
+        """Give the lease up if it is still ours, and close the connection. With Redis away
+        the lease is left to lapse by its TTL."""
+        try:
+            self._release(keys=[self.key], args=[self.holder])
+        except REDIS_DOWN as exc:
+            log.warning("lease %s not released (Redis unreachable: %s); it lapses in %d s",
+                        self.key, exc, self.ttl_s)  # fmt: skip
+        finally:
+            self.redis.close()
 
 
 class LeaseKeeper(threading.Thread):
@@ -176,14 +284,20 @@ class LeaseKeeper(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
+        failing = False
         while not self.stop_event.wait(self.lease.ttl_s / 3):
             try:
                 if not self.lease.renew():
                     log.error("lease %s was taken over by another holder", self.lease.key)
                     self.lost.set()
                     return
-            except Exception:  # Redis away for a moment: try again next period
-                log.exception("lease %s: renewal failed", self.lease.key)
+                if failing:
+                    log.warning("lease %s: renewed again, Redis is back", self.lease.key)
+                failing = False
+            except REDIS_DOWN as exc:  # Redis away: try again next period, say it once
+                if not failing:
+                    log.warning("lease %s: renewal failed (%s); retrying", self.lease.key, exc)
+                failing = True
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -5,6 +5,12 @@ worker process per slot). It claims tasks rollout-wise, runs episodes, records e
 and keeps a heartbeat on its `EnvSlot` row. A reset/step that raises or times out marks the
 trajectory `error` with the exception text, recreates the environment and goes on; after
 `quarantine_after` failures in a row the slot is quarantined with its last error.
+
+Outages: a step or an episode's end that cannot be written is retried while the database is
+away (workers/dbutil.py, DARTBOARD_DB_RETRY_S); past that the episode ends `error` with the
+reason, its recorded steps intact. The heartbeat rides out Redis and database outages; if
+another worker took the slot's lease meanwhile (an outage longer than the lease), this
+worker ends its episode `aborted` and leaves the slot to it: a slot has one worker.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
 from workers.config_mapping import episode_config
-from workers.dbutil import refresh_connection
+from workers.dbutil import DatabaseUnavailable, db_retry, refresh_connection
 from workers.leases import RedisLease, slot_work
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
@@ -82,20 +88,43 @@ def discard_env(backend: str) -> None:
             log.exception("closing a broken %s env failed (it is replaced anyway)", backend)
 
 
-class DbRecorder:
-    """Records an episode's steps through the data manager's services."""
+class SlotTakenOver(RuntimeError):
+    """Another worker holds this slot's lease now (this one lost it during an outage)."""
 
-    def __init__(self, trajectory_id: int) -> None:
+
+class DbRecorder:
+    """Records an episode's steps through the data manager's services, retrying while the
+    database is away. With a `lost` event (the slot's lease went to another worker) it
+    refuses to record more."""
+
+    def __init__(self, trajectory_id: int, lost: threading.Event | None = None) -> None:
         self.trajectory_id = trajectory_id
         self.head: episodes.TrajectoryHead | None = None
+        self.lost = lost
+
+    def _check_lease(self) -> None:
+        if self.lost is not None and self.lost.is_set():
+            raise SlotTakenOver("another worker took this slot's lease during an outage")
 
     def set_instruction(self, instruction: str) -> None:
-        episodes.trajectory_set_instruction(
-            trajectory_id=self.trajectory_id, instruction=instruction
-        )
-        self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
+        self._check_lease()
+
+        def write(attempt: int) -> None:
+            episodes.trajectory_set_instruction(
+                trajectory_id=self.trajectory_id, instruction=instruction
+            )
+            self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
+
+        db_retry(write, what=f"starting trajectory {self.trajectory_id}")
 
     def record_step(self, record: StepRecord) -> None:
+        self._check_lease()
+        db_retry(
+            lambda attempt: self._write_step(record, resume=attempt > 0),
+            what=f"recording step {record.index} of trajectory {self.trajectory_id}",
+        )
+
+    def _write_step(self, record: StepRecord, *, resume: bool) -> None:
         episodes.step_record(
             trajectory_id=self.trajectory_id,
             index=record.index,
@@ -115,6 +144,7 @@ class DbRecorder:
             env_ms=record.env_ms,
             model_ms=record.model_ms,
             head=self.head,
+            resume=resume,
         )
 
 
@@ -132,6 +162,10 @@ class _SlotBusy:
 
 
 class _Heartbeat(threading.Thread):
+    """Renews the slot's lease and beats on its row. It rides out outages (Redis or the
+    database away: it says so once and keeps trying); if another worker holds the lease
+    when Redis answers again, it sets `lost` and stops."""
+
     def __init__(self, slot_id: int, period: float, lease: RedisLease, busy: _SlotBusy) -> None:
         super().__init__(daemon=True, name=f"heartbeat-{slot_id}")
         self.slot_id = slot_id
@@ -139,18 +173,42 @@ class _Heartbeat(threading.Thread):
         self.lease = lease
         self.busy = busy
         self.stop_event = threading.Event()
+        self.lost = threading.Event()
+        self._failing: set[str] = set()
 
     def run(self) -> None:
         try:
             while not self.stop_event.wait(self.period):
-                slot_services.env_slot_heartbeat(
-                    slot_id=self.slot_id, env_busy_s=self.busy.seconds()
+                if self._beat("redis", self.lease.renew) is False:
+                    log.error("slot %s: its lease %s is held by another worker; leaving the "
+                              "slot to it", self.slot_id, self.lease.key)  # fmt: skip
+                    self.lost.set()
+                    return
+                self._beat(
+                    "database",
+                    lambda: slot_services.env_slot_heartbeat(
+                        slot_id=self.slot_id, env_busy_s=self.busy.seconds()
+                    ),
                 )
-                self.lease.renew()
-        except Exception:
-            log.exception("slot %s heartbeat stopped", self.slot_id)
         finally:
             connection.close()
+
+    def _beat(self, service: str, call: Any) -> Any:
+        """One call; a failure is logged once per outage, and None returned."""
+        try:
+            result = call()
+        except Exception as exc:
+            if service not in self._failing:
+                log.warning("slot %s heartbeat: %s unreachable (%s: %s); retrying",
+                            self.slot_id, service, type(exc).__name__, exc)  # fmt: skip
+                self._failing.add(service)
+            if service == "database":
+                connection.close()  # the next beat opens a fresh connection
+            return None
+        if service in self._failing:
+            log.warning("slot %s heartbeat: %s is back", self.slot_id, service)
+            self._failing.discard(service)
+        return result
 
 
 @dataclass(frozen=True)
@@ -211,8 +269,14 @@ def serve_slot(
             if shutdown_requested.is_set():
                 slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
                 return SlotOutcome(True, "worker shutting down")
+            if heartbeat.lost.is_set():
+                return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
+                                   "worker while Redis was away")  # fmt: skip
             refresh_connection()
-            claim = episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,))
+            claim = db_retry(
+                lambda _: episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,)),
+                what=f"claiming a task for slot {backend}:{index}",
+            )
             if claim is None:
                 if pacer is not None:
                     slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
@@ -223,7 +287,7 @@ def serve_slot(
                     return SlotOutcome(False, f"run is {status}")
                 time.sleep(1.0)
                 continue
-            quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer)
+            quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer, heartbeat.lost)
             if quarantined:
                 return SlotOutcome(False, "slot quarantined")
             episodes_run += 1
@@ -241,6 +305,14 @@ def serve_slot(
         client.close()
 
 
+def _finish(trajectory_id: int, **fields: Any) -> None:
+    """End a trajectory, retrying while the database is away (finishing twice is a no-op)."""
+    db_retry(
+        lambda _: episodes.trajectory_finish(trajectory_id=trajectory_id, **fields),
+        what=f"ending trajectory {trajectory_id}",
+    )
+
+
 def _run_claim(
     claim: episodes.Claim,
     slot_id: int,
@@ -248,8 +320,9 @@ def _run_claim(
     cfg: RunConfig,
     client: PolicyClient,
     pacer: Pacer | None = None,
+    lost: threading.Event | None = None,
 ) -> bool:
-    """One episode of a claim; returns True when the slot got quarantined."""
+    """One episode of a claim; returns True when the slot got quarantined or taken over."""
     slot_services.env_slot_set(
         slot_id=slot_id, status=SlotStatus.BUSY, trajectory_id=claim.trajectory_id
     )
@@ -269,19 +342,23 @@ def _run_claim(
         result = run_episode(
             env=env,
             policy=policy,
-            recorder=DbRecorder(claim.trajectory_id),
+            recorder=DbRecorder(claim.trajectory_id, lost),
             task=task,
             config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
             pacer=pacer,
         )
+    except SlotTakenOver as exc:
+        _finish(claim.trajectory_id, status="aborted", reward=None, error=str(exc))
+        return True
+    except DatabaseUnavailable as exc:
+        # The steps recorded so far stay; the episode ends with the reason once the database
+        # answers again (or, if it never does here, the watchdog ends it).
+        _finish(claim.trajectory_id, status="error", reward=None, error=f"database: {exc}")
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        return False
     except InferenceError as exc:
         # The policy did not answer: the episode is lost, but the env is fine.
-        episodes.trajectory_finish(
-            trajectory_id=claim.trajectory_id,
-            status="error",
-            reward=None,
-            error=f"inference: {exc}",
-        )
+        _finish(claim.trajectory_id, status="error", reward=None, error=f"inference: {exc}")
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
         time.sleep(2.0)
         return False
@@ -291,15 +368,13 @@ def _run_claim(
         if not isinstance(exc, EnvUnavailable):
             reason += "\n" + traceback.format_exc(limit=5)
         log.warning("slot %s: %s on %s", slot_id, reason.splitlines()[0], claim.task_name)
-        episodes.trajectory_finish(
-            trajectory_id=claim.trajectory_id, status="error", reward=None, error=reason
-        )
+        _finish(claim.trajectory_id, status="error", reward=None, error=reason)
         discard_env(backend)
         return slot_services.env_slot_failure(
             slot_id=slot_id, error=reason, quarantine_after=cfg.env.quarantine_after
         )
-    episodes.trajectory_finish(
-        trajectory_id=claim.trajectory_id,
+    _finish(
+        claim.trajectory_id,
         status=result.status,
         reward=result.reward,
         details=result.details,

@@ -5,13 +5,15 @@ episodes), `train` (train_run, sync_run: one trainer task per run), `default` (t
 ping). Workers: `celery -A dartboard worker -Q env|train|default`.
 """
 
+import logging
 import socket
 from typing import Any
 
 from celery import shared_task
 
 from workers.evaluation import eval_shard_serve
-from workers.leases import slot_work, work_enqueue, work_started
+from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
+from workers.lifecycle import shutdown_requested
 from workers.slot_worker import serve_lockstep_episode, serve_slot
 from workers.sync_loop import sync_for
 from workers.training_loop import train_for, trainer_drive
@@ -19,17 +21,30 @@ from workers.watchdog import watchdog_pass
 
 SLOT_SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked for long
 
+log = logging.getLogger("dartboard.tasks")
+
 
 @shared_task(name="workers.tasks.slot_serve", acks_late=True)
 def slot_serve(run_id: int, backend: str, index: int) -> str:
     work = slot_work(run_id=run_id, backend=backend, index=index)
     work_started(work)
-    outcome = serve_slot(
-        run_id=run_id, backend=backend, index=index, max_seconds=SLOT_SLICE_SECONDS
-    )
-    if outcome.keep_going:
-        work_enqueue(work)
-    return outcome.reason
+    while True:
+        outcome = serve_slot(
+            run_id=run_id, backend=backend, index=index, max_seconds=SLOT_SLICE_SECONDS
+        )
+        if not outcome.keep_going:
+            return outcome.reason
+        try:
+            work_enqueue(work)
+            return outcome.reason
+        except REDIS_DOWN as exc:
+            if shutdown_requested.is_set():
+                log.warning("slot %s: not re-enqueued (%s); the watchdog brings it back",
+                            work.label, exc)  # fmt: skip
+                return outcome.reason
+            # The broker is away: serve another slice here rather than drop the slot.
+            log.warning("slot %s: could not enqueue its next slice (%s); serving it in this "
+                        "task", work.label, exc)  # fmt: skip
 
 
 @shared_task(name="workers.tasks.episode_once", acks_late=True)

@@ -30,9 +30,10 @@ from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
 from workers.config_mapping import lora_spec, update_config
-from workers.dbutil import refresh_connection
+from workers.dbutil import DatabaseUnavailable, db_retry, is_transient_db_error, refresh_connection
 from workers.evaluation import eval_schedule_for_version
 from workers.leases import (
+    REDIS_DOWN,
     holder_name,
     trainer_work,
     work_enqueue,
@@ -242,6 +243,31 @@ def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None
     )
 
 
+def is_outage(exc: BaseException) -> bool:
+    """The database or Redis went away (a restart, a lock): waiting cures it."""
+    return isinstance(exc, (DatabaseUnavailable, *REDIS_DOWN)) or is_transient_db_error(exc)
+
+
+def _through_outages(loop: Callable[..., str], *, run_id: int, stop: threading.Event) -> str:
+    """Run the loop for one time slice; an outage of the database or Redis pauses it rather
+    than failing the trainer. The weights in memory may be ahead of what was recorded (an
+    update whose commit failed), so they are dropped and the loop resumes from the newest
+    published checkpoint: no step is trained twice, none is lost."""
+    deadline = time.monotonic() + SLICE_SECONDS
+    while True:
+        try:
+            return loop(run_id=run_id, max_seconds=max(1.0, deadline - time.monotonic()), stop=stop)
+        except Exception as exc:
+            if not is_outage(exc) or stop.is_set() or time.monotonic() > deadline:
+                raise
+            log.warning("run %s: trainer paused by an outage (%s: %s); it resumes from the "
+                        "newest published checkpoint", run_id, type(exc).__name__, exc)  # fmt: skip
+            trainer_forget(run_id=run_id)
+            db_retry(lambda _: Run.objects.filter(pk=run_id).exists(),
+                     what=f"waiting to resume the trainer of run {run_id}")  # fmt: skip
+            time.sleep(2.0)
+
+
 def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
     """Run one time slice of a run's trainer loop and re-enqueue its task for the next.
 
@@ -255,7 +281,7 @@ def trainer_drive(loop: Callable[..., str], *, run_id: int, mode: str) -> str:
     if isinstance(keeper, str):
         return f"the trainer of run {run_id} is held by {keeper}"
     try:
-        reason = loop(run_id=run_id, max_seconds=SLICE_SECONDS, stop=keeper.lost)
+        reason = _through_outages(loop, run_id=run_id, stop=keeper.lost)
     except Exception as exc:
         log.exception("run %s: trainer failed", run_id)
         trainer_forget(run_id=run_id)

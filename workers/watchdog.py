@@ -10,6 +10,11 @@ For every running run it
 3. does the same for each unfinished shard of a scheduled evaluation job (the shard resumes
    where it stopped).
 
+A pending marker counts as waiting work only while its message is really in the broker's
+queue (or its countdown has not run out): after a Redis restart that lost the queue, or a
+message stranded with a connection that died in an outage, the marker alone would otherwise
+hold the work back for the visibility timeout.
+
 Why it is needed: Celery acknowledges a task when it ends (acks_late), and a worker killed
 mid-task (SIGKILL, the OOM killer, a lost machine) leaves its message unacknowledged until the
 broker's visibility timeout, an hour. The supervisor restarts the worker process at once, but
@@ -32,7 +37,13 @@ from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
 from datamanager.selectors.evaluations import eval_shard_finished
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
-from workers.leases import LiveWork, eval_shard_work, redis_client, work_enqueue
+from workers.leases import (
+    LiveWork,
+    QueuedTasks,
+    eval_shard_work,
+    redis_client,
+    work_enqueue,
+)
 from workers.runs import run_live_work
 
 log = logging.getLogger("dartboard.watchdog")
@@ -43,6 +54,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     restarted: list[str] = []
     client = redis_client()
+    queued = QueuedTasks(client)
     try:
         for run in Run.objects.filter(status=RunStatus.RUNNING):
             cfg = RunConfig.from_dict(run.config)
@@ -54,7 +66,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
             for work in run_live_work(run_id=run.pk, cfg=cfg):
                 if work.label == "trainer" and _trainer_done(run, cfg):
                     continue
-                if not _lapsed(client, work, now):
+                if not _lapsed(client, queued, work, now):
                     continue
                 work_enqueue(work)
                 message = (
@@ -65,13 +77,13 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
                 log.warning("run %s: %s", run.pk, message)
                 run_set_message(run_id=run.pk, message=message)
                 restarted.append(f"run {run.pk}: {work.label}")
-        restarted += _evaluation_pass(client, now)
+        restarted += _evaluation_pass(client, queued, now)
     finally:
         client.close()
     return restarted
 
 
-def _evaluation_pass(client: Any, now: float) -> list[str]:
+def _evaluation_pass(client: Any, queued: QueuedTasks, now: float) -> list[str]:
     """Enqueue again the unfinished shards of scheduled evaluation jobs whose worker died."""
     restarted = []
     jobs = EvalJob.objects.filter(
@@ -80,7 +92,7 @@ def _evaluation_pass(client: Any, now: float) -> list[str]:
     for job in jobs:
         for shard in range(job.shards):
             work = eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards)
-            if eval_shard_finished(job=job, shard=shard) or not _lapsed(client, work, now):
+            if eval_shard_finished(job=job, shard=shard) or not _lapsed(client, queued, work, now):
                 continue
             work_enqueue(work)
             message = (
@@ -101,11 +113,19 @@ def _trainer_done(run: Run, cfg: RunConfig) -> bool:
     return bool(limit) and TrainUpdate.objects.filter(run=run).count() >= limit
 
 
-def _lapsed(client: Any, work: LiveWork, now: float) -> bool:
-    """True once `work` has had neither a lease nor a pending message for the grace period
-    (seen on two passes at least that far apart)."""
+def _waiting(client: Any, queued: QueuedTasks, work: LiveWork, now: float) -> bool:
+    """The work's message is in the queue, or was sent with a countdown still running."""
+    due = client.get(work.pending_key)
+    if due is None:
+        return False
+    return now < float(due) + settings.DARTBOARD_WATCHDOG_GRACE_S or queued.holds(work)
+
+
+def _lapsed(client: Any, queued: QueuedTasks, work: LiveWork, now: float) -> bool:
+    """True once `work` has had neither a lease nor a message waiting in the queue for the
+    grace period (seen on two passes at least that far apart)."""
     marker = f"{work.lease_key}:missing-since"
-    if client.exists(work.lease_key) or client.exists(work.pending_key):
+    if client.exists(work.lease_key) or _waiting(client, queued, work, now):
         client.delete(marker)
         return False
     since = client.get(marker)

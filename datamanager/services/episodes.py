@@ -192,6 +192,13 @@ def trajectory_head(*, trajectory_id: int) -> TrajectoryHead:
     )
 
 
+def _delete_orphan_screenshot(step: Step, name: str) -> None:
+    """The file a failed try stored under the step's screenshot name, with no row to it."""
+    stored = step.screenshot.field.generate_filename(step, name)
+    if step.screenshot.storage.exists(stored):
+        step.screenshot.storage.delete(stored)
+
+
 def step_record(
     *,
     trajectory_id: int,
@@ -212,8 +219,13 @@ def step_record(
     env_ms: float | None,
     model_ms: float | None,
     head: TrajectoryHead | None = None,
+    resume: bool = False,
 ) -> Step:
     """Store one step (the screenshot the policy saw, its output, the action taken).
+
+    `resume`: this call retries one that failed part-way (the database went away): a row an
+    earlier try wrote is kept, a screenshot file it left without a row is replaced, and the
+    trajectory's length is written again, so the step is stored once and whole.
 
     One slot owns a running trajectory, so it passes the `head` it read at the start of
     the episode (without one, it is read here) and the step costs two statements, the row
@@ -244,8 +256,14 @@ def step_record(
         model_ms=model_ms,
     )
     name = f"run-{head.run_id or 0}/traj-{head.pk}/{index:03d}.png"
-    step.screenshot.save(name, ContentFile(screenshot_png), save=False)
-    step.save()
+    earlier = Step.objects.filter(trajectory_id=head.pk, index=index).first() if resume else None
+    if earlier is not None:
+        step = earlier
+    else:
+        if resume:
+            _delete_orphan_screenshot(step, name)
+        step.screenshot.save(name, ContentFile(screenshot_png), save=False)
+        step.save()
     if policy_version is not None and policy_version not in head.policy_versions:
         head.policy_versions.append(policy_version)
     Trajectory.objects.filter(pk=head.pk).update(

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.launcher import Supervisor, default_specs, log, wait_http
+from dartboard.launcher import Supervisor, default_specs, wait_http
 from dartboard.main_job import prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
@@ -67,7 +67,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
         redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
-        supervisor = Supervisor(home=home, specs=[])
+        supervisor = Supervisor(home=home, specs=[], redis=redis)
         run = None
         try:
             reaped = supervisor.reap_stale()
@@ -107,10 +107,6 @@ class Command(BaseCommand):
             self.stdout.write(f"logs: {home / 'logs'}; stop with Ctrl-C")
             started = time.monotonic()
             while not exit_after or time.monotonic() - started < exit_after:
-                if redis is not None and (code := redis.exited()) is not None:
-                    log.warning("embedded Redis exited with %s; restarting it on %s",
-                                code, redis.socket_path)  # fmt: skip
-                    redis.start()
                 supervisor.watch_once()
                 time.sleep(1.0)
         except _Stop as stop:
@@ -119,9 +115,7 @@ class Command(BaseCommand):
             # A second Ctrl-C/SIGTERM must not interrupt the clean-up half way.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            supervisor.stop()
-            if redis is not None:
-                redis.stop()
+            supervisor.stop()  # the embedded Redis last
             self.stdout.write("stopped")
 
     def _start_run(self, run_id: int) -> None:

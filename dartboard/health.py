@@ -117,10 +117,14 @@ def probe_rollout() -> tuple[Probe, Probe]:
     workers = health.get("workers") or []
     if not isinstance(workers, list):  # an inference worker itself, not the router
         workers = [{"status": "active" if health.get("status") == "ok" else "down"}]
-    active = sum(1 for w in workers if w.get("status") == "active")
-    detail = f"{active}/{len(workers)} active"
+    statuses = [w.get("status") for w in workers]
+    active = statuses.count("active")
+    # A worker taking new weights (one at a time, or all at once for the synchronous
+    # baseline) is not an outage: requests wait for it.
+    syncing = sum(status in ("stale", "draining", "loading") for status in statuses)
+    detail = f"{active}/{len(workers)} active" + (f", {syncing} reloading" if syncing else "")
     router = Probe(UP, detail=url)
-    if active:
+    if active or syncing:
         return router, Probe(UP, detail=detail)
     errors = "; ".join(
         f"{w.get('url', '?')}: {w.get('status')} {w.get('last_error', '')}".strip() for w in workers

@@ -20,6 +20,8 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.db.utils import InterfaceError, OperationalError
 
+from workers.leases import REDIS_DOWN
+
 log = logging.getLogger("dartboard.db")
 
 T = TypeVar("T")
@@ -50,6 +52,11 @@ def is_transient_db_error(exc: BaseException) -> bool:
     if connection.vendor == "sqlite":
         return any(text in str(exc).lower() for text in _SQLITE_TRANSIENT)
     return True
+
+
+def is_outage(exc: BaseException) -> bool:
+    """The database or Redis went away (a restart, a lock): waiting cures it."""
+    return isinstance(exc, (DatabaseUnavailable, *REDIS_DOWN)) or is_transient_db_error(exc)
 
 
 def _drop_connection() -> None:

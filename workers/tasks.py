@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import shared_task
 
+from workers.dbutil import is_outage
 from workers.evaluation import eval_shard_serve
 from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
 from workers.lifecycle import shutdown_requested
@@ -74,8 +75,17 @@ def sync_run(run_id: int) -> str:
 
 @shared_task(name="workers.tasks.runs_watchdog", ignore_result=True)
 def runs_watchdog() -> list[str]:
-    """Celery beat calls this every DARTBOARD_WATCHDOG_PERIOD_S (queue default)."""
-    return watchdog_pass()
+    """Celery beat calls this every DARTBOARD_WATCHDOG_PERIOD_S (queue default). While the
+    database or Redis is away there is nothing it could do: one line says so."""
+    try:
+        return watchdog_pass()
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        log.warning("watchdog pass skipped, %s unreachable: %s: %s",
+                    "Redis" if isinstance(exc, REDIS_DOWN) else "the database",
+                    type(exc).__name__, str(exc).strip().splitlines()[0])  # fmt: skip
+        return []
 
 
 @shared_task(name="workers.tasks.ping")

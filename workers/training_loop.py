@@ -30,10 +30,9 @@ from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
 from workers.config_mapping import lora_spec, update_config
-from workers.dbutil import DatabaseUnavailable, db_retry, is_transient_db_error, refresh_connection
+from workers.dbutil import db_retry, is_outage, refresh_connection
 from workers.evaluation import eval_schedule_for_version
 from workers.leases import (
-    REDIS_DOWN,
     holder_name,
     trainer_work,
     work_enqueue,
@@ -241,11 +240,6 @@ def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None
         kind="warm_start",
         publish=trainer.state.updates + 1 >= cfg.trainer.warm_start_bc_updates,
     )
-
-
-def is_outage(exc: BaseException) -> bool:
-    """The database or Redis went away (a restart, a lock): waiting cures it."""
-    return isinstance(exc, (DatabaseUnavailable, *REDIS_DOWN)) or is_transient_db_error(exc)
 
 
 def _through_outages(loop: Callable[..., str], *, run_id: int, stop: threading.Event) -> str:

@@ -138,3 +138,33 @@ def test_a_lost_evaluation_shard_is_enqueued_again_and_a_finished_one_is_not(red
     EvalJob.objects.filter(pk=job.pk).update(status="finished")
     redis.delete(eval_shard_work(job_id=job.pk, shard=2, shards=3).pending_key)
     assert watchdog_pass(now=2200.0) == [] and watchdog_pass(now=2300.0) == []  # done jobs
+
+
+def test_a_pending_marker_whose_message_left_the_queue_is_lost_work(redis):
+    """A Redis outage can strand a task: its pending marker survives, but its message was
+    lost with the queue (a restart without the data) or taken by a consumer whose connection
+    died. The watchdog brings that work back; a message still in the queue, or one sent
+    with a countdown that has not run out, is left alone."""
+    import time
+
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 2}})
+    stranded = slot_work(run_id=run.pk, backend="miniwob", index=0)
+    waiting = slot_work(run_id=run.pk, backend="miniwob", index=1)
+    trainer = trainer_work(run_id=run.pk, mode="decoupled")
+    env_before = redis.llen("env")
+    work_enqueue(stranded)
+    work_enqueue(waiting)
+    work_enqueue(trainer, countdown=600)  # a retry due in 10 minutes
+    # The stranded message leaves the queue (as a consumer's fetch moves it to `unacked`).
+    for raw in redis.lrange("env", 0, -1):
+        if json.loads(base64.b64decode(json.loads(raw)["body"]))[0] == [run.pk, "miniwob", 0]:
+            redis.lrem("env", 1, raw)
+    redis.lpop("train")  # the countdown task waits with a worker, not in the queue
+
+    now = time.time() + 30  # past the grace of a fresh marker
+    assert watchdog_pass(now=now) == []
+    assert watchdog_pass(now=now + 6) == [f"run {run.pk}: slot miniwob:0"]
+    assert ("workers.tasks.slot_serve", [run.pk, "miniwob", 0]) in _queued_tasks(redis, "env")
+    assert redis.llen("env") == env_before + 2  # the waiting one, and the lost one again
+    assert watchdog_pass(now=now + 20) == []  # now queued: not enqueued twice

@@ -1,0 +1,187 @@
+"""A live `make run` stack for tests that break things under a running run: Celery env
+workers with real chromium, the trainer worker, the default worker, Celery beat (the
+watchdog), one transformers inference worker with the shipped tiny policy and the router
+(dartboard.launcher.default_specs, without the web: tests call the views in-process).
+
+Used by tests/dartboard/test_fault_tolerance.py (workers killed) and test_outages.py (Redis
+and the database restarted)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from django.utils import timezone
+
+from dartboard.embedded_redis import EmbeddedRedis
+from dartboard.launcher import Supervisor, default_specs, wait_http
+from datamanager.config import RunConfig
+from datamanager.models import Run, Step, Task, Trajectory
+from datamanager.policies import policy_path
+from datamanager.services.runs import run_control, run_create
+
+TASKS = ("click-test-2", "click-button", "click-dialog")
+FINISHED = ("succeeded", "failed")
+
+# Short leases and a fast watchdog so a test sees a recovery in seconds; the defaults
+# (30 s, 10 s, 20 s) only make it slower.
+FAST_LIVENESS = {
+    "DARTBOARD_LEASE_TTL_S": "6",
+    "DARTBOARD_WATCHDOG_PERIOD_S": "2",
+    "DARTBOARD_WATCHDOG_GRACE_S": "3",
+    "DARTBOARD_TORCH_THREADS": "1",
+}
+
+
+def two_free_ports() -> int:
+    """A port p with p + 1 also free (the router and its one inference worker)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return int(port)
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+class Stack:
+    def __init__(self, supervisor: Supervisor, router: str) -> None:
+        self.supervisor = supervisor
+        self.router = router
+
+    def pid(self, name: str) -> int:
+        return self.supervisor.children[name].proc.pid
+
+    def kill(self, name: str) -> tuple[int, datetime]:
+        pid = self.pid(name)
+        os.kill(pid, signal.SIGKILL)
+        self.supervisor.children[name].proc.wait(timeout=10)
+        return pid, timezone.now()
+
+    def wait(self, pred: Callable[[], Any], *, timeout: float, what: str) -> Any:
+        """Poll `pred` while the supervisor restarts what died, as the launcher does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.supervisor.watch_once()
+            value = pred()
+            if value:
+                return value
+            time.sleep(0.5)
+        logs = self.supervisor.log_dir
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (logs: {logs})")
+
+
+@contextlib.contextmanager
+def live_stack(
+    env: dict[str, str], home: Path, *, redis: EmbeddedRedis | None = None
+) -> Iterator[Stack]:
+    """Start the stack with `env` over the caller's; `redis` is watched and restarted by the
+    supervisor as the launcher does. Everything is stopped on the way out."""
+    router_port = two_free_ports()
+    router = f"http://127.0.0.1:{router_port}"
+    env = {**env, **FAST_LIVENESS, "DARTBOARD_INFERENCE_URLS": router}
+    specs = [
+        s
+        for s in default_specs(
+            host="127.0.0.1",
+            port=0,
+            env_slots=2,
+            inference_policy=str(policy_path("shipped")),
+            router_port=router_port,
+        )
+        if s.name != "web"
+    ]
+    for spec in specs:
+        spec.env = {**spec.env, **env}
+    supervisor = Supervisor(home=home, specs=specs, redis=redis)
+    if redis is not None:
+        redis.start()
+    supervisor.start()
+    try:
+        assert wait_http(f"{router}/health", timeout=120), "the router did not come up"
+        yield Stack(supervisor, router)
+    finally:
+        Run.objects.filter(status="running").update(status="stopped")
+        supervisor.stop()
+
+
+def fault_run_config() -> RunConfig:
+    """Three easy MiniWoB++ tasks, two slots, an update per ready group."""
+    for name in TASKS:
+        Task.objects.get_or_create(
+            name=f"miniwob/{name}",
+            defaults={"env_kind": "miniwob", "env_config": {"task": name}, "split": "train"},
+        )
+    return RunConfig.from_dict(
+        {
+            "policy": "shipped",
+            "tasks": {"names": [f"miniwob/{n}" for n in TASKS]},
+            "env": {"miniwob_slots": 2, "heartbeat_s": 0.5},
+            "rollout": {"max_new_tokens": 32, "max_parse_errors": 1, "max_images": 1},
+            "curation": {"n_max": 4, "n_min": 2},
+            "trainer": {
+                "min_groups": 1,
+                "max_steps_per_update": 16,
+                "micro_batch": 4,
+                "kl_coef": 0.0,
+                "lr": 5e-5,
+            },
+        }
+    )
+
+
+def create_started_run(name: str) -> Run:
+    """A created and started run (its worker tasks are the caller's to enqueue)."""
+    run = run_create(name=name, config=fault_run_config())
+    run_control(run_id=run.pk, action="start")
+    return run
+
+
+def finished(run: Run) -> dict[int, tuple[str, float | None, int]]:
+    """Every finished trajectory: (status, reward, steps)."""
+    rows = Trajectory.objects.filter(run=run, status__in=FINISHED)
+    return {t.pk: (t.status, t.reward, t.steps.count()) for t in rows}
+
+
+def finished_after(run: Run, moment: datetime, *, not_on_pid: int | None = None) -> list:
+    rows = Trajectory.objects.filter(
+        run=run, status__in=FINISHED, started_at__gt=moment
+    ).select_related("env_slot")
+    if not_on_pid is not None:
+        rows = [t for t in rows if t.env_slot and f":{not_on_pid}:" not in t.env_slot.name]
+    return list(rows)
+
+
+def slots_served_twice(run: Run) -> list[str]:
+    """Episodes of one env slot (backend:index) that overlapped in time on two workers."""
+    spans: dict[str, list[tuple[datetime, datetime, str]]] = {}
+    now = timezone.now()
+    for t in Trajectory.objects.filter(run=run, env_slot__isnull=False).select_related("env_slot"):
+        slot = t.env_slot.name.split(":", 2)[-1]  # host:pid:backend:index -> backend:index
+        worker = t.env_slot.name
+        spans.setdefault(slot, []).append((t.started_at, t.finished_at or now, worker))
+    clashes = []
+    for slot, items in spans.items():
+        items.sort()
+        latest_end, holder = items[0][1], items[0][2]
+        for start, end, worker in items[1:]:
+            if worker != holder and start < latest_end:
+                clashes.append(f"{slot}: {holder} until {latest_end:%T}, {worker} from {start:%T}")
+            if end > latest_end:
+                latest_end, holder = end, worker
+    return clashes
+
+
+def trained_twice(run: Run) -> int:
+    return Step.objects.filter(trajectory__run=run, train_uses__gt=1).count()

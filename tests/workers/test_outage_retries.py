@@ -1,0 +1,193 @@
+"""Database outages in the step-record path: a locked or restarting database is waited
+out with bounded backoff, a retried step is stored once and whole, and past the budget the
+episode ends `error` with the reason and its recorded steps intact. Real SQLite or
+PostgreSQL (whichever the suite runs on), locked by a second connection."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from datamanager.models import Step, Trajectory
+from datamanager.services import episodes
+from rollout.episode import StepRecord
+from tests.conftest import png_bytes
+from tests.datamanager.factories import make_running_run, make_tasks
+from workers.dbutil import DatabaseUnavailable, db_retry
+from workers.slot_worker import DbRecorder, _finish
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextlib.contextmanager
+def _short_lock_wait() -> Iterator[None]:
+    """This process gives up on a held lock after 0.3 s (instead of SQLite's 30 s busy
+    timeout), so the retry loop, not the driver, does the waiting."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    saved = dict(options)
+    if connection.vendor == "sqlite":
+        options["timeout"] = 0.3
+    else:
+        options["options"] = "-c lock_timeout=300"
+    connection.close()
+    try:
+        yield
+    finally:
+        options.clear()
+        options.update(saved)
+        connection.close()
+
+
+def _hold_write_lock(seconds: float) -> threading.Event:
+    """Another connection takes the steps table's write lock for `seconds` (in a thread);
+    the returned event is set once the lock is held."""
+    held = threading.Event()
+    settings_dict = connection.settings_dict
+
+    def hold() -> None:
+        if connection.vendor == "sqlite":
+            other = sqlite3.connect(settings_dict["NAME"], timeout=5, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")
+            held.set()
+            time.sleep(seconds)
+            other.execute("COMMIT")
+            other.close()
+            return
+        import psycopg
+
+        with psycopg.connect(
+            host=settings_dict["HOST"] or "127.0.0.1",
+            port=settings_dict["PORT"] or 5432,
+            user=settings_dict["USER"],
+            password=settings_dict["PASSWORD"] or None,
+            dbname=settings_dict["NAME"],
+        ) as other:
+            other.execute(
+                "LOCK TABLE datamanager_step, datamanager_trajectory IN ACCESS EXCLUSIVE MODE"
+            )
+            held.set()
+            time.sleep(seconds)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10), "the second connection never got the lock"
+    return held
+
+
+def _record(index: int) -> StepRecord:
+    return StepRecord(
+        index=index,
+        screenshot_png=png_bytes(color=(index * 30, 80, 160)),
+        width=160,
+        height=210,
+        raw_output="Thought: t\nAction: click(start_box='(10,20)')",
+        thought="t",
+        action={"type": "click", "x": 10, "y": 20},
+        parse_error="",
+        prompt_tokens=50,
+        response_tokens=9,
+        rollout_logprobs=[-0.5] * 9,
+        response_token_ids=list(range(9)),
+        mean_entropy=0.4,
+        policy_version=0,
+        env_ms=1.0,
+        model_ms=2.0,
+    )
+
+
+def _claim() -> int:
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 1}})
+    claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+    assert claim is not None
+    return claim.trajectory_id
+
+
+def test_a_locked_database_is_waited_out_and_the_step_is_written_once(settings):
+    settings.DARTBOARD_DB_RETRY_S = 30.0
+    trajectory_id = _claim()
+    recorder = DbRecorder(trajectory_id)
+    recorder.set_instruction("click")
+    with _short_lock_wait():
+        _hold_write_lock(2.0)
+        started = time.monotonic()
+        recorder.record_step(_record(0))
+        waited = time.monotonic() - started
+    assert waited >= 1.0  # it really met the lock, and waited it out
+    steps = Step.objects.filter(trajectory_id=trajectory_id)
+    assert steps.count() == 1 and steps.get().screenshot.read().startswith(b"\x89PNG")
+    assert Trajectory.objects.get(pk=trajectory_id).length == 1
+
+
+def test_past_the_budget_the_episode_ends_error_with_its_steps_intact(settings):
+    settings.DARTBOARD_DB_RETRY_S = 1.0
+    trajectory_id = _claim()
+    recorder = DbRecorder(trajectory_id)
+    recorder.set_instruction("click")
+    recorder.record_step(_record(0))
+    with _short_lock_wait():
+        _hold_write_lock(4.0)
+        with pytest.raises(DatabaseUnavailable) as failure:
+            recorder.record_step(_record(1))
+    message = str(failure.value)
+    assert f"recording step 1 of trajectory {trajectory_id}" in message
+    assert "last error: OperationalError" in message
+    settings.DARTBOARD_DB_RETRY_S = 30.0  # the lock is gone once its holder finishes
+    _finish(trajectory_id, status="error", reward=None, error=f"database: {failure.value}")
+    trajectory = Trajectory.objects.get(pk=trajectory_id)
+    assert trajectory.status == "error" and "recording step 1" in trajectory.error
+    assert list(trajectory.steps.values_list("index", flat=True)) == [0]
+    assert trajectory.length == 1
+
+
+def test_a_retried_step_is_stored_once_and_whole():
+    """The retry of a step whose row was written (the trajectory's length was not), and of
+    one whose screenshot file was written without its row."""
+    trajectory_id = _claim()
+    head = episodes.trajectory_head(trajectory_id=trajectory_id)
+    fields = {k: v for k, v in vars(_record(0)).items() if k != "index"}
+    first = episodes.step_record(trajectory_id=trajectory_id, index=0, head=head, **fields)
+    again = episodes.step_record(
+        trajectory_id=trajectory_id, index=0, head=head, resume=True, **fields
+    )
+    assert again.pk == first.pk and Step.objects.filter(trajectory_id=trajectory_id).count() == 1
+
+    # Step 1: its file was stored, then the database went away before the row.
+    orphan = Step(trajectory_id=trajectory_id, index=1)
+    name = f"run-{head.run_id}/traj-{trajectory_id}/001.png"
+    orphan.screenshot.save(name, _content(b"half"), save=False)
+    stored = episodes.step_record(
+        trajectory_id=trajectory_id, index=1, head=head, resume=True, **fields
+    )
+    assert stored.screenshot.name == orphan.screenshot.name  # the same file, not a copy
+    assert stored.screenshot.read().startswith(b"\x89PNG")
+    assert Trajectory.objects.get(pk=trajectory_id).length == 2
+
+
+def _content(data: bytes):
+    from django.core.files.base import ContentFile
+
+    return ContentFile(data)
+
+
+def test_only_transient_errors_are_retried():
+    """A constraint or a missing table is a bug, raised at once, never waited on."""
+    from django.db import IntegrityError
+
+    calls = []
+
+    def broken(attempt: int) -> None:
+        calls.append(attempt)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table_here")
+
+    started = time.monotonic()
+    with pytest.raises(Exception) as failure:
+        db_retry(broken, what="reading nothing", budget_s=30)
+    assert calls == [0] and time.monotonic() - started < 5
+    assert not isinstance(failure.value, (DatabaseUnavailable, IntegrityError))

@@ -31,7 +31,9 @@ class PrivateStack:
         inference_workers: int = 1,
         env: dict[str, str] | None = None,
         home: Path | None = None,
+        database_url: str | None = None,
     ) -> None:
+        self.database_url = database_url  # None: SQLite under the private home
         self.slots = slots
         self.policy_name = policy
         self.inference_workers = inference_workers
@@ -51,6 +53,8 @@ class PrivateStack:
         })  # fmt: skip
         for var in ("DATABASE_URL", "REDIS_URL"):
             os.environ.pop(var, None)
+        if self.database_url:
+            os.environ["DATABASE_URL"] = self.database_url
         import django
 
         django.setup()
@@ -74,7 +78,10 @@ class PrivateStack:
             inference_workers=self.inference_workers,
             router_port=self.ROUTER_PORT,
         )
-        self.supervisor = Supervisor(home=self.home, specs=[s for s in specs if s.name != "web"])
+        # The supervisor watches the embedded Redis as the launcher does.
+        self.supervisor = Supervisor(
+            home=self.home, specs=[s for s in specs if s.name != "web"], redis=self.redis
+        )
         self.supervisor.start()
         if not wait_http(f"http://127.0.0.1:{self.ROUTER_PORT}/health", timeout=300):
             self.__exit__()
@@ -82,5 +89,4 @@ class PrivateStack:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.supervisor.stop()
-        self.redis.stop()
+        self.supervisor.stop()  # the embedded Redis last

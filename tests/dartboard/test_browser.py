@@ -4,12 +4,14 @@ trajectory with the arrow keys, promote it and override its reward."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,13 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def daphne(subprocess_env):
+@contextlib.contextmanager
+def running_daphne(env: dict[str, str]) -> Iterator[str]:
+    """The dashboard served by a daphne process with `env`; its URL."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
          "dartboard.asgi:application"],
-        cwd=ROOT, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,6 +79,12 @@ def daphne(subprocess_env):
         yield url
     finally:
         terminate_pid(proc.pid, timeout=10)
+
+
+@pytest.fixture
+def daphne(subprocess_env):
+    with running_daphne(subprocess_env) as url:
+        yield url
 
 
 @pytest.fixture
@@ -172,3 +181,45 @@ def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, 
     page.wait_for_selector("table.overrides >> text=only half of the form filled")
     traj = in_thread(Trajectory.objects.get, pk=claim.trajectory_id)
     assert (traj.in_pool, traj.reward, traj.reward_source) == (True, 0.5, "human")
+
+
+def _log_in_as_ada(page, url: str, researcher) -> None:
+    # The server runs the project's settings (PBKDF2), the suite MD5: store a PBKDF2 hash.
+    hashed = PBKDF2PasswordHasher().encode("lovelace-pass-1", "saltsalt", iterations=1000)
+    in_thread(type(researcher).objects.filter(pk=researcher.pk).update, password=hashed)
+    page.goto(f"{url}/accounts/login/")
+    page.fill("input[name=username]", "ada")
+    page.fill("input[name=password]", "lovelace-pass-1")
+    page.click("button[type=submit]")
+
+
+def test_the_run_page_says_while_redis_is_down(subprocess_env, researcher, page, tmp_path):
+    """The banner and the health line follow a Redis outage live (the page polls over
+    HTTP: its WebSocket feed rides on the Redis that is down)."""
+    from dartboard.embedded_redis import EmbeddedRedis
+    from tests.datamanager.factories import make_running_run, make_tasks
+
+    redis = EmbeddedRedis(tmp_path / "r" / "redis.sock")
+    redis.start()
+    try:
+        with running_daphne({**subprocess_env, "REDIS_URL": redis.url}) as url:
+            in_thread(make_tasks, 1)
+            run = in_thread(make_running_run)
+            _log_in_as_ada(page, url, researcher)
+            page.goto(f"{url}/runs/{run.pk}/")
+            page.wait_for_selector("#health-line .svc.up[data-service=redis]")
+            assert "Redis" not in page.text_content("#outage-banner")  # (no router runs here)
+
+            redis.stop()
+            page.wait_for_selector("#outage-banner >> text=Redis down since")
+            page.wait_for_selector("#health-line .svc.down[data-service=redis]")
+            title = page.get_attribute("#health-line [data-service=redis]", "title")
+            assert title and "connecting to" in title  # the last error, on hover
+
+            redis.start()
+            page.wait_for_selector("#health-line .svc.up[data-service=redis]")
+            page.wait_for_function(
+                "!document.getElementById('outage-banner').textContent.includes('Redis')"
+            )
+    finally:
+        redis.stop()

@@ -32,7 +32,7 @@ from django.test import Client
 from django.utils import timezone
 
 from dartboard.embedded_redis import EmbeddedRedis
-from datamanager.models import Run, ServiceOutage, Trajectory, TrainUpdate
+from datamanager.models import Run, ServiceOutage, TrainUpdate, Trajectory
 from tests.live_stack import (
     create_started_run,
     finished,

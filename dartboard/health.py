@@ -249,10 +249,8 @@ def outage_banner(rows: list[ServiceHealth]) -> str:
     down = [r for r in rows if r.state == DOWN]
     if not down:
         return ""
-    now = timezone.now()
     parts = [
-        f"{r.label} down since {timezone.localtime(r.since):%H:%M:%S} "
-        f"({(now - r.since).total_seconds():.0f} s): {r.last_error}"
+        f"{r.label} down since {timezone.localtime(r.since):%H:%M:%S}: {r.last_error}"
         for r in down
     ]
     return "Outage: " + "; ".join(parts)

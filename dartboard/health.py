@@ -250,8 +250,7 @@ def outage_banner(rows: list[ServiceHealth]) -> str:
     if not down:
         return ""
     parts = [
-        f"{r.label} down since {timezone.localtime(r.since):%H:%M:%S}: {r.last_error}"
-        for r in down
+        f"{r.label} down since {timezone.localtime(r.since):%H:%M:%S}: {r.last_error}" for r in down
     ]
     return "Outage: " + "; ".join(parts)
 

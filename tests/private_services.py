@@ -81,3 +81,64 @@ class PrivatePostgres:
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
             self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class PrivateS3:
+    """moto's S3 server (a real S3 API over HTTP) on 127.0.0.1, in its own process."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        import sys
+        import time
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    err = self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ""
+                    self.stop()
+                    raise RuntimeError(f"moto's S3 server did not start: {err}") from None
+                time.sleep(0.2)
+
+    def env(self) -> dict[str, str]:
+        """What a client process needs to reach it."""
+        return {
+            "AWS_S3_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "dartboard-test",
+            "AWS_SECRET_ACCESS_KEY": "dartboard-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def client(self):
+        import boto3
+
+        env = self.env()
+        return boto3.client(
+            "s3",
+            endpoint_url=env["AWS_S3_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"],
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None

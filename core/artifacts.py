@@ -1,0 +1,255 @@
+"""Checkpoints in object storage, fetched by reference and verified: no process reads another
+host's disk.
+
+A store is named by a URL (settings.DARTBOARD_ARTIFACTS, `--artifacts` on an inference
+server):
+- `file:///srv/dartboard/artifacts`: a directory (the single-machine default, under
+  DARTBOARD_HOME; files are hard-linked into it where the filesystem allows);
+- `s3://bucket/prefix`: S3 or any S3-compatible server (AWS_S3_ENDPOINT_URL,
+  AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION from the environment).
+
+An artifact is a directory (a checkpoint: config + safetensors, or a LoRA adapter) stored
+under a key, with a manifest listing every file's size and sha256, written last so a reader
+never sees a manifest whose files are still uploading. Its reference names the manifest's
+own sha256: `artifact:runs/3/v12@<64 hex>`. `fetch` downloads it into a cache directory
+named by that digest, checks the manifest against the reference and every file against the
+manifest, and only then moves it into place: a corrupt or tampered upload is refused with
+the file and both digests named, never loaded. A verified copy is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+from urllib.parse import urlparse
+
+MANIFEST = "MANIFEST.json"
+PREFIX = "artifact:"
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+_CHUNK = 1 << 20
+
+
+class ArtifactError(RuntimeError):
+    """An artifact that cannot be stored, found or trusted; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    key: str
+    digest: str  # sha256 of the manifest's bytes
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.key}@{self.digest}"
+
+    @classmethod
+    def parse(cls, text: str) -> ArtifactRef:
+        if not text.startswith(PREFIX) or "@" not in text:
+            raise ArtifactError(f"{text!r} is not an artifact reference (artifact:KEY@SHA256)")
+        key, _, digest = text[len(PREFIX) :].rpartition("@")
+        check_key(key)
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ArtifactError(f"{text!r}: the digest must be 64 lowercase hex characters")
+        return cls(key, digest)
+
+
+def is_ref(text: str) -> bool:
+    return text.startswith(PREFIX)
+
+
+def check_key(key: str) -> str:
+    """Relative path segments of letters, digits, `._-`; no `..`, no leading `/`."""
+    if not _KEY.match(key) or any(part in (".", "..") for part in key.split("/")):
+        raise ArtifactError(f"artifact key {key!r}: use segments of letters, digits and ._- ")
+    return key
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_of(directory: Path) -> bytes:
+    """The manifest of every regular file under `directory` (sorted, so it is canonical)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        if path.is_symlink():
+            raise ArtifactError(f"{path}: symlinks are not stored (copy the file)")
+        rel = path.relative_to(directory).as_posix()
+        if rel == MANIFEST:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    if not files:
+        raise ArtifactError(f"{directory} holds no files to store")
+    return json.dumps({"files": files}, sort_keys=True, indent=1).encode()
+
+
+class Store(Protocol):
+    """Where artifacts live. Keys are `/`-separated; each backend maps them to its names."""
+
+    url: str
+
+    def put(self, name: str, source: Path) -> None: ...
+
+    def put_bytes(self, name: str, data: bytes) -> None: ...
+
+    def get(self, name: str, target: IO[bytes]) -> None: ...
+
+    def get_bytes(self, name: str) -> bytes: ...
+
+
+class FileStore:
+    """A directory. Files are hard-linked in when the store is on the same filesystem (a
+    7B checkpoint then costs no second copy), copied otherwise."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"file://{root}"
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def put(self, name: str, source: Path) -> None:
+        target = self._path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        target = self._path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def get(self, name: str, target: IO[bytes]) -> None:
+        try:
+            with self._path(name).open("rb") as f:
+                shutil.copyfileobj(f, target, _CHUNK)
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.url}: no object {name}") from None
+
+    def get_bytes(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.url}: no object {name}") from None
+
+
+class S3Store:
+    """A bucket and prefix on S3 or an S3-compatible server (boto3; credentials and the
+    endpoint from the environment)."""
+
+    def __init__(self, bucket: str, prefix: str, *, client: Any | None = None) -> None:
+        import boto3  # start-up cost only where an S3 store is used
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.client = client or boto3.client(
+            "s3", endpoint_url=os.environ.get("AWS_S3_ENDPOINT_URL") or None
+        )
+
+    def _name(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def put(self, name: str, source: Path) -> None:
+        self.client.upload_file(str(source), self.bucket, self._name(name))
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._name(name), Body=data)
+
+    def get(self, name: str, target: IO[bytes]) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.download_fileobj(self.bucket, self._name(name), target)
+        except ClientError as exc:
+            raise ArtifactError(f"{self.url}: cannot read {name}: {exc}") from None
+
+    def get_bytes(self, name: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._name(name))["Body"]
+            return bytes(body.read())
+        except ClientError as exc:
+            raise ArtifactError(f"{self.url}: cannot read {name}: {exc}") from None
+
+
+def open_store(url: str) -> FileStore | S3Store:
+    parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.path:
+        return FileStore(Path(parsed.path))
+    if parsed.scheme == "s3" and parsed.netloc:
+        return S3Store(parsed.netloc, parsed.path)
+    raise ArtifactError(f"artifact store {url!r}: use file:///absolute/path or s3://bucket/prefix")
+
+
+def upload_dir(store: Store, key: str, directory: Path) -> ArtifactRef:
+    """Store every file of `directory` under `key`, then its manifest; returns the reference."""
+    check_key(key)
+    manifest = manifest_of(directory)
+    for rel in json.loads(manifest)["files"]:
+        store.put(f"{key}/{rel}", directory / rel)
+    store.put_bytes(f"{key}/{MANIFEST}", manifest)
+    return ArtifactRef(key, hashlib.sha256(manifest).hexdigest())
+
+
+def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
+    """The artifact's verified local copy under `cache` (downloaded once; reused after)."""
+    target = cache / ref.digest
+    if (target / MANIFEST).is_file():
+        return target
+    manifest = store.get_bytes(f"{ref.key}/{MANIFEST}")
+    got = hashlib.sha256(manifest).hexdigest()
+    if got != ref.digest:
+        raise ArtifactError(
+            f"artifact {ref.key}: its manifest has sha256 {got}, the reference names "
+            f"{ref.digest} (replaced or corrupt in {store.url}); not loaded"
+        )
+    files = json.loads(manifest)["files"]
+    cache.mkdir(parents=True, exist_ok=True)
+    with _staging(cache) as staging:
+        for rel, entry in files.items():
+            check_key(rel)
+            path = staging / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as f:
+                store.get(f"{ref.key}/{rel}", f)
+            size, digest = path.stat().st_size, sha256_file(path)
+            if size != entry["size"] or digest != entry["sha256"]:
+                raise ArtifactError(
+                    f"artifact {ref.key}: file {rel} has sha256 {digest} ({size} bytes), its "
+                    f"manifest says {entry['sha256']} ({entry['size']} bytes): corrupt or "
+                    f"tampered in {store.url}; not loaded"
+                )
+        (staging / MANIFEST).write_bytes(manifest)  # last: marks the copy complete
+        with contextlib.suppress(OSError):  # a concurrent fetch finished first: keep it
+            os.replace(staging, target)
+    return target
+
+
+@contextlib.contextmanager
+def _staging(cache: Path) -> Iterator[Path]:
+    staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=cache))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -47,6 +47,22 @@ def redis_url(home: Path) -> tuple[str, bool]:
     return raw, False
 
 
+def artifacts_url(home: Path) -> str:
+    """DARTBOARD_ARTIFACTS, else a directory under DARTBOARD_HOME."""
+    raw = os.environ.get("DARTBOARD_ARTIFACTS", "").strip()
+    if not raw:
+        return f"file://{home / 'artifacts'}"
+    parsed = urlparse(raw)
+    if not (parsed.scheme == "file" and parsed.path.startswith("/")) and not (
+        parsed.scheme == "s3" and parsed.netloc
+    ):
+        raise SettingsError(
+            f"DARTBOARD_ARTIFACTS={raw!r}: use s3://BUCKET/PREFIX (with AWS_S3_ENDPOINT_URL for "
+            "an S3-compatible server) or file:///absolute/path"
+        )
+    return raw
+
+
 def celery_url(url: str) -> str:
     """Celery/kombu spell a unix socket `redis+socket:///path`."""
     if url.startswith("unix://"):

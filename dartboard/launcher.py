@@ -25,6 +25,7 @@ from django.conf import settings
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 from dartboard.embedded_redis import EmbeddedRedis, RedisStartError
 from rollout.auth import TOKEN_ENV
+from rollout.checkpoints import CACHE_ENV, STORE_ENV
 from rollout.vllm_command import VLLM_ENV, vllm_serve_args
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -189,9 +190,12 @@ def default_specs(
     with a policy, the rollout service: inference workers behind the router."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
     # The rollout service demands the token and loads weights only from these roots.
+    # ... and fetches versions by reference from the artifact store into its cache.
     service_env = {
         "DARTBOARD_SERVICE_TOKEN": settings.DARTBOARD_SERVICE_TOKEN,
         "DARTBOARD_CHECKPOINT_ROOTS": os.pathsep.join(settings.DARTBOARD_CHECKPOINT_ROOTS),
+        STORE_ENV: settings.DARTBOARD_ARTIFACTS,
+        CACHE_ENV: str(settings.DARTBOARD_ARTIFACT_CACHE),
     }
     specs = [
         ProcSpec(

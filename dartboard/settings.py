@@ -3,7 +3,7 @@
 Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, ALLOWED_HOSTS,
 DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
 DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S,
-DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S.
+DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S, DARTBOARD_ARTIFACTS, DARTBOARD_ARTIFACT_CACHE.
 See README.md, "Configuration".
 """
 
@@ -40,6 +40,7 @@ try:
     _watchdog_grace_s = config_env.env_seconds("DARTBOARD_WATCHDOG_GRACE_S", 20.0)
     _db_retry_s = config_env.env_seconds("DARTBOARD_DB_RETRY_S", 90.0)
     _redis_retry_s = config_env.env_seconds("DARTBOARD_REDIS_RETRY_S", 60.0)
+    DARTBOARD_ARTIFACTS = config_env.artifacts_url(DARTBOARD_HOME)
 except config_env.SettingsError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -261,6 +262,11 @@ DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
 # The router, inference servers and vLLM adapter demand this token (rollout/auth.py) and
 # load weights only from these roots.
 DARTBOARD_SERVICE_TOKEN = config_env.service_token(DARTBOARD_HOME, production=PRODUCTION)
+# Published versions go to the artifact store (core/artifacts.py) and are fetched by reference,
+# checksums verified, into each host's cache: no host reads another's disk.
+DARTBOARD_ARTIFACT_CACHE = Path(
+    os.environ.get("DARTBOARD_ARTIFACT_CACHE") or DARTBOARD_HOME / "artifact-cache"
+)
 DARTBOARD_CHECKPOINT_ROOTS = [
     str(CHECKPOINT_ROOT),
     str(BASE_DIR / "policies"),

@@ -291,6 +291,12 @@ class PolicyVersion(models.Model):
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="policy_versions")
     version = models.PositiveIntegerField()
     checkpoint = models.CharField(max_length=500, help_text="Checkpoint location (storage key).")
+    artifact = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="The version in the artifact store (artifact:KEY@SHA256): what inference "
+        "hosts and a trainer on another host fetch and verify.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     reached_workers = models.JSONField(default=list, blank=True)
 

@@ -57,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from core.artifacts import ArtifactError, ArtifactRef, is_ref
 from rollout.asgi import (
     JSONReply,
     RequestError,
@@ -631,7 +632,12 @@ def build_app(router: Router, *, token: str) -> TokenGate:
         checkpoint, version = body.get("checkpoint"), body.get("version")
         if not isinstance(checkpoint, str) or not checkpoint:
             raise RequestError("checkpoint must be a directory path string", param="checkpoint")
-        if router.roots:  # else the workers check their own roots
+        if is_ref(checkpoint):  # fetched and verified by each worker from the store
+            try:
+                ArtifactRef.parse(checkpoint)
+            except ArtifactError as exc:
+                raise RequestError(str(exc), param="checkpoint") from None
+        elif router.roots:  # else the workers check their own roots
             checkpoint_allowed(checkpoint, router.roots)
         if not isinstance(version, int) or isinstance(version, bool):
             raise RequestError("version must be an integer", param="version")

@@ -49,13 +49,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
 from starlette.requests import Request
 from starlette.responses import Response
 
+from core.artifacts import ArtifactError, is_ref
 from core.lora import is_adapter_dir
 from core.policy_io import (
     generate,
@@ -76,13 +76,8 @@ from rollout.asgi import (
     serve,
     worker_app,
 )
-from rollout.auth import (
-    ROOTS_ENV,
-    TOKEN_ENV,
-    checkpoint_allowed,
-    checkpoint_roots,
-    service_token,
-)
+from rollout.auth import ROOTS_ENV, TOKEN_ENV, checkpoint_roots, service_token
+from rollout.checkpoints import CACHE_ENV, STORE_ENV, CheckpointSource
 
 log = logging.getLogger("rollout.server")
 
@@ -436,7 +431,7 @@ def _reply(
     return JSONReply(body, status, headers=headers)
 
 
-def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGate:
+def build_app(app: InferenceServer, *, token: str, source: CheckpointSource) -> TokenGate:
     """The ASGI app serving `app` (module doc for the routes)."""
 
     request_timeout_s = 600.0
@@ -469,7 +464,12 @@ def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGa
 
     async def reload(http: Request) -> Response:
         body = await json_object(http)
-        checkpoint, version = reload_fields(body, roots)
+        named, version = reload_fields(body, source)
+        try:
+            checkpoint = await run_blocking(source.local, named)
+        except ArtifactError as exc:
+            message = f"checkpoint not loaded, kept version {app.version}: {exc}"
+            return _reply(app, error_body(422, message, param="checkpoint"), 422)
         if not is_adapter_dir(checkpoint) and not os.path.isfile(
             os.path.join(checkpoint, "config.json")
         ):
@@ -492,14 +492,14 @@ def build_app(app: InferenceServer, *, token: str, roots: list[Path]) -> TokenGa
     return worker_app(endpoints, token=token, threads=(app.start, app.stop))
 
 
-def reload_fields(body: dict[str, Any], roots: list[Path]) -> tuple[str, int]:
-    """The checkpoint (under a root) and version a reload names."""
+def reload_fields(body: dict[str, Any], source: CheckpointSource) -> tuple[str, int]:
+    """The checkpoint (under a root, or an artifact reference) and version a reload names."""
     checkpoint, version = body.get("checkpoint"), body.get("version")
     if not isinstance(checkpoint, str) or not checkpoint:
         raise RequestError("checkpoint must be a directory path string", param="checkpoint")
     if not isinstance(version, int) or isinstance(version, bool):
         raise RequestError("version must be an integer", param="version")
-    checkpoint_allowed(checkpoint, roots)
+    source.check(checkpoint)
     return checkpoint, version
 
 
@@ -510,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--policy",
         required=True,
-        help="model directory (tiny Qwen3-VL policy or a Qwen2-VL / 2.5-VL / 3-VL checkpoint)",
+        help="model directory (tiny Qwen3-VL policy or a Qwen2-VL / 2.5-VL / 3-VL checkpoint), "
+        "or an artifact reference (artifact:KEY@SHA256) fetched from the artifact store",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
@@ -535,16 +536,29 @@ def main(argv: list[str] | None = None) -> None:
         help=f"a directory reloads may load from (repeatable; else ${ROOTS_ENV}, else the "
         "directory holding --policy)",
     )
+    parser.add_argument("--artifacts", default=None, help=f"artifact store URL (else ${STORE_ENV})")
+    parser.add_argument(
+        "--artifact-cache",
+        default=None,
+        help=f"where fetched versions are kept (else ${CACHE_ENV})",
+    )
     args = parser.parse_args(argv)
     token = service_token(args.token_file)
-    roots = checkpoint_roots(args.checkpoint_root, served=args.policy)
+    served = None if is_ref(args.policy) else args.policy
+    source = CheckpointSource(
+        checkpoint_roots(args.checkpoint_root, served=served),
+        store=args.artifacts,
+        cache=args.artifact_cache,
+    )
+    source.check(args.policy)
+    policy_dir = source.local(args.policy)  # an artifact reference is fetched and verified
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     app = InferenceServer(
-        policy_dir=args.policy,
+        policy_dir=policy_dir,
         version=args.version,
         device=args.device,
         max_batch=1 if args.no_batching else args.max_batch,
@@ -560,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    serve(build_app(app, token=token, roots=roots), sock)
+    serve(build_app(app, token=token, source=source), sock)
 
 
 if __name__ == "__main__":

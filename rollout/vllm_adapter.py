@@ -32,13 +32,13 @@ import collections
 import logging
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from core.artifacts import ArtifactError
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
 from rollout.asgi import (
@@ -46,12 +46,14 @@ from rollout.asgi import (
     TokenGate,
     bind,
     error_body,
+    error_reply,
     json_object,
     run_blocking,
     serve,
     worker_app,
 )
 from rollout.auth import bearer, checkpoint_roots, service_token
+from rollout.checkpoints import CACHE_ENV, STORE_ENV, CheckpointSource
 from rollout.server import parse_chat_request, reload_fields
 
 log = logging.getLogger("rollout.vllm_adapter")
@@ -212,7 +214,7 @@ class Adapter:
             }
 
 
-def build_app(adapter: Adapter, *, token: str, roots: list[Path]) -> TokenGate:
+def build_app(adapter: Adapter, *, token: str, source: CheckpointSource) -> TokenGate:
     async def health(_: Request) -> Response:
         return JSONReply(adapter.health())
 
@@ -226,7 +228,12 @@ def build_app(adapter: Adapter, *, token: str, roots: list[Path]) -> TokenGate:
         return JSONReply(reply, status)
 
     async def reload(http: Request) -> Response:
-        checkpoint, version = reload_fields(await json_object(http), roots)
+        named, version = reload_fields(await json_object(http), source)
+        try:
+            checkpoint = await run_blocking(source.local, named)
+        except ArtifactError as exc:
+            message = f"checkpoint not loaded, kept version {adapter.version}: {exc}"
+            return error_reply(422, message, param="checkpoint")
         status, reply = await run_blocking(adapter.reload, checkpoint, version)
         return JSONReply(reply, status)
 
@@ -251,9 +258,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoint-root", action="append", default=[], help="else $DARTBOARD_CHECKPOINT_ROOTS"
     )
+    parser.add_argument("--artifacts", default=None, help=f"artifact store URL (else ${STORE_ENV})")
+    parser.add_argument(
+        "--artifact-cache",
+        default=None,
+        help=f"where fetched versions are kept (else ${CACHE_ENV})",
+    )
     args = parser.parse_args(argv)
     token = service_token(args.token_file)
-    roots = checkpoint_roots(args.checkpoint_root, served=None)
+    source = CheckpointSource(
+        checkpoint_roots(args.checkpoint_root, served=None),
+        store=args.artifacts,
+        cache=args.artifact_cache,
+    )
     adapter = Adapter(
         args.vllm,
         args.version,
@@ -263,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)
-    serve(build_app(adapter, token=token, roots=roots), sock)
+    serve(build_app(adapter, token=token, source=source), sock)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,26 @@ def png_bytes(
     buf = io.BytesIO()
     Image.new("RGB", (width, height), color).save(buf, format="PNG")
     return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a real S3 API), with a bucket `dartboard`; stopped at
+    the end of the session."""
+    from tests.private_services import PrivateS3
+
+    server = PrivateS3()
+    server.start()
+    server.client().create_bucket(Bucket="dartboard")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_artifacts(s3_server, monkeypatch) -> str:
+    """This process and the ones it starts reach the S3 server; returns the store URL."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return "s3://dartboard/artifacts"

@@ -26,12 +26,13 @@ from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
 log = logging.getLogger(__name__)
 
 
-def run_current_policy(*, run: Run) -> tuple[int, Path]:
-    """(version, checkpoint dir) the run's rollouts should use now."""
+def run_current_policy(*, run: Run) -> tuple[int, str]:
+    """(version, checkpoint) the run's rollouts should use now: the newest version's artifact
+    reference (a version published before the store, its directory), else the run's policy."""
     latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
     if latest is not None:
-        return latest.version, Path(latest.checkpoint)
-    return 0, policy_path(RunConfig.from_dict(run.config).policy)
+        return latest.version, latest.artifact or latest.checkpoint
+    return 0, str(policy_path(RunConfig.from_dict(run.config).policy))
 
 
 class RunNotStartable(Exception):
@@ -83,7 +84,7 @@ def run_start_workers(*, run_id: int) -> None:
     episodes.taskstats_ensure(run=run)
     episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
     scripted = cfg.policy == ORACLE_POLICY  # the scripted oracle: no model, nothing to train
-    version, checkpoint = (0, Path()) if scripted else run_current_policy(run=run)
+    version, checkpoint = (0, "") if scripted else run_current_policy(run=run)
 
     def enqueue() -> None:
         if not scripted:
@@ -111,7 +112,7 @@ def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
     return work
 
 
-def router_sync(*, run_id: int, checkpoint: Path, version: int, rolling: bool = True) -> None:
+def router_sync(*, run_id: int, checkpoint: str | Path, version: int, rolling: bool = True) -> None:
     """Ask the router to load `version` on its workers: rolling (one worker at a time, the
     decoupled design) or all at once (the synchronous baseline). A failure is said on the
     run (the dashboard shows it) and logged; the next publish tries again."""

@@ -29,6 +29,7 @@ from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig
+from workers.artifacts import checkpoint_restore, checkpoint_upload
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
 from workers.evaluation import eval_schedule_for_version
@@ -58,11 +59,13 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
         # Measured here: with the env workers and inference on the same 2 cores, 2 torch
         # threads ran ~10x slower than 1 (oversubscription). GPU hosts are unaffected.
         torch.set_num_threads(settings.DARTBOARD_TORCH_THREADS)
+        run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
+        checkpoint_restore(run=run, run_dir=run_dir)  # a new host fetches the newest version
         published = list(PolicyVersion.objects.filter(run=run).values_list("version", flat=True))
         lora = lora_spec(cfg.trainer)
         spec = TrainerSpec(
             start_checkpoint=str(policy_path(cfg.policy)),
-            run_dir=str(settings.CHECKPOINT_ROOT / f"run-{run.pk}"),
+            run_dir=str(run_dir),
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
             kl_coef=cfg.trainer.kl_coef,
@@ -132,16 +135,23 @@ def run_loop(
 
 
 def policy_version_publish(
-    *, run: Run, version: int, checkpoint: Path, rolling: bool = True
+    *, run: Run, version: int, checkpoint: Path, artifact: str = "", rolling: bool = True
 ) -> PolicyVersion:
     """Publish a trained version; call inside the update's transaction. After commit the
     router loads it (one worker at a time, or all at once for the synchronous baseline,
-    which then waits for it) and its scheduled evaluation, if any, is enqueued."""
-    published = policy_version_create(run=run, version=version, checkpoint=checkpoint)
+    which then waits for it): by its artifact reference, so every inference host fetches
+    it from the store. Its scheduled evaluation, if any, is enqueued."""
+    published = policy_version_create(
+        run=run, version=version, checkpoint=checkpoint, artifact=artifact
+    )
     eval_schedule_for_version(run_id=run.pk, version=version)
     transaction.on_commit(
         functools.partial(
-            router_sync, run_id=run.pk, checkpoint=checkpoint, version=version, rolling=rolling
+            router_sync,
+            run_id=run.pk,
+            checkpoint=artifact or checkpoint,
+            version=version,
+            rolling=rolling,
         )
     )
     return published
@@ -162,13 +172,22 @@ def update_and_publish(
     trained_version = trainer.state.version
     metrics = trainer.update(batch.samples, config)
     path = trainer.save_version(trained_version + 1) if publish else None
+    artifact = (
+        checkpoint_upload(run_id=run.pk, version=trained_version + 1, checkpoint=path)
+        if path is not None
+        else ""
+    )
     with transaction.atomic():
         update = batches.batch_commit(
             run=run, batch=batch, metrics=metrics, trained_version=trained_version, kind=kind
         )
         if path is not None:
             policy_version_publish(
-                run=run, version=trained_version + 1, checkpoint=path, rolling=rolling
+                run=run,
+                version=trained_version + 1,
+                checkpoint=path,
+                artifact=artifact,
+                rolling=rolling,
             )
         publish_on_commit(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}

@@ -7,9 +7,13 @@ from pathlib import Path
 from datamanager.models import PolicyVersion, Run
 
 
-def policy_version_create(*, run: Run, version: int, checkpoint: Path) -> PolicyVersion:
+def policy_version_create(
+    *, run: Run, version: int, checkpoint: Path, artifact: str = ""
+) -> PolicyVersion:
     """A published version of the run's policy (inside the update's transaction)."""
-    return PolicyVersion.objects.create(run=run, version=version, checkpoint=str(checkpoint))
+    return PolicyVersion.objects.create(
+        run=run, version=version, checkpoint=str(checkpoint), artifact=artifact
+    )
 
 
 def policy_version_add_reach(*, version_id: int, workers: list[str]) -> None:

@@ -18,25 +18,11 @@ from core.artifacts import (
     open_store,
     upload_dir,
 )
-from tests.private_services import PrivateS3
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = PrivateS3()
-    server.start()
-    server.client().create_bucket(Bucket="dartboard")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
-def bucket(s3, monkeypatch):
-    for name, value in s3.env().items():
-        monkeypatch.setenv(name, value)
-    return open_store("s3://dartboard/artifacts")
+def bucket(s3_artifacts):
+    return open_store(s3_artifacts)
 
 
 def _same_tree(a, b) -> bool:
@@ -49,7 +35,7 @@ def _same_tree(a, b) -> bool:
 
 
 def test_a_checkpoint_stored_in_s3_is_fetched_whole_on_another_host(
-    bucket, s3, tiny_policy_dir, tmp_path
+    bucket, s3_server, tiny_policy_dir, tmp_path
 ):
     ref = upload_dir(bucket, "runs/1/v3", tiny_policy_dir)
     assert isinstance(bucket, S3Store) and str(ref).startswith("artifact:runs/1/v3@")
@@ -59,22 +45,22 @@ def test_a_checkpoint_stored_in_s3_is_fetched_whole_on_another_host(
     assert local == tmp_path / "host-b-cache" / ref.digest
     assert _same_tree(tiny_policy_dir, local)
     # Fetched once: the verified copy is reused (even with the server gone).
-    s3.stop()
+    s3_server.stop()
     try:
         assert fetch(bucket, ref, tmp_path / "host-b-cache") == local
     finally:
-        s3.start()
-        s3.client().create_bucket(Bucket="dartboard")
+        s3_server.start()
+        s3_server.client().create_bucket(Bucket="dartboard")
 
 
 def test_a_corrupt_upload_is_refused_naming_the_file_and_nothing_is_cached(
-    bucket, s3, tiny_policy_dir, tmp_path
+    bucket, s3_server, tiny_policy_dir, tmp_path
 ):
     ref = upload_dir(bucket, "runs/2/v1", tiny_policy_dir)
     weights = next(p.name for p in tiny_policy_dir.iterdir() if p.suffix == ".safetensors")
     data = bytearray((tiny_policy_dir / weights).read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the weights
-    s3.client().put_object(
+    s3_server.client().put_object(
         Bucket="dartboard", Key=f"artifacts/runs/2/v1/{weights}", Body=bytes(data)
     )
 
@@ -86,7 +72,7 @@ def test_a_corrupt_upload_is_refused_naming_the_file_and_nothing_is_cached(
     assert not (cache / ref.digest).exists() and os.listdir(cache) == []
 
 
-def test_a_replaced_manifest_does_not_match_its_reference(bucket, s3, tiny_policy_dir, tmp_path):
+def test_a_replaced_manifest_does_not_match_its_reference(bucket, s3_server, tiny_policy_dir, tmp_path):
     ref = upload_dir(bucket, "runs/3/v1", tiny_policy_dir)
     upload_dir(bucket, "runs/3/v1", _other_dir(tmp_path))  # overwritten under the same key
     with pytest.raises(ArtifactError, match=r"its manifest has sha256 .* the reference names"):

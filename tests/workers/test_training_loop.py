@@ -136,6 +136,37 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
     del weights
 
 
+def test_versions_go_to_the_store_and_a_trainer_on_another_host_resumes_from_it(
+    run_on_tiny, s3_artifacts, settings, tmp_path
+):
+    """Nothing shared but the services: the published version is in S3 (moto's server), the
+    router is told its reference, and a trainer on a host with an empty disk fetches it."""
+    from core.artifacts import ArtifactRef
+
+    settings.DARTBOARD_ARTIFACTS = s3_artifacts
+    run = run_on_tiny
+    _fill(run)
+    training_loop._TRAINERS.clear()
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    published = PolicyVersion.objects.get(run=run, version=1)
+    ref = ArtifactRef.parse(published.artifact)
+    assert ref.key == f"runs/{run.pk}/v00001"
+    weights = {
+        k: v.clone() for k, v in training_loop._TRAINERS[run.pk].policy.model.state_dict().items()
+    }
+
+    training_loop._TRAINERS.clear()  # the trainer moves to another host: nothing on its disk
+    settings.CHECKPOINT_ROOT = tmp_path / "host-b" / "checkpoints"
+    settings.DARTBOARD_ARTIFACT_CACHE = tmp_path / "host-b" / "cache"
+    run.refresh_from_db()
+    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    assert (resumed.state.updates, resumed.state.version) == (1, 1)
+    assert (settings.DARTBOARD_ARTIFACT_CACHE / ref.digest).is_dir()
+    for name, value in resumed.policy.model.state_dict().items():
+        assert torch.equal(value, weights[name]), f"{name} differs from the stored version"
+    del weights
+
+
 def test_a_lora_run_publishes_adapter_versions_and_resumes_from_them(run_on_tiny):
     run = run_on_tiny
     trainer_cfg = {**run.config["trainer"], "lora_rank": 4, "lora_alpha": 8, "kl_coef": 0.1}

@@ -72,7 +72,9 @@ def test_a_corrupt_upload_is_refused_naming_the_file_and_nothing_is_cached(
     assert not (cache / ref.digest).exists() and os.listdir(cache) == []
 
 
-def test_a_replaced_manifest_does_not_match_its_reference(bucket, s3_server, tiny_policy_dir, tmp_path):
+def test_a_replaced_manifest_does_not_match_its_reference(
+    bucket, s3_server, tiny_policy_dir, tmp_path
+):
     ref = upload_dir(bucket, "runs/3/v1", tiny_policy_dir)
     upload_dir(bucket, "runs/3/v1", _other_dir(tmp_path))  # overwritten under the same key
     with pytest.raises(ArtifactError, match=r"its manifest has sha256 .* the reference names"):

@@ -5,6 +5,8 @@ version it has. Real moto S3 server, real inference server process."""
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import pytest
 
@@ -23,7 +25,10 @@ def test_a_worker_serves_versions_fetched_by_reference_and_refuses_a_tampered_on
     store = open_store(s3_artifacts)
     v0 = upload_dir(store, "runs/7/v00000", checkpoints[0])
     v1 = upload_dir(store, "runs/7/v00001", checkpoints[1])
-    v2 = upload_dir(store, "runs/7/v00002", checkpoints[0])
+    v2_dir = tmp_path / "v2"  # v0's weights again, but its own version (its own manifest)
+    shutil.copytree(checkpoints[0], v2_dir)
+    (v2_dir / "VERSION").write_text("2")
+    v2 = upload_dir(store, "runs/7/v00002", v2_dir)
     cache = tmp_path / "host-c-cache"  # the inference host's own disk: nothing else on it
     monkeypatch.setenv("DARTBOARD_ARTIFACTS", s3_artifacts)
     monkeypatch.setenv("DARTBOARD_ARTIFACT_CACHE", str(cache))

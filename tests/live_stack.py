@@ -12,6 +12,8 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -23,12 +25,13 @@ from django.utils import timezone
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.launcher import Supervisor, default_specs, wait_http
 from datamanager.config import RunConfig
-from datamanager.models import Run, Step, Task, Trajectory
+from datamanager.models import Run, Step, Task, TrainUpdate, Trajectory
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control, run_create
 
 TASKS = ("click-test-2", "click-button", "click-dialog")
 FINISHED = ("succeeded", "failed")
+ROOT = Path(__file__).resolve().parent.parent
 
 # Short leases and a fast watchdog so a test sees a recovery in seconds; the defaults
 # (30 s, 10 s, 20 s) only make it slower.
@@ -56,9 +59,10 @@ def two_free_ports() -> int:
 
 
 class Stack:
-    def __init__(self, supervisor: Supervisor, router: str) -> None:
+    def __init__(self, supervisor: Supervisor, router: str, env: dict[str, str]) -> None:
         self.supervisor = supervisor
         self.router = router
+        self.env = env  # what its processes run with
 
     def pid(self, name: str) -> int:
         return self.supervisor.children[name].proc.pid
@@ -110,7 +114,7 @@ def live_stack(
     supervisor.start()
     try:
         assert wait_http(f"{router}/health", timeout=120), "the router did not come up"
-        yield Stack(supervisor, router)
+        yield Stack(supervisor, router, env)
     finally:
         Run.objects.filter(status="running").update(status="stopped")
         supervisor.stop()
@@ -185,3 +189,53 @@ def slots_served_twice(run: Run) -> list[str]:
 
 def trained_twice(run: Run) -> int:
     return Step.objects.filter(trajectory__run=run, train_uses__gt=1).count()
+
+
+def start_workers(run: Run, stack: Stack) -> None:
+    """Enqueue the run's tasks from a process of the stack's own configuration (its Redis,
+    which may not be this process's)."""
+    code = f"from workers.runs import run_start_workers; run_start_workers(run_id={run.pk})"
+    subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", code],
+        cwd=ROOT, env=stack.env, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+
+
+def running(run: Run) -> list[int]:
+    return list(Trajectory.objects.filter(run=run, status="running").values_list("pk", flat=True))
+
+
+def under_way(stack: Stack, run: Run) -> None:
+    """The run has finished episodes and has one under way: something to carry through."""
+    stack.wait(lambda: len(finished(run)) >= 2 and running(run), timeout=300,
+               what="2 finished episodes and one under way")  # fmt: skip
+
+
+def going_on(stack: Stack, run: Run, since: datetime, *, what: str, episodes: int = 2,
+             update: bool) -> None:  # fmt: skip
+    """Episodes that started after `since` finish (and, with `update`, a trainer update
+    follows)."""
+    updates = TrainUpdate.objects.filter(run=run).count()
+    stack.wait(lambda: len(finished_after(run, since)) >= episodes, timeout=180,
+               what=f"{episodes} episodes started after {what}")  # fmt: skip
+    if update:
+        stack.wait(lambda: TrainUpdate.objects.filter(run=run).count() > updates, timeout=180,
+                   what=f"a trainer update after {what}")  # fmt: skip
+
+
+def nothing_lost(run: Run, before: dict, in_flight: list[int]) -> None:
+    """Finished trajectories unchanged, the episodes under way when it broke finished as
+    policy outcomes (not lost as errors), no step trained twice, no slot on two workers."""
+    after = finished(run)
+    assert {pk: after.get(pk) for pk in before} == before
+    ended = dict(Trajectory.objects.filter(pk__in=in_flight).values_list("pk", "status"))
+    assert all(status in ("succeeded", "failed", "running") for status in ended.values()), ended
+    assert trained_twice(run) == 0
+    assert slots_served_twice(run) == []
+
+
+def page_health(client: Any, run: Run) -> dict[str, Any]:
+    """The run page's health JSON: each service by name, and the banner under `_banner`."""
+    response = client.get(f"/runs/{run.pk}/health.json", HTTP_ACCEPT="application/json")
+    body = response.json()
+    return {"_banner": body.get("banner", ""), **{s["service"]: s for s in body["services"]}}

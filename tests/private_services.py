@@ -20,6 +20,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_answering(
+    url: str, proc: subprocess.Popen[bytes], *, what: str, timeout: float = 30
+) -> None:
+    """Poll `url` until it answers; RuntimeError with the process's stderr tail if the
+    process exits first or `timeout` passes."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+                raise RuntimeError(f"{what} did not start: {err}") from None
+            time.sleep(0.2)
+
+
 def postgres_bindir() -> Path:
     """Debian's server binaries (apt `postgresql`, installed by `make test`)."""
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
@@ -93,24 +113,16 @@ class PrivateS3:
 
     def start(self) -> None:
         import sys
-        import time
-        import urllib.request
 
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ""
-                    self.stop()
-                    raise RuntimeError(f"moto's S3 server did not start: {err}") from None
-                time.sleep(0.2)
+        try:
+            wait_answering(f"{self.url}/moto-api/", self.proc, what="moto's S3 server")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def env(self) -> dict[str, str]:
         """What a client process needs to reach it."""

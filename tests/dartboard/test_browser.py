@@ -5,12 +5,9 @@ trajectory with the arrow keys, promote it and override its reward."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from core.procutil import terminate_pid
 from tests.conftest import png_bytes
+from tests.private_services import free_port, wait_answering
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,12 +46,6 @@ def in_thread(fn, *args, **kwargs):
     return box.get("value")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_daphne(env: dict[str, str]) -> Iterator[str]:
     """The dashboard served by a daphne process with `env`; its URL."""
@@ -65,17 +57,7 @@ def running_daphne(env: dict[str, str]) -> Iterator[str]:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health/", timeout=1).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"daphne did not start: {proc.stderr.read().decode()[-2000:]}"
-                    ) from None
-                time.sleep(0.2)
+        wait_answering(f"{url}/health/", proc, what="daphne")
         yield url
     finally:
         terminate_pid(proc.pid, timeout=10)

@@ -145,6 +145,16 @@ class FileStore:
         except FileNotFoundError:
             raise ArtifactError(f"{self.url}: no object {name}") from None
 
+    def link(self, name: str, target: Path) -> bool:
+        """Hard-link the object to `target` (same filesystem); False where it cannot."""
+        try:
+            os.link(self._path(name), target)
+            return True
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.url}: no object {name}") from None
+        except OSError:
+            return False
+
     def get_bytes(self, name: str) -> bytes:
         try:
             return self._path(name).read_bytes()
@@ -216,6 +226,7 @@ def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
     """The artifact's verified local copy under `cache` (downloaded once; reused after)."""
     target = cache / ref.digest
     if (target / MANIFEST).is_file():
+        os.utime(target)  # used now: pruning keeps the most recently used copies
         return target
     manifest = store.get_bytes(f"{ref.key}/{MANIFEST}")
     got = hashlib.sha256(manifest).hexdigest()
@@ -231,8 +242,10 @@ def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
             check_key(rel)
             path = staging / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("wb") as f:
-                store.get(f"{ref.key}/{rel}", f)
+            # A file store on this filesystem costs no copy; it is verified all the same.
+            if not (isinstance(store, FileStore) and store.link(f"{ref.key}/{rel}", path)):
+                with path.open("wb") as f:
+                    store.get(f"{ref.key}/{rel}", f)
             size, digest = path.stat().st_size, sha256_file(path)
             if size != entry["size"] or digest != entry["sha256"]:
                 raise ArtifactError(
@@ -243,7 +256,25 @@ def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
         (staging / MANIFEST).write_bytes(manifest)  # last: marks the copy complete
         with contextlib.suppress(OSError):  # a concurrent fetch finished first: keep it
             os.replace(staging, target)
+    prune_cache(cache, keep=CACHE_KEEP, current=target)
     return target
+
+
+CACHE_KEEP = 4  # verified copies a host keeps (the newest by use); older ones are deleted
+
+
+def prune_cache(cache: Path, *, keep: int, current: Path) -> list[Path]:
+    """Delete all but the `keep` most recently fetched copies (never `current`): a long run
+    publishes a version a minute, and a host needs only the one it serves."""
+    copies = sorted(
+        (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    removed = [p for p in copies[keep:] if p != current]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 @contextlib.contextmanager

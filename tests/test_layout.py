@@ -44,7 +44,7 @@ def test_every_compose_service_runs_a_real_entry_point():
     queues = set()
     for name, svc in services.items():
         cmd = svc.get("command")
-        if svc.get("image", "").startswith(("postgres", "redis", "minio", "vllm")):
+        if svc.get("image", "").startswith(("postgres", "redis", "minio", "vllm", "caddy")):
             continue
         assert cmd and cmd[0] == "python", f"{name}: command {cmd!r} does not run the project"
         if cmd[1] == "manage.py":
@@ -80,17 +80,17 @@ def test_every_compose_service_runs_a_real_entry_point():
 
 
 def test_compose_keeps_internal_services_off_the_public_network():
-    """Only the web publishes a port and joins a routable network; vLLM (whose dev mode
+    """Only the TLS proxy publishes ports and joins a routable network; vLLM (whose dev mode
     reloads weights over HTTP) is reachable only from its adapter; every service that runs
     Dartboard code gets the service token."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services, networks = compose["services"], compose["networks"]
     assert networks["internal"]["internal"] is True and networks["vllm"]["internal"] is True
     published = {name for name, svc in services.items() if svc.get("ports")}
-    assert published == {"web"}
+    assert published == {"proxy"}
     for name, svc in services.items():
         joined = set(svc["networks"])
-        assert "public" not in joined or name == "web", name
+        assert "public" not in joined or name == "proxy", name
         assert "vllm" not in joined or name in ("vllm", "vllm-adapter"), name
         if name == "vllm":
             assert joined == {"vllm"}
@@ -149,3 +149,113 @@ def test_compose_runs_vllm_with_the_launchers_arguments():
     )
     assert composed == launched
     assert {k: v for k, v in service["environment"].items() if k != "PYTHONPATH"} == VLLM_ENV
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _dartboard_services() -> dict[str, dict]:
+    """The services that run this project's image."""
+    return {n: s for n, s in _compose()["services"].items() if s.get("build")}
+
+
+def _substitute(value: str, given: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} and ${VAR:?message}, with `given` for the required ones."""
+    import re
+
+    def one(match: re.Match) -> str:
+        name, op, rest = match.group(1), match.group(2), match.group(3)
+        if name in given:
+            return given[name]
+        assert op == ":-", f"${{{name}}} is required ({rest}) and the test gives no value"
+        return rest
+
+    return re.sub(r"\$\{([A-Z_]+)(:[-?])([^}]*)\}", one, str(value))
+
+
+def test_the_dockerfile_installs_what_make_installs():
+    """Debian bookworm, the Makefile's apt packages, the lock: the image the README's two
+    commands would give on a fresh machine."""
+    import re
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim-bookworm$", dockerfile, re.M)
+    apt = re.search(r"apt-get install -y --no-install-recommends ([^&]+)&&", dockerfile, re.S)
+    assert apt, "the Dockerfile installs no apt packages"
+    wanted = re.search(r"^APT_PACKAGES := (.+)$", makefile, re.M).group(1).split()
+    assert sorted(apt.group(1).replace("\\", " ").split()) == sorted(wanted)
+    assert "pip install -r requirements.lock" in dockerfile
+    for service in _dartboard_services().values():
+        assert service["build"] == "." and service["image"] == "dartboard:latest"
+
+
+def test_every_dartboard_service_starts_its_settings_in_production_with_what_compose_sets(
+    tmp_path,
+):
+    """Every setting a service needs is set: the settings module loads in production mode
+    with exactly the environment compose gives (no value of this machine leaks in), with
+    Secure cookies that work behind the proxy and the rollout service at the router."""
+    import json
+    import os
+
+    given = {"SECRET_KEY": "s" * 50, "DARTBOARD_SERVICE_TOKEN": "t" * 40}
+    services = _dartboard_services()
+    envs = {tuple(sorted(s["environment"].items())) for s in services.values()}
+    assert len(envs) == 1, "the services' environments drifted apart"
+    env = {k: _substitute(v, given) for k, v in services["web"]["environment"].items()}
+    env["DARTBOARD_HOME"] = str(tmp_path)  # the container's own volume, here a scratch one
+    probe = (
+        "import django, json; django.setup(); from django.conf import settings as s; "
+        "print(json.dumps({'secure': s.SESSION_COOKIE_SECURE and s.CSRF_COOKIE_SECURE, "
+        "'proxy': list(s.SECURE_PROXY_SSL_HEADER), 'csrf': s.CSRF_TRUSTED_ORIGINS, "
+        "'db': s.DATABASES['default']['HOST'], 'inference': s.DARTBOARD_INFERENCE_URLS, "
+        "'artifacts': s.DARTBOARD_ARTIFACTS, 'media': s.STORAGES['default']['BACKEND']}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={"PATH": os.environ["PATH"], "DJANGO_SETTINGS_MODULE": "dartboard.settings", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["secure"] and seen["proxy"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+    assert seen["csrf"] == ["https://localhost"] and seen["db"] == "postgres"
+    assert seen["inference"] == ["http://router:8100"]
+    assert seen["artifacts"].startswith("s3://") and seen["media"].endswith("S3Storage")
+
+
+def test_no_host_path_or_volume_is_shared_between_services():
+    """Each service's disk is its own: nothing but PostgreSQL, Redis and the bucket is shared
+    (vLLM and its adapter read the one model volume of their GPU host)."""
+    users: dict[str, set[str]] = {}
+    for name, svc in _compose()["services"].items():
+        for volume in svc.get("volumes", []):
+            users.setdefault(volume.split(":")[0], set()).add(name)
+    shared = {k: v for k, v in users.items() if len(v) > 1}
+    assert shared == {"models": {"vllm", "vllm-adapter"}}
+    host_paths = [k for k in users if k.startswith((".", "/"))]
+    assert all(users[k] == {"vllm"} for k in host_paths), host_paths  # the extension's code
+
+
+def test_inference_workers_register_with_the_router_the_platform_calls():
+    services = _compose()["services"]
+    router_url = services["web"]["environment"]["DARTBOARD_INFERENCE_URLS"]
+    assert services["router"]["command"][:3] == ["python", "-m", "rollout.router"]
+    assert router_url == "http://router:8100" and "8100" in services["router"]["command"]
+    for name in ("inference", "vllm-adapter"):
+        command = services[name]["command"]
+        assert command[command.index("--register") + 1] == router_url, name
+
+
+def test_every_long_running_service_is_health_checked_and_redis_keeps_its_data():
+    services = _compose()["services"]
+    one_shot = {"bucket", "migrate"}
+    unchecked = {"beat", "vllm", "vllm-adapter"}  # beat has no port; vLLM: its own image
+    for name, svc in services.items():
+        if name not in one_shot | unchecked:
+            assert "healthcheck" in svc, f"{name} has no healthcheck"
+    assert services["redis"]["command"][1:3] == ["--appendonly", "yes"]

@@ -1,0 +1,29 @@
+# Dartboard's image for docker-compose.yml: Debian bookworm, the apt packages of the Makefile's
+# APT_PACKAGES (tests/test_layout.py checks they agree), the pinned lock.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DARTBOARD_HOME=/var/lib/dartboard \
+    MINIWOB_CHROME_BINARY=/usr/bin/chromium \
+    MINIWOB_CHROMEDRIVER=/usr/bin/chromedriver
+
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+       chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick \
+       python3-tk fonts-dejavu-core bubblewrap postgresql \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+COPY requirements.lock requirements.txt ./
+RUN pip install -r requirements.lock
+
+COPY . .
+
+# Every service runs as this unprivileged user; its home (DARTBOARD_HOME) is per container.
+RUN useradd --create-home --home-dir /var/lib/dartboard --uid 10001 dartboard
+USER dartboard
+EXPOSE 8000 8100 8101
+CMD ["python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "dartboard.asgi:application"]

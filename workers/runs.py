@@ -21,7 +21,7 @@ from datamanager.services.runs import (
 )
 from datamanager.services.versions import policy_version_add_reach
 from rollout.router import RouterAdmin
-from workers.leases import LiveWork, slot_work, trainer_work, work_enqueue
+from workers.leases import REDIS_DOWN, LiveWork, redis_client, slot_work, trainer_work, work_enqueue
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def run_start_workers(*, run_id: int) -> None:
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     episodes.taskstats_ensure(run=run)
-    episodes.trajectories_abort_orphans(run_id=run_id, stale_after_s=cfg.env.silent_after_s)
+    run_orphans_abort(run_id=run_id, cfg=cfg)
     scripted = cfg.policy == ORACLE_POLICY  # the scripted oracle: no model, nothing to train
     version, checkpoint = (0, "") if scripted else run_current_policy(run=run)
 
@@ -93,6 +93,27 @@ def run_start_workers(*, run_id: int) -> None:
             work_enqueue(work)
 
     transaction.on_commit(enqueue)
+
+
+def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
+    """End the episodes of env workers that stopped: no heartbeat on their slot row for
+    `env.silent_after_s` and no live lease in Redis (either alone is an outage of the
+    database or of Redis, not a dead worker). With Redis away, the heartbeat decides."""
+    alive: set[str] = set()
+    client = redis_client()
+    try:
+        for work in run_live_work(run_id=run_id, cfg=cfg):
+            holder = client.get(work.lease_key)
+            if holder is not None:
+                alive.add(holder.decode() if isinstance(holder, bytes) else str(holder))
+    except REDIS_DOWN as exc:
+        log.warning("run %s: slot leases unreadable (%s); judging by heartbeats alone",
+                    run_id, exc)  # fmt: skip
+    finally:
+        client.close()
+    return episodes.trajectories_abort_orphans(
+        run_id=run_id, stale_after_s=cfg.env.silent_after_s, alive_slots=alive
+    )
 
 
 def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:

@@ -23,7 +23,7 @@ from datamanager.config import RunConfig
 from datamanager.events import publish_on_commit
 from datamanager.models import PolicyVersion, Run, RunStatus, TaskGroup, Trajectory
 from datamanager.policies import policy_path
-from datamanager.services import batches, episodes
+from datamanager.services import batches
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
@@ -40,7 +40,7 @@ from workers.leases import (
     work_hold,
 )
 from workers.lifecycle import shutdown_requested
-from workers.runs import policy_version_record_reach, router_sync
+from workers.runs import policy_version_record_reach, router_sync, run_orphans_abort
 
 log = logging.getLogger("dartboard.trainer")
 
@@ -214,7 +214,7 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
             return None
         if batch is None or not batch.samples:
             # A killed env worker leaves its episode running: end it so the group completes.
-            episodes.trajectories_abort_orphans(run_id=run.pk, stale_after_s=cfg.env.silent_after_s)
+            run_orphans_abort(run_id=run.pk, cfg=cfg)
             message = _waiting_message(run, cfg)
             if message != last_message:
                 run_set_message(run_id=run.pk, message=message)

@@ -35,7 +35,6 @@ from django.conf import settings
 from datamanager.config import RunConfig
 from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
 from datamanager.selectors.evaluations import eval_shard_finished
-from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
 from workers.leases import (
     LiveWork,
@@ -44,7 +43,7 @@ from workers.leases import (
     redis_client,
     work_enqueue,
 )
-from workers.runs import run_live_work
+from workers.runs import run_live_work, run_orphans_abort
 
 log = logging.getLogger("dartboard.watchdog")
 
@@ -58,9 +57,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
     try:
         for run in Run.objects.filter(status=RunStatus.RUNNING):
             cfg = RunConfig.from_dict(run.config)
-            aborted = episodes.trajectories_abort_orphans(
-                run_id=run.pk, stale_after_s=cfg.env.silent_after_s
-            )
+            aborted = run_orphans_abort(run_id=run.pk, cfg=cfg)
             if aborted:
                 log.warning("run %s: ended %d episodes of stopped env workers", run.pk, aborted)
             for work in run_live_work(run_id=run.pk, cfg=cfg):

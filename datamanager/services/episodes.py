@@ -8,6 +8,7 @@ experience-pool fill of an all-failed group, group readiness for the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -431,9 +432,15 @@ def _maybe_ready(group_id: int) -> None:
     )
 
 
-def trajectories_abort_orphans(*, run_id: int, stale_after_s: float) -> int:
+def trajectories_abort_orphans(
+    *, run_id: int, stale_after_s: float, alive_slots: Collection[str] = ()
+) -> int:
     """Running trajectories whose slot stopped heart-beating (a killed worker) end as
-    `aborted` with the reason, so their group can complete. Returns how many."""
+    `aborted` with the reason, so their group can complete. Returns how many.
+
+    `alive_slots`: names of slots known alive another way (their Redis lease is held): a
+    database outage stops every heartbeat for its length, and must not abort the episodes
+    it only paused."""
     from datetime import timedelta
 
     from django.db.models import Q
@@ -444,6 +451,8 @@ def trajectories_abort_orphans(*, run_id: int, stale_after_s: float) -> int:
     )
     count = 0
     for traj in orphans.select_related("env_slot"):
+        if traj.env_slot is not None and traj.env_slot.name in alive_slots:
+            continue
         beat = traj.env_slot.last_heartbeat if traj.env_slot else None
         trajectory_finish(
             trajectory_id=traj.pk,

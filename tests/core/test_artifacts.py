@@ -97,3 +97,25 @@ def test_the_file_store_links_instead_of_copying_and_refuses_bad_keys(tiny_polic
             upload_dir(store, key, tiny_policy_dir)
     with pytest.raises(ArtifactError, match="use file:///absolute/path or s3://bucket/prefix"):
         open_store("ftp://host/x")
+
+
+def test_a_host_keeps_only_its_newest_fetched_versions(tiny_policy_dir, tmp_path, monkeypatch):
+    """A version a minute for hours would fill the disk: the cache keeps the newest few."""
+    import time
+
+    monkeypatch.setattr("core.artifacts.CACHE_KEEP", 2)
+    store = FileStore(tmp_path / "store")
+    refs = []
+    for version in range(4):
+        directory = tmp_path / f"v{version}"
+        shutil.copytree(tiny_policy_dir, directory)
+        (directory / "VERSION").write_text(str(version))
+        refs.append(upload_dir(store, f"runs/1/v{version}", directory))
+    cache = tmp_path / "cache"
+    for ref in refs:
+        fetch(store, ref, cache)
+        time.sleep(0.01)  # distinct modification times
+    assert sorted(p.name for p in cache.iterdir()) == sorted(r.digest for r in refs[2:])
+    # On one filesystem the cached copy is a link to the stored file, not a second copy.
+    stored = tmp_path / "store" / "runs" / "1" / "v3" / "config.json"
+    assert (cache / refs[3].digest / "config.json").stat().st_ino == stored.stat().st_ino

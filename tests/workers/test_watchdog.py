@@ -168,3 +168,34 @@ def test_a_pending_marker_whose_message_left_the_queue_is_lost_work(redis):
     assert ("workers.tasks.slot_serve", [run.pk, "miniwob", 0]) in _queued_tasks(redis, "env")
     assert redis.llen("env") == env_before + 2  # the waiting one, and the lost one again
     assert watchdog_pass(now=now + 20) == []  # now queued: not enqueued twice
+
+
+def test_a_slot_silent_only_in_the_database_keeps_its_episode(redis):
+    """A database outage stops every heartbeat for its length; a slot whose worker kept its
+    Redis lease is alive, and its episode must not be ended as an orphan. A slot with
+    neither heartbeat nor lease is."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from datamanager.models import EnvSlot, Trajectory
+    from datamanager.services import episodes
+
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 1}})
+    slot = EnvSlot.objects.create(
+        name="host:7:miniwob:0", host="host", backend="miniwob", run=run,
+        last_heartbeat=timezone.now() - timedelta(seconds=120),
+    )  # fmt: skip
+    claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("miniwob",))
+    assert claim is not None
+    lease = slot_work(run_id=run.pk, backend="miniwob", index=0).lease_key
+    redis.set(lease, "host:7:miniwob:0", ex=60)
+
+    watchdog_pass(now=1000.0)
+    assert Trajectory.objects.get(pk=claim.trajectory_id).status == "running"
+
+    redis.delete(lease)  # the worker is gone: no lease either
+    watchdog_pass(now=1010.0)
+    ended = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert ended.status == "aborted" and "env worker stopped" in ended.error

@@ -9,6 +9,7 @@ from `--artifacts` / `--artifact-cache`, else DARTBOARD_ARTIFACTS / DARTBOARD_AR
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -19,6 +20,16 @@ from rollout.auth import checkpoint_allowed
 STORE_ENV = "DARTBOARD_ARTIFACTS"
 CACHE_ENV = "DARTBOARD_ARTIFACT_CACHE"
 DEFAULT_CACHE = Path.home() / ".cache" / "dartboard-artifacts"
+
+
+def add_store_options(parser: argparse.ArgumentParser) -> None:
+    """--artifacts and --artifact-cache (the transformers server and the vLLM adapter)."""
+    parser.add_argument("--artifacts", default=None, help=f"artifact store URL (else ${STORE_ENV})")
+    parser.add_argument(
+        "--artifact-cache",
+        default=None,
+        help=f"where fetched versions are kept (else ${CACHE_ENV})",
+    )
 
 
 class CheckpointSource:

@@ -9,6 +9,7 @@ restarted (it keeps its workers in memory) learns them back within that period.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import socket
 import threading
@@ -18,6 +19,26 @@ import httpx
 from rollout.auth import bearer
 
 log = logging.getLogger("rollout.registration")
+
+
+def add_registration_options(parser: argparse.ArgumentParser) -> None:
+    """--register, --register-every, --advertise (the transformers server and the vLLM
+    adapter take the same)."""
+    parser.add_argument(
+        "--register", default=None, metavar="ROUTER_URL",
+        help="register this worker with the router at start and every --register-every s",
+    )  # fmt: skip
+    parser.add_argument("--register-every", type=float, default=30.0)
+    parser.add_argument(
+        "--advertise", default=None, help="this worker's URL for the router (else host:port)"
+    )
+
+
+def start_registration(args: argparse.Namespace, *, host: str, port: int, token: str) -> None:
+    """With --register, keep this worker registered with the router (a daemon thread)."""
+    if args.register:
+        own = advertised_url(host, port, args.advertise)
+        Registration(args.register, own, token=token, every_s=args.register_every).start()
 
 
 def advertised_url(host: str, port: int, advertise: str | None) -> str:

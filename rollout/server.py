@@ -77,8 +77,8 @@ from rollout.asgi import (
     worker_app,
 )
 from rollout.auth import ROOTS_ENV, TOKEN_ENV, checkpoint_roots, service_token
-from rollout.checkpoints import CACHE_ENV, STORE_ENV, CheckpointSource
-from rollout.registration import Registration, advertised_url
+from rollout.checkpoints import CheckpointSource, add_store_options
+from rollout.registration import add_registration_options, start_registration
 
 log = logging.getLogger("rollout.server")
 
@@ -537,20 +537,8 @@ def main(argv: list[str] | None = None) -> None:
         help=f"a directory reloads may load from (repeatable; else ${ROOTS_ENV}, else the "
         "directory holding --policy)",
     )
-    parser.add_argument(
-        "--register", default=None, metavar="ROUTER_URL",
-        help="register this worker with the router at start and every --register-every s",
-    )  # fmt: skip
-    parser.add_argument("--register-every", type=float, default=30.0)
-    parser.add_argument(
-        "--advertise", default=None, help="this worker's URL for the router (else host:port)"
-    )
-    parser.add_argument("--artifacts", default=None, help=f"artifact store URL (else ${STORE_ENV})")
-    parser.add_argument(
-        "--artifact-cache",
-        default=None,
-        help=f"where fetched versions are kept (else ${CACHE_ENV})",
-    )
+    add_registration_options(parser)
+    add_store_options(parser)
     args = parser.parse_args(argv)
     token = service_token(args.token_file)
     served = None if is_ref(args.policy) else args.policy
@@ -578,9 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = bind(args.host, args.port)
     app.worker_name = f"{args.host}:{sock.getsockname()[1]}"
-    if args.register:
-        own = advertised_url(args.host, sock.getsockname()[1], args.advertise)
-        Registration(args.register, own, token=token, every_s=args.register_every).start()
+    start_registration(args, host=args.host, port=sock.getsockname()[1], token=token)
     print(
         f"serving {args.policy} v{args.version} on http://{app.worker_name}",
         file=sys.stderr,

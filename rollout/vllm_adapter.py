@@ -53,8 +53,8 @@ from rollout.asgi import (
     worker_app,
 )
 from rollout.auth import bearer, checkpoint_roots, service_token
-from rollout.checkpoints import CACHE_ENV, STORE_ENV, CheckpointSource
-from rollout.registration import Registration, advertised_url
+from rollout.checkpoints import CheckpointSource, add_store_options
+from rollout.registration import add_registration_options, start_registration
 from rollout.server import parse_chat_request, reload_fields
 
 log = logging.getLogger("rollout.vllm_adapter")
@@ -259,19 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoint-root", action="append", default=[], help="else $DARTBOARD_CHECKPOINT_ROOTS"
     )
-    parser.add_argument(
-        "--register", default=None, metavar="ROUTER_URL",
-        help="register this worker with the router at start and every 30 s",
-    )  # fmt: skip
-    parser.add_argument(
-        "--advertise", default=None, help="this worker's URL for the router (else host:port)"
-    )
-    parser.add_argument("--artifacts", default=None, help=f"artifact store URL (else ${STORE_ENV})")
-    parser.add_argument(
-        "--artifact-cache",
-        default=None,
-        help=f"where fetched versions are kept (else ${CACHE_ENV})",
-    )
+    add_registration_options(parser)
+    add_store_options(parser)
     args = parser.parse_args(argv)
     token = service_token(args.token_file)
     source = CheckpointSource(
@@ -288,9 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)
-    if args.register:
-        own = advertised_url(args.host, sock.getsockname()[1], args.advertise)
-        Registration(args.register, own, token=token).start()
+    start_registration(args, host=args.host, port=sock.getsockname()[1], token=token)
     serve(build_app(adapter, token=token, source=source), sock)
 
 

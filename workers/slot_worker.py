@@ -289,7 +289,8 @@ def serve_slot(
                 continue
             quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer, heartbeat.lost)
             if quarantined:
-                return SlotOutcome(False, "slot quarantined")
+                taken = heartbeat.lost.is_set()
+                return SlotOutcome(False, "slot taken over" if taken else "slot quarantined")
             episodes_run += 1
             if max_episodes is not None and episodes_run >= max_episodes:
                 slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)

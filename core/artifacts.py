@@ -42,6 +42,10 @@ class ArtifactError(RuntimeError):
     """An artifact that cannot be stored, found or trusted; the message says which and why."""
 
 
+class StoreUnreachable(ArtifactError):
+    """The store did not answer (down, restarting, timing out): trying later may work."""
+
+
 @dataclass(frozen=True)
 class ArtifactRef:
     key: str
@@ -162,6 +166,26 @@ class FileStore:
             raise ArtifactError(f"{self.url}: no object {name}") from None
 
 
+def s3_client_config() -> Any:
+    """Every S3 client's limits (botocore Config): a store that stops answering fails a call
+    in seconds, not after botocore's default 60 s read timeout times five tries, so the
+    caller's outage retry (workers/dbutil.py) decides how long to wait and says so. The read
+    timeout is per socket read, so large uploads are not cut short."""
+    from botocore.config import Config  # start-up cost only where S3 is used
+
+    return Config(
+        connect_timeout=5, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"}
+    )
+
+
+def s3_transfer_config() -> Any:
+    """Screenshot uploads through django-storages: one small object at a time, so no transfer
+    thread pool (its threads outlive the call and hold a worker's exit)."""
+    from boto3.s3.transfer import TransferConfig  # start-up cost only where S3 is used
+
+    return TransferConfig(use_threads=False)
+
+
 class S3Store:
     """A bucket and prefix on S3 or an S3-compatible server (boto3; credentials and the
     endpoint from the environment)."""
@@ -173,7 +197,9 @@ class S3Store:
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.client = client or boto3.client(
-            "s3", endpoint_url=os.environ.get("AWS_S3_ENDPOINT_URL") or None
+            "s3",
+            endpoint_url=os.environ.get("AWS_S3_ENDPOINT_URL") or None,
+            config=s3_client_config(),
         )
 
     def _name(self, name: str) -> str:
@@ -186,19 +212,24 @@ class S3Store:
         self.client.put_object(Bucket=self.bucket, Key=self._name(name), Body=data)
 
     def get(self, name: str, target: IO[bytes]) -> None:
-        from botocore.exceptions import ClientError
-
-        try:
+        with self._reading(name):
             self.client.download_fileobj(self.bucket, self._name(name), target)
-        except ClientError as exc:
-            raise ArtifactError(f"{self.url}: cannot read {name}: {exc}") from None
 
     def get_bytes(self, name: str) -> bytes:
-        from botocore.exceptions import ClientError
-
-        try:
+        with self._reading(name):
             body = self.client.get_object(Bucket=self.bucket, Key=self._name(name))["Body"]
             return bytes(body.read())
+
+    @contextlib.contextmanager
+    def _reading(self, name: str) -> Iterator[None]:
+        """A failed read as ArtifactError (StoreUnreachable when the server did not answer)."""
+        from botocore.exceptions import ClientError, HTTPClientError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
+        try:
+            yield
+        except (BotoConnectionError, HTTPClientError) as exc:
+            raise StoreUnreachable(f"{self.url}: unreachable while reading {name}: {exc}") from None
         except ClientError as exc:
             raise ArtifactError(f"{self.url}: cannot read {name}: {exc}") from None
 

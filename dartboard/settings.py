@@ -15,6 +15,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from core.artifacts import s3_client_config, s3_transfer_config
 from dartboard import config_env
 
 try:
@@ -147,6 +148,8 @@ if S3_BUCKET:
             "endpoint_url": os.environ.get("AWS_S3_ENDPOINT_URL") or None,
             "default_acl": None,
             "querystring_auth": True,
+            "client_config": s3_client_config(),
+            "transfer_config": s3_transfer_config(),
         },
     }
 else:

@@ -13,7 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-from core.artifacts import ArtifactError, ArtifactRef, fetch, is_ref, open_store
+from core.artifacts import ArtifactError, ArtifactRef, StoreUnreachable, fetch, is_ref, open_store
 from rollout.asgi import RequestError
 from rollout.auth import checkpoint_allowed
 
@@ -62,3 +62,9 @@ class CheckpointSource:
             return checkpoint
         assert self.store_url is not None  # check() refused a reference without a store
         return str(fetch(open_store(self.store_url), ArtifactRef.parse(checkpoint), self.cache))
+
+
+def fetch_failure_status(exc: ArtifactError) -> int:
+    """A reload whose checkpoint could not be fetched: 503 while the store does not answer
+    (the router tries again later), 422 for a reference that is missing or fails its check."""
+    return 503 if isinstance(exc, StoreUnreachable) else 422

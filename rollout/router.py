@@ -87,6 +87,9 @@ log = logging.getLogger("rollout.router")
 
 ROUTABLE = "active"
 RETRY_ELSEWHERE = frozenset({502, 503, 504})
+# A worker whose reload failed because its artifact store did not answer (503) is given the
+# version again this much later; any other failed reload is not retried for that version.
+RELOAD_RETRY_S = 5.0
 
 
 class NoWorkerAvailable(Exception):
@@ -132,6 +135,7 @@ class _Worker:
     failures: int = 0  # consecutive probe/forward failures
     last_error: str = ""
     failed_version: int | None = None  # a reload to this version failed: do not retry it
+    retry_reload_at: float = 0.0  # its store was unreachable: retry no sooner (monotonic)
     loaded_run: int | None = None  # the run whose checkpoint the router loaded here (None: unknown)
     model: str = ""  # the name its /health reports
 
@@ -421,6 +425,8 @@ class Router:
             return False
         if worker.policy_version is None or worker.failed_version == self.target_version:
             return False
+        if time.monotonic() < worker.retry_reload_at:
+            return False
         if worker.loaded_run is not None and worker.loaded_run != self.target_run:
             return True
         return worker.policy_version < self.target_version
@@ -540,7 +546,10 @@ class Router:
             return
         if response.status_code not in (200, 409):  # 409: a reload already runs there
             with self._cond:
-                worker.failed_version = version
+                if response.status_code == 503:  # its artifact store did not answer: later
+                    worker.retry_reload_at = time.monotonic() + RELOAD_RETRY_S
+                else:
+                    worker.failed_version = version
                 worker.last_error = f"reload to v{version} failed: {_json_or_error(response)}"
                 # It kept its old weights and still serves; the error is on the worker row.
                 self._event(worker, "suspect", worker.last_error)

@@ -77,7 +77,7 @@ from rollout.asgi import (
     worker_app,
 )
 from rollout.auth import ROOTS_ENV, TOKEN_ENV, checkpoint_roots, service_token
-from rollout.checkpoints import CheckpointSource, add_store_options
+from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.registration import add_registration_options, start_registration
 
 log = logging.getLogger("rollout.server")
@@ -470,7 +470,8 @@ def build_app(app: InferenceServer, *, token: str, source: CheckpointSource) -> 
             checkpoint = await run_blocking(source.local, named)
         except ArtifactError as exc:
             message = f"checkpoint not loaded, kept version {app.version}: {exc}"
-            return _reply(app, error_body(422, message, param="checkpoint"), 422)
+            status = fetch_failure_status(exc)
+            return _reply(app, error_body(status, message, param="checkpoint"), status)
         if not is_adapter_dir(checkpoint) and not os.path.isfile(
             os.path.join(checkpoint, "config.json")
         ):

@@ -53,7 +53,7 @@ from rollout.asgi import (
     worker_app,
 )
 from rollout.auth import bearer, checkpoint_roots, service_token
-from rollout.checkpoints import CheckpointSource, add_store_options
+from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.registration import add_registration_options, start_registration
 from rollout.server import parse_chat_request, reload_fields
 
@@ -234,7 +234,8 @@ def build_app(adapter: Adapter, *, token: str, source: CheckpointSource) -> Toke
             checkpoint = await run_blocking(source.local, named)
         except ArtifactError as exc:
             message = f"checkpoint not loaded, kept version {adapter.version}: {exc}"
-            return error_reply(422, message, param="checkpoint")
+            status = fetch_failure_status(exc)
+            return error_reply(status, message, param="checkpoint")
         status, reply = await run_blocking(adapter.reload, checkpoint, version)
         return JSONReply(reply, status)
 

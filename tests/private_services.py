@@ -11,7 +11,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
+
+Wrap = Callable[[list[str]], list[str]]  # an argv made to run elsewhere (another namespace)
 
 
 def free_port() -> int:
@@ -20,10 +24,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def server_log(what: str) -> IO[bytes]:
+    """A file for a server's output. Never a pipe: a server that logs each request blocks
+    once nobody reads a full pipe, and every client then hangs."""
+    return tempfile.NamedTemporaryFile(prefix=f"dartboard-{what}-", suffix=".log", delete=False)
+
+
 def wait_answering(
-    url: str, proc: subprocess.Popen[bytes], *, what: str, timeout: float = 30
+    url: str, proc: subprocess.Popen[bytes], *, what: str, log: str, timeout: float = 30
 ) -> None:
-    """Poll `url` until it answers; RuntimeError with the process's stderr tail if the
+    """Poll `url` until it answers; RuntimeError with the tail of its `log` file if the
     process exits first or `timeout` passes."""
     import time
     import urllib.request
@@ -35,8 +45,8 @@ def wait_answering(
             return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-                raise RuntimeError(f"{what} did not start: {err}") from None
+                tail = Path(log).read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{what} did not start: {tail}") from None
             time.sleep(0.2)
 
 
@@ -55,18 +65,21 @@ class PrivatePostgres:
     """A throwaway PostgreSQL cluster (initdb + pg_ctl) with trust auth for user postgres.
     As root, its programs run as the `postgres` system user (initdb refuses root)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", wrap: Wrap | None = None) -> None:
         self.bindir = postgres_bindir()
         self.root = Path(tempfile.mkdtemp(prefix="dartboard-pg-"))
         os.chmod(self.root, 0o755)
         self.data = self.root / "data"
         self.log = self.root / "postgres.log"
-        self.port = free_port()
+        self.host = host
+        self.wrap = wrap or (lambda argv: argv)  # e.g. into a test's network namespace
+        self.port = free_port() if wrap is None else 5432
 
     def _run(self, program: str, *args: str, timeout: float = 60) -> None:
         argv = [str(self.bindir / program), *args]
         if os.geteuid() == 0:
             argv = ["runuser", "-u", "postgres", "--", *argv]
+        argv = self.wrap(argv)
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -76,11 +89,15 @@ class PrivatePostgres:
             shutil.chown(self.root, "postgres", "postgres")
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
                   "-E", "UTF8", "--no-sync")  # fmt: skip
+        if self.host != "127.0.0.1":  # initdb trusts loopback only; let the host's /24 in
+            network = self.host.rsplit(".", 1)[0] + ".0/24"
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {network} trust\n")
         return self
 
     def start(self) -> None:
         options = (
-            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+            f"-p {self.port} -k {self.root} -c listen_addresses={self.host} -c fsync=off "
             "-c full_page_writes=off -c max_connections=100"
         )
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options,
@@ -91,11 +108,11 @@ class PrivatePostgres:
         self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def create_database(self, name: str) -> str:
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name)
+        self._run("createdb", "-h", self.host, "-p", str(self.port), "-U", "postgres", name)
         return self.url(name)
 
     def url(self, name: str) -> str:
-        return f"postgres://postgres@127.0.0.1:{self.port}/{name}"
+        return f"postgres://postgres@{self.host}:{self.port}/{name}"
 
     def remove(self) -> None:
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
@@ -104,22 +121,29 @@ class PrivatePostgres:
 
 
 class PrivateS3:
-    """moto's S3 server (a real S3 API over HTTP) on 127.0.0.1, in its own process."""
+    """moto's S3 server (a real S3 API over HTTP) on 127.0.0.1 (or `host` inside the network
+    namespace that `wrap` enters), in its own process."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, *, host: str = "127.0.0.1", wrap: Wrap | None = None) -> None:
+        self.port = free_port() if wrap is None else 9000
+        self.url = f"http://{host}:{self.port}"
+        self.host = host
+        self.wrap = wrap
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         import sys
 
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
+        argv = [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
+        with server_log("moto") as log:
+            self.log = log.name
+            self.proc = subprocess.Popen(self.wrap(argv) if self.wrap else argv,
+                                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        if self.wrap is not None:
+            return  # not reachable from here: the caller waits from inside its namespace
         try:
-            wait_answering(f"{self.url}/moto-api/", self.proc, what="moto's S3 server")
+            wait_answering(f"{self.url}/moto-api/", self.proc, what="moto's S3 server",
+                           log=self.log)  # fmt: skip
         except RuntimeError:
             self.stop()
             raise
@@ -149,7 +173,7 @@ class PrivateS3:
         if self.proc is not None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=3)  # it waits on idle keep-alive threads: kill it then
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

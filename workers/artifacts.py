@@ -19,6 +19,7 @@ from django.conf import settings
 from core.artifacts import ArtifactRef, fetch, open_store, upload_dir
 from datamanager.models import PolicyVersion, Run
 from training.trainer import STATE_FILE, version_dir
+from workers.dbutil import db_retry
 
 log = logging.getLogger("dartboard.artifacts")
 
@@ -26,7 +27,10 @@ log = logging.getLogger("dartboard.artifacts")
 def checkpoint_upload(*, run_id: int, version: int, checkpoint: Path) -> str:
     """Store a version's directory; returns its reference (artifact:runs/R/vNNNNN@sha256)."""
     store = open_store(settings.DARTBOARD_ARTIFACTS)
-    ref = upload_dir(store, f"runs/{run_id}/v{version:05d}", checkpoint)
+    ref = db_retry(  # the store restarting mid-upload: the upload starts again
+        lambda _: upload_dir(store, f"runs/{run_id}/v{version:05d}", checkpoint),
+        what=f"uploading version {version} of run {run_id} to {store.url}",
+    )
     log.info("run %s: version %s stored as %s in %s", run_id, version, ref, store.url)
     return str(ref)
 

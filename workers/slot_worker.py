@@ -6,9 +6,9 @@ and keeps a heartbeat on its `EnvSlot` row. A reset/step that raises or times ou
 trajectory `error` with the exception text, recreates the environment and goes on; after
 `quarantine_after` failures in a row the slot is quarantined with its last error.
 
-Outages: a step or an episode's end that cannot be written is retried while the database is
-away (workers/dbutil.py, DARTBOARD_DB_RETRY_S); past that the episode ends `error` with the
-reason, its recorded steps intact. The heartbeat rides out Redis and database outages; if
+Outages: a step or an episode's end that cannot be written is retried while the database or
+the object storage (screenshots) is away (workers/dbutil.py, DARTBOARD_DB_RETRY_S); past that
+the episode ends `error` with the reason, its recorded steps intact. The heartbeat rides out Redis and database outages; if
 another worker took the slot's lease meanwhile (an outage longer than the lease), this
 worker ends its episode `aborted` and leaves the slot to it: a slot has one worker.
 """
@@ -44,7 +44,7 @@ from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
 from workers.config_mapping import episode_config
-from workers.dbutil import DatabaseUnavailable, db_retry, refresh_connection
+from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry, refresh_connection
 from workers.leases import RedisLease, slot_work
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
@@ -351,10 +351,12 @@ def _run_claim(
     except SlotTakenOver as exc:
         _finish(claim.trajectory_id, status="aborted", reward=None, error=str(exc))
         return True
-    except DatabaseUnavailable as exc:
+    except (DatabaseUnavailable, StorageUnavailable) as exc:
         # The steps recorded so far stay; the episode ends with the reason once the database
-        # answers again (or, if it never does here, the watchdog ends it).
-        _finish(claim.trajectory_id, status="error", reward=None, error=f"database: {exc}")
+        # answers again (or, if it never does here, the watchdog ends it). The environment
+        # is fine: it is kept, and the slot is not counted as failing.
+        service = "database" if isinstance(exc, DatabaseUnavailable) else "storage"
+        _finish(claim.trajectory_id, status="error", reward=None, error=f"{service}: {exc}")
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
         return False
     except InferenceError as exc:

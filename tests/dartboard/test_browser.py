@@ -16,7 +16,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from core.procutil import terminate_pid
 from tests.conftest import png_bytes
-from tests.private_services import free_port, wait_answering
+from tests.private_services import free_port, server_log, wait_answering
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,14 +50,15 @@ def in_thread(fn, *args, **kwargs):
 def running_daphne(env: dict[str, str]) -> Iterator[str]:
     """The dashboard served by a daphne process with `env`; its URL."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-         "dartboard.asgi:application"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    with server_log("daphne") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+             "dartboard.asgi:application"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_answering(f"{url}/health/", proc, what="daphne")
+        wait_answering(f"{url}/health/", proc, what="daphne", log=log.name)
         yield url
     finally:
         terminate_pid(proc.pid, timeout=10)

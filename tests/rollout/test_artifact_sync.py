@@ -10,9 +10,11 @@ import shutil
 import httpx
 import pytest
 
-from core.artifacts import open_store, upload_dir
+from core.artifacts import ArtifactRef, open_store, upload_dir
 from rollout.auth import bearer, client_token
-from tests.rollout.test_router import free_port, start_process, stop_process
+from rollout.router import RouterAdmin
+from tests.private_services import PrivateS3
+from tests.rollout.test_router import free_port, start_process, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +72,56 @@ def test_a_worker_serves_versions_fetched_by_reference_and_refuses_a_tampered_on
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoint"
     finally:
         stop_process(proc)
+
+
+def test_a_store_outage_delays_a_version_and_never_drops_it(checkpoints, tmp_path, monkeypatch):
+    """The store restarts while the router syncs a version: the worker answers 503 (the store
+    did not answer), keeps serving what it has, and the router gives it the version again
+    once the store is back (an unreadable or tampered version is never retried: above)."""
+    s3 = PrivateS3()
+    s3.start()
+    procs = []
+    try:
+        for name, value in s3.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("DARTBOARD_ARTIFACTS", "s3://outage/artifacts")
+        monkeypatch.setenv("DARTBOARD_ARTIFACT_CACHE", str(tmp_path / "cache"))
+
+        def publish() -> tuple[ArtifactRef, ArtifactRef]:
+            s3.client().create_bucket(Bucket="outage")
+            store = open_store("s3://outage/artifacts")
+            return (upload_dir(store, "runs/1/v00000", checkpoints[0]),
+                    upload_dir(store, "runs/1/v00001", checkpoints[1]))  # fmt: skip
+
+        v0, v1 = publish()
+        worker = f"http://127.0.0.1:{free_port()}"
+        procs.append(start_process(
+            ["rollout.server", "--policy", str(v0), "--port", worker.rsplit(":", 1)[1],
+             "--threads", "1"], health_url=f"{worker}/health",
+        ))  # fmt: skip
+        router_port = free_port()
+        router = f"http://127.0.0.1:{router_port}"
+        procs.append(start_process(
+            ["rollout.router", "--port", str(router_port), "--probe-interval", "0.5",
+             "--worker", worker], health_url=f"{router}/health",
+        ))  # fmt: skip
+        admin = RouterAdmin(router)
+        wait_until(lambda: admin.workers()[0].status == "active", timeout=60, what="active")
+
+        s3.stop()
+        admin.sync(checkpoint=str(v1), version=1, run=1)
+        wait_until(lambda: "unreachable" in admin.workers()[0].last_error, timeout=60,
+                   what="the reload refused while the store is down")  # fmt: skip
+        state = admin.workers()[0]
+        assert state.policy_version == 0  # it kept serving what it had
+        assert "503" in state.last_error or "kept version 0" in state.last_error
+
+        s3.start()  # back, empty (moto keeps nothing): the trainer's upload is retried
+        assert publish()[1] == v1
+        wait_until(lambda: admin.workers()[0].policy_version == 1, timeout=60,
+                   what="the version given again once the store answered")  # fmt: skip
+        admin.close()
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        s3.stop()

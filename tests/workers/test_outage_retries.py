@@ -1,7 +1,8 @@
-"""Database outages in the step-record path: a locked or restarting database is waited
-out with bounded backoff, a retried step is stored once and whole, and past the budget the
-episode ends `error` with the reason and its recorded steps intact. Real SQLite or
-PostgreSQL (whichever the suite runs on), locked by a second connection."""
+"""Database and object-storage outages in the step-record path: a locked or restarting
+database, or an S3 server restarting, is waited out with bounded backoff, a retried step is
+stored once and whole, and past the budget the episode ends `error` with the reason and its
+recorded steps intact. Real SQLite or PostgreSQL (whichever the suite runs on), locked by a
+second connection; a real S3 API (moto's server) stopped and started."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from botocore.exceptions import ClientError
 from django.db import connection
 
+from core.artifacts import s3_client_config, s3_transfer_config
 from datamanager.models import Step, Trajectory
 from datamanager.services import episodes
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
-from workers.dbutil import DatabaseUnavailable, db_retry
+from tests.private_services import PrivateS3
+from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
 from workers.slot_worker import DbRecorder, _finish
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -191,3 +195,73 @@ def test_only_transient_errors_are_retried():
         db_retry(broken, what="reading nothing", budget_s=30)
     assert calls == [0] and time.monotonic() - started < 5
     assert not isinstance(failure.value, (DatabaseUnavailable, IntegrityError))
+
+
+@pytest.fixture
+def s3_screenshots(settings, monkeypatch) -> Iterator[PrivateS3]:
+    """Screenshots go to a private S3 server of this test's own (which it stops and starts)."""
+    server = PrivateS3()
+    server.start()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    server.client().create_bucket(Bucket="shots")
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "default": {
+            "BACKEND": "storages.backends.s3.S3Storage",
+            "OPTIONS": {"bucket_name": "shots", "endpoint_url": server.url,
+                        "client_config": s3_client_config(),
+                        "transfer_config": s3_transfer_config()},
+        },
+    }  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_an_object_storage_restart_is_waited_out_and_the_step_is_stored(settings, s3_screenshots):
+    settings.DARTBOARD_DB_RETRY_S = 60.0
+    trajectory_id = _claim()
+    recorder = DbRecorder(trajectory_id)
+    recorder.set_instruction("click")
+    recorder.record_step(_record(0))
+    s3_screenshots.stop()
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (recorder.record_step(_record(1)), done.set()))
+    writer.start()
+    time.sleep(3)
+    assert not done.is_set()  # it is waiting for the store, not failing
+    s3_screenshots.start()  # a new, empty store on the same address
+    s3_screenshots.client().create_bucket(Bucket="shots")
+    writer.join(60)
+    assert done.is_set()
+    steps = Step.objects.filter(trajectory_id=trajectory_id).order_by("index")
+    assert [s.index for s in steps] == [0, 1]
+    assert steps[1].screenshot.read().startswith(b"\x89PNG")
+
+
+def test_past_the_budget_an_object_storage_outage_is_named(settings, s3_screenshots):
+    settings.DARTBOARD_DB_RETRY_S = 2.0
+    trajectory_id = _claim()
+    recorder = DbRecorder(trajectory_id)
+    recorder.set_instruction("click")
+    s3_screenshots.stop()
+    with pytest.raises(StorageUnavailable) as failure:
+        recorder.record_step(_record(0))
+    message = str(failure.value)
+    assert message.startswith("object storage was unreachable for 2 s while recording step 0")
+    assert "EndpointConnectionError" in message
+    assert not Step.objects.filter(trajectory_id=trajectory_id).exists()
+
+
+def test_a_missing_bucket_is_not_an_outage(settings, s3_screenshots):
+    settings.DARTBOARD_DB_RETRY_S = 30.0
+    trajectory_id = _claim()
+    recorder = DbRecorder(trajectory_id)
+    recorder.set_instruction("click")
+    s3_screenshots.client().delete_bucket(Bucket="shots")
+    started = time.monotonic()
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        recorder.record_step(_record(0))
+    assert time.monotonic() - started < 10  # raised at once, not retried for 30 s

@@ -34,6 +34,9 @@ from urllib.parse import urlparse
 
 MANIFEST = "MANIFEST.json"
 PREFIX = "artifact:"
+# A published version's optimizer state and counters, beside its weights: what a trainer
+# resumes from. Inference never reads it (for a 7B model it is several times the weights).
+STATE_FILE = "trainer_state.pt"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _CHUNK = 1 << 20
 
@@ -253,9 +256,18 @@ def upload_dir(store: Store, key: str, directory: Path) -> ArtifactRef:
     return ArtifactRef(key, hashlib.sha256(manifest).hexdigest())
 
 
-def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
-    """The artifact's verified local copy under `cache` (downloaded once; reused after)."""
-    target = cache / ref.digest
+def cached_copy(cache: Path, ref: ArtifactRef, *, skip: frozenset[str] = frozenset()) -> Path:
+    """Where `fetch` keeps the artifact's copy (without the files in `skip`)."""
+    return cache / (ref.digest if not skip else f"{ref.digest}-without-{'-'.join(sorted(skip))}")
+
+
+def fetch(
+    store: Store, ref: ArtifactRef, cache: Path, *, skip: frozenset[str] = frozenset()
+) -> Path:
+    """The artifact's verified local copy under `cache` (downloaded once; reused after).
+    Files named in `skip` are left in the store (an inference host needs no optimizer
+    state); such a partial copy is cached apart from the whole one."""
+    target = cached_copy(cache, ref, skip=skip)
     if (target / MANIFEST).is_file():
         os.utime(target)  # used now: pruning keeps the most recently used copies
         return target
@@ -271,6 +283,8 @@ def fetch(store: Store, ref: ArtifactRef, cache: Path) -> Path:
     with _staging(cache) as staging:
         for rel, entry in files.items():
             check_key(rel)
+            if rel in skip:
+                continue
             path = staging / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             # A file store on this filesystem costs no copy; it is verified all the same.

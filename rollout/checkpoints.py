@@ -13,11 +13,21 @@ import argparse
 import os
 from pathlib import Path
 
-from core.artifacts import ArtifactError, ArtifactRef, StoreUnreachable, fetch, is_ref, open_store
+from core.artifacts import (
+    STATE_FILE,
+    ArtifactError,
+    ArtifactRef,
+    StoreUnreachable,
+    fetch,
+    is_ref,
+    open_store,
+)
 from rollout.asgi import RequestError
 from rollout.auth import checkpoint_allowed
 
 STORE_ENV = "DARTBOARD_ARTIFACTS"
+# What an inference host leaves in the store when it fetches a version: the trainer's state.
+SERVING_SKIPS = frozenset({STATE_FILE})
 CACHE_ENV = "DARTBOARD_ARTIFACT_CACHE"
 DEFAULT_CACHE = Path.home() / ".cache" / "dartboard-artifacts"
 
@@ -61,7 +71,8 @@ class CheckpointSource:
         if not is_ref(checkpoint):
             return checkpoint
         assert self.store_url is not None  # check() refused a reference without a store
-        return str(fetch(open_store(self.store_url), ArtifactRef.parse(checkpoint), self.cache))
+        ref = ArtifactRef.parse(checkpoint)
+        return str(fetch(open_store(self.store_url), ref, self.cache, skip=SERVING_SKIPS))
 
 
 def fetch_failure_status(exc: ArtifactError) -> int:

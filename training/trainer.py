@@ -30,6 +30,7 @@ from peft import PeftModel
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from core.artifacts import STATE_FILE
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy_io import (
     Policy,
@@ -48,8 +49,6 @@ from training.sharding import (
     shard_model,
 )
 from training.update import UpdateConfig, policy_update
-
-STATE_FILE = "trainer_state.pt"
 
 
 class _AdaptersOff(nn.Module):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from django.conf import settings
 
-from core.artifacts import ArtifactRef, fetch, open_store, upload_dir
+from core.artifacts import STATE_FILE, ArtifactRef, fetch, open_store, upload_dir
 from datamanager.models import PolicyVersion, Run
-from training.trainer import STATE_FILE, version_dir
+from training.trainer import version_dir
 from workers.dbutil import db_retry
 
 log = logging.getLogger("dartboard.artifacts")

@@ -6,7 +6,10 @@ Selection rules (all switchable in the run config):
   left out (counted, never deleted);
 - each online step is trained on at most `max_uses_per_step` times;
 - experience-pool trajectories joined to an all-failed group come in as demo samples;
-- rejected trajectories and environment errors never train.
+- rejected trajectories and environment errors never train;
+- a trajectory whose screenshots can no longer be read (lost from the object storage) is
+  left out, marked rejected with the reason, and the run says so: the trainer goes on with
+  the rest instead of failing on it at every retry.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from datamanager import curation
 from datamanager.config import RunConfig
 from datamanager.models import GroupStatus, Run, Step, TaskGroup, TaskStat, TrainUpdate, Trajectory
 from datamanager.policies import policy_geometry
+from datamanager.services.review import pool_sizes_refresh
+from datamanager.services.runs import run_set_message
 
 
 @dataclass
@@ -34,6 +39,8 @@ class Batch:
     overused_step_ids: list[int] = field(default_factory=list)
     # Ready groups left with nothing to train: every step stale or used up, and no pool demo.
     empty_group_ids: list[int] = field(default_factory=list)
+    # Trajectories left out because a screenshot of theirs is gone from storage.
+    unreadable_ids: list[int] = field(default_factory=list)
 
 
 def _read(name: str) -> bytes:
@@ -92,6 +99,26 @@ def trajectory_samples(
     return out
 
 
+def _readable_samples(
+    batch: Batch, run: Run, traj: Trajectory, steps: list[Step], **kwargs
+) -> list[TrainSample]:
+    """`trajectory_samples`, or none when a screenshot is gone from storage: the trajectory
+    is then marked rejected with the reason (its row and other steps stay) and the run says
+    which one was left out and why."""
+    try:
+        return trajectory_samples(traj, steps, **kwargs)
+    except FileNotFoundError as exc:
+        reason = f"left out of training: a screenshot is missing from storage ({exc})"
+        Trajectory.objects.filter(pk=traj.pk).update(
+            rejected=True, in_pool=False, error=(traj.error + "\n" + reason).strip()
+        )
+        if traj.in_pool:
+            pool_sizes_refresh(task_ids={traj.task_id})
+        batch.unreadable_ids.append(traj.pk)
+        run_set_message(run_id=run.pk, message=f"trainer: trajectory {traj.pk} {reason}")
+        return []
+
+
 def batch_collect(*, run: Run, current_version: int, min_groups: int | None = None) -> Batch | None:
     """The next batch, or None while fewer than `min_groups` (default: the run's) are ready."""
     cfg = RunConfig.from_dict(run.config)
@@ -127,12 +154,14 @@ def batch_collect(*, run: Run, current_version: int, min_groups: int | None = No
                 else:
                     keep.add(step.pk)
             if keep:
-                group_samples += trajectory_samples(
-                    traj, steps, group_id=group.pk, cfg=cfg, is_demo=False, keep=keep
+                group_samples += _readable_samples(
+                    batch, run, traj, steps, group_id=group.pk, cfg=cfg, is_demo=False, keep=keep
                 )
-        for demo in Trajectory.objects.filter(pk__in=group.pool_members):
+        for demo in Trajectory.objects.filter(pk__in=group.pool_members, rejected=False):
             steps = list(demo.steps.order_by("index"))
-            group_samples += trajectory_samples(
+            group_samples += _readable_samples(
+                batch,
+                run,
                 demo,
                 steps,
                 group_id=group.pk,

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from core.artifacts import (
+    STATE_FILE,
     ArtifactError,
     ArtifactRef,
     FileStore,
@@ -19,6 +20,7 @@ from core.artifacts import (
     open_store,
     upload_dir,
 )
+from rollout.checkpoints import SERVING_SKIPS
 
 
 @pytest.fixture
@@ -119,3 +121,21 @@ def test_a_host_keeps_only_its_newest_fetched_versions(tiny_policy_dir, tmp_path
     # On one filesystem the cached copy is a link to the stored file, not a second copy.
     stored = tmp_path / "store" / "runs" / "1" / "v3" / "config.json"
     assert (cache / refs[3].digest / "config.json").stat().st_ino == stored.stat().st_ino
+
+
+def test_an_inference_host_fetches_the_weights_without_the_trainer_state(
+    bucket, tiny_policy_dir, tmp_path
+):
+    version = tmp_path / "v4"
+    shutil.copytree(tiny_policy_dir, version)
+    (version / STATE_FILE).write_bytes(os.urandom(4096))  # optimizer state, for a resume
+    ref = upload_dir(bucket, "runs/1/v4", version)
+
+    served = fetch(bucket, ref, tmp_path / "host-c-cache", skip=SERVING_SKIPS)
+    assert not (served / STATE_FILE).exists()
+    assert (served / "config.json").is_file() and (served / "model.safetensors").is_file()
+    # The trainer on a new host still gets the whole version, in a copy of its own.
+    whole = fetch(bucket, ref, tmp_path / "host-c-cache")
+    assert (
+        whole != served and (whole / STATE_FILE).read_bytes() == (version / STATE_FILE).read_bytes()
+    )

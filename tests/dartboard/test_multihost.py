@@ -230,7 +230,9 @@ def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
         assert version["version"] >= 1 and version["artifact"].startswith("artifact:runs/")
         # Host C verified and cached the version it fetched from the bucket; no host holds
         # a screenshot (they are in the bucket) and B and C hold no checkpoint of A's.
-        assert files_under(deploy.homes["c"] / "artifact-cache")
+        fetched = files_under(deploy.homes["c"] / "artifact-cache")
+        assert "model.safetensors" in {p.name for p in fetched}
+        assert "trainer_state.pt" not in {p.name for p in fetched}  # the trainer's, not C's
         assert files_under(deploy.homes["a"] / "checkpoints")
         assert not files_under(deploy.homes["b"] / "checkpoints")
         assert not files_under(deploy.homes["c"] / "checkpoints")

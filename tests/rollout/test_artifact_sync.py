@@ -10,8 +10,9 @@ import shutil
 import httpx
 import pytest
 
-from core.artifacts import ArtifactRef, open_store, upload_dir
+from core.artifacts import ArtifactRef, cached_copy, open_store, upload_dir
 from rollout.auth import bearer, client_token
+from rollout.checkpoints import SERVING_SKIPS
 from rollout.router import RouterAdmin
 from tests.private_services import PrivateS3
 from tests.rollout.test_router import free_port, start_process, stop_process, wait_until
@@ -42,14 +43,16 @@ def test_a_worker_serves_versions_fetched_by_reference_and_refuses_a_tampered_on
         health_url=f"{url}/health",
     )
     try:
-        assert (cache / v0.digest / "config.json").is_file()
+        assert (cached_copy(cache, v0, skip=SERVING_SKIPS) / "config.json").is_file()
 
         reply = httpx.post(f"{url}/v1/reload", json={"checkpoint": str(v1), "version": 1},
                            headers=AUTH, timeout=120)  # fmt: skip
         assert reply.status_code == 200, reply.text
         assert httpx.get(f"{url}/health", timeout=5).json()["policy_version"] == 1
         weights = next(p.name for p in checkpoints[1].iterdir() if p.suffix == ".safetensors")
-        assert (cache / v1.digest / weights).read_bytes() == (checkpoints[1] / weights).read_bytes()
+        assert (cached_copy(cache, v1, skip=SERVING_SKIPS) / weights).read_bytes() == (
+            checkpoints[1] / weights
+        ).read_bytes()
 
         # Someone rewrites v2's weights in the bucket after it was published.
         data = bytearray((checkpoints[0] / weights).read_bytes())
@@ -64,7 +67,7 @@ def test_a_worker_serves_versions_fetched_by_reference_and_refuses_a_tampered_on
         assert error["param"] == "checkpoint" and f"file {weights}" in error["message"]
         assert "kept version 1" in error["message"]
         assert httpx.get(f"{url}/health", timeout=5).json()["policy_version"] == 1
-        assert not (cache / v2.digest).exists()
+        assert not cached_copy(cache, v2, skip=SERVING_SKIPS).exists()
 
         # A reference is checked before any work: malformed, or to a worker without a store.
         bad = httpx.post(f"{url}/v1/reload", json={"checkpoint": "artifact:../x@00", "version": 3},

@@ -4,6 +4,7 @@ published versions, staleness, the trainer's view on each step, and resume after
 import pytest
 import torch
 from django.conf import settings
+from django.core.files.storage import default_storage
 
 from core.lora import is_adapter_dir
 from core.policy_io import load_policy
@@ -66,6 +67,24 @@ def test_one_update_trains_marks_steps_and_publishes_a_version(run_on_tiny):
     )
     after = training_loop._TRAINERS[run.pk].policy.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+
+
+def test_a_trajectory_whose_screenshot_is_lost_is_left_out_and_training_goes_on(run_on_tiny):
+    # The object storage lost a screenshot (a bucket restored from an older backup, an
+    # S3-compatible server that keeps nothing): that trajectory cannot be rebuilt, the rest can.
+    run = run_on_tiny
+    _fill(run)
+    lost = Step.objects.filter(trajectory__run=run).order_by("pk").first()
+    default_storage.delete(lost.screenshot.name)
+    training_loop._TRAINERS.clear()
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    update = TrainUpdate.objects.get(run=run)
+    assert update.metrics["n_samples"] == 6  # 8 steps, less the 2 of the unreadable one
+    traj = lost.trajectory
+    traj.refresh_from_db()
+    assert traj.rejected and traj.status in ("succeeded", "failed")  # its outcome stands
+    assert "screenshot is missing from storage" in traj.error and lost.screenshot.name in traj.error
+    assert not Step.objects.filter(trajectory=traj, trained_in_update__isnull=False).exists()
 
 
 def test_trainer_waits_and_says_so(run_on_tiny):

@@ -256,18 +256,36 @@ def upload_dir(store: Store, key: str, directory: Path) -> ArtifactRef:
     return ArtifactRef(key, hashlib.sha256(manifest).hexdigest())
 
 
-def cached_copy(cache: Path, ref: ArtifactRef, *, skip: frozenset[str] = frozenset()) -> Path:
-    """Where `fetch` keeps the artifact's copy (without the files in `skip`)."""
-    return cache / (ref.digest if not skip else f"{ref.digest}-without-{'-'.join(sorted(skip))}")
+def cached_copy(
+    cache: Path,
+    ref: ArtifactRef,
+    *,
+    skip: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
+) -> Path:
+    """Where `fetch` keeps the artifact's copy (without the files in `skip`, or of the files
+    in `only`): a partial copy lives apart from the whole one."""
+    name = ref.digest
+    if skip:
+        name += f"-without-{'-'.join(sorted(skip))}"
+    if only is not None:
+        name += f"-only-{'-'.join(sorted(only))}"
+    return cache / name
 
 
 def fetch(
-    store: Store, ref: ArtifactRef, cache: Path, *, skip: frozenset[str] = frozenset()
+    store: Store,
+    ref: ArtifactRef,
+    cache: Path,
+    *,
+    skip: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
 ) -> Path:
     """The artifact's verified local copy under `cache` (downloaded once; reused after).
     Files named in `skip` are left in the store (an inference host needs no optimizer
-    state); such a partial copy is cached apart from the whole one."""
-    target = cached_copy(cache, ref, skip=skip)
+    state); with `only`, just those files are fetched (an env worker needs a policy's
+    processor config, not its weights)."""
+    target = cached_copy(cache, ref, skip=skip, only=only)
     if (target / MANIFEST).is_file():
         os.utime(target)  # used now: pruning keeps the most recently used copies
         return target
@@ -283,7 +301,7 @@ def fetch(
     with _staging(cache) as staging:
         for rel, entry in files.items():
             check_key(rel)
-            if rel in skip:
+            if rel in skip or (only is not None and rel not in only):
                 continue
             path = staging / rel
             path.parent.mkdir(parents=True, exist_ok=True)

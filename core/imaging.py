@@ -29,6 +29,9 @@ class ProcessorNotSupported(ValueError):
     """A policy's image processor is not one whose resize rule Dartboard knows."""
 
 
+GEOMETRY_FILE = "preprocessor_config.json"  # where a checkpoint keeps its image geometry
+
+
 @dataclass(frozen=True)
 class ImageGeometry:
     """How a screenshot becomes the model's image.
@@ -75,7 +78,7 @@ class ImageGeometry:
     @classmethod
     def from_policy_dir(cls, path: str | Path) -> ImageGeometry:
         """The geometry of the policy checkpoint at `path` (its preprocessor_config.json)."""
-        config = Path(path) / "preprocessor_config.json"
+        config = Path(path) / GEOMETRY_FILE
         if not config.is_file():
             raise ProcessorNotSupported(f"{config}: missing; a policy needs its image processor")
         return cls.from_processor_config(json.loads(config.read_text()), where=str(config))

@@ -1,13 +1,30 @@
-"""Resolving a run's policy name to its checkpoint directory and its image geometry."""
+"""Resolving a run's policy name to its checkpoint directory and its image geometry.
+
+A policy is a name (`shipped`, `untrained`, `oracle`), a local checkpoint directory, or an
+artifact reference (`artifact:policies/...@sha256`, made by `manage.py publish_policy DIR`):
+a base model an admin brought, stored once in the artifact store, that every host (trainer,
+inference, env workers reading its image geometry) fetches and verifies into its own cache.
+On more than one host, give a run a reference, not a path: no host reads another's disk.
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 from django.conf import settings
 
-from core.imaging import QWEN25_VL, ImageGeometry
+from core.artifacts import (
+    ArtifactError,
+    ArtifactRef,
+    fetch,
+    is_ref,
+    manifest_of,
+    open_store,
+    upload_dir,
+)
+from core.imaging import GEOMETRY_FILE, QWEN25_VL, ImageGeometry
 from datamanager.models import PolicyVersion
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
@@ -26,7 +43,10 @@ class PolicyNotFound(Exception):
 
 def policy_path(name: str) -> Path:
     """'shipped' (the repository's pretrained tiny policy), 'untrained' (built by
-    `manage.py make_tiny_policy`) or a local Hugging Face checkpoint directory."""
+    `manage.py make_tiny_policy`), an artifact reference (fetched and verified into this
+    host's cache) or a local Hugging Face checkpoint directory."""
+    if is_ref(name):
+        return _fetch_policy(name)
     if name == "shipped":
         path = SHIPPED_POLICY
         if not (path / "config.json").exists():
@@ -54,6 +74,8 @@ def policy_geometry(name: str) -> ImageGeometry:
     of a run comes from here. The scripted oracle writes and reads Qwen2.5-VL's."""
     if name == ORACLE_POLICY:
         return QWEN25_VL
+    if is_ref(name):  # the processor's config, not the weights (an env worker needs no more)
+        return _geometry_of(str(_fetch_policy(name, only=frozenset({GEOMETRY_FILE}))))
     return _geometry_of(str(policy_path(name)))
 
 
@@ -74,3 +96,24 @@ def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:
         return policy_path(policy), None
     except PolicyNotFound as exc:
         raise EvalSetupError(str(exc)) from None
+
+
+def _fetch_policy(name: str, *, only: frozenset[str] | None = None) -> Path:
+    try:
+        store = open_store(settings.DARTBOARD_ARTIFACTS)
+        return fetch(store, ArtifactRef.parse(name), settings.DARTBOARD_ARTIFACT_CACHE, only=only)
+    except ArtifactError as exc:
+        raise PolicyNotFound(f"policy {name!r}: {exc}") from None
+
+
+def policy_publish(directory: Path) -> str:
+    """Store a checkpoint directory under `policies/` in the artifact store; its reference,
+    which names it by content (publishing the same directory twice gives the same one)."""
+    if (
+        not (directory / "config.json").exists()
+        and not (directory / "adapter_config.json").exists()
+    ):
+        raise PolicyNotFound(f"{directory}: not a Hugging Face checkpoint (no config.json)")
+    digest = hashlib.sha256(manifest_of(directory)).hexdigest()
+    store = open_store(settings.DARTBOARD_ARTIFACTS)
+    return str(upload_dir(store, f"policies/{directory.name}-{digest[:16]}", directory))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+ROOT = Path(__file__).resolve().parent.parent
 Wrap = Callable[[list[str]], list[str]]  # an argv made to run elsewhere (another namespace)
 
 
@@ -124,7 +125,10 @@ class PrivateS3:
     """moto's S3 server (a real S3 API over HTTP) on 127.0.0.1 (or `host` inside the network
     namespace that `wrap` enters), in its own process."""
 
-    def __init__(self, *, host: str = "127.0.0.1", wrap: Wrap | None = None) -> None:
+    def __init__(
+        self, *, host: str = "127.0.0.1", wrap: Wrap | None = None, buckets: tuple[str, ...] = ()
+    ) -> None:
+        self.buckets = buckets  # there from the start, and again after each restart
         self.port = free_port() if wrap is None else 9000
         self.url = f"http://{host}:{self.port}"
         self.host = host
@@ -134,10 +138,10 @@ class PrivateS3:
     def start(self) -> None:
         import sys
 
-        argv = [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
+        argv = [sys.executable, "-m", "tests.s3_server", self.host, str(self.port), *self.buckets]
         with server_log("moto") as log:
             self.log = log.name
-            self.proc = subprocess.Popen(self.wrap(argv) if self.wrap else argv,
+            self.proc = subprocess.Popen(self.wrap(argv) if self.wrap else argv, cwd=ROOT,
                                          stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         if self.wrap is not None:
             return  # not reachable from here: the caller waits from inside its namespace

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
 
+from core.artifacts import is_ref
 from datamanager.config import RunConfig
 from datamanager.models import PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
@@ -32,7 +33,10 @@ def run_current_policy(*, run: Run) -> tuple[int, str]:
     latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
     if latest is not None:
         return latest.version, latest.artifact or latest.checkpoint
-    return 0, str(policy_path(RunConfig.from_dict(run.config).policy))
+    policy = RunConfig.from_dict(run.config).policy
+    if is_ref(policy):  # each inference host fetches the base model itself
+        return 0, policy
+    return 0, str(policy_path(policy))
 
 
 class RunNotStartable(Exception):

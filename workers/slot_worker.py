@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.db import connection
 
@@ -358,6 +359,15 @@ def _run_claim(
         service = "database" if isinstance(exc, DatabaseUnavailable) else "storage"
         _finish(claim.trajectory_id, status="error", reward=None, error=f"{service}: {exc}")
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        return False
+    except (BotoCoreError, ClientError) as exc:
+        # The object storage refused a screenshot for good (a missing bucket, a refused
+        # credential): the operator's to fix, not the environment's fault.
+        reason = f"storage: {type(exc).__name__}: {exc}"
+        log.error("slot %s: %s", slot_id, reason)
+        _finish(claim.trajectory_id, status="error", reward=None, error=reason)
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        time.sleep(2.0)
         return False
     except InferenceError as exc:
         # The policy did not answer: the episode is lost, but the env is fine.

@@ -1,7 +1,8 @@
 """The multi-host test's eyes on host A: it runs there, with host A's configuration, and
 answers the test over stdin/stdout, one JSON line per request:
 
-    {"op": "start"}                  -> {"run": id}   a run created, started, its workers enqueued
+    {"op": "start", "policy": ref}   -> {"run": id}   a run of that policy created, started,
+                                                      its workers enqueued
     {"op": "state", "run": id}       -> the run's trajectories, versions, updates, the router's
                                         workers, and the env wall as the web on A serves it
     {"op": "stop", "run": id}        -> {}            the run stopped (its workers wind down)
@@ -23,11 +24,16 @@ from typing import Any
 import django
 
 
-def _start() -> dict[str, Any]:
-    from tests.live_stack import create_started_run
+def _start(policy: str) -> dict[str, Any]:
+    import dataclasses
+
+    from datamanager.services.runs import run_control, run_create
+    from tests.live_stack import fault_run_config
     from workers.runs import run_start_workers
 
-    run = create_started_run("multi-host")
+    config = dataclasses.replace(fault_run_config(), policy=policy)
+    run = run_create(name="multi-host", config=config)
+    run_control(run_id=run.pk, action="start")
     run_start_workers(run_id=run.pk)
     return {"run": run.pk}
 
@@ -101,7 +107,7 @@ def main() -> None:
         request = json.loads(line)
         try:
             if request["op"] == "start":
-                reply = _start()
+                reply = _start(str(request["policy"]))
                 cookie = _session_cookie()
             elif request["op"] == "state":
                 reply = _state(int(request["run"]), cookie)

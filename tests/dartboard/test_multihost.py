@@ -56,6 +56,7 @@ class Deployment:
     supervisors: dict[str, Supervisor] = field(default_factory=dict)
     observer: subprocess.Popen[str] | None = None
     run: int | None = None
+    policy: str = ""  # the base model's artifact reference
 
     def ask(self, **request: Any) -> dict[str, Any]:
         assert self.observer is not None and self.observer.stdin and self.observer.stdout
@@ -159,12 +160,15 @@ def _deploy(hosts: netns.VirtualHosts, tmp_path: Path, cleanups: list) -> Iterat
         "b": host_env(hosts, "b", homes["b"], **common),
         "c": host_env(hosts, "c", homes["c"], **common),
     }
-    # The operator's one-shot, from host A: the schema. (The bucket is the S3 server's.)
+    # The operator's one-shots, from host A: the schema, and the base model into the store
+    # (the bucket is the S3 server's own). The run trains that reference.
     python = sys.executable
     hosts.run("a", [python, "manage.py", "migrate", "--no-input"], env=env["a"], timeout=300)
+    publish = [python, "manage.py", "publish_policy", str(SHIPPED_POLICY)]
+    policy = hosts.run("a", publish, env=env["a"]).strip().splitlines()[-1]
 
     stack = default_specs(host=a, port=8000, env_slots=2)  # no policy: no inference specs
-    inference = [python, "-m", "rollout.server", "--policy", str(SHIPPED_POLICY),
+    inference = [python, "-m", "rollout.server", "--policy", policy,
                  "--host", c, "--port", "8101", "--threads", "1",
                  "--register", f"http://{c}:8100", "--register-every", "5"]  # fmt: skip
     specs = {
@@ -175,7 +179,7 @@ def _deploy(hosts: netns.VirtualHosts, tmp_path: Path, cleanups: list) -> Iterat
             ProcSpec("inference-0", inference),
         ],
     }
-    deploy = Deployment(hosts=hosts, homes=homes, env=env, s3=s3)
+    deploy = Deployment(hosts=hosts, homes=homes, env=env, s3=s3, policy=policy)
     for host in ("c", "a", "b"):  # the rollout service first: workers call it
         supervisor = Supervisor(
             home=homes[host], specs=services_on(hosts, host, specs[host], env[host])
@@ -208,7 +212,7 @@ def files_under(path: Path) -> list[Path]:
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
     with deployment(tmp_path) as deploy:
-        run = deploy.run = deploy.ask(op="start")["run"]
+        run = deploy.run = deploy.ask(op="start", policy=deploy.policy)["run"]
 
         # A version trained on A, published through the bucket, served on C, and
         # episodes of host B sampled from it.
@@ -225,9 +229,15 @@ def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
         assert version["version"] >= 1 and version["artifact"].startswith("artifact:runs/")
         # Host C verified and cached the version it fetched from the bucket; no host holds
         # a screenshot (they are in the bucket) and B and C hold no checkpoint of A's.
-        fetched = files_under(deploy.homes["c"] / "artifact-cache")
-        assert "model.safetensors" in {p.name for p in fetched}
-        assert "trainer_state.pt" not in {p.name for p in fetched}  # the trainer's, not C's
+        # The base model reached every host through the store: A's trainer fetched it whole,
+        # C's inference worker started from it, B's env workers took only its image geometry.
+        fetched = {h: [p.name for p in files_under(deploy.homes[h] / "artifact-cache")]
+                   for h in ("a", "b", "c")}  # fmt: skip
+        assert deploy.policy.startswith("artifact:policies/tiny-grounded-")
+        assert "model.safetensors" in fetched["a"]
+        assert "model.safetensors" in fetched["c"]
+        assert "trainer_state.pt" not in fetched["c"]  # a version's optimizer state: the trainer's
+        assert sorted(fetched["b"]) == ["MANIFEST.json", "preprocessor_config.json"]
         assert files_under(deploy.homes["a"] / "checkpoints")
         assert not files_under(deploy.homes["b"] / "checkpoints")
         assert not files_under(deploy.homes["c"] / "checkpoints")

@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench policy system-deps install install-dev clean
+.PHONY: run test lint format bench policy system-deps install install-dev clean flower
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -37,6 +37,10 @@ test: install
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+flower: install
+	@echo "==> Flower, the Celery monitor of a running make run (Ctrl-C stops it)"
+	$(PY) manage.py run_flower
 
 lint: install
 	$(VENV)/bin/ruff check .

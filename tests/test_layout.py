@@ -61,6 +61,10 @@ def test_every_compose_service_runs_a_real_entry_point():
                 watchdog = settings.CELERY_BEAT_SCHEDULE["runs-watchdog"]
                 assert watchdog["task"] == "workers.tasks.runs_watchdog"
                 queues.add("beat:" + watchdog["options"]["queue"])
+            elif module == "celery" and cmd[5] == "flower":  # the operators' monitor
+                assert cmd[3:5] == ["-A", "dartboard"]
+                assert importlib.util.find_spec("flower") is not None
+                assert "FLOWER_BASIC_AUTH" in svc["environment"]  # never open
             elif module == "celery":
                 assert cmd[3:5] == ["-A", "dartboard"]
                 queues.update(cmd[cmd.index("-Q") + 1].split(","))
@@ -202,7 +206,10 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
 
     given = {"SECRET_KEY": "s" * 50, "DARTBOARD_SERVICE_TOKEN": "t" * 40}
     services = _dartboard_services()
-    envs = {tuple(sorted(s["environment"].items())) for s in services.values()}
+    envs = {  # the same for all (Flower adds only its own login)
+        tuple(sorted((k, v) for k, v in s["environment"].items() if k != "FLOWER_BASIC_AUTH"))
+        for s in services.values()
+    }
     assert len(envs) == 1, "the services' environments drifted apart"
     env = {k: _substitute(v, given) for k, v in services["web"]["environment"].items()}
     env["DARTBOARD_HOME"] = str(tmp_path)  # the container's own volume, here a scratch one
@@ -237,8 +244,10 @@ def test_no_host_path_or_volume_is_shared_between_services():
             users.setdefault(volume.split(":")[0], set()).add(name)
     shared = {k: v for k, v in users.items() if len(v) > 1}
     assert shared == {"models": {"vllm", "vllm-adapter"}}
-    host_paths = [k for k in users if k.startswith((".", "/"))]
-    assert all(users[k] == {"vllm"} for k in host_paths), host_paths  # the extension's code
+    host_paths = {k: users[k] for k in users if k.startswith((".", "/"))}
+    # The vLLM worker extension's code, and the proxy's configuration (read-only).
+    assert host_paths == {".": {"vllm"}, "./deploy/Caddyfile": {"proxy"}}, host_paths
+    assert (ROOT / "deploy" / "Caddyfile").is_file()
 
 
 def test_inference_workers_register_with_the_router_the_platform_calls():
@@ -259,3 +268,23 @@ def test_every_long_running_service_is_health_checked_and_redis_keeps_its_data()
         if name not in one_shot | unchecked:
             assert "healthcheck" in svc, f"{name} has no healthcheck"
     assert services["redis"]["command"][1:3] == ["--appendonly", "yes"]
+
+
+def test_the_proxy_serves_the_dashboard_and_flower_under_its_prefix():
+    """The Caddyfile sends /flower* to Flower (which serves under that prefix, behind its own
+    login) and everything else to the web."""
+    caddyfile = (ROOT / "deploy" / "Caddyfile").read_text()
+    routes = [
+        line.split()
+        for line in caddyfile.splitlines()
+        if line.strip().startswith(("handle", "reverse_proxy"))
+    ]
+    assert routes == [["handle", "/flower*", "{"], ["reverse_proxy", "flower:5555"],
+                      ["handle", "{"], ["reverse_proxy", "web:8000"]]  # fmt: skip
+    flower = _compose()["services"]["flower"]
+    assert "--url_prefix=flower" in flower["command"] and "--port=5555" in flower["command"]
+    assert _compose()["services"]["proxy"]["command"][-3:] == [
+        "/etc/caddy/Caddyfile",
+        "--adapter",
+        "caddyfile",
+    ]

@@ -33,6 +33,7 @@ from workers.artifacts import checkpoint_restore, checkpoint_upload
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
 from workers.evaluation import eval_schedule_for_version
+from workers.exports import export_update
 from workers.leases import (
     holder_name,
     trainer_work,
@@ -192,6 +193,7 @@ def update_and_publish(
         publish_on_commit(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
         )
+    export_update(update_id=update.pk)  # committed: TensorBoard gets the same figures
 
 
 def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None = None) -> str:

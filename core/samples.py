@@ -63,6 +63,11 @@ class UpdateMetrics:
     is_weight_min: float = 1.0  # ... minimum.
     is_weight_max: float = 1.0  # ... maximum.
     is_misaligned_steps: int = 0  # Steps whose rollout logprob count != response tokens (w=1).
+    # |log pi_old - log pi_rollout| per token over the steps of the version being trained
+    # (fresh steps: the same weights on both sides): mean, 99th percentile, tokens measured.
+    logprob_gap_mean: float = 0.0
+    logprob_gap_p99: float = 0.0
+    logprob_gap_tokens: int = 0
     grad_norm: float = 0.0  # Gradient norm before clipping (last optimizer step).
     optimizer_steps: int = 0  # Optimizer steps taken (0: nothing to train).
     n_samples: int = 0  # Samples handed to the update.

@@ -117,6 +117,15 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if stale
         else []
     )
+    gap = [
+        _line(f"{k.rsplit('_', 1)[-1]} per token", upd["number"], upd["series"][k])
+        for k in ("logprob_gap_mean", "logprob_gap_p99")
+        if k in upd["series"]
+    ]
+    if gap and upd.get("gap_alert"):
+        alert = upd["gap_alert"]
+        gap.append(_line("alert threshold (mean)", [upd["number"][0], upd["number"][-1]],
+                         [alert, alert], line={"dash": "dash", "color": "#c0392b"}))  # fmt: skip
     return {
         "success": _fig("Success rate", success, yaxis=rate_axis),
         "budget": _fig("Rollout budget per task", budget, yaxis={"rangemode": "tozero"}),
@@ -135,6 +144,12 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "utilisation": _fig("Utilisation (busy share)", utilisation, yaxis=rate_axis),
         "training": _fig(
             "Training metrics per update", training, xaxis={"title": {"text": "update"}}
+        ),
+        "logprob_gap": _fig(
+            "Trainer vs rollout log-prob gap on fresh steps (nats)",
+            gap,
+            xaxis={"title": {"text": "update"}},
+            yaxis={"rangemode": "tozero"},
         ),
         "staleness": _fig(
             f"Staleness of the latest update (policy v{upd['latest_version']})"

@@ -491,4 +491,30 @@ def training_metrics(*, run: Run, limit: int = 2000) -> dict[str, Any]:
         "series": series,
         "staleness": staleness,
         "latest_version": rows[-1][1] if rows else None,
+        "gap_alert": RunConfig.from_dict(run.config).trainer.logprob_gap_alert,
     }
+
+
+def run_alerts(*, run: Run) -> list[str]:
+    """Health signals past their thresholds, for the run page (each says what it measured,
+    the threshold, and what it may mean)."""
+    alerts = []
+    threshold = RunConfig.from_dict(run.config).trainer.logprob_gap_alert
+    latest = (
+        TrainUpdate.objects.filter(run=run, metrics__logprob_gap_tokens__gt=0)
+        .order_by("-number")
+        .values_list("number", "policy_version", "metrics")
+        .first()
+    )
+    if threshold > 0 and latest is not None:
+        number, version, metrics = latest
+        gap = float(metrics.get("logprob_gap_mean", 0.0))
+        if gap > threshold:
+            alerts.append(
+                f"Log-prob gap: update {number} measured {gap:.3f} nats per token (p99 "
+                f"{float(metrics.get('logprob_gap_p99', 0.0)):.3f}) between the trainer and "
+                f"the rollout on steps sampled from version {version}, over the alert "
+                f"threshold {threshold:g}. Both sides should hold the same weights there: an "
+                "inference worker may be serving other weights than the version it reports."
+            )
+    return alerts

@@ -108,6 +108,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "health": services,
             "outage_banner": service_health.outage_banner(services),
             "outages": service_health.recent_outages(),
+            "alerts": viewmodels.run_alerts(run=run),
         },
     )
 

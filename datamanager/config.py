@@ -144,6 +144,12 @@ class TrainerConfig:
     lr: float = knob(1e-5, "AdamW learning rate.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     grad_clip: float = knob(1.0, "Gradient norm clipping.")
+    logprob_gap_alert: float = knob(
+        0.1,
+        "Alert on the run page when an update's mean trainer-vs-rollout log-prob gap per token, "
+        "on steps of the version being trained, exceeds this (nats; 0: off). Same weights on "
+        "both sides give numerical noise; a worker serving other weights than it reports does not.",
+    )
     micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
@@ -187,6 +193,11 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(
+            self.logprob_gap_alert >= 0,
+            "logprob_gap_alert",
+            f"must be >= 0 (0 turns it off), got {self.logprob_gap_alert}",
+        )
         _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
         _check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")
         if self.shard:

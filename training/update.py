@@ -137,6 +137,8 @@ class _TokenStats:
     ref: Tensor | None
     is_weight: Tensor | None
     entropy_sum: float
+    # |log pi_old - log pi_rollout| per token, where the rollout's log-probs line up.
+    gap: Tensor | None = None
 
     def to(self, device: torch.device | str) -> _TokenStats:
         return _TokenStats(
@@ -144,7 +146,22 @@ class _TokenStats:
             ref=None if self.ref is None else self.ref.to(device),
             is_weight=None if self.is_weight is None else self.is_weight.to(device),
             entropy_sum=self.entropy_sum,
+            gap=None if self.gap is None else self.gap.to(device),
         )
+
+
+def _logprob_gap(metrics: UpdateMetrics, gaps: list[Tensor | None]) -> None:
+    """The trainer-vs-rollout log-prob gap on the steps sampled from the version being
+    trained: there both sides hold the same weights, so only numerics separate them (bf16
+    against fp32, kernels, batching). A worker that serves older weights while it reports the
+    new version (TRL issue 5312) shows up here, where the IS weights would quietly absorb it."""
+    measured = [g for g in gaps if g is not None and g.numel()]
+    if not measured:
+        return
+    tokens = torch.cat(measured).float()
+    metrics.logprob_gap_tokens = int(tokens.numel())
+    metrics.logprob_gap_mean = float(tokens.mean())
+    metrics.logprob_gap_p99 = float(torch.quantile(tokens.cpu(), 0.99))
 
 
 def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdatePlan:
@@ -274,7 +291,10 @@ def _pi_old_pass(
                 row = mask[b]
                 old = logprobs[b][row].float()
                 sample = samples[i]
-                weight = None
+                weight = gap = None
+                if len(sample.rollout_logprobs) == old.numel() and not sample.is_demo:
+                    rollout_lp = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+                    gap = (old - rollout_lp.to(old.device)).abs()
                 if config.truncated_is:
                     rollout = sample.rollout_logprobs
                     if len(rollout) == old.numel():
@@ -298,6 +318,7 @@ def _pi_old_pass(
                     ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
                     is_weight=weight,
                     entropy_sum=float(entropy[b][row].float().sum().item()),
+                    gap=gap,
                 )
     if replicas is not None:
         device = next(model.parameters()).device
@@ -507,6 +528,9 @@ def policy_update(
     metrics.n_tokens = sum(stats[i].old.numel() for i in pg_items)
     if metrics.n_tokens:
         metrics.mean_entropy = sum(stats[i].entropy_sum for i in pg_items) / metrics.n_tokens
+    _logprob_gap(
+        metrics, [stats[i].gap for i in order if samples[i].policy_version == policy_version]
+    )
     if config.truncated_is:
         for i in order:
             w = stats[i].is_weight

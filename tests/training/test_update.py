@@ -359,3 +359,36 @@ def test_update_config_validation_messages(kwargs: dict, message: str) -> None:
 def test_train_sample_rejects_missing_reward() -> None:
     with pytest.raises(ValueError, match="step 7: reward must be a finite number"):
         sample(7, 1, "ab", "c", float("nan"))
+
+
+def test_the_logprob_gap_is_numerics_when_weights_match_and_large_when_the_server_was_stale() -> (
+    None
+):
+    """Fresh steps whose rollout log-probs came from the weights being trained: the gap is
+    numerical noise. The same steps sampled from older weights by a server that claimed the
+    new version (the silent-staleness fault): the gap jumps, though the IS weights hide it."""
+    model, stale = tiny_lm(seed=0), tiny_lm(seed=1)
+    config = UpdateConfig(entropy_top_q=1.0, micro_batch=3, kl_coef=0.0)
+
+    def gap_of(server: torch.nn.Module) -> tuple[float, float, int]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # measure only: no weight change
+        metrics = policy_update(
+            model=model, ref_model=None, optimizer=optimizer,
+            samples=with_rollout_logprobs(server, bandit_batch()),
+            logprob_fn=toy_logprob_fn, config=config, policy_version=0,
+        )  # fmt: skip
+        return metrics.logprob_gap_mean, metrics.logprob_gap_p99, metrics.logprob_gap_tokens
+
+    mean, p99, tokens = gap_of(model)
+    assert tokens > 0 and mean < 1e-4 and p99 < 1e-3
+    stale_mean, stale_p99, _ = gap_of(stale)
+    assert stale_mean > 0.05 and stale_mean > 100 * mean and stale_p99 > stale_mean
+    # Steps from an older version are staleness, which IS corrects: not counted in the gap.
+    older = [dataclasses.replace(s, policy_version=-1) for s in bandit_batch()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = policy_update(
+        model=model, ref_model=None, optimizer=optimizer,
+        samples=with_rollout_logprobs(stale, older), logprob_fn=toy_logprob_fn,
+        config=config, policy_version=0,
+    )  # fmt: skip
+    assert metrics.logprob_gap_tokens == 0

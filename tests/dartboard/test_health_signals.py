@@ -1,0 +1,50 @@
+"""Health signals on the run page: the trainer-vs-rollout log-prob gap per update, charted
+against its threshold, and an alert once an update crosses it (a worker serving other
+weights than the version it reports: tests/training/test_update.py shows the gap it makes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from datamanager.models import TrainUpdate
+from tests.datamanager.factories import make_running_run, make_tasks
+
+pytestmark = pytest.mark.django_db
+
+
+def _update(run, number: int, gap: float, tokens: int = 120) -> None:
+    TrainUpdate.objects.create(
+        run=run, number=number, policy_version=number - 1,
+        metrics={"loss": 0.1, "logprob_gap_mean": gap, "logprob_gap_p99": gap * 4,
+                 "logprob_gap_tokens": tokens},
+    )  # fmt: skip
+
+
+def test_the_gap_is_charted_with_its_threshold_and_alerts_once_crossed(ada_client):
+    make_tasks(1)
+    run = make_running_run({"trainer": {"logprob_gap_alert": 0.05}})
+    _update(run, 1, 0.0004)
+    _update(run, 2, 0.0006)
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Log-prob gap" not in page  # numerical noise: no alert
+
+    _update(run, 3, 0.31)
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'role="alert">Log-prob gap: update 3 measured 0.310 nats per token (p99 1.240)' in page
+    assert "over the alert threshold 0.05" in page and "sampled from version 2" in page
+
+    figure = ada_client.get(f"/runs/{run.pk}/charts.json").json()["logprob_gap"]
+    lines = {trace["name"]: trace for trace in figure["data"]}
+    assert lines["mean per token"]["y"] == [0.0004, 0.0006, 0.31]
+    assert lines["p99 per token"]["y"] == [0.0016, 0.0024, 1.24]
+    assert lines["alert threshold (mean)"]["y"] == [0.05, 0.05]
+
+
+def test_an_update_that_measured_nothing_or_a_threshold_of_zero_raises_no_alert(ada_client):
+    make_tasks(1)
+    run = make_running_run({"trainer": {"logprob_gap_alert": 0.0}})
+    _update(run, 1, 0.9)
+    assert "Log-prob gap" not in ada_client.get(f"/runs/{run.pk}/").content.decode()
+    other = make_running_run({})
+    _update(other, 1, 0.9, tokens=0)  # no fresh steps in that update: nothing measured
+    assert "Log-prob gap" not in ada_client.get(f"/runs/{other.pk}/").content.decode()

@@ -499,7 +499,11 @@ def run_alerts(*, run: Run) -> list[str]:
     """Health signals past their thresholds, for the run page (each says what it measured,
     the threshold, and what it may mean)."""
     alerts = []
-    threshold = RunConfig.from_dict(run.config).trainer.logprob_gap_alert
+    trainer = RunConfig.from_dict(run.config).trainer
+    stale = _stale_serving(run=run, behind=trainer.stale_serving_alert)
+    if stale:
+        alerts.append(stale)
+    threshold = trainer.logprob_gap_alert
     latest = (
         TrainUpdate.objects.filter(run=run, metrics__logprob_gap_tokens__gt=0)
         .order_by("-number")
@@ -518,3 +522,34 @@ def run_alerts(*, run: Run) -> list[str]:
                 "inference worker may be serving other weights than the version it reports."
             )
     return alerts
+
+
+def _stale_serving(*, run: Run, behind: int) -> str:
+    """The alert for an episode under way whose newest step was sampled `behind` or more
+    versions before the newest published version, else "". Only running episodes are read
+    (one per slot at most), through their newest step."""
+    newest = PolicyVersion.objects.filter(run=run).aggregate(v=Max("version"))["v"]
+    if not behind or newest is None:
+        return ""
+    last_step = Step.objects.filter(trajectory=OuterRef("pk")).order_by("-index")
+    running = (
+        Trajectory.objects.filter(run=run, status="running")
+        .annotate(
+            step_version=Subquery(last_step.values("policy_version")[:1]),
+            step_at=Subquery(last_step.values("created_at")[:1]),
+        )
+        .filter(step_version__isnull=False, step_version__lte=newest - behind)
+        .select_related("env_slot")
+        .order_by("step_version", "pk")
+    )
+    worst = running.first()
+    if worst is None:
+        return ""
+    slot = worst.env_slot.name if worst.env_slot else "an unknown slot"
+    return (
+        f"Stale weights served: trajectory {worst.pk} on {slot} sampled its step of "
+        f"{timezone.localtime(worst.step_at):%H:%M:%S} from version {worst.step_version}, "
+        f"{newest - worst.step_version} versions behind the newest (v{newest}); "
+        f"{running.count()} episode(s) under way are {behind} or more behind. An inference "
+        "worker the weight sync did not reach? See the router's workers on the health line."
+    )

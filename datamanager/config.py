@@ -144,6 +144,11 @@ class TrainerConfig:
     lr: float = knob(1e-5, "AdamW learning rate.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     grad_clip: float = knob(1.0, "Gradient norm clipping.")
+    stale_serving_alert: int = knob(
+        3,
+        "Alert on the run page when an episode under way is still sampled from a version this "
+        "many versions behind the newest published one (0: off): a worker the weight sync missed.",
+    )
     logprob_gap_alert: float = knob(
         0.1,
         "Alert on the run page when an update's mean trainer-vs-rollout log-prob gap per token, "
@@ -193,6 +198,11 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(
+            self.stale_serving_alert >= 0,
+            "stale_serving_alert",
+            f"must be >= 0 (0 turns it off), got {self.stale_serving_alert}",
+        )
         _check(
             self.logprob_gap_alert >= 0,
             "logprob_gap_alert",

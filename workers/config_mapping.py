@@ -27,6 +27,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "rollout.backend": "dartboard.launcher (which inference server it starts)",
     "trainer.lr": "workers.training_loop.get_trainer (the optimizer)",
     "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts and training_metrics (the run page)",
+    "trainer.stale_serving_alert": "dartboard.viewmodels.run_alerts (the run page)",
     "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",
     "trainer.min_groups": "datamanager.services.batches.batch_collect",
     "trainer.max_steps_per_update": "datamanager.services.batches.batch_collect",

@@ -1,12 +1,15 @@
 """Health signals on the run page: the trainer-vs-rollout log-prob gap per update, charted
 against its threshold, and an alert once an update crosses it (a worker serving other
-weights than the version it reports: tests/training/test_update.py shows the gap it makes)."""
+weights than the version it reports: tests/training/test_update.py shows the gap it makes);
+and an alert for an episode still sampled from a long superseded version."""
 
 from __future__ import annotations
 
 import pytest
 
-from datamanager.models import TrainUpdate
+from datamanager.models import PolicyVersion, TrainUpdate
+from datamanager.services import episodes
+from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
 
 pytestmark = pytest.mark.django_db
@@ -48,3 +51,30 @@ def test_an_update_that_measured_nothing_or_a_threshold_of_zero_raises_no_alert(
     other = make_running_run({})
     _update(other, 1, 0.9, tokens=0)  # no fresh steps in that update: nothing measured
     assert "Log-prob gap" not in ada_client.get(f"/runs/{other.pk}/").content.decode()
+
+
+def _running_episode(run, *, version: int) -> int:
+    """An episode under way whose newest step was sampled from `version`."""
+    claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+    assert claim is not None
+    episodes.step_record(
+        trajectory_id=claim.trajectory_id, index=0, screenshot_png=png_bytes(), width=160,
+        height=210, raw_output="Action: wait()", thought="", action={"type": "wait"},
+        parse_error="", prompt_tokens=10, response_tokens=3, rollout_logprobs=[],
+        mean_entropy=0.5, policy_version=version, env_ms=1.0, model_ms=1.0,
+    )  # fmt: skip
+    return claim.trajectory_id
+
+
+def test_an_episode_still_sampled_from_a_long_superseded_version_raises_an_alert(ada_client):
+    make_tasks(2)
+    run = make_running_run({"trainer": {"stale_serving_alert": 3}, "curation": {"n_min": 2}})
+    for version in range(6):
+        PolicyVersion.objects.create(run=run, version=version, checkpoint=f"/ckpt/v{version}")
+    _running_episode(run, version=4)  # one behind: the rolling sync has not reached it yet
+    assert "Stale weights served" not in ada_client.get(f"/runs/{run.pk}/").content.decode()
+
+    stuck = _running_episode(run, version=1)  # four behind: a worker the sync never reached
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert f"Stale weights served: trajectory {stuck} on an unknown slot" in page
+    assert "from version 1, 4 versions behind the newest (v5); 1 episode(s)" in page

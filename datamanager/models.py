@@ -18,6 +18,7 @@ class Split(models.TextChoices):
 class EnvKind(models.TextChoices):
     MINIWOB = "miniwob"
     DESKTOP = "desktop"
+    SIM = "sim"
 
 
 class Task(models.Model):

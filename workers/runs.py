@@ -122,12 +122,7 @@ def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
     oracle, which has nothing to train)."""
     if cfg.mode == "synchronous":
         return [trainer_work(run_id=run_id, mode=cfg.mode)]
-    work = [
-        slot_work(run_id=run_id, backend="miniwob", index=i) for i in range(cfg.env.miniwob_slots)
-    ]
-    work += [
-        slot_work(run_id=run_id, backend="desktop", index=i) for i in range(cfg.env.desktop_slots)
-    ]
+    work = [slot_work(run_id=run_id, backend=b, index=i) for b, i in cfg.env.slots()]
     if cfg.policy != ORACLE_POLICY:
         work.append(trainer_work(run_id=run_id, mode=cfg.mode))
     return work

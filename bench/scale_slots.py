@@ -138,6 +138,7 @@ class Fleet:
         from envmanager.sim_env import SimEnv
         from rollout.episode import run_episode
         from workers.config_mapping import episode_config
+        from workers.dbutil import db_retry
         from workers.leases import slot_work
         from workers.slot_worker import DbRecorder
 
@@ -163,8 +164,16 @@ class Fleet:
         env = ObservedEnv(BusyEnv(sim, clock), oracle)
         while time.time() < args.until:
             started = time.perf_counter()
+            # As serve_slot does: a transient database error (a deadlock, a restart) is
+            # tried again (workers/dbutil.py), not the end of the slot.
             claim = pool.call(
-                lambda: episodes.task_claim(run_id=args.run, slot_id=slot.pk, env_kinds=("sim",))
+                partial(
+                    db_retry,
+                    lambda _: episodes.task_claim(
+                        run_id=args.run, slot_id=slot.pk, env_kinds=("sim",)
+                    ),
+                    what="claiming",
+                )
             )
             self.timings.add("claim", started)
             if claim is None:
@@ -195,17 +204,16 @@ class Fleet:
                 config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
             )
             started = time.perf_counter()
-            pool.call(
-                partial(
-                    episodes.trajectory_finish,
-                    trajectory_id=claim.trajectory_id,
-                    status=result.status,
-                    reward=result.reward,
-                    details=result.details,
-                    env_ms=result.env_ms,
-                    model_ms=result.model_ms,
-                )
+            finish = partial(
+                episodes.trajectory_finish,
+                trajectory_id=claim.trajectory_id,
+                status=result.status,
+                reward=result.reward,
+                details=result.details,
+                env_ms=result.env_ms,
+                model_ms=result.model_ms,
             )
+            pool.call(partial(db_retry, lambda _, f=finish: f(), what="finishing"))
             self.timings.add("finish", started)
             self.count("finished")
             pool.call(lambda: env_slots.env_slot_success(slot_id=slot.pk))

@@ -125,15 +125,63 @@ def _busy_share(slot: EnvSlot) -> float | None:
 SERVING_STATUSES = ("starting", "idle", "busy", "recovering")  # a live worker reports these
 
 
-def run_slots(*, run: Run) -> list[SlotTile]:
-    """The run's env slots with the latest screenshot of each slot's current trajectory.
+WALL_STATUSES = (*SERVING_STATUSES, "quarantined", "stopped", "lost")
+
+
+@dataclass(frozen=True)
+class SlotWall:
+    """One page of the env wall: its tiles, and what the whole wall holds (per status)."""
+
+    tiles: list[SlotTile]
+    counts: dict[str, int]  # every status of the run's slots, `lost` apart from the rest
+    total: int  # slots matching the filter
+    page: int
+    pages: int
+    status: str  # the filter ("" for every status)
+    query: str  # a substring of the slot's name or its current task's name
+
+    @property
+    def complete(self) -> bool:
+        """Every slot of the run is on this page: live events may add new tiles to it."""
+        return not self.status and not self.query and self.pages <= 1
+
+
+def _lost(lost_after: float) -> Q:
+    cutoff = timezone.now() - timedelta(seconds=lost_after)
+    return Q(status__in=SERVING_STATUSES, last_heartbeat__lt=cutoff)
+
+
+def run_slots(
+    *, run: Run, status: str = "", query: str = "", page: int | str = 1, per_page: int = 60
+) -> SlotWall:
+    """A page of the run's env slots, with the latest screenshot of each slot's current
+    trajectory, filtered by status (`lost` included) and by a substring of the slot's or its
+    task's name. Paged, because 1,000 tiles are neither readable nor cheap: the page holds
+    `per_page` tiles and counts the rest by status.
 
     A slot row whose worker stopped heart-beating while it was serving shows as `lost` with
     how long ago: a killed worker cannot say so itself, and a restarted one serves the slot
     under a new row (host:pid:backend:index)."""
+    lost_after = RunConfig.from_dict(run.config).env.silent_after_s
+    lost = _lost(lost_after)
+    rows = EnvSlot.objects.filter(run=run)
+    counts = dict(
+        rows.exclude(lost).values_list("status").annotate(n=Count("pk")).order_by("status")
+    )
+    counts["lost"] = rows.filter(lost).count()
+    if status == "lost":
+        rows = rows.filter(lost)
+    elif status:
+        rows = rows.filter(status=status).exclude(lost)
+    if query:
+        rows = rows.filter(
+            Q(name__icontains=query) | Q(current_trajectory__task__name__icontains=query)
+        )
+    paginator = Paginator(rows.order_by("name").values_list("pk", flat=True), per_page)
+    current = paginator.get_page(page)
     last_step = Step.objects.filter(trajectory=OuterRef("current_trajectory")).order_by("-index")
     slots = (
-        EnvSlot.objects.filter(run=run)
+        EnvSlot.objects.filter(pk__in=list(current.object_list))
         .annotate(
             step_index=Subquery(last_step.values("index")[:1]),
             step_image=Subquery(last_step.values("screenshot")[:1]),
@@ -142,19 +190,19 @@ def run_slots(*, run: Run) -> list[SlotTile]:
         )
         .order_by("name")
     )
-    now, lost_after = timezone.now(), RunConfig.from_dict(run.config).env.silent_after_s
+    now = timezone.now()
     tiles = []
     for s in slots:
-        status, error = s.status, s.last_error
+        shown, error = s.status, s.last_error
         silent = (now - s.last_heartbeat).total_seconds() if s.last_heartbeat else None
-        if status in SERVING_STATUSES and silent is not None and silent > lost_after:
-            status = "lost"
+        if shown in SERVING_STATUSES and silent is not None and silent > lost_after:
+            shown = "lost"
             error = f"no heartbeat for {silent:.0f} s: its worker stopped"
         tiles.append(
             SlotTile(
                 id=s.pk,
                 name=s.name,
-                status=status,
+                status=shown,
                 last_error=error,
                 trajectory_id=s.current_trajectory_id,
                 task_name=s.task_name or "",
@@ -164,7 +212,15 @@ def run_slots(*, run: Run) -> list[SlotTile]:
                 env_busy=_busy_share(s),
             )
         )
-    return tiles
+    return SlotWall(
+        tiles=tiles,
+        counts={k: v for k, v in counts.items() if v},
+        total=paginator.count,
+        page=current.number,
+        pages=paginator.num_pages,
+        status=status,
+        query=query,
+    )
 
 
 @dataclass(frozen=True)

@@ -508,3 +508,48 @@ def test_start_creates_task_stats_or_says_why_it_cannot(
     assert Run.objects.get(pk=run.pk).status == "running"
     assert TaskStat.objects.filter(run=run).count() == 1
     assert len(callbacks) == 1  # the slot tasks are enqueued after commit
+
+
+def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
+    """1,000 tiles are neither readable nor cheap: the wall shows a page of 60, counts every
+    status, and filters by status (`lost` included) and by slot or task name."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = make_run(env={"miniwob_slots": 0, "sim_slots": 130})
+    EnvSlot.objects.bulk_create(
+        [
+            EnvSlot(name=f"w:{i:03d}", host="w", backend="sim", run=run,
+                    status="quarantined" if i % 10 == 3 else "busy",
+                    last_heartbeat=timezone.now())
+            for i in range(130)
+        ]
+    )  # fmt: skip
+    EnvSlot.objects.filter(name="w:007").update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    episode(run, EnvSlot.objects.get(name="w:120"), steps=2, success=None)
+
+    def tiles(html: str) -> list[str]:
+        return re.findall(
+            r'<a class="tile" data-slot="\d+".*?<span class="name">([^<]*)<', html, re.S
+        )
+
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert tiles(html) == [f"w:{i:03d}" for i in range(60)]
+    assert "116 busy" in html and "13 quarantined" in html and "1 lost" in html
+    assert "page 1 of 3" in html and 'data-complete="1"' not in html
+    page3 = ada_client.get(f"/runs/{run.pk}/?page=3").content.decode()
+    assert tiles(page3) == [f"w:{i:03d}" for i in range(120, 130)]
+    quarantined = ada_client.get(f"/runs/{run.pk}/?status=quarantined").content.decode()
+    assert tiles(quarantined) == [f"w:{i:03d}" for i in range(3, 130, 10)]
+    lost = ada_client.get(f"/runs/{run.pk}/slots.json?status=lost").json()
+    assert [s["name"] for s in lost["slots"]] == ["w:007"] and lost["total"] == 1
+    task = Trajectory.objects.get(env_slot__name="w:120").task.name
+    EnvSlot.objects.filter(name="w:120").update(
+        current_trajectory=Trajectory.objects.get(env_slot__name="w:120")
+    )
+    by_task = ada_client.get(f"/runs/{run.pk}/slots.json?q={task}").json()
+    assert [s["name"] for s in by_task["slots"]] == ["w:120"] and by_task["slots"][0]["step"] == 1
+    page2 = ada_client.get(f"/runs/{run.pk}/slots.json?page=2").json()
+    assert (len(page2["slots"]), page2["page"], page2["pages"], page2["total"]) == (60, 2, 3, 130)
+    assert page2["counts"] == {"busy": 116, "quarantined": 13, "lost": 1}

@@ -146,7 +146,6 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
         group_index=group.index,
         instances=cfg.tasks.instances,
     )
-    decode_seed = cfg.seed * 1_000_003 + Trajectory.objects.filter(run=run).count()
     traj = Trajectory.objects.create(
         run=run,
         task=stat.task,
@@ -156,6 +155,9 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
         step_cap=stat.step_cap,
         seed=seed,
     )
+    # One per rollout, from the trajectory's id: counting the run's trajectories (as this
+    # did) costs a scan that grows with the run, under the run's lock.
+    decode_seed = cfg.seed * 1_000_003 + traj.pk
     return Claim(
         trajectory_id=traj.pk,
         task_id=task_id,

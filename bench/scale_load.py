@@ -82,6 +82,8 @@ def _sample(media: Path) -> dict[str, float]:
     finally:
         client.close()
     media_bytes = sum(p.stat().st_size for p in media.rglob("*") if p.is_file())
+    # The machine's CPU (every process, the other users of the 2 cores included).
+    cpu = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
     return {
         "t": time.time(),
         "steps": Step.objects.count(),
@@ -90,6 +92,8 @@ def _sample(media: Path) -> dict[str, float]:
         "rows_inserted": float(rows_inserted),
         "redis_commands": float(commands),
         "media_bytes": float(media_bytes),
+        "cpu_busy": sum(cpu) - cpu[3] - cpu[4],  # all but idle and iowait, in jiffies
+        "cpu_all": sum(cpu),
     }
 
 
@@ -266,6 +270,13 @@ def main() -> None:
         "trajectories_per_s": (end["trajectories"] - start["trajectories"]) / secs,
         "step_record_ms": {"n": len(record), "p50": _pct(record, 50), "p99": _pct(record, 99)},
         "claim_ms": {"n": len(claim), "p50": _pct(claim, 50), "p99": _pct(claim, 99)},
+        "step_record_service_ms": {
+            "p50": _pct(service := window("step_record_service"), 50),
+            "p99": _pct(service, 99),
+        },
+        "driver_cpu_ms_per_step": 1000 * sum(r["cpu_s"] for r in results) / max(1, counts["steps"]),
+        "machine_cpu_busy": (end["cpu_busy"] - start["cpu_busy"])
+        / max(1.0, end["cpu_all"] - start["cpu_all"]),
         "finish_ms_p99": _pct(window("finish"), 99),
         "db_rows_per_hour": (end["rows_inserted"] - start["rows_inserted"]) * hour,
         "db_bytes_per_hour": (end["db_bytes"] - start["db_bytes"]) * hour,

@@ -69,12 +69,14 @@ def main() -> None:
     import django
 
     django.setup()
+    from django.contrib.auth.models import User
     from django.core.management import call_command
     from django.db import connection
     from django.utils import timezone
 
     from bench.pages import fill, measure
     from datamanager.models import EnvSlot, Step, Trajectory
+    from datamanager.roles import role_group
 
     call_command("migrate", verbosity=0)
     t0 = time.perf_counter()
@@ -82,6 +84,7 @@ def main() -> None:
         n_traj=args.steps // args.steps_per_trajectory, steps_per=args.steps_per_trajectory
     )
     _more_slots(run_id, args.slots)
+    User.objects.get(username="ada").groups.add(role_group("viewer"))  # pages need a role
     EnvSlot.objects.update(last_heartbeat=timezone.now())
     with connection.cursor() as cur:
         cur.execute("ANALYZE")

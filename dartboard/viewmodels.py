@@ -232,11 +232,12 @@ class LiveWorkRow:
     text: str
 
 
-def live_work_rows(*, run: Run, fold_live_after: int = 20) -> list[LiveWorkRow]:
+def live_work_rows(*, run: Run, fold_after: int = 20) -> list[LiveWorkRow]:
     """Who holds each of a running run's slots and its trainer now (Redis leases,
     workers/leases.py); empty unless the run is running. Read in one pipeline (1,000 slots
-    were 2,000 round trips per page view); past `fold_live_after` live slots they are
-    counted in one row, so the page lists only the work that needs a look."""
+    were 2,000 round trips per page view); past `fold_after` live slots they are
+    counted in one row, and past `fold_after` rows of work without a live worker the rest
+    are counted too, so a 1,000-slot run's page lists what needs a look and stays small."""
     if run.status != "running":
         return []
     rows = []
@@ -264,9 +265,18 @@ def live_work_rows(*, run: Run, fold_live_after: int = 20) -> list[LiveWorkRow]:
                         f"{settings.DARTBOARD_WATCHDOG_GRACE_S:.0f} s",
                     )
                 )
-        if live_slots > fold_live_after:
+        if live_slots > fold_after:
             rows = [r for r in rows if r.state != "live" or not r.label.startswith("slot ")]
             rows.insert(0, LiveWorkRow(f"{live_slots} slots", "live", "held by live workers"))
+        rest = [r for r in rows if r.state != "live"]
+        if len(rest) > fold_after:  # e.g. every slot of a run whose workers are gone
+            shown = set(map(id, rest[:fold_after]))
+            rows = [r for r in rows if r.state == "live" or id(r) in shown]
+            rows.append(
+                LiveWorkRow(
+                    f"{len(rest) - fold_after} more", "missing", "queued or without a worker"
+                )
+            )
     except Exception as exc:  # the page still renders; the row says why it cannot tell
         rows.append(LiveWorkRow("workers", "missing", f"Redis unreachable: {exc}"))
     finally:

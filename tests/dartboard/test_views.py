@@ -581,3 +581,7 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     assert len(sends) <= 20  # one round trip a lease: 1,000 for this page
     assert "499 slots: held by live workers" in text
     assert "slot sim:499: no live worker" in text and "slot sim:3:" not in text
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "env": {**run.config["env"], "sim_slots": 600}})  # fmt: skip
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "slot sim:518: no live worker" in text and "slot sim:519" not in text
+    assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed

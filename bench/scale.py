@@ -100,6 +100,25 @@ def load_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def detail_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| slots | driver processes x DB pool | step record on the DB thread p50 / p99 (ms) | "
+        "finish p99 (ms) | driver CPU per step (ms) | machine CPU busy | heartbeat batch "
+        "max (ms) | batch collect p50 (ms) | trajectories | drain (s) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        svc = r["step_record_service_ms"]
+        out.append(
+            f"| {r['slots']} | {r['processes']} x {r['pool']} | {_ms(svc['p50'])} / "
+            f"{_ms(svc['p99'])} | {_ms(r['finish_ms_p99'])} | "
+            f"{r['driver_cpu_ms_per_step']:.1f} | {r['machine_cpu_busy']:.0%} | "
+            f"{_ms(r['heartbeat_ms_max'])} | {_ms(r['batch_collect']['p50_ms'])} | "
+            f"{r['check']['trajectories']:,} | {r['drain_s']:.0f} |"
+        )
+    return "\n".join(out)
+
+
 def pages_table(result: dict[str, Any]) -> str:
     out = [
         f"{result['steps']:,} steps, {result['trajectories']:,} trajectories, "
@@ -118,7 +137,9 @@ def main() -> None:
     ap.add_argument("--slots", type=int, nargs="*", default=[100, 300, 1000])
     ap.add_argument("--minutes", type=float, default=10.0, help="sustain window per N")
     ap.add_argument("--latency-scale", type=float, default=0.45)
-    ap.add_argument("--processes", type=int, default=4, help="driver processes per N")
+    ap.add_argument(
+        "--processes", type=int, default=0, help="driver processes per N (0: N / 150, 2 to 8)"
+    )
     ap.add_argument("--pool", type=int, default=6, help="DB connections per driver process")
     ap.add_argument("--pages-steps", type=int, default=1_000_000)
     ap.add_argument("--skip-pages", action="store_true")
@@ -130,14 +151,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.slots:
             t0 = time.time()
+            processes = args.processes or min(8, max(2, n // 150))
             what = ["bench.scale_load", "--slots", str(n), "--minutes", str(args.minutes),
                     "--latency-scale", str(args.latency_scale),
-                    "--processes", str(args.processes), "--pool", str(args.pool)]  # fmt: skip
+                    "--processes", str(processes), "--pool", str(args.pool)]  # fmt: skip
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)
-        print(f"\n## Load ({args.minutes:g} min sustained, latency scale {args.latency_scale})\n")
-        print(load_table(results))
+        if results:
+            print(
+                f"\n## Load ({args.minutes:g} min sustained, latency scale {args.latency_scale})\n"
+            )
+            print(load_table(results))
+            print()
+            print(detail_table(results))
         if not args.skip_pages:
             pages = _one(
                 args,

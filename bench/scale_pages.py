@@ -56,6 +56,34 @@ def _more_slots(run_id: int, slots: int) -> None:
         )
 
 
+def _group_history(run_id: int, groups: int) -> None:
+    """One TaskStatHistory row per finished group, as `_maybe_ready` writes them (bench/pages.py
+    writes 60 a task; a run that recorded 1,000,000 steps in groups of 4 finished ~12,500)."""
+    from datetime import timedelta
+
+    from datamanager.models import Run, TaskStat, TaskStatHistory
+
+    run = Run.objects.get(pk=run_id)
+    tasks = list(TaskStat.objects.filter(run=run).values_list("task_id", flat=True))
+    start = run.started_at
+    span = 5 * 3600
+    TaskStatHistory.objects.bulk_create(
+        [
+            TaskStatHistory(
+                run=run,
+                task_id=tasks[g % len(tasks)],
+                at=start + timedelta(seconds=span * g / groups),
+                success_rate=min(1.0, 0.2 + 0.8 * g / groups),
+                rollout_budget=max(2, 8 - 6 * g // groups),
+                step_cap=15,
+                pool_size=2,
+            )
+            for g in range(groups)
+        ],
+        batch_size=5000,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1_000_000)
@@ -84,6 +112,7 @@ def main() -> None:
         n_traj=args.steps // args.steps_per_trajectory, steps_per=args.steps_per_trajectory
     )
     _more_slots(run_id, args.slots)
+    _group_history(run_id, args.steps // args.steps_per_trajectory // 4)
     User.objects.get(username="ada").groups.add(role_group("viewer"))  # pages need a role
     EnvSlot.objects.update(last_heartbeat=timezone.now())
     with connection.cursor() as cur:

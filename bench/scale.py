@@ -102,15 +102,17 @@ def load_table(rows: list[dict[str, Any]]) -> str:
 
 def detail_table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| slots | driver processes x DB pool | step record on the DB thread p50 / p99 (ms) | "
+        "| slots | driver processes x DB pool | steps a transaction | "
+        "step record on the DB thread p50 / p99 (ms) | "
         "finish p99 (ms) | driver CPU per step (ms) | machine CPU busy | heartbeat batch "
         "max (ms) | batch collect p50 (ms) | trajectories | drain (s) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         svc = r["step_record_service_ms"]
+        batching = f"{r['mean_step_batch']:.1f}" if r["batch_steps"] else "1 (step_record)"
         out.append(
-            f"| {r['slots']} | {r['processes']} x {r['pool']} | {_ms(svc['p50'])} / "
+            f"| {r['slots']} | {r['processes']} x {r['pool']} | {batching} | {_ms(svc['p50'])} / "
             f"{_ms(svc['p99'])} | {_ms(r['finish_ms_p99'])} | "
             f"{r['driver_cpu_ms_per_step']:.1f} | {r['machine_cpu_busy']:.0%} | "
             f"{_ms(r['heartbeat_ms_max'])} | {_ms(r['batch_collect']['p50_ms'])} | "
@@ -141,6 +143,9 @@ def main() -> None:
         "--processes", type=int, default=0, help="driver processes per N (0: N / 150, 2 to 8)"
     )
     ap.add_argument("--pool", type=int, default=6, help="DB connections per driver process")
+    ap.add_argument(
+        "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
+    )
     ap.add_argument("--pages-steps", type=int, default=1_000_000)
     ap.add_argument("--skip-pages", action="store_true")
     ap.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
@@ -154,7 +159,8 @@ def main() -> None:
             processes = args.processes or min(8, max(2, n // 150))
             what = ["bench.scale_load", "--slots", str(n), "--minutes", str(args.minutes),
                     "--latency-scale", str(args.latency_scale),
-                    "--processes", str(processes), "--pool", str(args.pool)]  # fmt: skip
+                    "--processes", str(processes), "--pool", str(args.pool),
+                    "--batch-steps", str(args.batch_steps)]  # fmt: skip
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import socket
 import sys
@@ -31,7 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -78,8 +79,63 @@ class Timings:
             self.rows.setdefault(kind, []).append((time.time(), ms))
 
 
+class StepWriter(threading.Thread):
+    """Writes the steps the process's slots record, many per transaction
+    (datamanager.services.steps.steps_record_many): a slot hands its step over and waits
+    until it is committed. With --batch-steps 0 each step is written alone on the pool
+    (episodes.step_record through the slot worker's DbRecorder), as serve_slot does."""
+
+    def __init__(self, timings: Timings, max_batch: int) -> None:
+        super().__init__(daemon=True, name="steps")
+        self.queue: queue.Queue[tuple[Any, Future[None]] | None] = queue.Queue()
+        self.timings = timings
+        self.max_batch = max_batch
+        self.batches: list[int] = []
+
+    def record(self, write: Any) -> None:
+        done: Future[None] = Future()
+        self.queue.put((write, done))
+        done.result()
+
+    def run(self) -> None:
+        from django.db import connection
+
+        from datamanager.services.steps import steps_record_many
+        from workers.dbutil import db_retry
+
+        while (first := self.queue.get()) is not None:
+            items = [first]
+            while len(items) < self.max_batch:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.queue.put(None)
+                    break
+                items.append(item)
+            writes = [w for w, _ in items]
+            started = time.perf_counter()
+            try:
+                db_retry(
+                    lambda attempt, ws=writes: steps_record_many(writes=ws, resume=attempt > 0),
+                    what=f"recording {len(writes)} steps",
+                )
+            except Exception as exc:
+                for _, done in items:
+                    done.set_exception(exc)
+                continue
+            for _ in items:
+                self.timings.add("step_record_service", started)
+            self.batches.append(len(items))
+            for _, done in items:
+                done.set_result(None)
+        connection.close()
+
+
 class PooledRecorder:
-    """The slot worker's DbRecorder, each write run on the pool and timed as the slot waits."""
+    """The slot worker's DbRecorder, its writes run on the pool (or the step writer) and
+    timed as the slot waits."""
 
     def __init__(self, inner: Any, fleet: Fleet) -> None:
         self.inner, self.pool, self.fleet = inner, fleet.pool, fleet
@@ -89,7 +145,13 @@ class PooledRecorder:
 
     def record_step(self, record: Any) -> None:
         started = time.perf_counter()
-        self.pool.call(lambda: self._timed(record))
+        if self.fleet.writer is None:
+            self.pool.call(lambda: self._timed(record))
+        else:
+            from datamanager.services.steps import StepWrite
+
+            fields = {k: v for k, v in record.__dict__.items() if k != "index"}
+            self.fleet.writer.record(StepWrite(head=self.inner.head, index=record.index, **fields))
         self.fleet.timings.add("step_record", started)
 
     def _timed(self, record: Any) -> None:
@@ -118,6 +180,7 @@ class Fleet:
         self.errors: list[str] = []
         self.beat_ms: list[float] = []
         self.lost_leases = 0
+        self.writer = StepWriter(self.timings, args.batch_steps) if args.batch_steps else None
 
     def count(self, kind: str) -> None:
         with self.lock:
@@ -244,6 +307,8 @@ class Fleet:
     def run(self) -> dict[str, Any]:
         beats = threading.Thread(target=self.beats, name="beats", daemon=True)
         beats.start()
+        if self.writer is not None:
+            self.writer.start()
         threads = []
         for i in range(self.args.count):
             t = threading.Thread(target=self.slot, args=(self.args.first + i,), daemon=True)
@@ -254,6 +319,9 @@ class Fleet:
             t.join()
         self.stop_beats.set()
         beats.join()
+        if self.writer is not None:
+            self.writer.queue.put(None)
+            self.writer.join()
         for key, holder in self.leases.items():
             if self.redis.get(key) == holder.encode():
                 self.redis.delete(key)
@@ -266,6 +334,7 @@ class Fleet:
             "timings": self.timings.rows,
             "beat_ms": self.beat_ms,
             "lost_leases": self.lost_leases,
+            "step_batches": self.writer.batches if self.writer is not None else [],
         }
 
 
@@ -278,6 +347,9 @@ def main() -> None:
     ap.add_argument("--latency-scale", type=float, default=1.0)
     ap.add_argument("--pool", type=int, default=6, help="database connections")
     ap.add_argument("--stagger-s", type=float, default=10.0, help="spread slot starts")
+    ap.add_argument(
+        "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

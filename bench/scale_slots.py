@@ -153,6 +153,7 @@ class PooledRecorder:
             fields = {k: v for k, v in record.__dict__.items() if k != "index"}
             self.fleet.writer.record(StepWrite(head=self.inner.head, index=record.index, **fields))
         self.fleet.timings.add("step_record", started)
+        self.fleet.count("steps")
 
     def _timed(self, record: Any) -> None:
         started = time.perf_counter()  # on the pool thread: the write without the queue

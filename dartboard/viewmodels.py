@@ -451,16 +451,23 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
     for r in task_rows:
         per_task.setdefault(r["task__name"], []).append((_iso(r["b"]), r["ok"] / r["n"]))
 
+    # A task's budget and step cap, averaged per bucket like every other series: one point
+    # per finished group made 13,500 points (1.1 MB, 300 ms) at 1,000,000 steps.
     history: dict[str, dict[str, list]] = {}
-    for name, at, budget, cap in (
+    for r in _regroup(
         TaskStatHistory.objects.filter(run=run)
-        .order_by("at", "pk")
-        .values_list("task__name", "at", "rollout_budget", "step_cap")
+        .annotate(b=Trunc("at", kind))
+        .values("task__name", "b")
+        .annotate(n=Count("pk"), budget=Sum("rollout_budget"), cap=Sum("step_cap"))
+        .order_by("task__name", "b"),
+        width,
+        ("task__name",),
+        ("n", "budget", "cap"),
     ):
-        h = history.setdefault(name, {"t": [], "budget": [], "step_cap": []})
-        h["t"].append(_iso(at))
-        h["budget"].append(budget)
-        h["step_cap"].append(cap)
+        h = history.setdefault(r["task__name"], {"t": [], "budget": [], "step_cap": []})
+        h["t"].append(_iso(r["b"]))
+        h["budget"].append(round(r["budget"] / r["n"], 2))
+        h["step_cap"].append(round(r["cap"] / r["n"], 2))
 
     # Actions are counted per finished trajectory (its length), not per Step row: bucketing
     # 200,000 step timestamps costs a second on SQLite, 10,000 trajectories a few ms.

@@ -585,3 +585,19 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
     assert "slot sim:518: no live worker" in text and "slot sim:519" not in text
     assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed
+
+
+def test_the_budget_chart_has_a_point_per_bucket_not_per_group(ada_client):
+    """A 1,000-slot run finishes a group every few seconds: one point each made the chart
+    JSON 1.1 MB. A bucket shows the mean of its groups."""
+    run = make_run()
+    task = Task.objects.get(name="click-button")
+    for budget, cap in ((8, 15), (4, 15), (3, 12)):  # three groups in the same minute
+        TaskStatHistory.objects.create(
+            run=run, task=task, success_rate=0.5, rollout_budget=budget, step_cap=cap
+        )
+    TaskStatHistory.objects.filter(run=run).update(at=run.created_at)  # one bucket, surely
+    figs = ada_client.get(f"/runs/{run.pk}/charts.json").json()
+    (budget,) = [t for t in figs["budget"]["data"] if t["name"] == "click-button"]
+    (cap,) = [t for t in figs["step_cap"]["data"] if t["name"] == "click-button"]
+    assert budget["y"] == [5.0] and cap["y"] == [14.0]

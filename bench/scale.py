@@ -112,7 +112,8 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
         svc = r["step_record_service_ms"]
         batching = f"{r['mean_step_batch']:.1f}" if r["batch_steps"] else "1 (step_record)"
         out.append(
-            f"| {r['slots']} | {r['processes']} x {r['pool']} | {batching} | {_ms(svc['p50'])} / "
+            f"| {r['slots']} | {r['processes']} x {r['pool']}, switch "
+            f"{r.get('switch_ms', 5.0):g} ms | {batching} | {_ms(svc['p50'])} / "
             f"{_ms(svc['p99'])} | {_ms(r['finish_ms_p99'])} | "
             f"{r['driver_cpu_ms_per_step']:.1f} | {r['machine_cpu_busy']:.0%} | "
             f"{_ms(r['heartbeat_ms_max'])} | {_ms(r['batch_collect']['p50_ms'])} | "
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument(
         "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
     )
+    ap.add_argument(
+        "--switch-ms", type=float, default=0.5, help="driver processes' thread switch interval"
+    )
     ap.add_argument("--pages-steps", type=int, default=1_000_000)
     ap.add_argument("--skip-pages", action="store_true")
     ap.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
@@ -160,7 +164,7 @@ def main() -> None:
             what = ["bench.scale_load", "--slots", str(n), "--minutes", str(args.minutes),
                     "--latency-scale", str(args.latency_scale),
                     "--processes", str(processes), "--pool", str(args.pool),
-                    "--batch-steps", str(args.batch_steps)]  # fmt: skip
+                    "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms)]  # fmt: skip
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)

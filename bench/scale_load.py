@@ -210,6 +210,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--pool", type=int, default=6, help="database connections per process")
     ap.add_argument("--batch-steps", type=int, default=200, help="0: one transaction a step")
+    ap.add_argument("--switch-ms", type=float, default=0.5, help="driver thread switch interval")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -233,7 +234,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "bench.scale_slots", "--run", str(run_id),
                "--first", str(first), "--count", str(count), "--until", str(until),
                "--latency-scale", str(args.latency_scale), "--pool", str(args.pool),
-               "--batch-steps", str(args.batch_steps), "--out", str(outs[i])]  # fmt: skip
+               "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms),
+               "--out", str(outs[i])]  # fmt: skip
         procs.append(subprocess.Popen(cmd, cwd=ROOT))
         first += count
     background = Background(run_id)
@@ -264,6 +266,7 @@ def main() -> None:
         "processes": args.processes,
         "pool": args.pool,
         "batch_steps": args.batch_steps,
+        "switch_ms": args.switch_ms,
         "mean_step_batch": statistics.fmean(b)
         if (b := [n for r in results for n in r["step_batches"]])
         else 1.0,

@@ -148,7 +148,7 @@ def main() -> None:
         "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
     )
     ap.add_argument(
-        "--switch-ms", type=float, default=0.5, help="driver processes' thread switch interval"
+        "--switch-ms", type=float, default=5.0, help="driver processes' thread switch interval"
     )
     ap.add_argument("--pages-steps", type=int, default=1_000_000)
     ap.add_argument("--skip-pages", action="store_true")

@@ -353,14 +353,14 @@ def main() -> None:
     ap.add_argument(
         "--switch-ms",
         type=float,
-        default=0.5,
-        help="the interpreter's thread switch interval (Python's default is 5 ms)",
+        default=5.0,
+        help="the interpreter's thread switch interval (Python's default: 5 ms)",
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    # A slot here stands for a worker process of its own: packed 170 to a process, a DB
-    # thread back from PostgreSQL waited for the GIL up to 5 ms per round trip, while
-    # holding the run's claim lock (measured at 1,000 slots: claims p50 5.9 s).
+    # Tried at 1,000 slots: 0.5 ms (so a DB thread back from PostgreSQL, holding the run's
+    # claim lock, waits less for the GIL) did not shorten claims (p50 5.9 -> 5.0 s) and
+    # doubled the step record's p50 on the saturated machine; the default stays Python's.
     sys.setswitchinterval(args.switch_ms / 1000)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dartboard.settings")

@@ -145,7 +145,7 @@ def main() -> None:
     )
     ap.add_argument("--pool", type=int, default=6, help="DB connections per driver process")
     ap.add_argument(
-        "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
+        "--batch-steps", type=int, default=0, help="most steps a transaction (0: one each)"
     )
     ap.add_argument(
         "--switch-ms", type=float, default=5.0, help="driver processes' thread switch interval"

@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--latency-scale", type=float, default=0.45)
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--pool", type=int, default=6, help="database connections per process")
-    ap.add_argument("--batch-steps", type=int, default=200, help="0: one transaction a step")
+    ap.add_argument("--batch-steps", type=int, default=0, help="0: one transaction a step")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="driver thread switch interval")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

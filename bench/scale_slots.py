@@ -348,7 +348,7 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=6, help="database connections")
     ap.add_argument("--stagger-s", type=float, default=10.0, help="spread slot starts")
     ap.add_argument(
-        "--batch-steps", type=int, default=200, help="most steps a transaction (0: one each)"
+        "--batch-steps", type=int, default=0, help="most steps a transaction (0: one each)"
     )
     ap.add_argument(
         "--switch-ms",

@@ -93,7 +93,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     services = service_health.BOARD.services(run_id=run.pk, trainer=run.status == "running")
-    slots = viewmodels.run_slots(run=run)
+    wall = _wall(request, run)
     task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
     return render(
         request,
@@ -101,7 +101,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         {
             "run": run,
             "summary": viewmodels.run_summary(run=run),
-            "slots": slots,
+            "wall": wall,
+            "wall_statuses": viewmodels.WALL_STATUSES,
             "live_work": viewmodels.live_work_rows(run=run),
             "task_names": task_names,
             "config_json": json.dumps(run.config, indent=2),
@@ -155,11 +156,32 @@ def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
 @require_GET
 @permission_required(CAN_VIEW, raise_exception=True)
 def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
-    """The env wall as JSON (the wall's fallback when the WebSocket is down)."""
+    """A page of the env wall as JSON (the wall's fallback when the WebSocket is down), with
+    the same filters as the run page: ?status=&q=&page=."""
     run = get_object_or_404(Run, pk=run_id)
     tasks = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+    wall = _wall(request, run)
     return JsonResponse(
-        {"slots": [t.__dict__ for t in viewmodels.run_slots(run=run)], "tasks": tasks}
+        {
+            "slots": [t.__dict__ for t in wall.tiles],
+            "tasks": tasks,
+            "counts": wall.counts,
+            "total": wall.total,
+            "page": wall.page,
+            "pages": wall.pages,
+        }
+    )
+
+
+def _wall(request: HttpRequest, run: Run) -> viewmodels.SlotWall:
+    """The env wall page the request asks for (?status=&q=&page=); an unknown status is
+    ignored rather than an error, like a stale link's page number."""
+    status = request.GET.get("status", "")
+    return viewmodels.run_slots(
+        run=run,
+        status=status if status in viewmodels.WALL_STATUSES else "",
+        query=request.GET.get("q", "").strip()[:200],
+        page=request.GET.get("page", 1),
     )
 
 

@@ -48,7 +48,7 @@ class TaskSelection:
     tags: list[str] = knob([], "Only tasks with all of these tags (empty: no tag filter).")
     names: list[str] = knob([], "Only these task names (empty: every task of the split/tags).")
     env_kinds: list[str] = knob(
-        ["miniwob"], "Environment backends whose tasks are included: miniwob, desktop."
+        ["miniwob"], "Environment backends whose tasks are included: miniwob, desktop, sim."
     )
     instances: int = knob(
         0,
@@ -57,8 +57,8 @@ class TaskSelection:
     )
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop"})
-        _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob and/or desktop")
+        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop", "sim"})
+        _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob, desktop, sim")
         _check(bool(self.env_kinds), "env_kinds", "name at least one backend")
         _check(0 <= self.instances <= 1000, "instances", "must be between 0 and 1000")
 
@@ -67,6 +67,9 @@ class TaskSelection:
 class EnvConfig:
     miniwob_slots: int = knob(2, "MiniWoB++ browser slots (one chromium each).")
     desktop_slots: int = knob(0, "Xvfb desktop slots.")
+    sim_slots: int = knob(
+        0, "Simulated slots (envmanager/sim_env.py): synthetic screens, no browser; load tests."
+    )
     step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
     heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
     quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
@@ -74,14 +77,23 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.miniwob_slots <= 64, "miniwob_slots", "must be between 0 and 64")
         _check(0 <= self.desktop_slots <= 16, "desktop_slots", "must be between 0 and 16")
+        _check(0 <= self.sim_slots <= 2000, "sim_slots", "must be between 0 and 2000")
         _check(
-            self.miniwob_slots + self.desktop_slots > 0,
+            self.miniwob_slots + self.desktop_slots + self.sim_slots > 0,
             "miniwob_slots",
             "a run needs at least one slot",
         )
         _check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         _check(self.quarantine_after >= 1, "quarantine_after", "must be >= 1")
+
+    def slots(self) -> list[tuple[str, int]]:
+        """Every env slot of a run as (backend, index), in the order workers start them."""
+        return (
+            [("miniwob", i) for i in range(self.miniwob_slots)]
+            + [("desktop", i) for i in range(self.desktop_slots)]
+            + [("sim", i) for i in range(self.sim_slots)]
+        )
 
     @property
     def silent_after_s(self) -> float:

@@ -27,12 +27,25 @@ def run_group(run_id: int) -> str:
     return f"run-{run_id}"
 
 
+# Sends in flight at once per process; the rest wait their turn on the loop. Unbounded, a
+# process serving 167 slots on a saturated machine (bench/scale.py, 1,000 slots) ran past
+# the channel layer's pool of 100 Redis connections and lost events to MaxConnectionsError.
+MAX_IN_FLIGHT = 32
+
+
 class _Publisher:
     """A daemon thread running an asyncio loop that owns this process's channel layer."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        self._in_flight: asyncio.Semaphore | None = None
+
+    async def _send(self, layer: Any, group: str, message: dict[str, Any]) -> None:
+        if self._in_flight is None:  # created on the loop's thread, where it is used
+            self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        async with self._in_flight:
+            await layer.group_send(group, message)
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -47,7 +60,7 @@ class _Publisher:
 
                 threading.Thread(target=run, name="dartboard-events", daemon=True).start()
                 started.wait(5)
-                self._loop = loop
+                self._loop, self._in_flight = loop, None
             return self._loop
 
     def send(self, group: str, message: dict[str, Any]) -> Future:
@@ -57,7 +70,7 @@ class _Publisher:
             done.set_result(None)
             return done
         future = asyncio.run_coroutine_threadsafe(
-            layer.group_send(group, message), self._ensure_loop()
+            self._send(layer, group, message), self._ensure_loop()
         )
         future.add_done_callback(_log_failure)
         return future

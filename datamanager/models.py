@@ -18,6 +18,7 @@ class Split(models.TextChoices):
 class EnvKind(models.TextChoices):
     MINIWOB = "miniwob"
     DESKTOP = "desktop"
+    SIM = "sim"
 
 
 class Task(models.Model):
@@ -242,6 +243,9 @@ class Trajectory(models.Model):
             models.Index(fields=["run", "status"]),
             models.Index(fields=["run", "-started_at"]),
             models.Index(fields=["task", "in_pool"]),
+            # A finish reads its task's latest outcomes in this run (the rolling success
+            # rate): without it, every finish sorted all of the task's trajectories.
+            models.Index(fields=["run", "task", "-finished_at"], name="traj_run_task_finished"),
         ]
 
     def __str__(self) -> str:

@@ -4,7 +4,7 @@ A task file is JSON Lines (one object per line; blank lines and lines starting w
 are skipped) or a JSON array of objects. Each object:
 
     {"name": "miniwob/click-test",          # unique; importing again updates the task
-     "env_kind": "miniwob",                  # miniwob | desktop
+     "env_kind": "miniwob",                  # miniwob | desktop | sim
      "env_config": {"task": "click-test"},   # backend-specific, an object (optional)
      "instruction": "",                      # optional; empty when the environment sets it
      "split": "train",                       # train | eval (optional, default train)
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENV_KINDS = ("miniwob", "desktop")
+ENV_KINDS = ("miniwob", "desktop", "sim")
 SPLITS = ("train", "eval")
 FIELDS = {"name", "env_kind", "env_config", "instruction", "split", "tags"}
 

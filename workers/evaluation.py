@@ -97,7 +97,7 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
     )
     if not tasks:
         return None
-    slots = cfg.env.miniwob_slots + cfg.env.desktop_slots
+    slots = len(cfg.env.slots())
     shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
     job = evaluations.eval_job_create(
         name=f"{run.name} v{version}",

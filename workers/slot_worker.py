@@ -38,9 +38,10 @@ from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
 from envmanager.busy import PROCESS_CLOCK, BusyEnv
 from envmanager.desktop_env import DesktopEnv
-from envmanager.latency import LatencyEnv, profile_from_settings
+from envmanager.latency import PROFILES, LatencyEnv, profile_from_settings
 from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
+from envmanager.sim_env import sim_env
 from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
@@ -62,7 +63,12 @@ def make_env(backend: str, *, timeout_s: float = 30.0) -> Env:
         return ThreadedEnv(MiniWoBEnv, timeout_s=timeout_s)
     if backend == "desktop":
         return ThreadedEnv(DesktopEnv, timeout_s=timeout_s)
-    raise ValueError(f"unknown env backend {backend!r}; use miniwob or desktop")
+    if backend == "sim":
+        # Simulated slots always take an OSWorld VM's time (scaled by
+        # DARTBOARD_ENV_LATENCY_SCALE): their point is the control plane's load.
+        latency = PROFILES["osworld"].scaled(settings.DARTBOARD_ENV_LATENCY_SCALE)
+        return sim_env(latency=latency, seed=os.getpid())
+    raise ValueError(f"unknown env backend {backend!r}; use miniwob, desktop or sim")
 
 
 def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
@@ -72,7 +78,7 @@ def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
         profile = profile_from_settings(
             settings.DARTBOARD_ENV_LATENCY, settings.DARTBOARD_ENV_LATENCY_SCALE
         )
-        if profile is not None:
+        if profile is not None and backend != "sim":  # sim has its latency built in
             env = LatencyEnv(env, profile, seed=os.getpid())
         env = BusyEnv(env, PROCESS_CLOCK)
         _ENVS[backend] = env

@@ -28,9 +28,7 @@ log = logging.getLogger("dartboard.sync")
 
 
 def slot_list(cfg: RunConfig) -> list[tuple[str, int]]:
-    return [("miniwob", i) for i in range(cfg.env.miniwob_slots)] + [
-        ("desktop", i) for i in range(cfg.env.desktop_slots)
-    ]
+    return cfg.env.slots()
 
 
 def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:

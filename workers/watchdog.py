@@ -60,10 +60,14 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
             aborted = run_orphans_abort(run_id=run.pk, cfg=cfg)
             if aborted:
                 log.warning("run %s: ended %d episodes of stopped env workers", run.pk, aborted)
-            for work in run_live_work(run_id=run.pk, cfg=cfg):
-                if work.label == "trainer" and _trainer_done(run, cfg):
-                    continue
-                if not _lapsed(client, queued, work, now):
+            works = [
+                w
+                for w in run_live_work(run_id=run.pk, cfg=cfg)
+                if not (w.label == "trainer" and _trainer_done(run, cfg))
+            ]
+            held = _held(client, works)
+            for work in works:
+                if work.lease_key in held or not _lapsed(client, queued, work, now):
                     continue
                 work_enqueue(work)
                 message = (
@@ -108,6 +112,21 @@ def _trainer_done(run: Run, cfg: RunConfig) -> bool:
     """A trainer that reached max_updates ended on purpose."""
     limit = cfg.trainer.max_updates
     return bool(limit) and TrainUpdate.objects.filter(run=run).count() >= limit
+
+
+def _held(client: Any, works: list[LiveWork]) -> set[str]:
+    """The lease keys of `works` that a live worker holds, read in one pipeline, and their
+    missing-since markers cleared in one command (what `_lapsed` does for held work, one
+    work at a time: 1,000 slots were 2,000 round trips a pass)."""
+    if not works:
+        return set()
+    pipe = client.pipeline(transaction=False)
+    for work in works:
+        pipe.exists(work.lease_key)
+    held = {w.lease_key for w, n in zip(works, pipe.execute(), strict=True) if n}
+    if held:
+        client.delete(*(f"{key}:missing-since" for key in held))
+    return held
 
 
 def _waiting(client: Any, queued: QueuedTasks, work: LiveWork, now: float) -> bool:

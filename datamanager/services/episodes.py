@@ -107,8 +107,14 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     Returns None when the run is not running. Runs in one transaction; on PostgreSQL the
     run row is locked so two slots never take the same claim, on SQLite the IMMEDIATE
     transaction mode serializes writers.
+
+    The row locks here and in `trajectory_finish` are FOR NO KEY UPDATE: a plain FOR UPDATE
+    also blocks the foreign-key checks of rows that point at the locked one (a finish's
+    TaskStatHistory row points at the run), and with 100 slots a claim holding the run and
+    waiting for a TaskStat row deadlocked against a finish holding that TaskStat row and
+    waiting to insert its history row (bench/scale.py: 68 deadlocks in 90 s).
     """
-    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
+    run = Run.objects.select_for_update(of=("self",), no_key=True).get(pk=run_id)
     if run.status != RunStatus.RUNNING:
         return None
     stats = list(
@@ -140,7 +146,6 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
         group_index=group.index,
         instances=cfg.tasks.instances,
     )
-    decode_seed = cfg.seed * 1_000_003 + Trajectory.objects.filter(run=run).count()
     traj = Trajectory.objects.create(
         run=run,
         task=stat.task,
@@ -150,6 +155,9 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
         step_cap=stat.step_cap,
         seed=seed,
     )
+    # One per rollout, from the trajectory's id: counting the run's trajectories (as this
+    # did) costs a scan that grows with the run, under the run's lock.
+    decode_seed = cfg.seed * 1_000_003 + traj.pk
     return Claim(
         trajectory_id=traj.pk,
         task_id=task_id,
@@ -307,7 +315,7 @@ def trajectory_finish(
     if status not in TrajectoryStatus.values or status == TrajectoryStatus.RUNNING:
         raise ValueError(f"cannot finish a trajectory as {status!r}")
     traj = (
-        Trajectory.objects.select_for_update(of=("self",))
+        Trajectory.objects.select_for_update(of=("self",), no_key=True)
         .select_related("run", "task")
         .get(pk=trajectory_id)
     )
@@ -347,7 +355,9 @@ def _update_stat(traj: Trajectory) -> None:
     run = traj.run
     assert run is not None  # the caller checks traj.run_id
     cfg = RunConfig.from_dict(run.config).curation
-    stat = TaskStat.objects.select_for_update(of=("self",)).get(run_id=run.pk, task_id=traj.task_id)
+    stat = TaskStat.objects.select_for_update(of=("self",), no_key=True).get(
+        run_id=run.pk, task_id=traj.task_id
+    )
     success = traj.status == TrajectoryStatus.SUCCEEDED
     stat.attempts += 1
     stat.successes += success
@@ -387,7 +397,11 @@ def _update_stat(traj: Trajectory) -> None:
 
 def _maybe_ready(group_id: int) -> None:
     """A group is ready when all its claims are taken and none of them is still running."""
-    group = TaskGroup.objects.select_for_update(of=("self",)).select_related("run").get(pk=group_id)
+    group = (
+        TaskGroup.objects.select_for_update(of=("self",), no_key=True)
+        .select_related("run")
+        .get(pk=group_id)
+    )
     if group.status != GroupStatus.OPEN or group.claimed < group.budget:
         return
     members = Trajectory.objects.filter(group=group)

@@ -508,3 +508,96 @@ def test_start_creates_task_stats_or_says_why_it_cannot(
     assert Run.objects.get(pk=run.pk).status == "running"
     assert TaskStat.objects.filter(run=run).count() == 1
     assert len(callbacks) == 1  # the slot tasks are enqueued after commit
+
+
+def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
+    """1,000 tiles are neither readable nor cheap: the wall shows a page of 60, counts every
+    status, and filters by status (`lost` included) and by slot or task name."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = make_run(env={"miniwob_slots": 0, "sim_slots": 130})
+    EnvSlot.objects.bulk_create(
+        [
+            EnvSlot(name=f"w:{i:03d}", host="w", backend="sim", run=run,
+                    status="quarantined" if i % 10 == 3 else "busy",
+                    last_heartbeat=timezone.now())
+            for i in range(130)
+        ]
+    )  # fmt: skip
+    EnvSlot.objects.filter(name="w:007").update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    episode(run, EnvSlot.objects.get(name="w:120"), steps=2, success=None)
+
+    def tiles(html: str) -> list[str]:
+        return re.findall(
+            r'<a class="tile" data-slot="\d+".*?<span class="name">([^<]*)<', html, re.S
+        )
+
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert tiles(html) == [f"w:{i:03d}" for i in range(60)]
+    assert "116 busy" in html and "13 quarantined" in html and "1 lost" in html
+    assert "page 1 of 3" in html and 'data-complete="1"' not in html
+    page3 = ada_client.get(f"/runs/{run.pk}/?page=3").content.decode()
+    assert tiles(page3) == [f"w:{i:03d}" for i in range(120, 130)]
+    quarantined = ada_client.get(f"/runs/{run.pk}/?status=quarantined").content.decode()
+    assert tiles(quarantined) == [f"w:{i:03d}" for i in range(3, 130, 10)]
+    lost = ada_client.get(f"/runs/{run.pk}/slots.json?status=lost").json()
+    assert [s["name"] for s in lost["slots"]] == ["w:007"] and lost["total"] == 1
+    task = Trajectory.objects.get(env_slot__name="w:120").task.name
+    EnvSlot.objects.filter(name="w:120").update(
+        current_trajectory=Trajectory.objects.get(env_slot__name="w:120")
+    )
+    by_task = ada_client.get(f"/runs/{run.pk}/slots.json?q={task}").json()
+    assert [s["name"] for s in by_task["slots"]] == ["w:120"] and by_task["slots"][0]["step"] == 1
+    page2 = ada_client.get(f"/runs/{run.pk}/slots.json?page=2").json()
+    assert (len(page2["slots"]), page2["page"], page2["pages"], page2["total"]) == (60, 2, 3, 130)
+    assert page2["counts"] == {"busy": 116, "quarantined": 13, "lost": 1}
+
+
+def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
+    ada_client, live_work_keys_cleared, monkeypatch
+):
+    import redis as redis_py
+
+    from workers.leases import redis_client, slot_work
+
+    run = make_run(policy="oracle", env={"miniwob_slots": 0, "sim_slots": 500})
+    client = redis_client()
+    pipe = client.pipeline()
+    for i in range(499):  # slot 499 has no worker
+        pipe.set(slot_work(run_id=run.pk, backend="sim", index=i).lease_key, f"h:1:sim:{i}")
+    pipe.execute()
+    client.close()
+    sends = []
+    real = redis_py.connection.AbstractConnection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        sends.append(1)
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(redis_py.connection.AbstractConnection, "send_packed_command", counted)
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert len(sends) <= 20  # one round trip a lease: 1,000 for this page
+    assert "499 slots: held by live workers" in text
+    assert "slot sim:499: no live worker" in text and "slot sim:3:" not in text
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "env": {**run.config["env"], "sim_slots": 600}})  # fmt: skip
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "slot sim:518: no live worker" in text and "slot sim:519" not in text
+    assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed
+
+
+def test_the_budget_chart_has_a_point_per_bucket_not_per_group(ada_client):
+    """A 1,000-slot run finishes a group every few seconds: one point each made the chart
+    JSON 1.1 MB. A bucket shows the mean of its groups."""
+    run = make_run()
+    task = Task.objects.get(name="click-button")
+    for budget, cap in ((8, 15), (4, 15), (3, 12)):  # three groups in the same minute
+        TaskStatHistory.objects.create(
+            run=run, task=task, success_rate=0.5, rollout_budget=budget, step_cap=cap
+        )
+    TaskStatHistory.objects.filter(run=run).update(at=run.created_at)  # one bucket, surely
+    figs = ada_client.get(f"/runs/{run.pk}/charts.json").json()
+    (budget,) = [t for t in figs["budget"]["data"] if t["name"] == "click-button"]
+    (cap,) = [t for t in figs["step_cap"]["data"] if t["name"] == "click-button"]
+    assert budget["y"] == [5.0] and cap["y"] == [14.0]

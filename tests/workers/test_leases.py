@@ -77,3 +77,22 @@ def test_a_slot_heartbeat_that_finds_its_lease_taken_tells_the_slot_to_leave(cli
         beat.join(5)
         lease.release()
     assert client.get(KEY) == b"host:2:miniwob:0"
+
+
+def test_leases_renew_extends_ours_in_one_pipeline_and_names_the_ones_taken(client):
+    from workers.leases import leases_renew
+
+    other = KEY.replace(":0", ":1")
+    client.delete(other)
+    try:
+        client.set(KEY, "host:1:a", ex=5)
+        client.set(other, "host:2:b", ex=5)  # another worker holds this one
+        lost = leases_renew(client, {KEY: "host:1:a", other: "host:1:a"}, ttl_s=60)
+        assert lost == {other}
+        assert client.ttl(KEY) > 50  # renewed to the new TTL
+        assert client.get(other) == b"host:2:b" and client.ttl(other) <= 5  # left alone
+        client.delete(KEY)  # lapsed (a Redis restart): taken again, as RedisLease.renew does
+        assert leases_renew(client, {KEY: "host:1:a"}, ttl_s=60) == set()
+        assert client.get(KEY) == b"host:1:a"
+    finally:
+        client.delete(other)

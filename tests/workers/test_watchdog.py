@@ -199,3 +199,26 @@ def test_a_slot_silent_only_in_the_database_keeps_its_episode(redis):
     watchdog_pass(now=1010.0)
     ended = Trajectory.objects.get(pk=claim.trajectory_id)
     assert ended.status == "aborted" and "env worker stopped" in ended.error
+
+
+def test_a_pass_over_500_live_slots_costs_a_few_redis_round_trips(redis, monkeypatch):
+    """Leases are read in pipelines: one round trip a slot made a pass over 1,000 slots
+    take seconds of Redis round trips (bench/scale.py)."""
+    import redis as redis_py
+
+    make_tasks(1)
+    run = make_running_run({"policy": "oracle", "env": {"miniwob_slots": 0, "sim_slots": 500}})
+    pipe = redis.pipeline()
+    for i in range(500):
+        pipe.set(slot_work(run_id=run.pk, backend="sim", index=i).lease_key, f"h:1:sim:{i}", ex=60)
+    pipe.execute()
+    sends = []
+    real = redis_py.connection.AbstractConnection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        sends.append(1)
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(redis_py.connection.AbstractConnection, "send_packed_command", counted)
+    assert watchdog_pass(now=1000.0) == []
+    assert len(sends) <= 20  # 11 here; one a slot was over 1,000

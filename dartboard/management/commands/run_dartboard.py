@@ -94,7 +94,7 @@ class Command(BaseCommand):
                 supervisor.specs = default_specs(
                     host=host,
                     port=port,
-                    env_slots=env_slots or cfg.env.miniwob_slots + cfg.env.desktop_slots,
+                    env_slots=env_slots or len(cfg.env.slots()),
                     inference_policy=str(checkpoint),
                     inference_version=version,
                     inference_workers=cfg.rollout.inference_workers,

@@ -1,4 +1,6 @@
-// The environment wall: one tile per env slot, updated from the run's WebSocket events.
+// The environment wall: one tile per env slot on the page, updated from the run's WebSocket
+// events. A paged or filtered wall (data-complete absent) only updates the tiles it shows:
+// events of other slots are dropped here, so 1,000 slots do not grow 1,000 tiles.
 (function () {
   const wall = document.getElementById("wall");
   if (!wall) return;
@@ -8,7 +10,7 @@
 
   function tile(slotId) {
     let el = wall.querySelector(`.tile[data-slot="${slotId}"]`);
-    if (el) return el;
+    if (el || !wall.dataset.complete) return el;
     const empty = document.getElementById("wall-empty");
     if (empty) empty.remove();
     el = document.createElement("a");
@@ -44,6 +46,7 @@
       Object.assign(taskNames, body.tasks);
       for (const s of body.slots) {
         const el = tile(s.id);
+        if (!el) continue;
         if (s.task_name) setText(el, ".task", s.task_name);
         if (s.name) setText(el, ".name", s.name);
       }
@@ -54,6 +57,7 @@
     const d = ev.data || {};
     if (d.slot === null || d.slot === undefined) return;
     const el = tile(d.slot);
+    if (!el) return;  // a slot on another page of the wall
     if (ev.kind === "step") {
       const shot = el.querySelector(".shot");
       let img = shot.querySelector("img");

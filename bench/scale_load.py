@@ -1,0 +1,318 @@
+"""One load of bench/scale.py: N simulated slots on one run, measured over a sustain window.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/NAME REDIS_URL=unix:///.../redis.sock \\
+    DARTBOARD_HOME=/tmp/x .venv/bin/python -m bench.scale_load --slots 100 --minutes 2 --out r.json
+
+Sets up a fresh database (migrate, the built-in sim tasks, one running run of the scripted
+oracle on `sim/click-8` .. `sim/click-12`), starts `--processes` driver processes
+(bench/scale_slots.py) that share the N slots, and meanwhile, in this process:
+- runs the watchdog's pass (workers.watchdog.watchdog_pass) every 15 s, timing it;
+- consumes the ready groups as the trainer's batch collection does
+  (datamanager.services.batches.batch_collect; the gradient step is left out) and marks
+  them trained;
+- samples the database (rows, pg_database_size), Redis (commands processed) and the media
+  folder at the start and end of the sustain window (after `--warmup-s`).
+
+After the window the slots finish the episodes under way; then it checks that nothing was
+lost (every step a slot recorded is a row, every trajectory ended, each trajectory's length
+equals its step rows) and writes the figures to `--out` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = [f"sim/click-{k}" for k in range(8, 13)]  # 8-12 clicks: ~10 steps an episode
+
+
+def _setup(n: int) -> int:
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from datamanager.config import RunConfig
+    from datamanager.models import Run, RunStatus
+    from datamanager.services.episodes import taskstats_ensure
+    from datamanager.services.runs import tasks_import
+    from datamanager.task_import import parse_task_record
+    from envmanager.sim_env import sim_task_records
+
+    call_command("migrate", verbosity=0)
+    tasks_import(records=[parse_task_record(r, "sim") for r in sim_task_records()])
+    cfg = RunConfig.from_dict(
+        {
+            "policy": "oracle",
+            "tasks": {"env_kinds": ["sim"], "names": TASKS},
+            "env": {"miniwob_slots": 0, "sim_slots": n},
+        }
+    )
+    run = Run.objects.create(
+        name=f"scale {n} sim slots",
+        config=cfg.to_dict(),
+        status=RunStatus.RUNNING,
+        started_at=timezone.now(),
+    )
+    taskstats_ensure(run=run)
+    return run.pk
+
+
+def _sample(media: Path) -> dict[str, float]:
+    from django.db import connection
+
+    from datamanager.models import Step, Trajectory
+    from workers.leases import redis_client
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_database_size(current_database())")
+        db_bytes = cur.fetchone()[0]
+        cur.execute("SELECT coalesce(sum(n_tup_ins), 0) FROM pg_stat_user_tables")
+        rows_inserted = cur.fetchone()[0]
+    client = redis_client()
+    try:
+        commands = client.info("stats")["total_commands_processed"]
+    finally:
+        client.close()
+    media_bytes = sum(p.stat().st_size for p in media.rglob("*") if p.is_file())
+    # The machine's CPU (every process, the other users of the 2 cores included).
+    cpu = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return {
+        "t": time.time(),
+        "steps": Step.objects.count(),
+        "trajectories": Trajectory.objects.count(),
+        "db_bytes": float(db_bytes),
+        "rows_inserted": float(rows_inserted),
+        "redis_commands": float(commands),
+        "media_bytes": float(media_bytes),
+        "cpu_busy": sum(cpu) - cpu[3] - cpu[4],  # all but idle and iowait, in jiffies
+        "cpu_all": sum(cpu),
+    }
+
+
+class Background:
+    """The watchdog passes and the trainer's batch collection, each on its own thread."""
+
+    def __init__(self, run_id: int) -> None:
+        self.run_id = run_id
+        self.stop = threading.Event()
+        self.watchdog_ms: list[float] = []
+        self.watchdog_restarted: list[str] = []
+        self.collect_ms: list[float] = []
+        self.groups_consumed = 0
+        self.samples_built = 0
+        self.errors: list[str] = []
+
+    def watchdog(self) -> None:
+        from django.db import connection
+
+        from workers.watchdog import watchdog_pass
+
+        try:
+            while not self.stop.wait(15.0):
+                started = time.perf_counter()
+                self.watchdog_restarted += watchdog_pass()
+                self.watchdog_ms.append((time.perf_counter() - started) * 1000)
+        except Exception as exc:
+            self.errors.append(f"watchdog: {type(exc).__name__}: {exc}")
+        finally:
+            connection.close()
+
+    def trainer(self) -> None:
+        from django.db import connection
+
+        from datamanager.models import GroupStatus, Run, TaskGroup
+        from datamanager.services.batches import batch_collect, batch_skip
+
+        try:
+            run = Run.objects.get(pk=self.run_id)
+            while not self.stop.wait(5.0):
+                while True:
+                    started = time.perf_counter()
+                    batch = batch_collect(run=run, current_version=0, min_groups=1)
+                    if batch is None:
+                        break
+                    batch_skip(batch=batch)
+                    TaskGroup.objects.filter(pk__in=batch.group_ids).update(
+                        status=GroupStatus.TRAINED
+                    )
+                    self.collect_ms.append((time.perf_counter() - started) * 1000)
+                    self.groups_consumed += len(batch.group_ids)
+                    self.samples_built += len(batch.samples)
+                    if self.stop.is_set():
+                        break
+        except Exception as exc:
+            self.errors.append(f"trainer: {type(exc).__name__}: {exc}")
+        finally:
+            connection.close()
+
+    def start(self) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self.watchdog, daemon=True),
+            threading.Thread(target=self.trainer, daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        return threads
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def _check(run_id: int, recorded: int, finished: int) -> dict[str, Any]:
+    """Nothing lost: every recorded step is a row, every trajectory ended, lengths agree."""
+    from django.db import connection
+
+    from datamanager.models import Step, Trajectory
+
+    trajs = Trajectory.objects.filter(run_id=run_id)
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM datamanager_trajectory t WHERE t.run_id = %s AND t.length <> "
+            "(SELECT count(*) FROM datamanager_step s WHERE s.trajectory_id = t.id)",
+            [run_id],
+        )
+        length_mismatch = cur.fetchone()[0]
+    rows = Step.objects.filter(trajectory__run_id=run_id).count()
+    return {
+        "steps_recorded_by_slots": recorded,
+        "step_rows": rows,
+        "trajectories_finished_by_slots": finished,
+        "trajectories": trajs.count(),
+        "still_running": trajs.filter(status="running").count(),
+        "not_succeeded": trajs.exclude(status="succeeded").count(),
+        "length_mismatch": length_mismatch,
+        "nothing_lost": rows == recorded
+        and trajs.count() == finished
+        and not trajs.filter(status="running").exists()
+        and length_mismatch == 0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--minutes", type=float, default=10.0, help="sustain window")
+    ap.add_argument("--warmup-s", type=float, default=None, help="default: the longest reset")
+    ap.add_argument("--latency-scale", type=float, default=0.45)
+    ap.add_argument("--processes", type=int, default=4)
+    ap.add_argument("--pool", type=int, default=6, help="database connections per process")
+    ap.add_argument("--batch-steps", type=int, default=0, help="0: one transaction a step")
+    ap.add_argument("--switch-ms", type=float, default=5.0, help="driver thread switch interval")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dartboard.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    from envmanager.latency import PROFILES
+
+    run_id = _setup(args.slots)
+    profile = PROFILES["osworld"].scaled(args.latency_scale)
+    warmup = args.warmup_s if args.warmup_s is not None else profile.reset_s[1] + 15
+    t0 = time.time()
+    window_start, until = t0 + warmup, t0 + warmup + args.minutes * 60
+    outs = [args.out.with_suffix(f".p{i}.json") for i in range(args.processes)]
+    per = [args.slots // args.processes + (i < args.slots % args.processes) for i in range(args.processes)]  # fmt: skip
+    procs, first = [], 0
+    for i, count in enumerate(per):
+        cmd = [sys.executable, "-m", "bench.scale_slots", "--run", str(run_id),
+               "--first", str(first), "--count", str(count), "--until", str(until),
+               "--latency-scale", str(args.latency_scale), "--pool", str(args.pool),
+               "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms),
+               "--out", str(outs[i])]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT))
+        first += count
+    background = Background(run_id)
+    threads = background.start()
+    media = Path(settings.MEDIA_ROOT)
+    time.sleep(max(0.0, window_start - time.time()))
+    start = _sample(media)
+    time.sleep(max(0.0, until - time.time()))
+    end = _sample(media)
+    drain_started = time.time()
+    for p in procs:
+        p.wait()
+    drain_s = time.time() - drain_started
+    background.stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    results = [json.loads(o.read_text()) for o in outs]
+    counts = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
+
+    def window(kind: str) -> list[float]:
+        return [ms for r in results for t, ms in r["timings"].get(kind, []) if start["t"] <= t <= end["t"]]  # fmt: skip
+
+    secs = end["t"] - start["t"]
+    hour = 3600 / secs
+    record, claim = window("step_record"), window("claim")
+    summary = {
+        "slots": args.slots,
+        "processes": args.processes,
+        "pool": args.pool,
+        "batch_steps": args.batch_steps,
+        "switch_ms": args.switch_ms,
+        "mean_step_batch": statistics.fmean(b)
+        if (b := [n for r in results for n in r["step_batches"]])
+        else 1.0,
+        "latency_scale": args.latency_scale,
+        "window_s": secs,
+        "warmup_s": warmup,
+        "drain_s": drain_s,
+        "steps_per_s": (end["steps"] - start["steps"]) / secs,
+        "trajectories_per_s": (end["trajectories"] - start["trajectories"]) / secs,
+        "step_record_ms": {"n": len(record), "p50": _pct(record, 50), "p99": _pct(record, 99)},
+        "claim_ms": {"n": len(claim), "p50": _pct(claim, 50), "p99": _pct(claim, 99)},
+        "step_record_service_ms": {
+            "p50": _pct(service := window("step_record_service"), 50),
+            "p99": _pct(service, 99),
+        },
+        "driver_cpu_ms_per_step": 1000 * sum(r["cpu_s"] for r in results) / max(1, counts["steps"]),
+        "machine_cpu_busy": (end["cpu_busy"] - start["cpu_busy"])
+        / max(1.0, end["cpu_all"] - start["cpu_all"]),
+        "finish_ms_p99": _pct(window("finish"), 99),
+        "db_rows_per_hour": (end["rows_inserted"] - start["rows_inserted"]) * hour,
+        "db_bytes_per_hour": (end["db_bytes"] - start["db_bytes"]) * hour,
+        "media_bytes_per_hour": (end["media_bytes"] - start["media_bytes"]) * hour,
+        "redis_ops_per_s": (end["redis_commands"] - start["redis_commands"]) / secs,
+        "watchdog_ms": {
+            "passes": len(background.watchdog_ms),
+            "p50": _pct(background.watchdog_ms, 50),
+            "max": max(background.watchdog_ms, default=None),
+        },
+        "watchdog_restarted": background.watchdog_restarted[:10],
+        "batch_collect": {
+            "batches": len(background.collect_ms),
+            "groups": background.groups_consumed,
+            "samples": background.samples_built,
+            "p50_ms": _pct(background.collect_ms, 50),
+        },
+        "heartbeat_ms_max": max((ms for r in results for ms in r["beat_ms"]), default=None),
+        "lost_leases": sum(r["lost_leases"] for r in results),
+        "slot_errors": counts["errors"],
+        "errors": [e for r in results for e in r["errors"]][:3] + background.errors,
+        "check": _check(run_id, counts["steps"], counts["finished"]),
+    }
+    args.out.write_text(json.dumps(summary, indent=2))
+    for o in outs:
+        o.unlink()
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

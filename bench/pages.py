@@ -104,7 +104,10 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     _without_auto_now([(Trajectory, "started_at"), (Step, "created_at"),
                        (TaskStatHistory, "at"), (TrainUpdate, "created_at")])  # fmt: skip
     rnd = random.Random(seed)
-    User.objects.create_user("ada", password="lovelace-pass-1")
+    from datamanager.roles import role_group
+
+    ada = User.objects.create_user("ada", password="lovelace-pass-1")
+    ada.groups.add(role_group("viewer"))  # every page needs a role (README, Security model)
     shots = [
         default_storage.save(f"bench/{i:02d}.png", ContentFile(_gui_png(i))) for i in range(12)
     ]

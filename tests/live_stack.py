@@ -174,7 +174,13 @@ def slots_served_twice(run: Run) -> list[str]:
     for t in Trajectory.objects.filter(run=run, env_slot__isnull=False).select_related("env_slot"):
         slot = t.env_slot.name.split(":", 2)[-1]  # host:pid:backend:index -> backend:index
         worker = t.env_slot.name
-        spans.setdefault(slot, []).append((t.started_at, t.finished_at or now, worker))
+        end = t.finished_at or now
+        if t.status == "aborted" and "stopped mid-episode" in t.error:
+            # A killed worker's episode, ended by the watchdog later: nobody served it after
+            # its last step (the restarted worker may start a new one before the abort).
+            last = t.steps.order_by("-index").values_list("created_at", flat=True).first()
+            end = last or t.started_at
+        spans.setdefault(slot, []).append((t.started_at, end, worker))
     clashes = []
     for slot, items in spans.items():
         items.sort()

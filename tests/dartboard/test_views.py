@@ -367,6 +367,7 @@ def test_charts_json_has_every_chart_with_data(ada_client):
         "throughput",
         "utilisation",
         "training",
+        "logprob_gap",
         "staleness",
     }
     overall = figs["success"]["data"][0]

@@ -14,9 +14,26 @@ from training.replica_group import ReplicaGroup, TrainerSpec
 
 pytestmark = pytest.mark.slow
 
-# fp32, only the order of the gradient sums differs; Adam turns that into ~1e-5 after two
-# steps of lr 1e-2 (measured 1.6e-5), against weight moves of ~1e-2.
-TOLERANCE = 1e-4
+# fp32, only the order of the gradient sums differs. Adam turns that into differences of up
+# to 5e-4 in single elements after two steps of lr 1e-2 (an element whose gradient is near
+# zero takes a step of about lr whatever its sign); per tensor, the difference is under 2e-4
+# of how far the tensor moved (measured on this session's machine; an earlier machine had
+# 1.6e-5 at most per element). A lost or doubled share shows in the loss and grad norm.
+TOLERANCE = 1e-3  # per tensor: |got - expected| / |expected - start|
+ELEMENT_TOLERANCE = 5e-3  # any one element, against moves of ~1e-2
+
+
+def _same_weights(got: dict, expected: dict, start: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        diff = got[name].detach() - want.detach()
+        assert diff.abs().max().item() < ELEMENT_TOLERANCE, name
+        if "lora_A" in name:  # fresh adapters' A matrices are random: no common start
+            continue
+        moved = (want.detach() - start[name].detach()).norm().item()
+        assert diff.norm().item() <= TOLERANCE * moved + 1e-9, (name, diff.norm().item(), moved)
+
+
 UPDATE = dataclasses.replace(CONFIG, micro_batch=2)  # 4 micro-batches: 2 per replica
 
 
@@ -59,16 +76,14 @@ def test_two_replicas_take_the_one_process_step(tiny_policy_dir, tmp_path, mode)
     assert [g for pair in got_losses for g in pair] == pytest.approx(
         [x for pair in losses for x in pair], rel=1e-4
     )
-    assert got.keys() == expected.keys()
-    worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
-    assert worst < TOLERANCE, worst
-    start = spec("start").build(None, device="cpu")
+    start = dict(spec("start").build(None, device="cpu").policy.model.named_parameters())
+    _same_weights(got, expected, start)
     moved = max(
         (expected[n] - p).abs().max().item()
-        for n, p in start.policy.model.named_parameters()
+        for n, p in start.items()
         if "lora_A" not in n  # fresh adapters' A matrices are random, not trained
     )
-    assert moved > 100 * TOLERANCE  # equality is not two untouched copies
+    assert moved > 100 * 1e-4  # equality is not two untouched copies
 
 
 def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_path) -> None:
@@ -82,6 +97,7 @@ def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_pa
                            shard=shard)  # fmt: skip
 
     alone = spec("alone", shard=False).build(None, device="cpu")
+    start = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
     losses = [_seen(alone.update(batch(), UPDATE)) for _ in range(2)]
     after_two = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
     losses.append(_seen(alone.update(batch(), UPDATE)))
@@ -105,9 +121,7 @@ def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_pa
     for version_dir, expected in ((saved, after_two), (final, after_three)):
         check = dataclasses.replace(spec("check", shard=False), start_checkpoint=str(version_dir))
         weights = dict(check.build(None, device="cpu").policy.model.named_parameters())
-        assert weights.keys() == expected.keys()
-        worst = max((weights[n] - expected[n]).abs().max().item() for n in expected)
-        assert worst < TOLERANCE, (version_dir.name, worst)
+        _same_weights(weights, expected, start)
 
 
 def test_a_group_whose_follower_died_can_be_left_and_started_again(tiny_policy_dir, tmp_path):

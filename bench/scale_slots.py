@@ -150,8 +150,7 @@ class PooledRecorder:
         else:
             from datamanager.services.steps import StepWrite
 
-            fields = {k: v for k, v in record.__dict__.items() if k != "index"}
-            self.fleet.writer.record(StepWrite(head=self.inner.head, index=record.index, **fields))
+            self.fleet.writer.record(StepWrite(head=self.inner.head, record=record))
         self.fleet.timings.add("step_record", started)
         self.fleet.count("steps")
 

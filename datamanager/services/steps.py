@@ -11,7 +11,6 @@ waits until its step is committed, so a recorded step is a stored step, as befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from django.core.files.base import ContentFile
 from django.db import transaction
@@ -20,33 +19,19 @@ from django.db.models import Q
 from datamanager.events import publish_on_commit
 from datamanager.models import Step, Trajectory
 from datamanager.services.episodes import TrajectoryHead
+from rollout.episode import StepRecord
 
 
 @dataclass(frozen=True)
 class StepWrite:
-    """One step to store: what `episodes.step_record` takes, with its trajectory's head."""
+    """One step to store (what `episodes.step_record` takes), with its trajectory's head."""
 
     head: TrajectoryHead
-    index: int
-    screenshot_png: bytes
-    width: int
-    height: int
-    raw_output: str
-    thought: str
-    action: dict[str, Any] | None
-    parse_error: str
-    prompt_tokens: int
-    response_tokens: int
-    rollout_logprobs: list[float]
-    response_token_ids: list[int]
-    mean_entropy: float | None
-    policy_version: int | None
-    env_ms: float | None
-    model_ms: float | None
+    record: StepRecord
 
 
 def _screenshot_name(w: StepWrite) -> str:
-    return f"run-{w.head.run_id or 0}/traj-{w.head.pk}/{w.index:03d}.png"
+    return f"run-{w.head.run_id or 0}/traj-{w.head.pk}/{w.record.index:03d}.png"
 
 
 def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
@@ -62,44 +47,47 @@ def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
     if resume:
         match = Q()
         for w in writes:
-            match |= Q(trajectory_id=w.head.pk, index=w.index)
+            match |= Q(trajectory_id=w.head.pk, index=w.record.index)
         done = set(Step.objects.filter(match).values_list("trajectory_id", "index"))
     rows = []
     for w in writes:
-        if (w.head.pk, w.index) in done:
+        if (w.head.pk, w.record.index) in done:
             continue
         step = Step(
             trajectory_id=w.head.pk,
-            index=w.index,
-            screen_width=w.width,
-            screen_height=w.height,
-            raw_output=w.raw_output,
-            thought=w.thought,
-            action=w.action,
-            parse_error=w.parse_error,
-            prompt_tokens=w.prompt_tokens,
-            response_tokens=w.response_tokens,
-            rollout_logprobs=w.rollout_logprobs,
-            response_token_ids=w.response_token_ids or [],
-            mean_entropy=w.mean_entropy,
-            policy_version=w.policy_version,
-            env_ms=w.env_ms,
-            model_ms=w.model_ms,
+            index=w.record.index,
+            screen_width=w.record.width,
+            screen_height=w.record.height,
+            raw_output=w.record.raw_output,
+            thought=w.record.thought,
+            action=w.record.action,
+            parse_error=w.record.parse_error,
+            prompt_tokens=w.record.prompt_tokens,
+            response_tokens=w.record.response_tokens,
+            rollout_logprobs=w.record.rollout_logprobs,
+            response_token_ids=w.record.response_token_ids or [],
+            mean_entropy=w.record.mean_entropy,
+            policy_version=w.record.policy_version,
+            env_ms=w.record.env_ms,
+            model_ms=w.record.model_ms,
         )
         name = _screenshot_name(w)
         if resume:
             stored = step.screenshot.field.generate_filename(step, name)
             if step.screenshot.storage.exists(stored):
                 step.screenshot.storage.delete(stored)
-        step.screenshot.save(name, ContentFile(w.screenshot_png), save=False)
+        step.screenshot.save(name, ContentFile(w.record.screenshot_png), save=False)
         rows.append(step)
     lengths: dict[int, int] = {}
     heads: dict[int, TrajectoryHead] = {}
     for w in writes:
-        lengths[w.head.pk] = max(lengths.get(w.head.pk, 0), w.index + 1)
+        lengths[w.head.pk] = max(lengths.get(w.head.pk, 0), w.record.index + 1)
         heads[w.head.pk] = w.head
-        if w.policy_version is not None and w.policy_version not in w.head.policy_versions:
-            w.head.policy_versions.append(w.policy_version)
+        if (
+            w.record.policy_version is not None
+            and w.record.policy_version not in w.head.policy_versions
+        ):
+            w.head.policy_versions.append(w.record.policy_version)
     with transaction.atomic():
         Step.objects.bulk_create(rows)
         Trajectory.objects.bulk_update(
@@ -110,7 +98,7 @@ def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
             ["length", "policy_versions"],
         )
         for step, w in zip(
-            rows, (w for w in writes if (w.head.pk, w.index) not in done), strict=True
+            rows, (w for w in writes if (w.head.pk, w.record.index) not in done), strict=True
         ):
             if w.head.run_id:
                 publish_on_commit(
@@ -120,11 +108,11 @@ def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
                         "slot": w.head.env_slot_id,
                         "trajectory": w.head.pk,
                         "task": w.head.task_id,
-                        "step": w.index,
+                        "step": w.record.index,
                         "image": f"/media/{step.screenshot.name}",
-                        "policy_version": w.policy_version,
-                        "action": w.action,
-                        "parse_error": w.parse_error,
+                        "policy_version": w.record.policy_version,
+                        "action": w.record.action,
+                        "parse_error": w.record.parse_error,
                     },
                 )
     return len(rows)

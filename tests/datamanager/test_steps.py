@@ -9,6 +9,7 @@ from django.test.utils import CaptureQueriesContext
 from datamanager.models import Step, Trajectory
 from datamanager.services.episodes import task_claim, trajectory_head
 from datamanager.services.steps import StepWrite, steps_record_many
+from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
 
@@ -16,13 +17,13 @@ pytestmark = pytest.mark.django_db
 
 
 def _write(head, index: int, version: int | None = 0) -> StepWrite:
-    return StepWrite(
-        head=head, index=index, screenshot_png=png_bytes(), width=160, height=210,
+    return StepWrite(head=head, record=StepRecord(
+        index=index, screenshot_png=png_bytes(), width=160, height=210,
         raw_output=f"Action: click(start_box='({index},{index})')", thought="", action={
             "type": "click", "x": index, "y": index}, parse_error="", prompt_tokens=10,
         response_tokens=5, rollout_logprobs=[-0.1], response_token_ids=[1, 2],
         mean_entropy=0.5, policy_version=version, env_ms=3.0, model_ms=4.0,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _heads(n: int):

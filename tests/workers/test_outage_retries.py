@@ -17,12 +17,14 @@ from botocore.exceptions import ClientError
 from django.db import connection
 
 from core.artifacts import s3_client_config, s3_transfer_config
-from datamanager.models import Step, Trajectory
-from datamanager.services import episodes
+from datamanager.config import RunConfig
+from datamanager.models import Step, Task, Trajectory
+from datamanager.services import env_slots, episodes
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
 from tests.private_services import PrivateS3
+from workers import slot_worker
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
 from workers.slot_worker import DbRecorder, _finish
 
@@ -265,3 +267,28 @@ def test_a_missing_bucket_is_not_an_outage(settings, s3_screenshots):
     with pytest.raises(ClientError, match="NoSuchBucket"):
         recorder.record_step(_record(0))
     assert time.monotonic() - started < 10  # raised at once, not retried for 30 s
+
+
+def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
+    settings, s3_screenshots
+):
+    """A permanent storage error (the bucket deleted): the episode ends `storage: ...` at
+    once, the slot is not counted as failing, and its environment is kept."""
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0  # the sim backend without its OSWorld waits
+    Task.objects.create(name="sim/click-2", env_kind="sim", env_config={"targets": 2})
+    run = make_running_run({"policy": "oracle", "tasks": {"env_kinds": ["sim"]},
+                            "env": {"miniwob_slots": 0, "sim_slots": 1}})  # fmt: skip
+    slot = env_slots.env_slot_register(name="t:1:sim:0", host="t", backend="sim", run_id=run.pk)
+    claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("sim",))
+    assert claim is not None
+    s3_screenshots.client().delete_bucket(Bucket="shots")
+    slot_worker._ENVS.clear()
+    cfg = RunConfig.from_dict(run.config)
+    assert slot_worker._run_claim(claim, slot.pk, "sim", cfg, client=None) is False
+    traj = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert traj.status == "error" and traj.error.startswith("storage: NoSuchBucket")
+    assert "NoSuchBucket" in traj.error
+    slot.refresh_from_db()
+    assert slot.consecutive_failures == 0 and slot.status == "idle"
+    assert "sim" in slot_worker._ENVS  # the environment was fine: kept
+    slot_worker._ENVS.clear()

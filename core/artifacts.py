@@ -20,6 +20,7 @@ the file and both digests named, never loaded. A verified copy is reused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -191,15 +192,21 @@ def s3_transfer_config() -> Any:
 
 class S3Store:
     """A bucket and prefix on S3 or an S3-compatible server (boto3; credentials and the
-    endpoint from the environment)."""
+    endpoint from the environment). The client is made on first use: a fetch that finds its
+    copy in the cache (a policy's geometry read per batch, say) never pays for one."""
 
     def __init__(self, bucket: str, prefix: str, *, client: Any | None = None) -> None:
-        import boto3  # start-up cost only where an S3 store is used
-
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.client = client or boto3.client(
+        if client is not None:
+            self.client = client
+
+    @functools.cached_property
+    def client(self) -> Any:
+        import boto3  # start-up cost only where an S3 store is used
+
+        return boto3.client(
             "s3",
             endpoint_url=os.environ.get("AWS_S3_ENDPOINT_URL") or None,
             config=s3_client_config(),

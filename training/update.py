@@ -291,14 +291,14 @@ def _pi_old_pass(
                 row = mask[b]
                 old = logprobs[b][row].float()
                 sample = samples[i]
-                weight = gap = None
-                if len(sample.rollout_logprobs) == old.numel() and not sample.is_demo:
-                    rollout_lp = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-                    gap = (old - rollout_lp.to(old.device)).abs()
+                weight = gap = rollout_t = None
+                rollout = sample.rollout_logprobs
+                if len(rollout) == old.numel():
+                    rollout_t = torch.tensor(rollout, dtype=torch.float32, device=old.device)
+                    if not sample.is_demo:
+                        gap = (old - rollout_t).abs()
                 if config.truncated_is:
-                    rollout = sample.rollout_logprobs
-                    if len(rollout) == old.numel():
-                        rollout_t = torch.tensor(rollout, dtype=torch.float32, device=old.device)
+                    if rollout_t is not None:
                         ones = torch.ones_like(old)
                         weight = truncated_is_weights(
                             old[None], rollout_t[None], ones[None], cap=config.is_cap

@@ -8,9 +8,10 @@ trajectory `error` with the exception text, recreates the environment and goes o
 
 Outages: a step or an episode's end that cannot be written is retried while the database or
 the object storage (screenshots) is away (workers/dbutil.py, DARTBOARD_DB_RETRY_S); past that
-the episode ends `error` with the reason, its recorded steps intact. The heartbeat rides out Redis and database outages; if
-another worker took the slot's lease meanwhile (an outage longer than the lease), this
-worker ends its episode `aborted` and leaves the slot to it: a slot has one worker.
+the episode ends `error` with the reason, its recorded steps intact. The heartbeat rides out
+Redis and database outages; if another worker took the slot's lease meanwhile (an outage
+longer than the lease), this worker ends its episode `aborted` and leaves the slot to it: a
+slot has one worker.
 """
 
 from __future__ import annotations

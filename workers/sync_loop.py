@@ -27,17 +27,13 @@ from workers.training_loop import get_trainer, run_loop, update_and_publish
 log = logging.getLogger("dartboard.sync")
 
 
-def slot_list(cfg: RunConfig) -> list[tuple[str, int]]:
-    return cfg.env.slots()
-
-
 def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     """One round. Returns False when the run is no longer running."""
     trainer = get_trainer(run, cfg)
     run_set_message(
-        run_id=run.pk, message=f"synchronous round: rolling out on {len(slot_list(cfg))} slots"
+        run_id=run.pk, message=f"synchronous round: rolling out on {len(cfg.env.slots())} slots"
     )
-    slots = slot_list(cfg)
+    slots = cfg.env.slots()
     lockstep = None
     if cfg.sync_lockstep:
         lockstep = {

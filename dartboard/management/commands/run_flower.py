@@ -21,9 +21,10 @@ def flower_login() -> str:
     if given:
         return given
     path = settings.DARTBOARD_HOME / "flower_password"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(18))
-        path.chmod(0o600)
+    if not path.exists():  # readable by its owner only from the first byte
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(18))
     return f"ops:{path.read_text().strip()}"
 
 

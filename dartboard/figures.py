@@ -8,8 +8,11 @@ trace; the chart endpoint refreshes every few seconds, so the dicts are built di
 from __future__ import annotations
 
 import math
+from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
@@ -44,29 +47,64 @@ def _line(name: str, x: list, y: list, **extra: Any) -> dict[str, Any]:
     return {"type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": y, **extra}
 
 
+def trajectories_link(**query: Any) -> str:
+    """The trajectory list filtered by `query` (None values left out)."""
+    return (
+        reverse("trajectories") + "?" + urlencode({k: v for k, v in query.items() if v is not None})
+    )
+
+
+def _window_links(data: dict[str, Any], times: list[str | None], **query: Any) -> list[str | None]:
+    """Per chart point (a time bucket), the trajectory list of the rollouts that finished in
+    that bucket: what a click on the point opens."""
+    width = timedelta(seconds=data["bucket_s"])
+    return [
+        trajectories_link(
+            run=data["run_id"],
+            finished_from=t,
+            finished_to=(datetime.fromisoformat(t) + width).isoformat(),
+            **query,
+        )
+        if t
+        else None
+        for t in times
+    ]
+
+
+def _update_links(data: dict[str, Any], numbers: list[int]) -> list[str]:
+    """Per update, the trajectory list of the rollouts it trained on."""
+    return [trajectories_link(run=data["run_id"], update=n) for n in numbers]
+
+
 def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """All run-page charts from `dartboard.viewmodels.chart_data`."""
+    """All run-page charts from `dartboard.viewmodels.chart_data` (plus
+    `dartboard.env_health.health_chart_data`'s). A point's `customdata` is the page a click
+    on it opens (static/dartboard/charts.js): the trajectories behind it, or its group."""
     rate_axis = {"range": [0, 1.05], "tickformat": ".0%"}
+    times = [p["t"] for p in data["success"]]
     success = (
         [
             _line(
                 "overall",
-                [p["t"] for p in data["success"]],
+                times,
                 [p["rate"] for p in data["success"]],
                 line={"width": 3},
+                customdata=_window_links(data, times),
             )
         ]
         if data["success"]
         else []
     )
     for i, (task, points) in enumerate(sorted(data["per_task"].items())):
+        task_times = [t for t, _ in points]
         success.append(
             _line(
                 task,
-                [t for t, _ in points],
+                task_times,
                 [r for _, r in points],
                 visible=True if i < 8 else "legendonly",
                 line={"width": 1},
+                customdata=_window_links(data, task_times, task=task, task_exact="on"),
             )
         )
     budget, cap = [], []
@@ -75,10 +113,17 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         budget.append(_line(task, h["t"], h["budget"], line={"shape": "hv"}, visible=vis))
         cap.append(_line(task, h["t"], h["step_cap"], line={"shape": "hv"}, visible=vis))
     tp = data["throughput"]
+    tp_links = _window_links(data, tp["t"])
     throughput = (
         [
-            _line("actions/min", tp["t"], tp["actions_per_min"]),
-            _line("trajectories/min", tp["t"], tp["trajectories_per_min"], yaxis="y2"),
+            _line("actions/min", tp["t"], tp["actions_per_min"], customdata=tp_links),
+            _line(
+                "trajectories/min",
+                tp["t"],
+                tp["trajectories_per_min"],
+                yaxis="y2",
+                customdata=tp_links,
+            ),
         ]
         if tp["t"]
         else []
@@ -103,8 +148,15 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "is_weight_mean",
         "kept_step_fraction",
     )
+    update_links = _update_links(data, upd["number"])
     training = [
-        _line(k, upd["number"], upd["series"][k], visible=True if k in wanted[:4] else "legendonly")
+        _line(
+            k,
+            upd["number"],
+            upd["series"][k],
+            visible=True if k in wanted[:4] else "legendonly",
+            customdata=update_links,
+        )
         for k in [
             *[k for k in wanted if k in upd["series"]],
             *[k for k in upd["series"] if k not in wanted],
@@ -118,7 +170,12 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         else []
     )
     gap = [
-        _line(f"{k.rsplit('_', 1)[-1]} per token", upd["number"], upd["series"][k])
+        _line(
+            f"{k.rsplit('_', 1)[-1]} per token",
+            upd["number"],
+            upd["series"][k],
+            customdata=update_links,
+        )
         for k in ("logprob_gap_mean", "logprob_gap_p99")
         if k in upd["series"]
     ]
@@ -127,6 +184,8 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         gap.append(_line("alert threshold (mean)", [upd["number"][0], upd["number"][-1]],
                          [alert, alert], line={"dash": "dash", "color": "#c0392b"}))  # fmt: skip
     return {
+        **_health_figures(data, rate_axis),
+        "groups": _groups_figure(data["groups"]),
         "success": _fig("Success rate", success, yaxis=rate_axis),
         "budget": _fig("Rollout budget per task", budget, yaxis={"rangemode": "tozero"}),
         "step_cap": _fig("Step cap per task", cap, yaxis={"rangemode": "tozero"}),
@@ -159,6 +218,112 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             xaxis={"title": {"text": "versions behind"}, "type": "category"},
         ),
     }
+
+
+def _groups_figure(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each GRPO group as a point (when its last member ended, its mean reward); a click
+    opens the group view."""
+    data = (
+        [
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "groups",
+                "x": [g["t"] for g in groups],
+                "y": [g["mean"] for g in groups],
+                "text": [
+                    f"{g['task']} · group {g['index']} · {g['n']} ended · {g['status']}"
+                    for g in groups
+                ],
+                "customdata": [reverse("group_detail", args=[g["id"]]) for g in groups],
+                "hovertemplate": "%{text}<br>mean reward %{y:.2f}<extra>click: open</extra>",
+                "marker": {
+                    "size": 9,
+                    "color": [g["mean"] for g in groups],
+                    "colorscale": [[0, "#d64545"], [1, "#1f9d55"]],
+                    "cmin": 0,
+                    "cmax": 1,
+                },
+            }
+        ]
+        if groups
+        else []
+    )
+    return _fig("GRPO groups (mean reward; click one to open it)", data,
+                yaxis={"title": {"text": "mean reward"}})  # fmt: skip
+
+
+def _health_figures(data: dict[str, Any], rate_axis: dict) -> dict[str, dict[str, Any]]:
+    """Env error rate per host and per task over time, and the share left out of training."""
+    figs = {}
+    for key, title, filter_key in (
+        ("per_host", "Env error rate per host", "host"),
+        ("per_task", "Env error rate per task", "task"),
+    ):
+        series = data.get("errors", {}).get(key, {})
+        traces = [
+            _line(
+                name,
+                s["t"],
+                s["rate"],
+                visible=True if i < 8 else "legendonly",
+                text=[f"{n} rollouts" for n in s["n"]],
+                customdata=_window_links(
+                    data,
+                    s["t"],
+                    env_error="yes",
+                    **{filter_key: name},
+                    **({"task_exact": "on"} if filter_key == "task" else {}),
+                ),
+            )
+            for i, (name, s) in enumerate(sorted(series.items()))
+        ]
+        figs[f"errors_{key.split('_')[1]}"] = _fig(title, traces, yaxis=rate_axis)
+    left = data.get("left_out", {})
+    traces = []
+    if left.get("rollouts", {}).get("t"):
+        r = left["rollouts"]
+        traces.append(_line("rollouts: error, aborted or rejected", r["t"], r["share"]))
+    if left.get("stale", {}).get("t"):
+        traces.append(_line("steps: too stale (per update)", left["stale"]["t"],
+                            left["stale"]["share"]))  # fmt: skip
+    figs["left_out"] = _fig("Left out of training (share)", traces, yaxis=rate_axis)
+    return figs
+
+
+def reward_histogram_svg(
+    bins: list[Any], *, query: str, selected: tuple[float | None, float | None], height: int = 90
+) -> SafeString:
+    """The reward histogram of the trajectory list: one bar per bin (`RewardBin`), each a
+    link to the list filtered to that bin (`query`: the list's other filters). Every value
+    goes through format_html."""
+    if not bins:
+        return mark_safe("")
+    top = max(b.count for b in bins) or 1
+    bar_w, gap = 56, 6
+    bars = []
+    for i, b in enumerate(bins):
+        h = max(1.0, (height - 30) * b.count / top) if b.count else 0.0
+        x = i * (bar_w + gap)
+        on = selected == (b.low, b.high)
+        link = f"?{query}&" if query else "?"
+        bars.append(
+            format_html(
+                '<a href="{}reward_min={}&amp;reward_max={}" class="bin{}" data-bin="{}" '
+                'aria-label="reward {}: {} trajectories"><rect x="{}" y="{}" width="{}" '
+                'height="{}"/><text x="{}" y="{}" class="n">{}</text><text x="{}" y="{}">{}'
+                "</text></a>",
+                link, b.low, b.high, " selected" if on else "", b.label, b.label, b.count,
+                x, _f(height - 16 - h), bar_w, _f(h), x + bar_w / 2, _f(height - 19 - h),
+                b.count, x + bar_w / 2, height - 3, b.label,
+            )
+        )  # fmt: skip
+    width = len(bins) * (bar_w + gap)
+    return format_html(
+        '<svg class="histogram" id="reward-histogram" width="{}" height="{}" '
+        'viewBox="0 0 {} {}">{}</svg>',
+        width, height, width, height, format_html_join("", "{}", ((b,) for b in bars)),
+    )  # fmt: skip
 
 
 def sparkline_svg(values: list[float], *, width: int = 120, height: int = 24) -> SafeString:

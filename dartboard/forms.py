@@ -9,10 +9,12 @@ from typing import Any, Literal, get_args, get_origin
 
 from django import forms
 
+from dartboard.viewmodels import END_REASONS
 from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import ConfigError, RunConfig
 from datamanager.models import (
     EnvKind,
+    FailureKind,
     Task,
     TrajectorySource,
     TrajectoryStatus,
@@ -230,6 +232,39 @@ class TrajectoryFilterForm(forms.Form):
     in_pool = forms.ChoiceField(
         required=False, choices=[("", "any"), ("yes", "in pool"), ("no", "not in pool")]
     )
+    end = forms.ChoiceField(required=False, choices=_choices(END_REASONS), label="End reason")
+    env_error = forms.ChoiceField(
+        required=False,
+        choices=[("", "any"), ("yes", "env error"), ("no", "no env error")],
+        label="Env error",
+    )
+    label = forms.ChoiceField(
+        required=False, choices=_choices([*FailureKind.choices, ("none", "unlabelled")])
+    )
+    reward_min = forms.FloatField(required=False, label="Reward ≥")
+    reward_max = forms.FloatField(required=False, label="Reward <")
+    entropy_min = forms.FloatField(required=False, min_value=0, label="A step's entropy ≥")
+    entropy_max = forms.FloatField(required=False, min_value=0, label="and ≤")
+    is_weight_min = forms.FloatField(required=False, min_value=0, label="A step's IS weight ≥")
+    is_weight_max = forms.FloatField(required=False, min_value=0, label="and ≤")
+    group = forms.IntegerField(required=False, min_value=1, label="Group")
+    host = forms.CharField(required=False, max_length=200, label="Host")
+    update = forms.IntegerField(required=False, min_value=1, label="Trained in update")
+    finished_from = forms.DateTimeField(required=False, label="Finished from")
+    finished_to = forms.DateTimeField(required=False, label="to (before)")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        for low, high in (
+            ("reward_min", "reward_max"),
+            ("entropy_min", "entropy_max"),
+            ("is_weight_min", "is_weight_max"),
+            ("finished_from", "finished_to"),
+        ):
+            lo, hi = data.get(low), data.get(high)
+            if lo is not None and hi is not None and lo > hi:
+                self.add_error(high, f"must not be below {low} ({lo})")
+        return data
 
 
 class EvalJobFilterForm(forms.Form):

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dartboard import views
+from dartboard import review_views, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs"),
@@ -18,6 +18,10 @@ urlpatterns = [
         views.task_override,
         name="task_override",
     ),
+    path("runs/<int:run_id>/labels/", review_views.label_queue, name="label_queue"),
+    path("labels.jsonl", review_views.labels_export, name="labels_export"),
+    path("groups/<int:group_id>/", review_views.group_detail, name="group_detail"),
+    path("evaluations/compare/episodes/", review_views.episode_compare, name="episode_compare"),
     path("evaluations/", views.evaluation_list, name="evaluations"),
     path("evaluations/matrix/", views.evaluation_matrix, name="evaluation_matrix"),
     path("evaluations/compare/", views.evaluation_compare, name="evaluation_compare"),

@@ -7,6 +7,7 @@ steps returns a few hundred rows, not the raw history.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.core.paginator import Page, Paginator
 from django.db.models import (
+    Avg,
     Count,
     DurationField,
     Exists,
@@ -35,14 +37,17 @@ from django.utils import timezone
 from datamanager.config import RunConfig
 from datamanager.models import (
     EnvSlot,
+    FailureKind,
     PolicyVersion,
     Run,
     Step,
+    TaskGroup,
     TaskStat,
     TaskStatHistory,
     TrainUpdate,
     Trajectory,
 )
+from datamanager.selectors.labels import label_counts_by_task
 from workers.leases import redis_client
 from workers.runs import run_live_work
 
@@ -296,10 +301,55 @@ def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:
     for task_id, rate in rows:
         assert rate is not None  # filtered on success_rate__isnull=False
         history.setdefault(task_id, []).append(rate)
-    return [{"stat": s, "history": history.get(s.task_id, [])[-sparkline_points:]} for s in stats]
+    latest_group = dict(
+        TaskGroup.objects.filter(run=run)
+        .values("task_id")
+        .annotate(last=Max("pk"))
+        .values_list("task_id", "last")
+        .order_by()
+    )
+    labels = label_counts_by_task(run_id=run.pk)
+    return [
+        {
+            "stat": s,
+            "history": history.get(s.task_id, [])[-sparkline_points:],
+            "group_id": latest_group.get(s.task_id),
+            "labels": [
+                (kind.value, kind.label, labels.get(s.task_id, {}).get(kind.value, 0))
+                for kind in FailureKind
+            ],
+        }
+        for s in stats
+    ]
 
 
 # --- trajectory list -------------------------------------------------------------------
+
+
+NOT_ENV = ("inference:", "storage:", "database:")
+
+
+def env_error_q() -> Q:
+    """Rollouts that ended in an environment error: `error`, but not for the policy
+    server's (`inference:`), the database's or the object store's (`storage:`) sake, which
+    say nothing about the environment's host."""
+    q = Q(status="error")
+    for prefix in NOT_ENV:
+        q &= ~Q(error__startswith=prefix)
+    return q
+
+
+# How an episode ended (rollout/episode.py's end reasons, stored in `details`), or the status
+# of one that never got to evaluate.
+END_REASONS = [
+    ("finished", "finished (the policy said so)"),
+    ("call_user", "call_user"),
+    ("env_done", "the environment ended it"),
+    ("step_cap", "step cap"),
+    ("parse_errors", "unparsable outputs"),
+    ("error", "error"),
+    ("aborted", "aborted"),
+]
 
 
 @dataclass(frozen=True)
@@ -313,11 +363,29 @@ class TrajectoryFilter:
     source: str = ""
     policy_version: int | None = None
     in_pool: bool | None = None
+    end: str = ""  # an END_REASONS value
+    env_error: bool | None = None  # ended in an environment error (dartboard.env_health)
+    label: str = ""  # a FailureKind value, or "none" for unlabelled
+    reward_min: float | None = None  # reward >= reward_min
+    reward_max: float | None = None  # reward < reward_max
+    # A step of the trajectory with mean token entropy / trainer IS weight in the range.
+    entropy_min: float | None = None
+    entropy_max: float | None = None
+    is_weight_min: float | None = None
+    is_weight_max: float | None = None
+    group_id: int | None = None
+    host: str = ""  # served by a slot on this host
+    update: int | None = None  # a step of it was trained in this update (its number)
+    finished_from: datetime | None = None
+    finished_to: datetime | None = None  # exclusive
 
 
 def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
-    qs = Trajectory.objects.select_related("task", "run").only(
+    qs = Trajectory.objects.select_related("task", "run", "failure_label").only(
         "pk",
+        "group_id",
+        "details",
+        "failure_label__label",
         "status",
         "reward",
         "reward_source",
@@ -360,7 +428,95 @@ def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
                 Step.objects.filter(trajectory=OuterRef("pk"), policy_version=flt.policy_version)
             )
         )
-    return qs.order_by("-started_at", "-pk")
+    return _filter_more(qs, flt).order_by("-started_at", "-pk")
+
+
+def _filter_more(qs: QuerySet[Trajectory], flt: TrajectoryFilter) -> QuerySet[Trajectory]:
+    """The filters the charts and the histogram link to (and the annotation queue's)."""
+    if flt.end in ("error", "aborted"):
+        qs = qs.filter(status=flt.end)
+    elif flt.end:
+        qs = qs.filter(details__end_reason=flt.end)
+    if flt.env_error is not None:
+        qs = qs.filter(env_error_q()) if flt.env_error else qs.exclude(env_error_q())
+    if flt.label == "none":
+        qs = qs.filter(failure_label__isnull=True)
+    elif flt.label:
+        qs = qs.filter(failure_label__label=flt.label)
+    if flt.reward_min is not None:
+        qs = qs.filter(reward__gte=flt.reward_min)
+    if flt.reward_max is not None:
+        qs = qs.filter(reward__lt=flt.reward_max)
+    if flt.group_id is not None:
+        qs = qs.filter(group_id=flt.group_id)
+    if flt.host:
+        qs = qs.filter(env_slot__host=flt.host)
+    if flt.finished_from is not None:
+        qs = qs.filter(finished_at__gte=flt.finished_from)
+    if flt.finished_to is not None:
+        qs = qs.filter(finished_at__lt=flt.finished_to)
+    step_q = Q()
+    for field, low, high in (
+        ("mean_entropy", flt.entropy_min, flt.entropy_max),
+        ("is_weight", flt.is_weight_min, flt.is_weight_max),
+    ):
+        if low is not None:
+            step_q &= Q(**{f"{field}__gte": low})
+        if high is not None:
+            step_q &= Q(**{f"{field}__lte": high})
+    if flt.update is not None:
+        step_q &= Q(trained_in_update__run_id=F("trajectory__run_id"))
+        step_q &= Q(trained_in_update__number=flt.update)
+    if step_q:
+        qs = qs.filter(Exists(Step.objects.filter(step_q, trajectory=OuterRef("pk"))))
+    return qs
+
+
+@dataclass(frozen=True)
+class RewardBin:
+    low: float  # reward >= low
+    high: float  # reward < high
+    label: str
+    count: int
+
+
+def reward_histogram(
+    *, flt: TrajectoryFilter, bins: int = 10, max_rows: int = 100_000
+) -> list[RewardBin]:
+    """Rewards of the trajectories `flt` selects (its own reward range left aside, so every
+    bin stays in view), as bins a click turns into that range. A few distinct rewards (0/1
+    success, say) get a bin each; more get `bins` equal-width bins over their range."""
+    unranged = TrajectoryFilter(**{**flt.__dict__, "reward_min": None, "reward_max": None})
+    rewards: list[float] = sorted(
+        r
+        for r in trajectory_queryset(flt=unranged)
+        .filter(reward__isnull=False)
+        .values_list("reward", flat=True)[:max_rows]
+        if r is not None
+    )
+    if not rewards:
+        return []
+    distinct = sorted(set(rewards))
+    if len(distinct) <= bins:
+        gaps = [b - a for a, b in itertools.pairwise(distinct)] or [1.0]
+        edges = [(v, v + min(gaps) / 2) for v in distinct]
+        labels = [f"{v:g}" for v in distinct]
+    else:
+        lo, hi = distinct[0], distinct[-1]
+        width = (hi - lo) / bins
+        edges = [(lo + i * width, lo + (i + 1) * width) for i in range(bins)]
+        edges[-1] = (edges[-1][0], hi + width * 1e-3)  # the top bin holds the maximum
+        labels = [f"{a:.2g}–{b:.2g}" for a, b in edges]
+    counts = [0] * len(edges)
+    i = 0
+    for r in rewards:  # sorted: one pass
+        while i < len(edges) - 1 and r >= edges[i][1]:
+            i += 1
+        counts[i] += edges[i][0] <= r < edges[i][1]
+    return [
+        RewardBin(low=round(a, 6), high=round(b, 6), label=label, count=n)
+        for (a, b), label, n in zip(edges, labels, counts, strict=True)
+    ]
 
 
 def trajectory_page(*, flt: TrajectoryFilter, page: int | str, per_page: int = 50) -> Page:
@@ -382,10 +538,10 @@ _STEPS = {"minute": (1, 2, 5, 10, 15, 30), "hour": (1, 2, 3, 6, 12), "day": (1, 
 _UNIT = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 
 
-def _bucket(run: Run, *, max_buckets: int = 60) -> tuple[str, timedelta]:
+def time_bucket(run: Run, *, max_buckets: int = 60) -> tuple[str, timedelta]:
     """(SQL truncation unit, bucket width) giving at most ~`max_buckets` points.
 
-    SQL truncates to the unit (minute/hour/day); `_regroup` merges units into the width.
+    SQL truncates to the unit (minute/hour/day); `regroup` merges units into the width.
     """
     start = run.started_at or run.created_at
     end = run.finished_at or timezone.now()
@@ -397,7 +553,7 @@ def _bucket(run: Run, *, max_buckets: int = 60) -> tuple[str, timedelta]:
     return "day", timedelta(days=30)
 
 
-def _regroup(rows, width: timedelta, keys: tuple[str, ...], sums: tuple[str, ...]) -> list[dict]:
+def regroup(rows, width: timedelta, keys: tuple[str, ...], sums: tuple[str, ...]) -> list[dict]:
     """Merge SQL rows truncated to a unit into buckets of `width` (summing `sums`)."""
     w = int(width.total_seconds())
     out: dict[tuple, dict] = {}
@@ -418,11 +574,11 @@ def _iso(dt: datetime | None) -> str | None:
 
 def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
     """Every series the run page charts, bucketed in SQL. See `dartboard.figures`."""
-    kind, width = _bucket(run)
+    kind, width = time_bucket(run)
     minutes = width.total_seconds() / 60
     trajs = Trajectory.objects.filter(run=run, finished_at__isnull=False)
 
-    per_bucket = _regroup(
+    per_bucket = regroup(
         trajs.filter(status__in=FINISHED)
         .annotate(b=Trunc("finished_at", kind))
         .values("b")
@@ -437,7 +593,7 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
         for r in per_bucket
     ]
 
-    task_rows = _regroup(
+    task_rows = regroup(
         trajs.filter(status__in=FINISHED)
         .annotate(b=Trunc("finished_at", kind))
         .values("task__name", "b")
@@ -454,7 +610,7 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
     # A task's budget and step cap, averaged per bucket like every other series: one point
     # per finished group made 13,500 points (1.1 MB, 300 ms) at 1,000,000 steps.
     history: dict[str, dict[str, list]] = {}
-    for r in _regroup(
+    for r in regroup(
         TaskStatHistory.objects.filter(run=run)
         .annotate(b=Trunc("at", kind))
         .values("task__name", "b")
@@ -471,7 +627,7 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
 
     # Actions are counted per finished trajectory (its length), not per Step row: bucketing
     # 200,000 step timestamps costs a second on SQLite, 10,000 trajectories a few ms.
-    rates = _regroup(
+    rates = regroup(
         trajs.annotate(b=Trunc("finished_at", kind))
         .values("b")
         .annotate(n=Count("pk"), n_steps=Sum("length"))  # not `steps`: Trajectory.steps
@@ -502,7 +658,39 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
         "throughput": throughput,
         "utilisation": utilisation(run=run, kind=kind, width=width),
         "updates": training_metrics(run=run),
+        "groups": group_points(run=run),
+        "run_id": run.pk,
+        "bucket_s": width.total_seconds(),
     }
+
+
+def group_points(*, run: Run, limit: int = 300) -> list[dict[str, Any]]:
+    """The run's latest `limit` groups with an ended member: when the last one ended, its
+    task, the members' mean reward and count (the groups chart; a point opens the group)."""
+    scored = Q(trajectories__status__in=FINISHED)
+    rows = (
+        TaskGroup.objects.filter(run=run)
+        .annotate(
+            n=Count("trajectories", filter=scored),
+            mean=Avg("trajectories__reward", filter=scored),
+            last=Max("trajectories__finished_at"),
+        )
+        .filter(n__gt=0)
+        .order_by("-last", "-pk")
+        .values("pk", "index", "status", "task__name", "n", "mean", "last")[:limit]
+    )
+    return [
+        {
+            "id": r["pk"],
+            "t": _iso(r["last"]),
+            "task": r["task__name"],
+            "index": r["index"],
+            "status": r["status"],
+            "n": r["n"],
+            "mean": r["mean"],
+        }
+        for r in reversed(list(rows))
+    ]
 
 
 def utilisation(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
@@ -517,7 +705,7 @@ def utilisation(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
     duration = ExpressionWrapper(
         Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField()
     )
-    rows = _regroup(
+    rows = regroup(
         (
             {"b": r["b"], "busy": (r["busy"] or timedelta()).total_seconds()}
             for r in Trajectory.objects.filter(run=run, source="online")
@@ -535,7 +723,7 @@ def utilisation(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
         "t": [_iso(r["b"]) for r in rows],
         "share": [min(1.0, r["busy"] / slot_seconds) for r in rows],
     }
-    trainer_rows = _regroup(
+    trainer_rows = regroup(
         TrainUpdate.objects.filter(run=run)
         .annotate(b=Trunc("created_at", kind), d=Cast(F("metrics__duration_s"), FloatField()))
         .values("b")

@@ -28,7 +28,7 @@ from django.urls import reverse
 from django.views.decorators.cache import cache_control
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import figures, viewmodels
+from dartboard import env_health, figures, viewmodels
 from dartboard import health as service_health
 from dartboard.forms import (
     EvalCompareForm,
@@ -41,9 +41,9 @@ from dartboard.forms import (
     UploadForm,
 )
 from datamanager.archive import InvalidUpload
-from datamanager.models import EvalJob, Run, TaskStat, Trajectory
+from datamanager.models import EvalJob, FailureLabel, Run, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
-from datamanager.selectors import evaluations
+from datamanager.selectors import evaluations, groups
 from datamanager.services import review
 from datamanager.services import runs as services
 from workers import runs
@@ -109,7 +109,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "health": services,
             "outage_banner": service_health.outage_banner(services),
             "outages": service_health.recent_outages(),
-            "alerts": viewmodels.run_alerts(run=run),
+            "alerts": viewmodels.run_alerts(run=run) + env_health.health_alerts(run=run),
+            "hosts": env_health.host_map(run=run),
         },
     )
 
@@ -150,7 +151,8 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
     """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
     run = get_object_or_404(Run, pk=run_id)
-    return JsonResponse(figures.run_figures(viewmodels.chart_data(run=run)))
+    data = {**viewmodels.chart_data(run=run), **env_health.health_chart_data(run=run)}
+    return JsonResponse(figures.run_figures(data))
 
 
 @require_GET
@@ -240,7 +242,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
     flt = viewmodels.TrajectoryFilter()
     if form.is_bound and form.is_valid():
         d = form.cleaned_data
-        pool = {"yes": True, "no": False}.get(d["in_pool"])
+        yes_no = {"yes": True, "no": False}
         flt = viewmodels.TrajectoryFilter(
             run_id=d["run"],
             task=d["task"],
@@ -250,14 +252,43 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             reward=d["reward"],
             source=d["source"],
             policy_version=d["policy_version"],
-            in_pool=pool,
+            in_pool=yes_no.get(d["in_pool"]),
+            end=d["end"],
+            env_error=yes_no.get(d["env_error"]),
+            label=d["label"],
+            reward_min=d["reward_min"],
+            reward_max=d["reward_max"],
+            entropy_min=d["entropy_min"],
+            entropy_max=d["entropy_max"],
+            is_weight_min=d["is_weight_min"],
+            is_weight_max=d["is_weight_max"],
+            group_id=d["group"],
+            host=d["host"],
+            update=d["update"],
+            finished_from=d["finished_from"],
+            finished_to=d["finished_to"],
         )
     page = viewmodels.trajectory_page(flt=flt, page=request.GET.get("page", 1))
     query = _query_without_page(request)
+    unranged = request.GET.copy()
+    for key in ("page", "reward_min", "reward_max"):
+        unranged.pop(key, None)
+    histogram = figures.reward_histogram_svg(
+        viewmodels.reward_histogram(flt=flt),
+        query=unranged.urlencode(),
+        selected=(flt.reward_min, flt.reward_max),
+    )
     return render(
         request,
         "dashboard/trajectory_list.html",
-        {"form": form, "page": page, "query": query},
+        {
+            "form": form,
+            "page": page,
+            "query": query,
+            "histogram": histogram,
+            # The filters past the first ten fold away unless one is set.
+            "more_open": any(request.GET.get(name) for name in list(form.fields)[10:]),
+        },
         status=200 if not form.errors else 400,
     )
 
@@ -344,7 +375,13 @@ def evaluation_compare(request: HttpRequest) -> HttpResponse:
     except evaluations.EvalJobMissing as exc:
         context["problem"] = f"Nothing to compare: there is {exc}."
         return render(request, "dashboard/evaluation_compare.html", context, status=404)
-    context.update(a=a, b=b, rows=rows, n_differ=sum(r.differs for r in rows))
+    seeds = groups.shared_seeds(a_id=a_id, b_id=b_id)  # what opens episode by episode
+    context.update(
+        a=a,
+        b=b,
+        rows=[(row, seeds.get(row.task, [])[:12]) for row in rows],
+        n_differ=sum(r.differs for r in rows),
+    )
     return render(request, "dashboard/evaluation_compare.html", context)
 
 
@@ -365,6 +402,7 @@ def _trajectory_context(trajectory_id: int, **forms) -> dict:
         "traj": traj,
         "steps": steps,
         "overrides": traj.reward_overrides.select_related("user").order_by("-created_at"),
+        "label": FailureLabel.objects.select_related("user").filter(trajectory=traj).first(),
         "copies": traj.curated_copies.only("pk", "length", "source"),
         "reward_form": RewardOverrideForm(initial={"reward": traj.reward}),
         "trim_form": TrimForm(initial={"keep_steps": max(1, traj.length - 1)}),

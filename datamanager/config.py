@@ -73,6 +73,11 @@ class EnvConfig:
     step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
     heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
     quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
+    error_rate_alert: float = knob(
+        0.25,
+        "Alert on the run page when a host's or a task's share of rollouts ending in an "
+        "environment error over the last 15 minutes exceeds this (0: off; 5 rollouts at least).",
+    )
 
     def __post_init__(self) -> None:
         _check(0 <= self.miniwob_slots <= 64, "miniwob_slots", "must be between 0 and 64")
@@ -86,6 +91,11 @@ class EnvConfig:
         _check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         _check(self.quarantine_after >= 1, "quarantine_after", "must be >= 1")
+        _check(
+            0 <= self.error_rate_alert <= 1,
+            "error_rate_alert",
+            f"must be a share from 0 to 1 (0 turns it off), got {self.error_rate_alert}",
+        )
 
     def slots(self) -> list[tuple[str, int]]:
         """Every env slot of a run as (backend, index), in the order workers start them."""
@@ -167,6 +177,12 @@ class TrainerConfig:
         "on steps of the version being trained, exceeds this (nats; 0: off). Same weights on "
         "both sides give numerical noise; a worker serving other weights than it reports does not.",
     )
+    left_out_alert: float = knob(
+        0.5,
+        "Alert on the run page when the share of rollouts left out of training over the last 15 "
+        "minutes (environment errors, aborted, rejected or labelled as environment bugs, or "
+        "steps too stale to train) exceeds this (0: off).",
+    )
     micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
@@ -219,6 +235,11 @@ class TrainerConfig:
             self.logprob_gap_alert >= 0,
             "logprob_gap_alert",
             f"must be >= 0 (0 turns it off), got {self.logprob_gap_alert}",
+        )
+        _check(
+            0 <= self.left_out_alert <= 1,
+            "left_out_alert",
+            f"must be a share from 0 to 1 (0 turns it off), got {self.left_out_alert}",
         )
         _check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
         _check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")

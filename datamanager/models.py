@@ -436,3 +436,33 @@ class ServiceOutage(models.Model):
         if self.ended_at is None:
             return None
         return (self.ended_at - self.started_at).total_seconds()
+
+
+class FailureKind(models.TextChoices):
+    """Why a rollout went wrong, as a person judged it in the annotation queue."""
+
+    ENV_BUG = "env_bug", "environment bug"
+    AGENT_MISTAKE = "agent_mistake", "agent mistake"
+    REWARD_WRONG = "reward_wrong", "reward wrong"
+    FINE = "fine", "fine"
+
+
+class FailureLabel(models.Model):
+    """A person's label on one trajectory (labelling again replaces it: who and when are the
+    latest). An `env_bug` label leaves the trajectory out of training (`rejected`) and counts
+    against its task and its slot's host."""
+
+    trajectory = models.OneToOneField(
+        Trajectory, on_delete=models.CASCADE, related_name="failure_label"
+    )
+    run = models.ForeignKey(
+        Run, null=True, blank=True, on_delete=models.CASCADE, related_name="failure_labels"
+    )
+    label = models.CharField(max_length=16, choices=FailureKind.choices)
+    comment = models.TextField(blank=True)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["run", "label"])]

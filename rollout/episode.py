@@ -247,7 +247,9 @@ def _run_episode(
         pacer.leave()  # the rest of the batch need not wait for this evaluation
     evaluation, eval_ms = _env_call(env.evaluate)
     env_total += eval_ms
-    details = {**evaluation.details, "end_reason": end_reason}
+    # reset_ms: the per-host health map's reset time (a host whose resets slow down is
+    # overloaded before its episodes start failing).
+    details = {**evaluation.details, "end_reason": end_reason, "reset_ms": round(reset_ms, 1)}
     return EpisodeResult(
         status="succeeded" if evaluation.success else "failed",
         reward=evaluation.reward,

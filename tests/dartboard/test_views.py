@@ -369,6 +369,10 @@ def test_charts_json_has_every_chart_with_data(ada_client):
         "training",
         "logprob_gap",
         "staleness",
+        "groups",
+        "errors_host",
+        "errors_task",
+        "left_out",
     }
     overall = figs["success"]["data"][0]
     assert overall["name"] == "overall" and overall["y"] == [0.5]

@@ -12,7 +12,17 @@
       const figs = await r.json();
       for (const [name, fig] of Object.entries(figs)) {
         const el = document.getElementById(`chart-${name}`);
-        if (el) Plotly.react(el, fig.data, fig.layout, { displaylogo: false, responsive: true });
+        if (!el) continue;
+        await Plotly.react(el, fig.data, fig.layout, { displaylogo: false, responsive: true });
+        if (!el.dataset.clickable) {
+          // A point's customdata is the page behind it (the window's or the update's
+          // trajectories, or a group): a click opens it.
+          el.dataset.clickable = "1";
+          el.on("plotly_click", (ev) => {
+            const url = ev.points && ev.points[0] && ev.points[0].customdata;
+            if (typeof url === "string" && url.startsWith("/")) location.href = url;
+          });
+        }
       }
       box.dataset.loaded = "1";
     } catch (e) { console.error(e); }

@@ -1,0 +1,234 @@
+"""Environment health for the run page: the env error rate per host and per task over time,
+a per-host health map, the share of rollouts left out of training, and their alerts.
+
+An environment error is an online rollout that ended `error` for the environment's sake:
+not the policy server's (`inference:`), the database's or the object store's (`storage:`),
+which say nothing about the host's desktops. Left out of training: rollouts that ended in
+error or aborted, or were rejected (by a curator or an `env_bug` label), and steps an
+update left out as too stale. Aggregated in SQL like `dartboard.viewmodels`: a run with
+10,000 trajectories returns a few hundred rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import Avg, Count, FloatField, Q, QuerySet
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Trunc
+from django.utils import timezone
+
+from dartboard.viewmodels import SERVING_STATUSES, env_error_q, regroup, time_bucket
+from datamanager.config import RunConfig
+from datamanager.models import EnvSlot, FailureKind, Run, TrainUpdate, Trajectory
+from datamanager.selectors.labels import label_counts_by_host
+
+WINDOW = timedelta(minutes=15)  # the health map's and the alerts' recent window
+MIN_ROLLOUTS = 5  # fewer rollouts in the window raise no alert: one error is not a rate
+
+LEFT_OUT = Q(status__in=("error", "aborted")) | Q(rejected=True)
+
+
+def _ended(run: Run) -> QuerySet[Trajectory]:
+    return Trajectory.objects.filter(run=run, source="online", finished_at__isnull=False).exclude(
+        status="running"
+    )
+
+
+def _rate_series(
+    rows: QuerySet, key: str, kind: str, width: timedelta, max_series: int = 40
+) -> dict[str, dict[str, list]]:
+    """{name: {"t", "rate", "n"}} from rows of (key, b, n, bad), regrouped to `width`."""
+    series: dict[str, dict[str, list]] = {}
+    for r in regroup(rows, width, (key,), ("n", "bad")):
+        s = series.setdefault(r[key] or "unknown", {"t": [], "rate": [], "n": []})
+        s["t"].append(r["b"].isoformat() if r["b"] else None)
+        s["rate"].append(r["bad"] / r["n"] if r["n"] else None)
+        s["n"].append(r["n"])
+    return dict(list(series.items())[:max_series])
+
+
+def error_rates(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
+    """The env error rate per bucket, per host and per task."""
+    ended = _ended(run).annotate(b=Trunc("finished_at", kind))
+
+    def counted(key: str) -> QuerySet:
+        return (
+            ended.values(key, "b")
+            .annotate(n=Count("pk"), bad=Count("pk", filter=env_error_q()))
+            .order_by(key, "b")
+        )
+
+    return {
+        "per_host": _rate_series(counted("env_slot__host"), "env_slot__host", kind, width),
+        "per_task": _rate_series(counted("task__name"), "task__name", kind, width),
+    }
+
+
+def left_out(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
+    """Per bucket: the share of ended rollouts left out of training; per update: the share
+    of its collected steps left out as stale."""
+    rows = regroup(
+        _ended(run)
+        .annotate(b=Trunc("finished_at", kind))
+        .values("b")
+        .annotate(n=Count("pk"), bad=Count("pk", filter=LEFT_OUT))
+        .order_by("b"),
+        width,
+        (),
+        ("n", "bad"),
+    )
+    updates = list(
+        TrainUpdate.objects.filter(run=run, metrics__kind="rl")
+        .order_by("-number")
+        .values_list("created_at", "metrics")[:2000]
+    )
+    updates.reverse()
+    stale_t, stale_share = [], []
+    for at, metrics in updates:
+        stale = int(metrics.get("stale_steps") or 0)
+        trained = int(metrics.get("n_samples") or 0)
+        if stale + trained:
+            stale_t.append(at.isoformat())
+            stale_share.append(stale / (stale + trained))
+    return {
+        "rollouts": {
+            "t": [r["b"].isoformat() for r in rows if r["b"]],
+            "share": [r["bad"] / r["n"] if r["n"] else None for r in rows if r["b"]],
+        },
+        "stale": {"t": stale_t, "share": stale_share},
+    }
+
+
+@dataclass(frozen=True)
+class HostHealth:
+    """One host on the health map."""
+
+    host: str
+    slots: dict[str, int]  # slots by status (lost ones apart)
+    rollouts: int  # ended in the recent window
+    env_errors: int  # in the recent window
+    env_bug_labels: int  # over the whole run
+    reset_ms: float | None  # mean reset time of the window's rollouts
+    last_error: str
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.env_errors / self.rollouts if self.rollouts else None
+
+    @property
+    def state(self) -> str:
+        """ok, degraded (errors in the window) or down (no live slot)."""
+        live = sum(n for status, n in self.slots.items() if status in SERVING_STATUSES)
+        if not live:
+            return "down"
+        return "degraded" if self.env_errors else "ok"
+
+
+def host_map(*, run: Run) -> list[HostHealth]:
+    """Every host that served the run: its slots, recent errors, env-bug labels, reset time."""
+    lost_after = RunConfig.from_dict(run.config).env.silent_after_s
+    cutoff = timezone.now() - timedelta(seconds=lost_after)
+    slots: dict[str, dict[str, int]] = {}
+    last_error: dict[str, str] = {}
+    for host, status, heartbeat, error in EnvSlot.objects.filter(run=run).values_list(
+        "host", "status", "last_heartbeat", "last_error"
+    ):
+        if status in SERVING_STATUSES and heartbeat is not None and heartbeat < cutoff:
+            status = "lost"
+        counts = slots.setdefault(host, {})
+        counts[status] = counts.get(status, 0) + 1
+        if error:
+            last_error[host] = error
+    since = timezone.now() - WINDOW
+    recent: dict[str, dict[str, Any]] = {
+        r["env_slot__host"]: dict(r)
+        for r in _ended(run)
+        .filter(finished_at__gte=since)
+        .values("env_slot__host")
+        .annotate(
+            n=Count("pk"),
+            bad=Count("pk", filter=env_error_q()),
+            reset=Avg(Cast(KT("details__reset_ms"), FloatField())),
+        )
+        .order_by()
+    }
+    labels = label_counts_by_host(run_id=run.pk, label=FailureKind.ENV_BUG)
+    hosts = sorted(set(slots) | {h for h in recent if h} | {h for h in labels if h != "unknown"})
+    out = []
+    for host in hosts:
+        r = recent.get(host, {})
+        out.append(
+            HostHealth(
+                host=host,
+                slots=dict(sorted(slots.get(host, {}).items())),
+                rollouts=r.get("n", 0),
+                env_errors=r.get("bad", 0),
+                env_bug_labels=labels.get(host, 0),
+                reset_ms=r.get("reset"),
+                last_error=last_error.get(host, ""),
+            )
+        )
+    return out
+
+
+def health_alerts(*, run: Run) -> list[str]:
+    """Env error rates per host and per task, and the left-out share, past their thresholds
+    over the recent window (each alert says what it measured and against what)."""
+    cfg = RunConfig.from_dict(run.config)
+    since = timezone.now() - WINDOW
+    recent = _ended(run).filter(finished_at__gte=since)
+    alerts = []
+    threshold = cfg.env.error_rate_alert
+    if threshold > 0:
+        for key, what in (("env_slot__host", "host"), ("task__name", "task")):
+            rows = (
+                recent.values(key)
+                .annotate(n=Count("pk"), bad=Count("pk", filter=env_error_q()))
+                .filter(n__gte=MIN_ROLLOUTS)
+                .order_by(key)
+            )
+            for r in rows:
+                rate = r["bad"] / r["n"]
+                if rate > threshold:
+                    alerts.append(
+                        f"Environment errors on {what} {r[key] or 'unknown'}: {r['bad']} of "
+                        f"{r['n']} rollouts ({rate:.0%}) in the last "
+                        f"{WINDOW.seconds // 60} minutes ended in an environment error, over "
+                        f"the alert threshold {threshold:.0%}. They are left out of training; "
+                        "see the host health map and the slots' last errors."
+                    )
+    share_alert = cfg.trainer.left_out_alert
+    agg = recent.aggregate(n=Count("pk"), bad=Count("pk", filter=LEFT_OUT))
+    if share_alert > 0 and agg["n"] >= MIN_ROLLOUTS and agg["bad"] / agg["n"] > share_alert:
+        alerts.append(
+            f"Left out of training: {agg['bad']} of {agg['n']} rollouts ({agg['bad'] / agg['n']:.0%}) "
+            f"in the last {WINDOW.seconds // 60} minutes ended in error, were aborted or "
+            f"rejected, over the alert threshold {share_alert:.0%}: the trainer sees only the rest."
+        )
+    latest = (
+        TrainUpdate.objects.filter(run=run, metrics__kind="rl", created_at__gte=since)
+        .order_by("-number")
+        .values_list("number", "metrics")
+        .first()
+    )
+    if share_alert > 0 and latest is not None:
+        number, metrics = latest
+        stale, trained = int(metrics.get("stale_steps") or 0), int(metrics.get("n_samples") or 0)
+        if stale + trained and stale / (stale + trained) > share_alert:
+            alerts.append(
+                f"Stale steps left out: update {number} left out {stale} of {stale + trained} "
+                f"collected steps ({stale / (stale + trained):.0%}) as too stale to train, over "
+                f"the alert threshold {share_alert:.0%}: rollouts run too far ahead of the "
+                "trainer (raise curation.staleness_k, or add trainer capacity)."
+            )
+    return alerts
+
+
+def health_chart_data(*, run: Run) -> dict[str, Any]:
+    """The health charts' series, bucketed like the run's other charts."""
+    kind, width = time_bucket(run)
+    return {"errors": error_rates(run=run, kind=kind, width=width),
+            "left_out": left_out(run=run, kind=kind, width=width)}  # fmt: skip

@@ -5,6 +5,8 @@ and an alert for an episode still sampled from a long superseded version."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from datamanager.models import PolicyVersion, TrainUpdate
@@ -78,3 +80,76 @@ def test_an_episode_still_sampled_from_a_long_superseded_version_raises_an_alert
     page = ada_client.get(f"/runs/{run.pk}/").content.decode()
     assert f"Stale weights served: trajectory {stuck} on an unknown slot" in page
     assert "from version 1, 4 versions behind the newest (v5); 1 episode(s)" in page
+
+
+def _ended(run, slot, *, status: str, error: str = "", reset_ms: float = 0.0) -> int:
+    claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("miniwob",))
+    assert claim is not None
+    details = {"end_reason": "step_cap", "reset_ms": reset_ms} if status != "error" else {}
+    episodes.trajectory_finish(
+        trajectory_id=claim.trajectory_id, status=status,
+        reward=None if status == "error" else float(status == "succeeded"),
+        error=error, details=details,
+    )  # fmt: skip
+    return claim.trajectory_id
+
+
+def test_env_errors_per_host_and_task_are_charted_mapped_and_alerted(ada_client):
+    from datamanager.models import EnvSlot
+
+    make_tasks(2)
+    run = make_running_run({"env": {"error_rate_alert": 0.3}, "curation": {"n_max": 8, "n_min": 8}})
+    sick = EnvSlot.objects.create(name="vm-7:1:miniwob:0", host="vm-7", backend="miniwob", run=run)
+    well = EnvSlot.objects.create(name="vm-2:1:miniwob:0", host="vm-2", backend="miniwob", run=run)
+    for _ in range(3):
+        _ended(run, well, status="succeeded", reset_ms=120.0)
+        _ended(run, well, status="failed", reset_ms=140.0)
+        _ended(run, sick, status="error", error="EnvUnavailable: reset timed out after 30 s")
+    _ended(run, sick, status="failed", reset_ms=9000.0)
+    _ended(run, sick, status="error", error="inference: the router did not answer")  # not the env's
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert ('role="alert">Environment errors on host vm-7: 3 of 5 rollouts (60%) in the last 15 '
+            "minutes ended in an environment error, over the alert threshold 30%") in page  # fmt: skip
+    assert "Environment errors on host vm-2" not in page
+    sick_tile = re.search(r'<div class="host (\w+)" data-host="vm-7".*?</div>', page, re.S)
+    assert sick_tile.group(1) == "degraded"
+    assert "3 env errors</a> of 5 rollouts (60%)" in sick_tile.group(0)
+    assert "reset 9000 ms" in sick_tile.group(0)
+    well_tile = re.search(r'<div class="host (\w+)" data-host="vm-2".*?</div>', page, re.S)
+    assert well_tile.group(1) == "ok" and "reset 130 ms" in well_tile.group(0)
+
+    figs = ada_client.get(f"/runs/{run.pk}/charts.json").json()
+    hosts = {t["name"]: t for t in figs["errors_host"]["data"]}
+    assert hosts["vm-7"]["y"] == [0.6] and hosts["vm-2"]["y"] == [0.0]
+    assert (
+        "env_error=yes" in hosts["vm-7"]["customdata"][0]
+        and "host=vm-7" in hosts["vm-7"]["customdata"][0]
+    )
+    tasks = {t["name"]: t["y"][0] for t in figs["errors_task"]["data"]}
+    assert sum(tasks.values()) > 0 and set(tasks) == {"miniwob/t0", "miniwob/t1"}
+
+
+def test_the_share_left_out_of_training_is_charted_and_alerted(ada_client):
+    from datamanager.models import EnvSlot, Trajectory
+
+    make_tasks(1)
+    run = make_running_run(
+        {"trainer": {"left_out_alert": 0.4}, "curation": {"n_max": 8, "n_min": 8}}
+    )
+    slot = EnvSlot.objects.create(name="h:1:miniwob:0", host="h", backend="miniwob", run=run)
+    kept = [_ended(run, slot, status="failed") for _ in range(3)]
+    _ended(run, slot, status="error", error="EnvUnavailable: x")
+    _ended(run, slot, status="aborted", error="worker lost")
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Left out of training" not in page  # 2 of 5: under 40%
+    Trajectory.objects.filter(pk=kept[0]).update(rejected=True)
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'role="alert">Left out of training: 3 of 5 rollouts (60%) in the last 15 minutes' in page
+    TrainUpdate.objects.create(run=run, number=1, policy_version=0,
+                               metrics={"kind": "rl", "stale_steps": 30, "n_samples": 10})  # fmt: skip
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Stale steps left out: update 1 left out 30 of 40 collected steps (75%)" in page
+    figure = ada_client.get(f"/runs/{run.pk}/charts.json").json()["left_out"]
+    lines = {t["name"]: t["y"] for t in figure["data"]}
+    assert lines["rollouts: error, aborted or rejected"] == [0.6]
+    assert lines["steps: too stale (per update)"] == [0.75]

@@ -38,28 +38,28 @@ def _groups_of_three(config: dict | None = None):
 def test_a_point_of_the_groups_chart_opens_the_group(dashboard):
     from datamanager.models import TaskGroup
 
-    page, url = dashboard
+    tab, url = dashboard
     run, _ = in_thread(_groups_of_three)
-    page.goto(f"{url}/runs/{run.pk}/")
-    page.wait_for_selector("#charts[data-loaded='1']", state="attached")
-    points = page.locator("#chart-groups path.point")
+    tab.goto(f"{url}/runs/{run.pk}/")
+    tab.wait_for_selector("#charts[data-loaded='1']", state="attached")
+    points = tab.locator("#chart-groups path.point")
     assert points.count() == 2
     box = points.first.bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-    page.wait_for_url(re.compile(r".*/groups/\d+/$"))
-    group_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    tab.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    tab.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    tab.wait_for_url(re.compile(r".*/groups/\d+/$"))
+    group_id = int(tab.url.rstrip("/").rsplit("/", 1)[1])
     group = in_thread(TaskGroup.objects.get, pk=group_id)
     assert group.run_id == run.pk
-    assert page.locator("#group-lanes .lane").count() == 3
-    assert page.locator("#group-lanes .lane .frame").count() == 6  # two steps each, side by side
+    assert tab.locator("#group-lanes .lane").count() == 3
+    assert tab.locator("#group-lanes .lane .frame").count() == 6  # two steps each, side by side
 
 
 def test_two_checkpoints_episodes_are_compared_with_the_divergence_marked(dashboard):
     from datamanager.models import EvalJob
     from tests.dartboard.test_review_views import _eval_episode
 
-    page, url = dashboard
+    tab, url = dashboard
 
     def jobs():
         (task,) = make_tasks(1)
@@ -71,28 +71,28 @@ def test_two_checkpoints_episodes_are_compared_with_the_divergence_marked(dashbo
         return a, b
 
     a, b = in_thread(jobs)
-    page.goto(f"{url}/evaluations/compare/?a={a.pk}&b={b.pk}")
-    page.click(".episode-link >> text=3")
-    page.wait_for_selector("#divergence >> text=step 1")
+    tab.goto(f"{url}/evaluations/compare/?a={a.pk}&b={b.pk}")
+    tab.click(".episode-link >> text=3")
+    tab.wait_for_selector("#divergence >> text=step 1")
     for side in ("A", "B"):
-        marked = page.locator(f"#diverge-{side} .frame")
+        marked = tab.locator(f"#diverge-{side} .frame")
         assert marked.get_attribute("data-step") == "1" and marked.is_visible()
-    assert page.locator(".lane[data-side='B'] .frame").count() == 3
+    assert tab.locator(".lane[data-side='B'] .frame").count() == 3
 
 
 def test_a_reward_bin_filters_the_trajectory_list(dashboard):
     from datamanager.models import Trajectory
 
-    page, url = dashboard
+    tab, url = dashboard
     run, ids = in_thread(_groups_of_three)
-    page.goto(f"{url}/trajectories/?run={run.pk}")
-    page.click("#reward-histogram a[data-bin='1']")
-    page.wait_for_url(re.compile(r".*reward_min=1.*"))
-    shown = [int(x) for x in page.locator("#trajectories tbody tr").evaluate_all(
+    tab.goto(f"{url}/trajectories/?run={run.pk}")
+    tab.click("#reward-histogram a[data-bin='1']")
+    tab.wait_for_url(re.compile(r".*reward_min=1.*"))
+    shown = [int(x) for x in tab.locator("#trajectories tbody tr").evaluate_all(
         "rows => rows.map(r => r.dataset.trajectory)")]  # fmt: skip
     rewards = in_thread(lambda: {t.reward for t in Trajectory.objects.filter(pk__in=shown)})
     assert sorted(shown) == sorted(ids[:2]) and rewards == {1.0}
-    assert page.locator("#reward-histogram a.selected").get_attribute("data-bin") == "1"
+    assert tab.locator("#reward-histogram a.selected").get_attribute("data-bin") == "1"
 
 
 def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
@@ -101,7 +101,7 @@ def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
     from datamanager.models import FailureLabel, Step
     from workers import training_loop
 
-    page, url = dashboard
+    tab, url = dashboard
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     torch.set_num_threads(2)
     run, ids = in_thread(
@@ -109,18 +109,18 @@ def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
         {"policy": str(tiny_policy_dir),
          "trainer": {"min_groups": 2, "lr": 1e-3, "kl_coef": 0.0, "max_updates": 1}},
     )  # fmt: skip
-    page.goto(f"{url}/runs/{run.pk}/labels/")
+    tab.goto(f"{url}/runs/{run.pk}/labels/")
     labelled = []
     for i in range(3):
-        form = page.locator("#label-form")
+        form = tab.locator("#label-form")
         labelled.append(int(form.get_attribute("data-trajectory")))
         if i == 0:
-            page.keyboard.press("c")
-            page.keyboard.type("the page never loaded")
-            page.keyboard.press("Escape")
-        page.keyboard.press("e")
-        page.wait_for_selector(f"text=Trajectory {labelled[-1]}: environment bug.")
-    assert page.locator("#queue-count").text_content().startswith("1 unlabelled")
+            tab.keyboard.press("c")
+            tab.keyboard.type("the page never loaded")
+            tab.keyboard.press("Escape")
+        tab.keyboard.press("e")
+        tab.wait_for_selector(f"text=Trajectory {labelled[-1]}: environment bug.")
+    assert tab.locator("#queue-count").text_content().startswith("1 unlabelled")
     assert set(labelled) < set(ids[2:])
     labels = in_thread(
         lambda: list(FailureLabel.objects.select_related("user").order_by("created_at"))
@@ -136,6 +136,6 @@ def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
         Step.objects.filter(trajectory__run=run, trained_in_update__isnull=False)
         .values_list("trajectory_id", flat=True)))  # fmt: skip
     assert trained == set(ids) - set(labelled)
-    page.goto(f"{url}/runs/{run.pk}/tasks/")
-    counts = page.locator("#task-board [data-label='env_bug']").all_text_contents()
+    tab.goto(f"{url}/runs/{run.pk}/tasks/")
+    counts = tab.locator("#task-board [data-label='env_bug']").all_text_contents()
     assert sorted(int(c.split()[0]) for c in counts) == [1, 2]

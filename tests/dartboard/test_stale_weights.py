@@ -71,7 +71,7 @@ def test_a_worker_serving_old_weights_as_the_new_version_raises_the_gap_alert(
         _round(run, honest, settings, researcher)
     first = _train(run, 1)
     assert PolicyVersion.objects.filter(run=run, version=1).exists()
-    assert 0 < first.metrics["logprob_gap_tokens"] and first.metrics["logprob_gap_mean"] < 0.01
+    assert first.metrics["logprob_gap_tokens"] > 0 and first.metrics["logprob_gap_mean"] < 0.01
     assert "Log-prob gap" not in ada_client.get(f"/runs/{run.pk}/").content.decode()
 
     with LocalPolicyServer(tiny_policy_dir, version=1) as stale:  # v0 weights, says v1

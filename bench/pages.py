@@ -24,6 +24,7 @@ import time
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlencode
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["click-button", "click-checkboxes", "enter-text", "login-user", "choose-list",
@@ -91,10 +92,13 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     from datamanager.config import RunConfig
     from datamanager.models import (
         EnvSlot,
+        EvalJob,
+        FailureLabel,
         PolicyVersion,
         Run,
         Step,
         Task,
+        TaskGroup,
         TaskStat,
         TaskStatHistory,
         TrainUpdate,
@@ -107,7 +111,8 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     from datamanager.roles import role_group
 
     ada = User.objects.create_user("ada", password="lovelace-pass-1")
-    ada.groups.add(role_group("viewer"))  # every page needs a role (README, Security model)
+    # Every page needs a role (README, Security model); the annotation queue is an operator's.
+    ada.groups.add(role_group("operator"))
     shots = [
         default_storage.save(f"bench/{i:02d}.png", ContentFile(_gui_png(i))) for i in range(12)
     ]
@@ -127,8 +132,8 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
         slots = EnvSlot.objects.bulk_create(
             [
                 EnvSlot(
-                    name=f"worker-1:{4100 + i // 4}:{i % 4}",
-                    host="worker-1",
+                    name=f"worker-{1 + i // 4}:{4100 + i // 4}:{i % 4}",
+                    host=f"worker-{1 + i // 4}",
                     backend="miniwob",
                     run=run,
                     status="busy",
@@ -137,20 +142,48 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
             ]
         )
         span = (now - start).total_seconds()
+        updates = TrainUpdate.objects.bulk_create([
+            TrainUpdate(run=run, number=u, policy_version=u // 4,
+                        created_at=start + timedelta(seconds=span * u / 200),
+                        metrics={"loss": 1.0 / (1 + u / 40) + rnd.uniform(0, 0.05),
+                                 "pg_loss": rnd.uniform(-0.1, 0.1), "kl": u / 4000,
+                                 "bc_loss": 0.0, "mean_entropy": 1.2 - u / 400,
+                                 "clip_fraction": rnd.uniform(0.05, 0.2), "is_weight_mean": 0.93,
+                                 "kept_step_fraction": 0.8, "duration_s": rnd.uniform(40, 70),
+                                 "staleness": {"0": rnd.randint(40, 80), "1": rnd.randint(10, 30),
+                                               "2": rnd.randint(0, 10)}})
+            for u in range(1, 201)
+        ])  # fmt: skip
+        # GRPO groups of 8 rollouts per task, in claim order.
+        groups = TaskGroup.objects.bulk_create(
+            [
+                TaskGroup(run=run, task=t, index=g, budget=8, claimed=8, status="trained")
+                for g in range(n_traj // len(tasks) // 8 + 1)
+                for t in tasks
+            ]  # fmt: skip
+        )
+        group_of = {(g.task_id, g.index): g for g in groups}
         trajs = []
         for i in range(n_traj):
             task = tasks[i % len(tasks)]
             t0 = start + timedelta(seconds=span * i / n_traj)
             ok = rnd.random() < min(0.95, skill[task.pk] + 0.4 * i / n_traj)
             running = i >= n_traj - len(slots)
+            broken = not running and rnd.random() < 0.03  # an environment error
+            status = (
+                "running" if running else "error" if broken else ("succeeded" if ok else "failed")
+            )
             length = steps_per
             trajs.append(Trajectory(
                 run=run, task=task, env_slot=slots[i % len(slots)], started_at=t0,
                 finished_at=None if running else t0 + timedelta(seconds=length * 1.7),
-                status="running" if running else ("succeeded" if ok else "failed"),
-                reward=None if running else float(ok), length=length,
+                status=status, reward=None if running or broken else float(ok), length=length,
                 policy_versions=[i * 50 // n_traj], instruction=task.instruction, step_cap=15,
-                in_pool=ok and i % 97 == 0,
+                in_pool=ok and i % 97 == 0, group=group_of[(task.pk, i // len(tasks) // 8)],
+                error="EnvUnavailable: reset timed out after 30 s" if broken else "",
+                details={} if running or broken else {
+                    "end_reason": "finished" if ok else rnd.choice(["step_cap", "finished"]),
+                    "reset_ms": rnd.uniform(100, 400)},
             ))  # fmt: skip
         trajs = Trajectory.objects.bulk_create(trajs, batch_size=2000)
         batch = []
@@ -167,11 +200,64 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     model_ms=rnd.uniform(80, 400), created_at=traj.started_at + timedelta(seconds=1.7 * j),
                     entropy_kept=rnd.random() < 0.8, advantage=rnd.uniform(-1, 1),
                     is_weight=min(1.0, rnd.uniform(0.7, 1.3)),
+                    trained_in_update=updates[min(199, ti * 200 // n_traj)],
                 ))  # fmt: skip
             if len(batch) >= 20000:
                 Step.objects.bulk_create(batch, batch_size=5000)
                 batch = []
         Step.objects.bulk_create(batch, batch_size=5000)
+        failed = [t for t in trajs if t.status in ("failed", "error")]
+        FailureLabel.objects.bulk_create(
+            [
+                FailureLabel(
+                    trajectory=t,
+                    run=run,
+                    user=ada,
+                    created_at=now,
+                    label=rnd.choice(["env_bug", "agent_mistake", "fine"]),
+                )
+                for t in failed[:300]
+            ]  # fmt: skip
+        )
+        # Two checkpoints evaluated on every task, 4 seeds each, 10 steps an episode.
+        for version in (10, 50):
+            job = EvalJob.objects.create(
+                name=f"v{version}", policy=f"run:{run.pk}:v{version}", run=run,
+                policy_version=version, task_names=TASKS, k=4, status="finished",
+                done=4 * len(tasks), total=4 * len(tasks),
+            )  # fmt: skip
+            episodes = Trajectory.objects.bulk_create(
+                [
+                    Trajectory(
+                        task=t,
+                        purpose="eval",
+                        eval_job=job,
+                        seed=k,
+                        status="failed",
+                        reward=0.0,
+                        length=10,
+                        finished_at=now,
+                        started_at=now,
+                    )
+                    for t in tasks
+                    for k in range(4)
+                ]  # fmt: skip
+            )
+            Step.objects.bulk_create(
+                [
+                    Step(
+                        trajectory=e,
+                        index=j,
+                        screenshot=shots[j % len(shots)],
+                        screen_width=160,
+                        screen_height=210,
+                        action=ACTIONS[(j + version * (j > 4)) % len(ACTIONS)],
+                        created_at=now,
+                    )
+                    for e in episodes
+                    for j in range(10)
+                ]  # fmt: skip
+            )
         for k, slot in enumerate(slots):
             slot.current_trajectory = trajs[-len(slots) + k]
             if k == 5:
@@ -200,18 +286,6 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
         PolicyVersion.objects.bulk_create(
             [PolicyVersion(run=run, version=v, checkpoint=f"ck/{v}") for v in range(51)]
         )
-        TrainUpdate.objects.bulk_create([
-            TrainUpdate(run=run, number=u, policy_version=u // 4,
-                        created_at=start + timedelta(seconds=span * u / 200),
-                        metrics={"loss": 1.0 / (1 + u / 40) + rnd.uniform(0, 0.05),
-                                 "pg_loss": rnd.uniform(-0.1, 0.1), "kl": u / 4000,
-                                 "bc_loss": 0.0, "mean_entropy": 1.2 - u / 400,
-                                 "clip_fraction": rnd.uniform(0.05, 0.2), "is_weight_mean": 0.93,
-                                 "kept_step_fraction": 0.8, "duration_s": rnd.uniform(40, 70),
-                                 "staleness": {"0": rnd.randint(40, 80), "1": rnd.randint(10, 30),
-                                               "2": rnd.randint(0, 10)}})
-            for u in range(1, 201)
-        ])  # fmt: skip
     return run.pk
 
 
@@ -219,11 +293,16 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
     from django.contrib.auth.models import User
     from django.test import Client
 
-    from datamanager.models import Trajectory
+    from datamanager.models import EvalJob, TaskGroup, Trajectory
 
     client = Client()
     client.force_login(User.objects.get(username="ada"))
     traj = Trajectory.objects.filter(run_id=run_id, status="succeeded").order_by("-pk").first()
+    group = TaskGroup.objects.filter(run_id=run_id).order_by("-pk")[20]
+    a, b = EvalJob.objects.order_by("pk")[:2]
+    window = Trajectory.objects.filter(run_id=run_id).order_by("finished_at")[5000].finished_at
+    span = urlencode({"finished_from": window.isoformat(),
+                      "finished_to": (window + timedelta(minutes=10)).isoformat()})  # fmt: skip
     pages = [
         ("runs list", "/"),
         ("run page", f"/runs/{run_id}/"),
@@ -236,6 +315,25 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
         ("trajectory list, task+reward", "/trajectories/?task=enter&reward=positive"),
         ("trajectory list, policy version", "/trajectories/?policy_version=25"),
         ("trajectory page (20 steps)", f"/trajectories/{traj.pk}/"),
+        ("group view (8 x 20 steps)", f"/groups/{group.pk}/"),
+        (
+            "checkpoint A vs B, one episode",
+            f"/evaluations/compare/episodes/?a={a.pk}&b={b.pk}&task={TASKS[3]}&seed=2",
+        ),  # fmt: skip
+        ("evaluation compare (with seeds)", f"/evaluations/compare/?a={a.pk}&b={b.pk}"),
+        ("annotation queue, failed", f"/runs/{run_id}/labels/"),
+        ("annotation queue, sampled", f"/runs/{run_id}/labels/?queue=sampled"),
+        ("labels export (JSONL)", f"/labels.jsonl?run={run_id}"),
+        ("list, a chart point's window", f"/trajectories/?run={run_id}&{span}"),
+        ("list, an update's rollouts", f"/trajectories/?run={run_id}&update=150"),
+        ("list, reward bin", f"/trajectories/?run={run_id}&reward_min=1&reward_max=1.5"),
+        ("list, end reason + env error", f"/trajectories/?run={run_id}&end=error&env_error=yes"),
+        ("list, entropy range", f"/trajectories/?run={run_id}&entropy_min=1.4&entropy_max=1.5"),
+        (
+            "list, IS-weight range",
+            f"/trajectories/?run={run_id}&is_weight_min=0&is_weight_max=0.71",
+        ),
+        ("list, label", f"/trajectories/?run={run_id}&label=env_bug"),
     ]
     rows = []
     for label, url in pages:
@@ -244,9 +342,11 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
         for _ in range(repeat):
             t0 = time.perf_counter()
             r = client.get(url)
+            body = b"".join(r.streaming_content) if r.streaming else r.content
             times.append((time.perf_counter() - t0) * 1000)
         assert r.status_code == 200, (url, r.status_code)
-        rows.append((label, url, statistics.median(times), len(r.content)))
+        size = len(body)
+        rows.append((label, url, statistics.median(times), size))
     return rows
 
 

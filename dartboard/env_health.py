@@ -15,20 +15,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db.models import Avg, Count, FloatField, Q, QuerySet
+from django.db.models import Avg, Count, FloatField, QuerySet
 from django.db.models.fields.json import KT
-from django.db.models.functions import Cast, Trunc
+from django.db.models.functions import Cast
 from django.utils import timezone
 
-from dartboard.viewmodels import SERVING_STATUSES, env_error_q, regroup, time_bucket
+from dartboard.aggregates import LEFT_OUT, bucket_width, env_error_q, fold, iso, outcome_rows
+from dartboard.viewmodels import SERVING_STATUSES
 from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, FailureKind, Run, TrainUpdate, Trajectory
 from datamanager.selectors.labels import label_counts_by_host
 
 WINDOW = timedelta(minutes=15)  # the health map's and the alerts' recent window
 MIN_ROLLOUTS = 5  # fewer rollouts in the window raise no alert: one error is not a rate
-
-LEFT_OUT = Q(status__in=("error", "aborted")) | Q(rejected=True)
 
 
 def _ended(run: Run) -> QuerySet[Trajectory]:
@@ -37,49 +36,44 @@ def _ended(run: Run) -> QuerySet[Trajectory]:
     )
 
 
-def _rate_series(
-    rows: QuerySet, key: str, kind: str, width: timedelta, max_series: int = 40
-) -> dict[str, dict[str, list]]:
-    """{name: {"t", "rate", "n"}} from rows of (key, b, n, bad), regrouped to `width`."""
+def _online_ended(r: dict[str, Any]) -> bool:
+    return r["source"] == "online" and r["status"] != "running"
+
+
+def _series(folded: list[dict[str, Any]], key: str, max_series: int = 40) -> dict[str, dict]:
+    """{name: {"t", "rate", "n"}} from folded rows of (key, b, n, bad)."""
     series: dict[str, dict[str, list]] = {}
-    for r in regroup(rows, width, (key,), ("n", "bad")):
+    for r in folded:
         s = series.setdefault(r[key] or "unknown", {"t": [], "rate": [], "n": []})
-        s["t"].append(r["b"].isoformat() if r["b"] else None)
+        s["t"].append(iso(r["b"]))
         s["rate"].append(r["bad"] / r["n"] if r["n"] else None)
         s["n"].append(r["n"])
     return dict(list(series.items())[:max_series])
 
 
-def error_rates(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
-    """The env error rate per bucket, per host and per task."""
-    ended = _ended(run).annotate(b=Trunc("finished_at", kind))
+def error_rates(*, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The env error rate per bucket, per host and per task (from `outcome_rows`)."""
 
-    def counted(key: str) -> QuerySet:
-        return (
-            ended.values(key, "b")
-            .annotate(n=Count("pk"), bad=Count("pk", filter=env_error_q()))
-            .order_by(key, "b")
-        )
+    def counted(key: str) -> list[dict[str, Any]]:
+        return fold(rows, (key,), _online_ended,
+                    n=lambda r: r["n"], bad=lambda r: r["n"] * r["env_err"])  # fmt: skip
 
     return {
-        "per_host": _rate_series(counted("env_slot__host"), "env_slot__host", kind, width),
-        "per_task": _rate_series(counted("task__name"), "task__name", kind, width),
+        "per_host": _series(counted("env_slot__host"), "env_slot__host"),
+        "per_task": _series(counted("task__name"), "task__name"),
     }
 
 
-def left_out(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
+def _left_out_row(r: dict[str, Any]) -> int:
+    return r["n"] if r["status"] in ("error", "aborted") or r["rejected"] else 0
+
+
+def left_out(*, run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per bucket: the share of ended rollouts left out of training; per update: the share
     of its collected steps left out as stale."""
-    rows = regroup(
-        _ended(run)
-        .annotate(b=Trunc("finished_at", kind))
-        .values("b")
-        .annotate(n=Count("pk"), bad=Count("pk", filter=LEFT_OUT))
-        .order_by("b"),
-        width,
-        (),
-        ("n", "bad"),
-    )
+    folded = [
+        r for r in fold(rows, (), _online_ended, n=lambda r: r["n"], bad=_left_out_row) if r["b"]
+    ]
     updates = list(
         TrainUpdate.objects.filter(run=run, metrics__kind="rl")
         .order_by("-number")
@@ -95,8 +89,8 @@ def left_out(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
             stale_share.append(stale / (stale + trained))
     return {
         "rollouts": {
-            "t": [r["b"].isoformat() for r in rows if r["b"]],
-            "share": [r["bad"] / r["n"] if r["n"] else None for r in rows if r["b"]],
+            "t": [iso(r["b"]) for r in folded],
+            "share": [r["bad"] / r["n"] if r["n"] else None for r in folded],
         },
         "stale": {"t": stale_t, "share": stale_share},
     }
@@ -227,8 +221,9 @@ def health_alerts(*, run: Run) -> list[str]:
     return alerts
 
 
-def health_chart_data(*, run: Run) -> dict[str, Any]:
-    """The health charts' series, bucketed like the run's other charts."""
-    kind, width = time_bucket(run)
-    return {"errors": error_rates(run=run, kind=kind, width=width),
-            "left_out": left_out(run=run, kind=kind, width=width)}  # fmt: skip
+def health_chart_data(*, run: Run, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The health charts' series, bucketed like the run's other charts (`rows`: the run's
+    `aggregates.outcome_rows` when the caller has them already)."""
+    if rows is None:
+        rows = outcome_rows(run=run, width=bucket_width(run))
+    return {"errors": error_rates(rows=rows), "left_out": left_out(run=run, rows=rows)}

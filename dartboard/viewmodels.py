@@ -1,7 +1,7 @@
 """Read-only selectors for the dashboard. Aggregation happens in the database; lists page.
 
 Every function here is a plain read (no locks, no writes) and is safe from any process.
-Time series are bucketed with `Trunc` in SQL so a run with 10,000 trajectories and 200,000
+Time series are bucketed in SQL (`dartboard.aggregates`) so a run with 10,000 trajectories and 200,000
 steps returns a few hundred rows, not the raw history.
 """
 
@@ -17,9 +17,7 @@ from django.core.paginator import Page, Paginator
 from django.db.models import (
     Avg,
     Count,
-    DurationField,
     Exists,
-    ExpressionWrapper,
     F,
     FloatField,
     IntegerField,
@@ -31,9 +29,21 @@ from django.db.models import (
     Sum,
     Value,
 )
-from django.db.models.functions import Cast, Coalesce, Now, Trunc
+from django.db.models.functions import Cast, Coalesce, Now
 from django.utils import timezone
 
+from dartboard.aggregates import (
+    FINISHED,
+    EpochSeconds,
+    bucket_index,
+    bucket_label,
+    bucket_width,
+    env_error_q,
+    fold,
+    iso,
+    outcome_rows,
+    with_times,
+)
 from datamanager.config import RunConfig
 from datamanager.models import (
     EnvSlot,
@@ -50,8 +60,6 @@ from datamanager.models import (
 from datamanager.selectors.labels import label_counts_by_task
 from workers.leases import redis_client
 from workers.runs import run_live_work
-
-FINISHED = ("succeeded", "failed")
 
 
 def _count_subquery(qs: QuerySet) -> Coalesce:
@@ -326,19 +334,6 @@ def task_board(*, run: Run, sparkline_points: int = 30) -> list[dict[str, Any]]:
 # --- trajectory list -------------------------------------------------------------------
 
 
-NOT_ENV = ("inference:", "storage:", "database:")
-
-
-def env_error_q() -> Q:
-    """Rollouts that ended in an environment error: `error`, but not for the policy
-    server's (`inference:`), the database's or the object store's (`storage:`) sake, which
-    say nothing about the environment's host."""
-    q = Q(status="error")
-    for prefix in NOT_ENV:
-        q &= ~Q(error__startswith=prefix)
-    return q
-
-
 # How an episode ended (rollout/episode.py's end reasons, stored in `details`), or the status
 # of one that never got to evaluate.
 END_REASONS = [
@@ -534,113 +529,57 @@ def trajectory_detail(*, trajectory_id: int) -> tuple[Trajectory, list[Step]]:
 # --- charts ----------------------------------------------------------------------------
 
 
-_STEPS = {"minute": (1, 2, 5, 10, 15, 30), "hour": (1, 2, 3, 6, 12), "day": (1, 2, 7, 14, 30)}
-_UNIT = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
-
-
-def time_bucket(run: Run, *, max_buckets: int = 60) -> tuple[str, timedelta]:
-    """(SQL truncation unit, bucket width) giving at most ~`max_buckets` points.
-
-    SQL truncates to the unit (minute/hour/day); `regroup` merges units into the width.
-    """
-    start = run.started_at or run.created_at
-    end = run.finished_at or timezone.now()
-    span = max(end - start, timedelta(minutes=1))
-    for kind in ("minute", "hour", "day"):
-        for k in _STEPS[kind]:
-            if span / (_UNIT[kind] * k) <= max_buckets:
-                return kind, _UNIT[kind] * k
-    return "day", timedelta(days=30)
-
-
-def regroup(rows, width: timedelta, keys: tuple[str, ...], sums: tuple[str, ...]) -> list[dict]:
-    """Merge SQL rows truncated to a unit into buckets of `width` (summing `sums`)."""
-    w = int(width.total_seconds())
-    out: dict[tuple, dict] = {}
-    for r in rows:
-        b = r["b"]
-        if b is not None:
-            b = datetime.fromtimestamp(int(b.timestamp()) // w * w, tz=b.tzinfo)
-        key = (*(r[k] for k in keys), b)
-        acc = out.setdefault(key, {**{k: r[k] for k in keys}, "b": b, **dict.fromkeys(sums, 0)})
-        for f in sums:
-            acc[f] += r[f] or 0
-    return [out[k] for k in sorted(out, key=lambda k: tuple("" if v is None else v for v in k))]
-
-
-def _iso(dt: datetime | None) -> str | None:
-    return dt.isoformat() if dt else None
-
-
-def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
-    """Every series the run page charts, bucketed in SQL. See `dartboard.figures`."""
-    kind, width = time_bucket(run)
+def chart_data(
+    *, run: Run, rows: list[dict[str, Any]] | None = None, max_tasks: int = 40
+) -> dict[str, Any]:
+    """Every series the run page charts, bucketed in SQL. See `dartboard.figures`.
+    `rows`: the run's `aggregates.outcome_rows` when the caller has them already."""
+    width = bucket_width(run)
     minutes = width.total_seconds() / 60
-    trajs = Trajectory.objects.filter(run=run, finished_at__isnull=False)
+    if rows is None:
+        rows = outcome_rows(run=run, width=width)
 
-    per_bucket = regroup(
-        trajs.filter(status__in=FINISHED)
-        .annotate(b=Trunc("finished_at", kind))
-        .values("b")
-        .annotate(n=Count("pk"), ok=Count("pk", filter=Q(status="succeeded")))
-        .order_by("b"),
-        width,
-        (),
-        ("n", "ok"),
-    )
+    def finished(r: dict[str, Any]) -> bool:
+        return r["status"] in FINISHED
+
+    def n(r: dict[str, Any]) -> int:
+        return r["n"]
+
+    def ok(r: dict[str, Any]) -> int:
+        return r["n"] if r["status"] == "succeeded" else 0
+
     success = [
-        {"t": _iso(r["b"]), "n": r["n"], "rate": r["ok"] / r["n"] if r["n"] else None}
-        for r in per_bucket
+        {"t": iso(r["b"]), "n": r["n"], "rate": r["ok"] / r["n"] if r["n"] else None}
+        for r in fold(rows, (), finished, n=n, ok=ok)
     ]
-
-    task_rows = regroup(
-        trajs.filter(status__in=FINISHED)
-        .annotate(b=Trunc("finished_at", kind))
-        .values("task__name", "b")
-        .annotate(n=Count("pk"), ok=Count("pk", filter=Q(status="succeeded")))
-        .order_by("task__name", "b"),
-        width,
-        ("task__name",),
-        ("n", "ok"),
-    )
     per_task: dict[str, list[tuple[str | None, float]]] = {}
-    for r in task_rows:
-        per_task.setdefault(r["task__name"], []).append((_iso(r["b"]), r["ok"] / r["n"]))
+    for r in fold(rows, ("task__name",), finished, n=n, ok=ok):
+        per_task.setdefault(r["task__name"], []).append((iso(r["b"]), r["ok"] / r["n"]))
 
     # A task's budget and step cap, averaged per bucket like every other series: one point
     # per finished group made 13,500 points (1.1 MB, 300 ms) at 1,000,000 steps.
     history: dict[str, dict[str, list]] = {}
-    for r in regroup(
+    for r in with_times(
         TaskStatHistory.objects.filter(run=run)
-        .annotate(b=Trunc("at", kind))
+        .annotate(b=bucket_index("at", width))
         .values("task__name", "b")
         .annotate(n=Count("pk"), budget=Sum("rollout_budget"), cap=Sum("step_cap"))
         .order_by("task__name", "b"),
         width,
-        ("task__name",),
-        ("n", "budget", "cap"),
     ):
         h = history.setdefault(r["task__name"], {"t": [], "budget": [], "step_cap": []})
-        h["t"].append(_iso(r["b"]))
+        h["t"].append(iso(r["b"]))
         h["budget"].append(round(r["budget"] / r["n"], 2))
         h["step_cap"].append(round(r["cap"] / r["n"], 2))
 
     # Actions are counted per finished trajectory (its length), not per Step row: bucketing
     # 200,000 step timestamps costs a second on SQLite, 10,000 trajectories a few ms.
-    rates = regroup(
-        trajs.annotate(b=Trunc("finished_at", kind))
-        .values("b")
-        .annotate(n=Count("pk"), n_steps=Sum("length"))  # not `steps`: Trajectory.steps
-        .order_by("b"),
-        width,
-        (),
-        ("n", "n_steps"),
-    )
+    rates = fold(rows, (), lambda r: True, n=n, n_steps=lambda r: r["n_steps"] or 0)
     traj_rate: dict[str, float] = {}
     action_rate: dict[str, float] = {}
     for r in rates:
-        t = _iso(r["b"])
-        assert t is not None  # trajs are filtered on finished_at__isnull=False
+        t = iso(r["b"])
+        assert t is not None  # outcome rows are finished trajectories
         traj_rate[t] = r["n"] / minutes
         action_rate[t] = (r["n_steps"] or 0) / minutes
     times = sorted(set(traj_rate) | set(action_rate))
@@ -651,12 +590,12 @@ def chart_data(*, run: Run, max_tasks: int = 40) -> dict[str, Any]:
     }
 
     return {
-        "bucket": kind,
+        "bucket": bucket_label(width),
         "success": success,
         "per_task": dict(list(per_task.items())[:max_tasks]),
         "history": dict(list(history.items())[:max_tasks]),
         "throughput": throughput,
-        "utilisation": utilisation(run=run, kind=kind, width=width),
+        "utilisation": utilisation(run=run, width=width),
         "updates": training_metrics(run=run),
         "groups": group_points(run=run),
         "run_id": run.pk,
@@ -682,7 +621,7 @@ def group_points(*, run: Run, limit: int = 300) -> list[dict[str, Any]]:
     return [
         {
             "id": r["pk"],
-            "t": _iso(r["last"]),
+            "t": iso(r["last"]),
             "task": r["task__name"],
             "index": r["index"],
             "status": r["status"],
@@ -693,48 +632,42 @@ def group_points(*, run: Run, limit: int = 300) -> list[dict[str, Any]]:
     ]
 
 
-def utilisation(*, run: Run, kind: str, width: timedelta) -> dict[str, Any]:
+def utilisation(*, run: Run, width: timedelta) -> dict[str, Any]:
     """Env busy share per bucket and trainer busy share per bucket.
 
     Env: the summed duration of trajectories (start -> finish, or now while running) that
     started in a bucket, over the slot-time of the run's slots in that bucket. A trajectory
     longer than a bucket is credited to the bucket it started in, which is exact enough at
     the chart's resolution. Trainer: summed `metrics.duration_s` of updates per bucket.
+    Durations are computed by the database (`EpochSeconds`).
     """
     n_slots = EnvSlot.objects.filter(run=run).count() or 1
-    duration = ExpressionWrapper(
-        Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField()
-    )
-    rows = regroup(
-        (
-            {"b": r["b"], "busy": (r["busy"] or timedelta()).total_seconds()}
-            for r in Trajectory.objects.filter(run=run, source="online")
-            .annotate(b=Trunc("started_at", kind), d=duration)
-            .values("b")
-            .annotate(busy=Sum("d"))
-            .order_by("b")
-        ),
+    seconds = EpochSeconds(Coalesce(F("finished_at"), Now())) - EpochSeconds(F("started_at"))
+    rows = with_times(
+        Trajectory.objects.filter(run=run, source="online")
+        .annotate(b=bucket_index("started_at", width))
+        .values("b")
+        .annotate(busy=Sum(seconds))
+        .order_by("b"),
         width,
-        (),
-        ("busy",),
     )
     slot_seconds = n_slots * width.total_seconds()
     env = {
-        "t": [_iso(r["b"]) for r in rows],
-        "share": [min(1.0, r["busy"] / slot_seconds) for r in rows],
+        "t": [iso(r["b"]) for r in rows],
+        "share": [min(1.0, (r["busy"] or 0) / slot_seconds) for r in rows],
     }
-    trainer_rows = regroup(
+    trainer_rows = with_times(
         TrainUpdate.objects.filter(run=run)
-        .annotate(b=Trunc("created_at", kind), d=Cast(F("metrics__duration_s"), FloatField()))
+        .annotate(
+            b=bucket_index("created_at", width), d=Cast(F("metrics__duration_s"), FloatField())
+        )
         .values("b")
         .annotate(busy=Sum("d"))
         .order_by("b"),
         width,
-        (),
-        ("busy",),
     )
     trainer = {
-        "t": [_iso(r["b"]) for r in trainer_rows],
+        "t": [iso(r["b"]) for r in trainer_rows],
         "share": [min(1.0, (r["busy"] or 0.0) / width.total_seconds()) for r in trainer_rows],
     }
     return {"env": env, "trainer": trainer, "slots": n_slots}

@@ -28,7 +28,7 @@ from django.urls import reverse
 from django.views.decorators.cache import cache_control
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import env_health, figures, viewmodels
+from dartboard import aggregates, env_health, figures, viewmodels
 from dartboard import health as service_health
 from dartboard.forms import (
     EvalCompareForm,
@@ -151,7 +151,11 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
     """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
     run = get_object_or_404(Run, pk=run_id)
-    data = {**viewmodels.chart_data(run=run), **env_health.health_chart_data(run=run)}
+    rows = aggregates.outcome_rows(run=run, width=aggregates.bucket_width(run))  # one pass
+    data = {
+        **viewmodels.chart_data(run=run, rows=rows),
+        **env_health.health_chart_data(run=run, rows=rows),
+    }
     return JsonResponse(figures.run_figures(data))
 
 

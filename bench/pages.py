@@ -160,7 +160,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                 TaskGroup(run=run, task=t, index=g, budget=8, claimed=8, status="trained")
                 for g in range(n_traj // len(tasks) // 8 + 1)
                 for t in tasks
-            ]  # fmt: skip
+            ]
         )
         group_of = {(g.task_id, g.index): g for g in groups}
         trajs = []
@@ -217,7 +217,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     label=rnd.choice(["env_bug", "agent_mistake", "fine"]),
                 )
                 for t in failed[:300]
-            ]  # fmt: skip
+            ]
         )
         # Two checkpoints evaluated on every task, 4 seeds each, 10 steps an episode.
         for version in (10, 50):
@@ -241,7 +241,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     )
                     for t in tasks
                     for k in range(4)
-                ]  # fmt: skip
+                ]
             )
             Step.objects.bulk_create(
                 [
@@ -256,7 +256,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     )
                     for e in episodes
                     for j in range(10)
-                ]  # fmt: skip
+                ]
             )
         for k, slot in enumerate(slots):
             slot.current_trajectory = trajs[-len(slots) + k]
@@ -319,7 +319,7 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
         (
             "checkpoint A vs B, one episode",
             f"/evaluations/compare/episodes/?a={a.pk}&b={b.pk}&task={TASKS[3]}&seed=2",
-        ),  # fmt: skip
+        ),
         ("evaluation compare (with seeds)", f"/evaluations/compare/?a={a.pk}&b={b.pk}"),
         ("annotation queue, failed", f"/runs/{run_id}/labels/"),
         ("annotation queue, sampled", f"/runs/{run_id}/labels/?queue=sampled"),

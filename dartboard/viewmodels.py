@@ -438,18 +438,15 @@ def _filter_more(qs: QuerySet[Trajectory], flt: TrajectoryFilter) -> QuerySet[Tr
         qs = qs.filter(failure_label__isnull=True)
     elif flt.label:
         qs = qs.filter(failure_label__label=flt.label)
-    if flt.reward_min is not None:
-        qs = qs.filter(reward__gte=flt.reward_min)
-    if flt.reward_max is not None:
-        qs = qs.filter(reward__lt=flt.reward_max)
-    if flt.group_id is not None:
-        qs = qs.filter(group_id=flt.group_id)
-    if flt.host:
-        qs = qs.filter(env_slot__host=flt.host)
-    if flt.finished_from is not None:
-        qs = qs.filter(finished_at__gte=flt.finished_from)
-    if flt.finished_to is not None:
-        qs = qs.filter(finished_at__lt=flt.finished_to)
+    ranges = {
+        "reward__gte": flt.reward_min,
+        "reward__lt": flt.reward_max,
+        "group_id": flt.group_id,
+        "env_slot__host": flt.host or None,
+        "finished_at__gte": flt.finished_from,
+        "finished_at__lt": flt.finished_to,
+    }
+    qs = qs.filter(**{lookup: v for lookup, v in ranges.items() if v is not None})
     step_q = Q()
     for field, low, high in (
         ("mean_entropy", flt.entropy_min, flt.entropy_max),

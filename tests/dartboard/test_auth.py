@@ -11,7 +11,8 @@ from dartboard.asgi import application
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["/", "/runs/1/", "/media/screenshots/x.png", "/vendor/plotly.min.js"]
+PAGES = ["/", "/runs/1/", "/media/screenshots/x.png", "/vendor/plotly.min.js", "/groups/1/",
+         "/runs/1/labels/", "/labels.jsonl", "/evaluations/compare/episodes/?a=1&b=2&task=t&seed=0"]  # fmt: skip
 
 
 @pytest.mark.parametrize("url", PAGES)

@@ -44,6 +44,7 @@ def test_a_viewer_reads_everything_and_changes_nothing(viewer_client) -> None:
         "/", f"/runs/{run.pk}/", f"/runs/{run.pk}/charts.json", f"/runs/{run.pk}/slots.json",
         f"/runs/{run.pk}/tasks/", "/trajectories/", f"/trajectories/{traj.pk}/",
         "/evaluations/", "/evaluations/matrix/", f"/media/{key}",
+        f"/groups/{traj.group_id}/", f"/labels.jsonl?run={run.pk}",
     ):  # fmt: skip
         assert viewer_client.get(url).status_code == 200, url
     before = (Run.objects.count(), Run.objects.get(pk=run.pk).status, traj.in_pool)
@@ -55,6 +56,8 @@ def test_a_viewer_reads_everything_and_changes_nothing(viewer_client) -> None:
         viewer_client.post(f"/runs/{run.pk}/tasks/{stat.pk}/override/", {"reason": "x"}),
         viewer_client.get("/trajectories/upload/"),
         viewer_client.get("/runs/new/"),
+        viewer_client.get(f"/runs/{run.pk}/labels/"),
+        viewer_client.post(f"/runs/{run.pk}/labels/", {"trajectory": traj.pk, "label": "env_bug"}),
     ]
     assert [r.status_code for r in refused] == [403] * len(refused)
     traj.refresh_from_db()

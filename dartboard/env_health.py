@@ -112,18 +112,29 @@ class HostHealth:
     def error_rate(self) -> float | None:
         return self.env_errors / self.rollouts if self.rollouts else None
 
+    alert_rate: float  # the run's env.error_rate_alert
+
+    @property
+    def error_percent(self) -> float | None:
+        return None if self.error_rate is None else 100 * self.error_rate
+
     @property
     def state(self) -> str:
-        """ok, degraded (errors in the window) or down (no live slot)."""
+        """down (no live slot), degraded (its error rate is past the alert threshold),
+        errors (some, under it) or ok."""
         live = sum(n for status, n in self.slots.items() if status in SERVING_STATUSES)
         if not live:
             return "down"
-        return "degraded" if self.env_errors else "ok"
+        rate = self.error_rate or 0.0
+        if self.alert_rate and self.rollouts >= MIN_ROLLOUTS and rate > self.alert_rate:
+            return "degraded"
+        return "errors" if self.env_errors else "ok"
 
 
 def host_map(*, run: Run) -> list[HostHealth]:
     """Every host that served the run: its slots, recent errors, env-bug labels, reset time."""
-    lost_after = RunConfig.from_dict(run.config).env.silent_after_s
+    env_cfg = RunConfig.from_dict(run.config).env
+    lost_after = env_cfg.silent_after_s
     cutoff = timezone.now() - timedelta(seconds=lost_after)
     slots: dict[str, dict[str, int]] = {}
     last_error: dict[str, str] = {}
@@ -163,6 +174,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
                 env_bug_labels=labels.get(host, 0),
                 reset_ms=r.get("reset"),
                 last_error=last_error.get(host, ""),
+                alert_rate=env_cfg.error_rate_alert,
             )
         )
     return out

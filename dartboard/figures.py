@@ -170,11 +170,13 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if stale
         else []
     )
+    # An update that measured no token (a warm-start or all-stale batch) has no gap: a gap.
+    measured = upd["series"].get("logprob_gap_tokens") or [None] * len(upd["number"])
     gap = [
         _line(
             f"{k.rsplit('_', 1)[-1]} per token",
             upd["number"],
-            upd["series"][k],
+            [v if n else None for v, n in zip(upd["series"][k], measured, strict=True)],
             customdata=update_links,
         )
         for k in ("logprob_gap_mean", "logprob_gap_p99")

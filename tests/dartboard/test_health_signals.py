@@ -113,7 +113,7 @@ def test_env_errors_per_host_and_task_are_charted_mapped_and_alerted(ada_client)
     assert "Environment errors on host vm-2" not in page
     sick_tile = re.search(r'<div class="host (\w+)" data-host="vm-7".*?</div>', page, re.S)
     assert sick_tile.group(1) == "degraded"
-    assert "3 env errors</a> of 5 rollouts (60%)" in sick_tile.group(0)
+    assert "3 env errors</a> of 5 rollouts (60.0%)" in sick_tile.group(0)
     assert "reset 9000 ms" in sick_tile.group(0)
     well_tile = re.search(r'<div class="host (\w+)" data-host="vm-2".*?</div>', page, re.S)
     assert well_tile.group(1) == "ok" and "reset 130 ms" in well_tile.group(0)

@@ -153,3 +153,31 @@ def env_seconds(name: str, default: float) -> float:
     if not value > 0:
         raise SettingsError(f"{name}={raw!r} is not a positive number of seconds; e.g. {name}=30.")
     return value
+
+
+# Tracking stores the installed mlflow-skinny opens itself. Its SQL store (sqlite://,
+# postgresql://) needs SQLAlchemy, which only the full `mlflow` package brings: serve one
+# with `mlflow server --backend-store-uri sqlite:///mlflow.db` and point at it over http.
+_MLFLOW_SCHEMES = ("file", "http", "https", "databricks")
+
+
+def mlflow_tracking_uri() -> str:
+    """DARTBOARD_MLFLOW_TRACKING_URI ("" when unset: no MLflow export)."""
+    raw = os.environ.get("DARTBOARD_MLFLOW_TRACKING_URI", "").strip()
+    if not raw:
+        return ""
+    parsed = urlparse(raw)
+    if parsed.scheme not in _MLFLOW_SCHEMES:
+        raise SettingsError(
+            f"DARTBOARD_MLFLOW_TRACKING_URI={raw!r}: use http(s)://HOST:PORT for an MLflow "
+            "server (e.g. `mlflow server --backend-store-uri sqlite:///mlflow.db`), "
+            "file:///absolute/path for a local store, or databricks. SQL stores such as "
+            "sqlite:// need the full mlflow package; Dartboard installs mlflow-skinny."
+        )
+    if parsed.scheme == "file" and not env_bool("MLFLOW_ALLOW_FILE_STORE", default=False):
+        raise SettingsError(
+            f"DARTBOARD_MLFLOW_TRACKING_URI={raw!r}: MLflow refuses its file store (maintenance "
+            "mode) unless MLFLOW_ALLOW_FILE_STORE=true is set too; set it, or use an MLflow "
+            "server over http."
+        )
+    return raw

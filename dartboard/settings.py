@@ -3,7 +3,9 @@
 Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, ALLOWED_HOSTS,
 DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
 DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S,
-DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S, DARTBOARD_ARTIFACTS, DARTBOARD_ARTIFACT_CACHE.
+DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S, DARTBOARD_ARTIFACTS, DARTBOARD_ARTIFACT_CACHE,
+DARTBOARD_WANDB_PROJECT (+ W&B's own WANDB_MODE, WANDB_DIR, WANDB_API_KEY, WANDB_ENTITY),
+DARTBOARD_MLFLOW_TRACKING_URI, DARTBOARD_MLFLOW_EXPERIMENT.
 See README.md, "Configuration".
 """
 
@@ -42,6 +44,7 @@ try:
     _db_retry_s = config_env.env_seconds("DARTBOARD_DB_RETRY_S", 90.0)
     _redis_retry_s = config_env.env_seconds("DARTBOARD_REDIS_RETRY_S", 60.0)
     DARTBOARD_ARTIFACTS = config_env.artifacts_url(DARTBOARD_HOME)
+    _mlflow_tracking_uri = config_env.mlflow_tracking_uri()
 except config_env.SettingsError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -280,6 +283,15 @@ DARTBOARD_CHECKPOINT_ROOTS = [
 # Benchmarks: emulate slow (OSWorld-like) environments; see envmanager/latency.py.
 DARTBOARD_ENV_LATENCY = os.environ.get("DARTBOARD_ENV_LATENCY", "off")
 DARTBOARD_ENV_LATENCY_SCALE = float(os.environ.get("DARTBOARD_ENV_LATENCY_SCALE", "1"))
+
+# Experiment trackers (workers/exports.py): when set, every trainer update's scalars also go
+# to this W&B project (W&B reads its own WANDB_* variables: WANDB_MODE=offline needs no
+# network) and to this MLflow tracking server or store, besides TensorBoard.
+DARTBOARD_WANDB_PROJECT = os.environ.get("DARTBOARD_WANDB_PROJECT", "").strip()
+DARTBOARD_MLFLOW_TRACKING_URI = _mlflow_tracking_uri
+DARTBOARD_MLFLOW_EXPERIMENT = (
+    os.environ.get("DARTBOARD_MLFLOW_EXPERIMENT", "").strip() or "dartboard"
+)
 
 # CPU threads of each torch process started by the launcher's workers (trainer).
 DARTBOARD_TORCH_THREADS = int(os.environ.get("DARTBOARD_TORCH_THREADS", "1"))

@@ -1,16 +1,21 @@
 """A run's scalars in the tools researchers already use: TensorBoard event files in the run's
 directory (`DARTBOARD_HOME/checkpoints/run-<id>/tensorboard`, on the trainer's host), one
-point per trainer update (its number is the step, its time the wall time).
+point per trainer update (its number is the step, its time the wall time); and, when
+configured, Weights & Biases (DARTBOARD_WANDB_PROJECT, workers/exports_wandb.py) and MLflow
+(DARTBOARD_MLFLOW_TRACKING_URI, workers/exports_mlflow.py) at the same steps.
 
     tensorboard --logdir ~/.dartboard/checkpoints
 
 The trainer calls `export_update` after each update is committed. An export that fails is
-logged and never fails the update: the database stays the record.
+logged with its reason and never fails the update, nor the other exports: the database stays
+the record.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,8 @@ from django.conf import settings
 
 from datamanager.models import TrainUpdate
 from datamanager.selectors.scalars import run_scalars
+from workers.exports_mlflow import mlflow_close, mlflow_log
+from workers.exports_wandb import wandb_close, wandb_log
 
 log = logging.getLogger("dartboard.exports")
 
@@ -36,24 +43,73 @@ def _writer(run_id: int) -> Any:
     return _WRITERS[run_id]
 
 
-def export_update(*, update_id: int) -> int:
-    """Write the run's scalars at this update; returns how many were written (0 on failure,
-    which is logged)."""
+@dataclass(frozen=True)
+class ExportResult:
+    """Scalars written per destination: 0 where that export failed (logged), None where it
+    is not configured."""
+
+    tensorboard: int
+    wandb: int | None = None
+    mlflow: int | None = None
+
+
+def export_update(*, update_id: int) -> ExportResult:
+    """Write the run's scalars at this update to TensorBoard and to W&B and MLflow where
+    configured. Runs in the trainer process after the update's transaction committed."""
     try:
-        update = TrainUpdate.objects.get(pk=update_id)
+        update = TrainUpdate.objects.select_related("run").get(pk=update_id)
         scalars = run_scalars(update=update)
-        writer = _writer(update.run_id)
-        walltime = update.created_at.timestamp()
-        for tag, value in scalars.items():
-            writer.add_scalar(tag, value, global_step=update.number, walltime=walltime)
-        writer.flush()
+    except Exception:
+        log.exception(
+            "reading update %s's scalars for export failed (the update stands)", update_id
+        )
+        return ExportResult(tensorboard=0)
+    return ExportResult(
+        tensorboard=_export("TensorBoard", update, scalars, _tensorboard_log),
+        wandb=(
+            _export("W&B", update, scalars, wandb_log) if settings.DARTBOARD_WANDB_PROJECT else None
+        ),
+        mlflow=(
+            _export("MLflow", update, scalars, mlflow_log)
+            if settings.DARTBOARD_MLFLOW_TRACKING_URI
+            else None
+        ),
+    )
+
+
+def _export(
+    destination: str,
+    update: TrainUpdate,
+    scalars: dict[str, float],
+    write: Callable[[TrainUpdate, dict[str, float]], None],
+) -> int:
+    try:
+        write(update, scalars)
         return len(scalars)
     except Exception:
-        log.exception("exporting update %s to TensorBoard failed (the update stands)", update_id)
+        log.exception(
+            "exporting update %s (run %s, step %s) to %s failed (the update stands)",
+            update.pk,
+            update.run_id,
+            update.number,
+            destination,
+        )
         return 0
 
 
+def _tensorboard_log(update: TrainUpdate, scalars: dict[str, float]) -> None:
+    writer = _writer(update.run_id)
+    walltime = update.created_at.timestamp()
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, global_step=update.number, walltime=walltime)
+    writer.flush()
+
+
 def exports_close(run_id: int) -> None:
+    """Flush and close this trainer process's writers for the run (a later export opens them
+    again: TensorBoard appends, W&B resumes its run, MLflow finds its run by tag)."""
     writer = _WRITERS.pop(run_id, None)
     if writer is not None:
         writer.close()
+    wandb_close(run_id)
+    mlflow_close(run_id)

@@ -1,11 +1,12 @@
 """A run's scalars at one trainer update, as experiment trackers take them (tag -> value):
-what the exporters in workers/exports.py write to TensorBoard at the update's number."""
+what the exporters in workers/exports.py write to TensorBoard, W&B and MLflow at the update's
+number; and the run's resolved config, flattened, as their run parameters."""
 
 from __future__ import annotations
 
 from django.db.models import Count, Q, Sum
 
-from datamanager.models import EnvSlot, Step, TaskStat, TrainUpdate, Trajectory
+from datamanager.models import EnvSlot, Run, Step, TaskStat, TrainUpdate, Trajectory
 
 # Update metrics that are counts or settings of the batch rather than learning signals are
 # still scalars; the per-step maps and the staleness histogram are not (exported apart).
@@ -48,3 +49,21 @@ def run_scalars(*, update: TrainUpdate) -> dict[str, float]:
     busy = EnvSlot.objects.filter(run_id=run_id).aggregate(busy=Sum("env_busy_s"))["busy"]
     scalars["env/busy_s"] = float(busy or 0.0)
     return scalars
+
+
+def run_params(*, run: Run) -> dict[str, str | int | float | bool | None]:
+    """The run's resolved config (`Run.config`) flattened to dotted keys, e.g.
+    `trainer.lr -> 0.001`; lists stay whole, as their text (`[1, 2]`)."""
+    params: dict[str, str | int | float | bool | None] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif value is None or isinstance(value, (str, int, float, bool)):
+            params[prefix] = value
+        else:
+            params[prefix] = str(value)
+
+    walk("", run.config)
+    return params

@@ -36,6 +36,11 @@ def _django_setup(env_overrides: dict[str, str], tmp_path: Path) -> subprocess.C
         ({"DARTBOARD_ENV": "production", "SECRET_KEY": "k" * 50}, "needs ALLOWED_HOSTS"),
         ({"DARTBOARD_ENV": "staging"}, "use 'local' (default) or 'production'"),
         ({"DARTBOARD_DEBUG": "maybe"}, "is not a boolean"),
+        ({"DARTBOARD_MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}, "mlflow server --backend"),
+        (
+            {"DARTBOARD_MLFLOW_TRACKING_URI": "file:///tmp/mlruns", "MLFLOW_ALLOW_FILE_STORE": ""},
+            "unless MLFLOW_ALLOW_FILE_STORE=true",
+        ),
     ],
 )
 def test_bad_setting_fails_with_how_to_fix_it(overrides, fix, tmp_path):

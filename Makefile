@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench policy system-deps install install-dev clean flower
+.PHONY: run run-desktop test lint format bench policy system-deps install install-dev clean flower
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -31,6 +31,11 @@ install: system-deps $(STAMP)
 run: install
 	@echo "==> starting Dartboard (Ctrl-C stops everything)"
 	$(PY) manage.py run_dartboard
+
+# The second preset: the X desktop tasks (a warm start on the oracle's demonstrations first).
+run-desktop: install
+	@echo "==> starting Dartboard on the desktop preset (Ctrl-C stops everything)"
+	$(PY) manage.py run_dartboard --preset desktop
 
 test: install
 	@echo "==> import contracts (the layers in pyproject.toml)"

@@ -189,6 +189,7 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         **_health_figures(data, rate_axis),
         "groups": _groups_figure(data["groups"]),
+        "versions": _versions_figure(data.get("versions", {})),
         "success": _fig("Success rate", success, yaxis=rate_axis),
         "budget": _fig("Rollout budget per task", budget, yaxis={"rangemode": "tozero"}),
         "step_cap": _fig("Step cap per task", cap, yaxis={"rangemode": "tozero"}),
@@ -221,6 +222,42 @@ def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             xaxis={"title": {"text": "versions behind"}, "type": "category"},
         ),
     }
+
+
+def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Greedy success per policy version on the training instances and on held-out seeds,
+    each point with its 95% interval."""
+    traces = []
+    for scope, name, color in (
+        ("train_instances", "training instances", "#2f6fed"),
+        ("heldout", "held-out seeds", "#c0392b"),
+    ):
+        points = versions.get(scope) or []
+        if not points:
+            continue
+        traces.append(
+            _line(
+                name,
+                [p["version"] for p in points],
+                [p["rate"] for p in points],
+                line={"color": color},
+                text=[f"{p['ok']}/{p['scored']}" for p in points],
+                hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>" + name + "</extra>",
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [p["high"] - p["rate"] for p in points],
+                    "arrayminus": [p["rate"] - p["low"] for p in points],
+                    "color": color,
+                },
+            )
+        )
+    return _fig(
+        "Greedy success per policy version (95% interval)",
+        traces,
+        xaxis={"title": {"text": "policy version"}, "dtick": 1},
+        yaxis={"range": [0, 1.05], "tickformat": ".0%"},
+    )
 
 
 def _groups_figure(groups: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""The main job behind `make run`: a real DART run on MiniWoB++ and desktop tasks with the
-tiny policy on CPU, prepared idempotently so a restart resumes the same run.
+"""The main job behind `make run`: a real DART run on MiniWoB++ click tasks with the tiny
+policy on CPU (`make run-desktop`: the X desktop tasks instead), prepared idempotently so a
+restart resumes the same run.
 
 Steps: build the untrained tiny policy if missing; import the built-in tasks; pre-collect
-oracle demonstrations into the experience pool; create the run "main" (behaviour-cloning
-warm start, then DART RL with every curation feature on) or find it again.
+oracle demonstrations into the experience pool; create the preset's run (DART RL with every
+curation feature on; the desktop preset warm-starts by behaviour cloning first) or find it.
 """
 
 from __future__ import annotations
@@ -14,66 +15,86 @@ from datamanager.config import RunConfig
 from datamanager.models import Run, Task
 from datamanager.services.runs import run_create
 
-MAIN_RUN_NAME = "main (make run)"
-# The 7 easy MiniWoB++ click tasks of issue 9 plus every desktop task of the train split.
+# The presets `run_dartboard --preset` starts: MiniWoB++ (`make run`) and the X desktops
+# (`make run-desktop`), each its own run, found again by name on a restart.
+MAIN_RUN_NAMES = {"miniwob": "main (make run)", "desktop": "desktop (make run-desktop)"}
+MAIN_RUN_NAME = MAIN_RUN_NAMES["miniwob"]
+# The 7 easy MiniWoB++ click tasks of issue 9.
 MAIN_MINIWOB_TASKS = [
     "click-test", "click-test-2", "click-button", "click-link", "focus-text", "click-dialog",
     "click-color",
 ]  # fmt: skip
 
+# Shared by both presets. CPU-sized: 3 screenshots of context (DART uses 5) keep a 2-core
+# machine's trainer update under a minute; every curation feature is on. The tiny policy was
+# pretrained on first steps only, so one unparsable output ends an episode. lr: 1e-4
+# collapsed the shipped policy in 10 minutes; 5e-5 with fixed instances is the measured
+# +28-point setting (bench/learning.py).
+_ROLLOUT = {"max_new_tokens": 48, "inference_workers": 1, "max_images": 3, "max_parse_errors": 1}
+_TRAINER = {"lr": 5e-5, "micro_batch": 4, "kl_coef": 0.1}
 
-def main_run_config() -> RunConfig:
-    desktop = list(
-        Task.objects.filter(env_kind="desktop", split="train").values_list("name", flat=True)
-    )
+
+def main_run_config(preset: str = "miniwob") -> RunConfig:
+    """The run a preset starts (see README, *The main job observed*, for what it shows)."""
+    if preset not in MAIN_RUN_NAMES:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(MAIN_RUN_NAMES)}")
+    if preset == "desktop":
+        desktop = list(
+            Task.objects.filter(env_kind="desktop", split="train").values_list("name", flat=True)
+        )
+        # The shipped policy was not pretrained on desktops (0 of 176 successes in the
+        # first main job): the warm start clones the oracle's demonstrations first.
+        return RunConfig.from_dict(
+            {
+                "policy": "shipped",
+                "tasks": {"split": "train", "names": desktop, "env_kinds": ["desktop"]},
+                "env": {"miniwob_slots": 0, "desktop_slots": 2},
+                "rollout": _ROLLOUT,
+                "trainer": {
+                    **_TRAINER,
+                    "warm_start_bc_updates": 6,
+                    "min_groups": 2,
+                    "max_steps_per_update": 64,
+                },
+            }
+        )
     return RunConfig.from_dict(
         {
             "policy": "shipped",
             # Fixed training instances, as DART trains on OSWorld's fixed tasks: on them
-            # bench/learning.py measured RL lifting greedy success 32% -> 60% in 30 minutes
-            # (on never-seen screens it did not rise).
+            # bench/learning.py measured RL lifting greedy success 32% -> 60% in 30 minutes.
             "tasks": {
                 "split": "train",
-                "names": [f"miniwob/{n}" for n in MAIN_MINIWOB_TASKS] + desktop,
-                "env_kinds": ["miniwob", "desktop"] if desktop else ["miniwob"],
+                "names": [f"miniwob/{n}" for n in MAIN_MINIWOB_TASKS],
+                "env_kinds": ["miniwob"],
                 "instances": 10,
             },
-            "env": {"miniwob_slots": 2, "desktop_slots": 1 if desktop else 0},
-            # CPU-sized: 3 screenshots of context (DART uses 5) keep a 2-core machine's
-            # trainer update under a minute; every curation feature is on. The tiny policy
-            # was pretrained on first steps only, so one unparsable output ends an episode.
-            # lr: 1e-4 collapsed the shipped policy in 10 minutes; 5e-5 with fixed
-            # instances is the measured +28-point setting (bench/learning.py).
-            "rollout": {
-                "max_new_tokens": 48,
-                "inference_workers": 1,
-                "max_images": 3,
-                "max_parse_errors": 1,
-            },
-            "trainer": {
-                "warm_start_bc_updates": 6,
-                "lr": 5e-5,
-                "min_groups": 4,
-                "micro_batch": 4,
-                "max_steps_per_update": 64,
-                "kl_coef": 0.1,
-            },
+            "env": {"miniwob_slots": 3},
+            "rollout": _ROLLOUT,
+            # No warm start: the shipped policy was pretrained on these screens, and the
+            # first RL version must come within minutes (6 warm-start updates took 16 minutes
+            # in the first main job). Two ready groups and 48 steps make an update.
+            "trainer": {**_TRAINER, "min_groups": 2, "max_steps_per_update": 48},
+            # Greedy success per version on the training instances and on held-out seeds
+            # (the run page's first chart), every 4th version and the starting policy.
+            "evaluation": {"every_n_versions": 4, "train_instances": True, "heldout_k": 5},
         }
     )
 
 
-def prepare_main_run(*, write) -> Run:
+def prepare_main_run(*, write, preset: str = "miniwob") -> Run:
     """Everything before the workers start. `write` prints progress lines."""
     write("==> tiny policy")
     call_command("make_tiny_policy")
     write("==> built-in tasks")
     call_command("import_builtin_tasks")
-    run = Run.objects.filter(name=MAIN_RUN_NAME).order_by("-pk").first()
+    name = MAIN_RUN_NAMES[preset]
+    run = Run.objects.filter(name=name).order_by("-pk").first()
     if run is None:
-        run = run_create(name=MAIN_RUN_NAME, config=main_run_config())
-        write(f"==> created run #{run.pk} {MAIN_RUN_NAME!r}")
+        run = run_create(name=name, config=main_run_config(preset))
+        write(f"==> created run #{run.pk} {name!r}")
     else:
-        write(f"==> resuming run #{run.pk} {MAIN_RUN_NAME!r} ({run.status})")
+        write(f"==> resuming run #{run.pk} {name!r} ({run.status})")
     cfg = RunConfig.from_dict(run.config)
     write("==> oracle demonstrations for the experience pool")
     call_command(

@@ -45,8 +45,11 @@ from dartboard.aggregates import (
     with_times,
 )
 from datamanager.config import RunConfig
+from datamanager.eval_metrics import wilson_interval
 from datamanager.models import (
     EnvSlot,
+    EvalJob,
+    EvalScope,
     FailureKind,
     PolicyVersion,
     Run,
@@ -595,9 +598,44 @@ def chart_data(
         "utilisation": utilisation(run=run, width=width),
         "updates": training_metrics(run=run),
         "groups": group_points(run=run),
+        "versions": version_success(run=run),
         "run_id": run.pk,
         "bucket_s": width.total_seconds(),
     }
+
+
+def version_success(*, run: Run) -> dict[str, list[dict[str, Any]]]:
+    """Greedy success per policy version from the run's finished scheduled evaluations, per
+    scope (training instances, held-out seeds): {scope: [{version, ok, scored, rate, low,
+    high}]}, with the 95% Wilson interval (the evaluation report's)."""
+    scopes = (EvalScope.TRAIN_INSTANCES, EvalScope.HELDOUT)
+    rows = (
+        Trajectory.objects.filter(
+            eval_job__run=run, eval_job__scope__in=scopes, eval_job__status="finished"
+        )
+        .values("eval_job_id", "eval_job__scope", "eval_job__policy_version")
+        .annotate(
+            ok=Count("pk", filter=Q(status="succeeded")),
+            scored=Count("pk", filter=Q(status__in=FINISHED)),
+        )
+        .order_by("eval_job__policy_version", "eval_job_id")
+    )
+    out: dict[str, list[dict[str, Any]]] = {str(scope): [] for scope in scopes}
+    for r in rows:
+        if not r["scored"] or r["eval_job__policy_version"] is None:
+            continue
+        low, high = wilson_interval(r["ok"], r["scored"])
+        out[r["eval_job__scope"]].append(
+            {
+                "version": r["eval_job__policy_version"],
+                "ok": r["ok"],
+                "scored": r["scored"],
+                "rate": r["ok"] / r["scored"],
+                "low": low,
+                "high": high,
+            }
+        )
+    return out
 
 
 def group_points(*, run: Run, limit: int = 300) -> list[dict[str, Any]]:
@@ -696,6 +734,50 @@ def training_metrics(*, run: Run, limit: int = 2000) -> dict[str, Any]:
         "latest_version": rows[-1][1] if rows else None,
         "gap_alert": RunConfig.from_dict(run.config).trainer.logprob_gap_alert,
     }
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def dead_time_notes(*, run: Run) -> list[str]:
+    """What a running run is busy with where no chart moves, and roughly how long it will
+    take: the behaviour-cloning warm start (from its updates so far) and each scheduled
+    evaluation under way (from its episodes so far)."""
+    if run.status != "running":
+        return []
+    notes = []
+    cfg = RunConfig.from_dict(run.config)
+    planned = cfg.trainer.warm_start_bc_updates
+    warm = list(
+        TrainUpdate.objects.filter(run=run, metrics__kind="warm_start").values_list(
+            "metrics__duration_s", flat=True
+        )
+    )
+    if planned and len(warm) < planned:
+        left = planned - len(warm)
+        if warm:
+            per = sum(float(d or 0) for d in warm) / len(warm)
+            eta = f"about {_minutes(per * left)} left ({per:.0f} s an update so far)"
+        else:
+            eta = "the first update's time gives the estimate"
+        notes.append(
+            f"Warm start: behaviour cloning on the experience pool, {len(warm)} of {planned} "
+            f"updates done, {eta}; RL and the first RL version follow it."
+        )
+    now = timezone.now()
+    for job in EvalJob.objects.filter(run=run, status__in=("queued", "running")).order_by("pk"):
+        what = EvalScope(job.scope).label if job.scope else "its tasks"
+        if job.done:
+            per = (now - job.created_at).total_seconds() / job.done
+            eta = f"about {_minutes(per * (job.total - job.done))} left"
+        else:
+            eta = "waiting for a free env slot" if job.status == "queued" else "starting"
+        notes.append(
+            f"Evaluating v{job.policy_version} greedily on {what}: {job.done} of {job.total} "
+            f"episodes, {eta} (it shares the env slots with training)."
+        )
+    return notes
 
 
 def run_alerts(*, run: Run) -> list[str]:

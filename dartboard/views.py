@@ -111,6 +111,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "outages": service_health.recent_outages(),
             "alerts": viewmodels.run_alerts(run=run) + env_health.health_alerts(run=run),
             "hosts": env_health.host_map(run=run),
+            "dead_time": viewmodels.dead_time_notes(run=run),
         },
     )
 

@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from datamanager.curation import INSTANCE_SEED_BASE
+
 
 class ConfigError(ValueError):
     """A config value is invalid. `path` is the dotted field name, e.g. 'trainer.lr'."""
@@ -333,11 +335,25 @@ class EvaluationConfig:
     k: int = knob(1, "Episodes per eval task (fixed seeds).")
     slot_share: float = knob(0.5, "Share of the run's env slots an evaluation may use.")
     greedy: bool = knob(True, "Greedy decoding in scheduled evaluations.")
+    train_instances: bool = knob(
+        False,
+        "Also evaluate each scheduled version on the run's training instances (its tasks at "
+        "the seeds of tasks.instances): the run page charts it per version.",
+    )
+    heldout_k: int = knob(
+        0,
+        "Also evaluate each scheduled version on this many held-out seeds per training task, "
+        "seeds the run never trains on (0: off): the run page charts it beside the training "
+        "instances.",
+    )
+    heldout_seed: int = knob(777, "Held-out seeds are heldout_seed * 1000 + i, i < heldout_k.")
 
     def __post_init__(self) -> None:
         _check(self.every_n_versions >= 0, "every_n_versions", "must be >= 0")
         _check(1 <= self.k <= 64, "k", "must be between 1 and 64")
         _check(0 < self.slot_share <= 1, "slot_share", "must be in (0, 1]")
+        _check(0 <= self.heldout_k <= 64, "heldout_k", "must be between 0 and 64")
+        _check(self.heldout_seed >= 0, "heldout_seed", "must be >= 0")
 
 
 @dataclass
@@ -363,6 +379,16 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.policy.strip()), "policy", "name a checkpoint")
+        _check(
+            not self.evaluation.train_instances or self.tasks.instances > 0,
+            "evaluation.train_instances",
+            "the run has no fixed training instances: set tasks.instances (e.g. 10) or turn it off",
+        )
+        _check(
+            self.evaluation.heldout_seed != INSTANCE_SEED_BASE + self.seed,
+            "evaluation.heldout_seed",
+            f"{self.evaluation.heldout_seed} gives the training instances' seeds; choose another",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:

@@ -379,6 +379,14 @@ class EvalStatus(models.TextChoices):
     FAILED = "failed"
 
 
+class EvalScope(models.TextChoices):
+    """What a run's scheduled evaluation measures (empty for a job outside a schedule)."""
+
+    EVAL_SPLIT = "eval_split", "the eval split"
+    TRAIN_INSTANCES = "train_instances", "training instances"
+    HELDOUT = "heldout", "held-out seeds"
+
+
 class EvalJob(models.Model):
     """Evaluation of one policy on a task set: k episodes per task with fixed seeds."""
 
@@ -403,6 +411,7 @@ class EvalJob(models.Model):
         default=0, help_text="Env-slot tasks it runs on (0: run in-process, not watched)."
     )
     report = models.JSONField(default=dict, blank=True)
+    scope = models.CharField(max_length=16, choices=EvalScope.choices, blank=True, default="")
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )

@@ -18,9 +18,11 @@ from django.db import transaction
 from core.imaging import QWEN25_VL, ImageGeometry
 from core.protocol import TaskSpec
 from datamanager.config import RunConfig
-from datamanager.models import EvalJob, Run, Task
+from datamanager.curation import INSTANCE_SEED_BASE
+from datamanager.models import EvalJob, EvalScope, Run, Task
 from datamanager.policies import resolve_checkpoint
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
+from datamanager.selectors.tasks import task_list
 from datamanager.services import episodes, evaluations
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from rollout.client import InferenceError, PolicyClient
@@ -85,37 +87,71 @@ def eval_job_run(
     return evaluations.eval_job_finish_if_done(job_id=job_id)
 
 
-def eval_schedule_for_version(*, run_id: int, version: int) -> EvalJob | None:
-    """Scheduled evaluation inside a run: every N-th version on the run's eval split."""
+def _scheduled(run: Run, cfg: RunConfig) -> list[tuple[str, list[Task], int, int]]:
+    """(scope, tasks, seed base, k) of each evaluation a scheduled version gets: the eval
+    split, the run's training instances (the seeds its groups cycle through,
+    `curation.group_seed`) and held-out seeds of the same tasks."""
+    plans: list[tuple[str, list[Task], int, int]] = []
+    split = list(
+        Task.objects.filter(split="eval", env_kind__in=cfg.tasks.env_kinds).order_by("name")
+    )
+    if split:
+        plans.append((EvalScope.EVAL_SPLIT, split, 0, cfg.evaluation.k))
+    trained = sorted(task_list(selection=cfg.tasks), key=lambda t: t.name)
+    if trained and cfg.evaluation.train_instances:
+        seed = INSTANCE_SEED_BASE + cfg.seed
+        plans.append((EvalScope.TRAIN_INSTANCES, trained, seed, cfg.tasks.instances))
+    if trained and cfg.evaluation.heldout_k:
+        plans.append(
+            (EvalScope.HELDOUT, trained, cfg.evaluation.heldout_seed, cfg.evaluation.heldout_k)
+        )
+    return plans
+
+
+def eval_schedule_for_version(*, run_id: int, version: int) -> list[EvalJob]:
+    """Scheduled evaluations inside a run: every N-th version on the run's eval split, and
+    (when configured) on its training instances and on held-out seeds, greedy by default.
+    Each job's shards run on the env workers (a share of the run's slots)."""
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     n = cfg.evaluation.every_n_versions
     if not n or version % n:
-        return None
-    tasks = list(
-        Task.objects.filter(split="eval", env_kind__in=cfg.tasks.env_kinds).order_by("name")
-    )
-    if not tasks:
-        return None
+        return []
     slots = len(cfg.env.slots())
-    shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
-    job = evaluations.eval_job_create(
-        name=f"{run.name} v{version}",
-        policy=f"run:{run_id}:v{version}",
-        tasks=tasks,
-        k=cfg.evaluation.k,
-        greedy=cfg.evaluation.greedy,
-        run_id=run_id,
-        policy_version=version,
-        shards=shards,
-    )
+    jobs = []
+    # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
+    policy = f"run:{run_id}:v{version}" if version else cfg.policy
+    for scope, tasks, seed, k in _scheduled(run, cfg):
+        shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
+        job = evaluations.eval_job_create(
+            name=f"{run.name} v{version} ({EvalScope(scope).label})",
+            policy=policy,
+            tasks=tasks,
+            k=k,
+            seed=seed,
+            greedy=cfg.evaluation.greedy,
+            run_id=run_id,
+            policy_version=version,
+            shards=shards,
+            scope=scope,
+        )
+        jobs.append(job)
 
     def enqueue() -> None:
-        for shard in range(shards):
-            work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=shards))
+        for job in jobs:
+            for shard in range(job.shards):
+                work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
 
     transaction.on_commit(enqueue)
-    return job
+    return jobs
+
+
+def eval_schedule_baseline(*, run_id: int) -> list[EvalJob]:
+    """The scheduled evaluations of version 0 (the starting policy), once per run: the
+    first point of the per-version curves, what the run's versions are compared against."""
+    if EvalJob.objects.filter(run_id=run_id, policy_version=0).exists():
+        return []
+    return eval_schedule_for_version(run_id=run_id, version=0)
 
 
 def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:

@@ -32,7 +32,7 @@ from training.update import UpdateConfig
 from workers.artifacts import checkpoint_restore, checkpoint_upload
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
-from workers.evaluation import eval_schedule_for_version
+from workers.evaluation import eval_schedule_baseline, eval_schedule_for_version
 from workers.exports import export_update
 from workers.leases import (
     holder_name,
@@ -205,6 +205,9 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
         nonlocal last_message
         trainer = get_trainer(run, cfg)
         policy_version_record_reach(run_id=run.pk)
+        if trainer.state.version == 0 and trainer.state.updates == 0:
+            with transaction.atomic():  # enqueued on commit
+                eval_schedule_baseline(run_id=run.pk)
         if trainer.state.updates < cfg.trainer.warm_start_bc_updates:
             _warm_start_update(run, cfg, trainer)
             return None

@@ -22,6 +22,7 @@ def eval_job_create(
     run_id: int | None = None,
     policy_version: int | None = None,
     shards: int = 0,
+    scope: str = "",
 ) -> EvalJob:
     if k < 1:
         raise EvalSetupError(f"k must be >= 1, got {k}")
@@ -38,6 +39,7 @@ def eval_job_create(
         policy_version=policy_version,
         total=len(tasks) * k,
         shards=shards,
+        scope=scope,
     )
 
 

@@ -19,7 +19,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.launcher import Supervisor, default_specs, wait_http
-from dartboard.main_job import prepare_main_run
+from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
 from datamanager.policies import policy_path
@@ -54,13 +54,20 @@ class Command(BaseCommand):
             help="Only the dashboard and workers: no main job, no inference workers.",
         )
         parser.add_argument(
+            "--preset",
+            choices=sorted(MAIN_RUN_NAMES),
+            default="miniwob",
+            help="The main job's task set: MiniWoB++ clicks (make run) or X desktops "
+            "(make run-desktop).",
+        )
+        parser.add_argument(
             "--exit-after",
             type=float,
             default=0,
             help="Stop after this many seconds (0: run until Ctrl-C). For smoke tests.",
         )
 
-    def handle(self, *args, host, port, env_slots, exit_after, shell_only, **options):
+    def handle(self, *args, host, port, env_slots, exit_after, shell_only, preset, **options):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         home = settings.DARTBOARD_HOME
         home.mkdir(parents=True, exist_ok=True)
@@ -84,7 +91,7 @@ class Command(BaseCommand):
             if shell_only:
                 supervisor.specs = default_specs(host=host, port=port, env_slots=env_slots or 2)
             else:
-                run = prepare_main_run(write=self.stdout.write)
+                run = prepare_main_run(write=self.stdout.write, preset=preset)
                 cfg = RunConfig.from_dict(run.config)
                 version, checkpoint = run_current_policy(run=run)
                 if cfg.rollout.backend == "vllm":

@@ -1,0 +1,126 @@
+"""The main job's presets, and what its run page shows where DART's progress is measured: the
+scheduled greedy evaluations of each version on the training instances and on held-out
+seeds (charted per version with the 95% interval), and what the run is busy with, and for
+how long, where no chart moves."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from dartboard.main_job import MAIN_MINIWOB_TASKS, main_run_config
+from datamanager.config import ConfigError, RunConfig
+from datamanager.curation import group_seed
+from datamanager.models import EvalJob, PolicyVersion, Task, TrainUpdate, Trajectory
+from tests.datamanager.factories import make_running_run
+from workers.evaluation import eval_schedule_baseline, eval_schedule_for_version
+
+pytestmark = pytest.mark.django_db
+
+
+def _miniwob_tasks() -> list[Task]:
+    return [
+        Task.objects.create(name=f"miniwob/{n}", env_kind="miniwob", env_config={"task": n})
+        for n in MAIN_MINIWOB_TASKS
+    ]
+
+
+def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
+    _miniwob_tasks()
+    Task.objects.create(name="desktop/double-click", env_kind="desktop")
+    main = main_run_config("miniwob")
+    assert main.tasks.env_kinds == ["miniwob"] and main.env.desktop_slots == 0
+    assert main.trainer.warm_start_bc_updates == 0  # the first RL version within minutes
+    assert main.evaluation.train_instances and main.evaluation.heldout_k > 0
+    desktop = main_run_config("desktop")
+    assert desktop.tasks.names == ["desktop/double-click"] and desktop.env.miniwob_slots == 0
+    with pytest.raises(ValueError, match="unknown preset 'osworld'; presets: miniwob, desktop"):
+        main_run_config("osworld")
+
+
+def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds():
+    tasks = _miniwob_tasks()[:2]
+    run = make_running_run(
+        {
+            "seed": 3,
+            "tasks": {"names": [t.name for t in tasks], "instances": 4},
+            "evaluation": {"every_n_versions": 2, "train_instances": True, "heldout_k": 3},
+        }
+    )
+    baseline = {job.scope: job for job in eval_schedule_baseline(run_id=run.pk)}
+    assert set(baseline) == {"train_instances", "heldout"}
+    assert {job.policy for job in baseline.values()} == {"shipped"}  # v0: the starting policy
+    assert eval_schedule_baseline(run_id=run.pk) == []  # once per run
+    PolicyVersion.objects.create(run=run, version=1, checkpoint="/ckpt/v1")
+    PolicyVersion.objects.create(run=run, version=2, checkpoint="/ckpt/v2")
+    assert eval_schedule_for_version(run_id=run.pk, version=1) == []  # every 2nd version
+    jobs = {job.scope: job for job in eval_schedule_for_version(run_id=run.pk, version=2)}
+    train, heldout = jobs["train_instances"], jobs["heldout"]
+    assert (train.policy, train.k, train.task_names) == (
+        f"run:{run.pk}:v2",
+        4,
+        [t.name for t in tasks],
+    )
+    # The harness plays seeds job.seed * 1000 + i: exactly the seeds the run's groups cycle
+    # through (group indexes count from 1), and none of them on the held-out side.
+    instance_seeds = {
+        group_seed(run_seed=3, group_pk=0, group_index=g, instances=4) for g in range(1, 9)
+    }
+    assert {train.seed * 1000 + i for i in range(train.k)} == instance_seeds
+    assert not {heldout.seed * 1000 + i for i in range(heldout.k)} & instance_seeds
+    assert heldout.k == 3 and heldout.name.endswith("(held-out seeds)")
+
+
+def test_greedy_success_per_version_is_charted_with_its_interval(ada_client):
+    (task,) = _miniwob_tasks()[:1]
+    run = make_running_run({"tasks": {"names": [task.name], "instances": 10}})
+    for version, scope, successes in ((0, "train_instances", 3), (4, "train_instances", 8),
+                                      (0, "heldout", 2), (4, "heldout", 3)):  # fmt: skip
+        job = EvalJob.objects.create(
+            name="e", policy="shipped", run=run, policy_version=version, scope=scope,
+            task_names=[task.name], k=10, status="finished",
+        )  # fmt: skip
+        for i in range(10):
+            Trajectory.objects.create(
+                task=task, run=run, eval_job=job, purpose="eval", seed=i,
+                status="succeeded" if i < successes else "failed", finished_at=timezone.now(),
+            )  # fmt: skip
+    running = EvalJob.objects.create(name="e", policy="shipped", run=run, policy_version=8,
+                                     scope="train_instances", task_names=[task.name], k=10)  # fmt: skip
+    figure = ada_client.get(f"/runs/{run.pk}/charts.json").json()["versions"]
+    lines = {t["name"]: t for t in figure["data"]}
+    train, heldout = lines["training instances"], lines["held-out seeds"]
+    assert train["x"] == [0, 4] and train["y"] == [0.3, 0.8]  # the running job is not a point
+    assert heldout["x"] == [0, 4] and heldout["y"] == [0.2, 0.3]
+    # The 95% Wilson interval of 8/10: 0.490 to 0.943.
+    assert train["error_y"]["array"][1] == pytest.approx(0.943 - 0.8, abs=1e-3)
+    assert train["error_y"]["arrayminus"][1] == pytest.approx(0.8 - 0.490, abs=1e-3)
+    assert running.status == "queued"
+
+
+def test_the_run_page_says_what_the_dead_time_is_and_how_long_it_takes(ada_client):
+    (task,) = _miniwob_tasks()[:1]
+    run = make_running_run({"trainer": {"warm_start_bc_updates": 4}})
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Warm start: behaviour cloning on the experience pool, 0 of 4 updates done" in page
+    for number in (1, 2):
+        TrainUpdate.objects.create(run=run, number=number, policy_version=0,
+                                   metrics={"kind": "warm_start", "duration_s": 45.0})  # fmt: skip
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "2 of 4 updates done, about 90 s left (45 s an update so far)" in page
+    job = EvalJob.objects.create(
+        name="e", policy="shipped", run=run, policy_version=4, scope="heldout",
+        task_names=[task.name], k=20, total=20, done=5, status="running",
+    )  # fmt: skip
+    EvalJob.objects.filter(pk=job.pk).update(
+        created_at=timezone.now() - timezone.timedelta(seconds=60)
+    )
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Evaluating v4 greedily on held-out seeds: 5 of 20 episodes, about 3 min left" in page
+
+
+def test_evaluating_training_instances_needs_instances_and_held_out_seeds_must_differ():
+    with pytest.raises(ConfigError, match=r"no fixed training instances: set tasks\.instances"):
+        RunConfig.from_dict({"evaluation": {"train_instances": True}})
+    with pytest.raises(ConfigError, match="500002 gives the training instances' seeds"):
+        RunConfig.from_dict({"seed": 2, "evaluation": {"heldout_seed": 500_002, "heldout_k": 2}})

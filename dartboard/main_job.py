@@ -19,11 +19,10 @@ from datamanager.services.runs import run_create
 # (`make run-desktop`), each its own run, found again by name on a restart.
 MAIN_RUN_NAMES = {"miniwob": "main (make run)", "desktop": "desktop (make run-desktop)"}
 MAIN_RUN_NAME = MAIN_RUN_NAMES["miniwob"]
-# The 7 easy MiniWoB++ click tasks of issue 9.
-MAIN_MINIWOB_TASKS = [
-    "click-test", "click-test-2", "click-button", "click-link", "focus-text", "click-dialog",
-    "click-color",
-]  # fmt: skip
+# MiniWoB++ click tasks the shipped policy does not already solve: it clicks click-test
+# (100%) and focus-text (93%) greedily, which only dilute what RL adds (bench/learning.py's
+# task set, where RL measured +28 points on the training instances).
+MAIN_MINIWOB_TASKS = ["click-test-2", "click-button", "click-link", "click-dialog", "click-color"]
 
 # Shared by both presets. CPU-sized: 3 screenshots of context (DART uses 5) keep a 2-core
 # machine's trainer update under a minute; every curation feature is on. The tiny policy was

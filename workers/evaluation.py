@@ -87,7 +87,7 @@ def eval_job_run(
     return evaluations.eval_job_finish_if_done(job_id=job_id)
 
 
-def _scheduled(run: Run, cfg: RunConfig) -> list[tuple[str, list[Task], int, int]]:
+def scheduled_evaluations(cfg: RunConfig) -> list[tuple[str, list[Task], int, int]]:
     """(scope, tasks, seed base, k) of each evaluation a scheduled version gets: the eval
     split, the run's training instances (the seeds its groups cycle through,
     `curation.group_seed`) and held-out seeds of the same tasks."""
@@ -121,7 +121,7 @@ def eval_schedule_for_version(*, run_id: int, version: int) -> list[EvalJob]:
     jobs = []
     # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
     policy = f"run:{run_id}:v{version}" if version else cfg.policy
-    for scope, tasks, seed, k in _scheduled(run, cfg):
+    for scope, tasks, seed, k in scheduled_evaluations(cfg):
         shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
         job = evaluations.eval_job_create(
             name=f"{run.name} v{version} ({EvalScope(scope).label})",

@@ -1,0 +1,186 @@
+"""`make run`'s main job, measured: its exact configuration on a private stack for 30 minutes.
+
+    .venv/bin/python bench/mainjob.py [--minutes 30] [--every 5] [--preset miniwob]
+
+Starts a private stack (bench/stack.py: a temporary SQLite home, the embedded Redis, the
+preset's env workers, the trainer, one inference worker behind the router), prepares the
+main run as `make run` does (`dartboard.main_job`: tasks, oracle demonstrations, the run) and
+starts it. Every `--every` minutes it prints one row: policy versions, RL updates and their
+mean time, sampled success of the rollouts finished in that window, and the latest finished
+greedy evaluation (the run's own scheduled ones) on the training instances and on held-out
+seeds, with the 95% interval. At the end it stops the run and evaluates the last version on
+both (unless its scheduled evaluation exists), so the final row compares it with version 0.
+Writes bench/results/mainjob.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stack import PrivateStack  # noqa: E402
+
+
+def _greedy(run, scope: str, version: int | None = None) -> dict | None:
+    """The latest finished scheduled evaluation of `scope` (or of `version`): its version,
+    successes, episodes and 95% interval."""
+    from django.db.models import Count, Q
+
+    from datamanager.eval_metrics import wilson_interval
+    from datamanager.models import EvalJob
+
+    jobs = EvalJob.objects.filter(run=run, scope=scope, status="finished")
+    if version is not None:
+        jobs = jobs.filter(policy_version=version)
+    job = (
+        jobs.annotate(
+            ok=Count("trajectories", filter=Q(trajectories__status="succeeded")),
+            scored=Count(
+                "trajectories", filter=Q(trajectories__status__in=("succeeded", "failed"))
+            ),
+        )
+        .order_by("-policy_version", "-pk")
+        .first()
+    )
+    if job is None or not job.scored:
+        return None
+    low, high = wilson_interval(job.ok, job.scored)
+    return {"version": job.policy_version, "ok": job.ok, "scored": job.scored,
+            "rate": job.ok / job.scored, "low": low, "high": high}  # fmt: skip
+
+
+def snapshot(run, *, since, until, started) -> dict:
+    """One row: what the run did between `since` and `until` (datetimes)."""
+    from django.db.models import Avg, Count, FloatField, Q
+    from django.db.models.fields.json import KT
+    from django.db.models.functions import Cast
+
+    from datamanager.models import PolicyVersion, TrainUpdate, Trajectory
+
+    window = Trajectory.objects.filter(
+        run=run, source="online", finished_at__gte=since, finished_at__lt=until
+    ).aggregate(n=Count("pk", filter=Q(status__in=("succeeded", "failed"))),
+                ok=Count("pk", filter=Q(status="succeeded")))  # fmt: skip
+    rl = TrainUpdate.objects.filter(run=run, metrics__kind="rl")
+    first_rl = rl.order_by("number").first()
+    first_version = (
+        PolicyVersion.objects.filter(run=run, created_at__gte=first_rl.created_at)
+        .order_by("version")
+        .first()
+        if first_rl
+        else None
+    )
+    return {
+        "minute": round((until - started).total_seconds() / 60, 1),
+        "versions": PolicyVersion.objects.filter(run=run).count(),
+        "rl_updates": rl.count(),
+        "update_s": rl.filter(created_at__gte=since, created_at__lt=until).aggregate(
+            s=Avg(Cast(KT("metrics__duration_s"), FloatField()))
+        )["s"],
+        "sampled": (window["ok"] / window["n"]) if window["n"] else None,
+        "sampled_n": window["n"],
+        "train": _greedy(run, "train_instances"),
+        "heldout": _greedy(run, "heldout"),
+        "first_rl_version_s": (first_version.created_at - started).total_seconds()
+        if first_version
+        else None,
+    }
+
+
+def _fmt(g: dict | None) -> str:
+    if g is None:
+        return "—"
+    return f"v{g['version']} {g['rate']:.0%} [{g['low']:.0%}, {g['high']:.0%}] ({g['ok']}/{g['scored']})"
+
+
+def print_row(row: dict, *, header: bool) -> None:
+    if header:
+        print("| minute | versions | RL updates | update (s) | sampled success | greedy, training "
+              "instances | greedy, held-out seeds |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---|---|")
+    update = f"{row['update_s']:.0f}" if row["update_s"] else "—"
+    sampled = f"{row['sampled']:.0%} of {row['sampled_n']}" if row["sampled"] is not None else "—"
+    print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | "
+          f"{sampled} | {_fmt(row['train'])} | {_fmt(row['heldout'])} |", flush=True)  # fmt: skip
+
+
+def final_evaluation(run) -> dict:
+    """Version 0 and the last version on the training instances and held-out seeds: the
+    scheduled job where it exists, else the same job run here, after the run stopped."""
+    from datamanager.config import RunConfig
+    from datamanager.models import PolicyVersion
+    from datamanager.services.evaluations import eval_job_create
+    from workers.evaluation import eval_job_run, scheduled_evaluations
+
+    cfg = RunConfig.from_dict(run.config)
+    last = PolicyVersion.objects.filter(run=run).order_by("-version").first()
+    out = {}
+    for version in sorted({0, last.version if last else 0}):
+        for scope, tasks, seed, k in scheduled_evaluations(cfg):
+            if scope == "eval_split":
+                continue
+            if _greedy(run, scope, version) is None:
+                policy = f"run:{run.pk}:v{version}" if version else cfg.policy
+                job = eval_job_create(name=f"bench v{version} {scope}", policy=policy,
+                                      tasks=tasks, k=k, seed=seed, run_id=run.pk,
+                                      policy_version=version, scope=scope)  # fmt: skip
+                eval_job_run(job_id=job.pk)
+            out[f"v{version} {scope}"] = _greedy(run, scope, version)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--every", type=float, default=5, help="minutes between rows")
+    ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
+    ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
+    ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
+    args = ap.parse_args()
+    rows: list[dict] = []
+    with PrivateStack(slots=args.slots, policy="shipped"):
+        from django.utils import timezone
+
+        from dartboard.main_job import main_run_config, prepare_main_run
+        from workers.runs import run_apply
+
+        wanted = len(main_run_config(args.preset).env.slots())
+        if wanted != args.slots:  # make run starts one env worker per slot
+            raise SystemExit(f"the {args.preset} preset has {wanted} slots: use --slots {wanted}")
+        run = prepare_main_run(write=print, preset=args.preset)
+        started = timezone.now()
+        run_apply(run_id=run.pk, action="start")
+        print(f"run {run.pk} started; a row every {args.every:g} min for {args.minutes:g} min\n")
+        since = started
+        deadline = time.monotonic() + args.minutes * 60
+        while time.monotonic() < deadline:
+            time.sleep(min(args.every * 60, max(0.0, deadline - time.monotonic())))
+            now = timezone.now()
+            rows.append(snapshot(run, since=since, until=now, started=started))
+            print_row(rows[-1], header=len(rows) == 1)
+            since = now
+        from datamanager.services.runs import run_control
+
+        run_control(run_id=run.pk, action="stop")
+        time.sleep(10)
+        final = {} if args.no_final else final_evaluation(run)
+        print("\nstopped; final greedy evaluations (version 0 and the last version):")
+        for label, g in final.items():
+            print(f"  {label}: {_fmt(g)}")
+        first = rows[-1]["first_rl_version_s"] if rows else None
+        print(f"first RL version {first:.0f} s after the run started" if first else
+              "no RL version was published")  # fmt: skip
+    out = ROOT / "bench" / "results" / "mainjob.json"
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "final": final}, indent=2,
+                              default=str))  # fmt: skip
+    print(f"\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()

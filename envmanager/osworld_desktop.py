@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,7 @@ class OSWorldDesktop:
         self._x: XServer | None = None
         self._jail: Sandbox | None = None
         self._apps: list[subprocess.Popen] = []
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="desktop-apps")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,6 +206,7 @@ class OSWorldDesktop:
         if self._x is not None:
             self._x.stop()
             self._x = None
+        self._spawner.shutdown(wait=False)
         shutil.rmtree(self._root, ignore_errors=True)
 
     def _stop_apps(self) -> None:
@@ -238,9 +241,15 @@ class OSWorldDesktop:
         )
 
     def launch(self, command: list[str] | str) -> None:
-        """Start a program in the sandbox and leave it running (OSWorld's /setup/launch)."""
+        """Start a program in the sandbox and leave it running (OSWorld's /setup/launch).
+
+        Started from the desktop's own long-lived thread: the sandbox's death signal
+        (PR_SET_PDEATHSIG) fires when the *thread* that forked it ends, and the HTTP server
+        serves each request on a thread that ends with it (seen: editors vanished as soon as
+        /setup/open_file answered)."""
         argv = ["/bin/bash", "-c", command] if isinstance(command, str) else _expand_home(command)
-        self._apps.append(self._sandbox().popen(argv))
+        jail = self._sandbox()
+        self._apps.append(self._spawner.submit(jail.popen, argv).result())
 
     def open_file(self, raw_path: str, *, timeout_s: float = 30.0) -> str:
         """Open a file with this desktop's app for it (the editor for text, chromium for

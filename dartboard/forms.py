@@ -159,7 +159,7 @@ class RunForm(forms.Form):
                 self.add_error("tasks.names", f"no task named {', '.join(missing)}")
         if self.user is not None and not self.user.has_perm(CAN_ADMINISTER):
             # A checkpoint path loads arbitrary weights on the shared workers, and a desktop
-            # slot hands the policy a shell: both are an admin's call.
+            # slot or an OSWorld VM hands the policy a shell: each is an admin's call.
             if self.config.policy not in NAMED_POLICIES:
                 self.add_error(
                     "policy",
@@ -168,6 +168,8 @@ class RunForm(forms.Form):
                 )
             if self.config.env.desktop_slots:
                 self.add_error("env.desktop_slots", "only an admin may give a run desktop slots")
+            if self.config.env.osworld_addresses:
+                self.add_error("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
         return cleaned
 
 

@@ -48,7 +48,7 @@ _WRAPPERS = {
     "python": '#!/bin/sh\nexec /usr/bin/python3 "$@"\n',
     "dartedit": f'#!/bin/sh\nexec /usr/bin/python3 {TOOLS}/dartapp.py edit "$1"\n',
     "dartbrowse": (
-        "#!/bin/sh\nexec chromium --app=\"file://$1\" --user-data-dir=/tmp/chromium "
+        '#!/bin/sh\nexec chromium --app="file://$1" --user-data-dir=/tmp/chromium '
         "--no-sandbox --disable-gpu --disable-dev-shm-usage --disable-background-networking "
         "--no-first-run --no-default-browser-check --window-position=0,0 "
         f"--window-size={WIDTH},{HEIGHT}\n"
@@ -256,7 +256,7 @@ class OSWorldDesktop:
         HTML) and wait for its window; returns the window's title."""
         path = vm_path(raw_path)
         name = posixpath.basename(path)
-        stem, suffix = posixpath.splitext(name)
+        suffix = posixpath.splitext(name)[1]
         if suffix in (".html", ".htm"):
             self.launch(["dartbrowse", path])
             wait_for = None  # chromium titles its window with the page's <title>
@@ -268,7 +268,9 @@ class OSWorldDesktop:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for window, title in self.windows():
-                if (wait_for and wait_for in title) or (wait_for is None and self._is_chromium(window)):
+                if (wait_for and wait_for in title) or (
+                    wait_for is None and self._is_chromium(window)
+                ):
                     self._xdotool(["windowactivate", window])
                     return title
             time.sleep(0.1)
@@ -361,7 +363,9 @@ class OSWorldDesktop:
         path = vm_path(raw_path)
         if len(data) > MAX_FILE_BYTES:
             raise DesktopFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes", 413)
-        done = self._sandbox().run(["/usr/bin/python3", "-c", _WRITE, path], timeout_s=60, stdin=data)
+        done = self._sandbox().run(
+            ["/usr/bin/python3", "-c", _WRITE, path], timeout_s=60, stdin=data
+        )
         return int(_file_answer(done, path, what="write"))
 
     def list_directory(self, raw_path: str) -> dict:
@@ -383,5 +387,6 @@ def _file_answer(done: subprocess.CompletedProcess, path: str, *, what: str) -> 
     if done.returncode in reasons:
         raise DesktopFileError(*reasons[done.returncode])
     detail = done.stderr.decode(errors="replace").strip().splitlines()
-    raise DesktopFileError(f"{path}: cannot {what} ({detail[-1] if detail else done.returncode})", 400)
-
+    raise DesktopFileError(
+        f"{path}: cannot {what} ({detail[-1] if detail else done.returncode})", 400
+    )

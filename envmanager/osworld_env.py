@@ -125,7 +125,9 @@ class OSWorldEnv:
         try:
             setup.setup(spec.get("config") or [])
         except Exception as exc:
-            raise EnvUnavailable(f"osworld {self.address}: setup of {task.name} failed: {exc}") from exc
+            raise EnvUnavailable(
+                f"osworld {self.address}: setup of {task.name} failed: {exc}"
+            ) from exc
         self._spec, self._task_name = spec, task.name
         self._instruction = task.instruction or spec.get("instruction", "")
         self._last, self._step = None, 0
@@ -209,7 +211,7 @@ class OSWorldEnv:
         """desktop_env's provider reverts the VM (untested here: no VM image can be had)."""
         try:
             # Imported here for start-up cost: each provider pulls in its cloud SDK.
-            from desktop_env.providers import create_vm_manager_and_provider  # noqa: PLC0415
+            from desktop_env.providers import create_vm_manager_and_provider
 
             _, vm = create_vm_manager_and_provider(provider.name, provider.region)
             vm.revert_to_snapshot(provider.vm_path, provider.snapshot)

@@ -68,7 +68,9 @@ def evaluate_task(
     w = wheel()
     single = not isinstance(funcs, list)
     names: list[str] = [funcs] if single else funcs
-    results = _listify(evaluator.get("result"), len(names)) if not single else [evaluator.get("result")]
+    results = (
+        _listify(evaluator.get("result"), len(names)) if not single else [evaluator.get("result")]
+    )
     expected_all = evaluator.get("expected")
     expecteds = [expected_all] if single else _listify(expected_all, len(names))
     options_all = evaluator.get("options") or {}
@@ -77,8 +79,9 @@ def evaluate_task(
     scores: list[float] = []
     shown: list[str] = []
     for i, name in enumerate(names):
+        getter: dict[str, Any] = results[i] or {}
         try:
-            result = w.getters[results[i]["type"]](env, results[i]) if results[i] else None
+            result = w.getters[getter["type"]](env, getter) if getter else None
         except FileNotFoundError:
             scores.append(0.0)
             shown.append("file not found")
@@ -87,7 +90,7 @@ def evaluate_task(
             continue
         except Exception as exc:
             raise EnvUnavailable(
-                f"osworld evaluator: {name}: result getter {results[i].get('type')!r} "
+                f"osworld evaluator: {name}: result getter {getter.get('type')!r} "
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
         try:

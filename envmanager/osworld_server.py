@@ -62,7 +62,6 @@ import signal
 import subprocess
 import sys
 import threading
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs
@@ -168,8 +167,10 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    _cached_body: bytes | None = None
+
     def _body(self) -> bytes:
-        if hasattr(self, "_cached_body"):
+        if self._cached_body is not None:
             return self._cached_body
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -205,7 +206,8 @@ class Handler(BaseHTTPRequestHandler):
         files: dict[str, bytes] = {}
         for part in message.iter_parts():
             name = part.get_param("name", header="content-disposition")
-            payload = part.get_payload(decode=True) or b""
+            payload = part.get_payload(decode=True)
+            payload = payload if isinstance(payload, bytes) else b""
             if part.get_filename() is not None:
                 files[str(name)] = payload
             else:
@@ -251,22 +253,32 @@ def run_python(h: Handler) -> Answer:
     except subprocess.TimeoutExpired:
         body = {"status": "error", "message": "Execution timeout: Code took too long to execute"}
         return 500, body | {"error": "TimeoutExpired", "need_more": False, "output": None}, None
-    message = result.output + (("\n" if result.output else "") + result.error if result.error else "")
-    return 200, {
-        "status": "success" if result.returncode == 0 else "error",
-        "message": message,
-        "need_more": False,
-        "output": result.output,
-        "error": result.error,
-        "return_code": result.returncode,
-    }, None
+    message = result.output + (
+        ("\n" if result.output else "") + result.error if result.error else ""
+    )
+    return (
+        200,
+        {
+            "status": "success" if result.returncode == 0 else "error",
+            "message": message,
+            "need_more": False,
+            "output": result.output,
+            "error": result.error,
+            "return_code": result.returncode,
+        },
+        None,
+    )
 
 
 def run_bash_script(h: Handler) -> Answer:
     data = h.json()
     script, timeout = data.get("script"), data.get("timeout") or 100
     if not script or not isinstance(script, str):
-        return 400, {"status": "error", "output": "Script not supplied!", "error": "", "returncode": -1}, None
+        return (
+            400,
+            {"status": "error", "output": "Script not supplied!", "error": "", "returncode": -1},
+            None,
+        )
     workdir = data.get("working_dir")
     cd = f"cd {json.dumps(vm_path(workdir))} && " if workdir else ""
     try:
@@ -278,11 +290,15 @@ def run_bash_script(h: Handler) -> Answer:
         body = {"status": "error", "output": f"Script execution timed out after {timeout} seconds"}
         return 500, body | {"error": "", "returncode": -1}, None
     status = "success" if result.returncode == 0 else "error"
-    return 200, {"status": status, "output": result.output, "error": "", "returncode": result.returncode}, None
+    return (
+        200,
+        {"status": status, "output": result.output, "error": "", "returncode": result.returncode},
+        None,
+    )
 
 
 def launch(h: Handler) -> Answer:
-    command, shell = _command(h.json())
+    command, _ = _command(h.json())  # a shell command arrives as one string: bash -c runs it
     h.desktop.launch(command)
     shown = command if isinstance(command, str) else " ".join(command)
     return 200, f"{shown} launched successfully", "text/html; charset=utf-8"
@@ -430,7 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     token = os.environ.get("DARTBOARD_SERVICE_TOKEN", "")
     if not token:
-        sys.exit("DARTBOARD_SERVICE_TOKEN is not set: the desktop server refuses to start without it")
+        sys.exit(
+            "DARTBOARD_SERVICE_TOKEN is not set: the desktop server refuses to start without it"
+        )
     desktop = OSWorldDesktop()
     desktop.start()
     server = OSWorldHTTPServer((args.host, args.port), desktop=desktop, token=token)
@@ -439,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host, port = server.server_address[:2]
-    print(f"serving OSWorld's protocol on {host}:{port} (display {desktop.display})", flush=True)
+    print(f"serving OSWorld's protocol on {host!s}:{port} (display {desktop.display})", flush=True)
     try:
         stop.wait()
     finally:

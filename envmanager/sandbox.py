@@ -26,8 +26,8 @@ import contextlib
 import logging
 import os
 import resource
-import signal
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable

@@ -137,8 +137,12 @@ class EnvConfig:
             )
             _check(bool(self.osworld_snapshot.strip()), "osworld_snapshot", "name a snapshot")
         else:
-            for name in ("osworld_vm_paths", "osworld_region"):
-                _unused_knob(self, name, "without an osworld_provider")
+            _check(
+                not self.osworld_vm_paths,
+                "osworld_vm_paths",
+                "has no effect without an osworld_provider; leave it empty",
+            )
+            _unused_knob(self, "osworld_region", "without an osworld_provider")
 
     def slots(self) -> list[tuple[str, int]]:
         """Every env slot of a run as (backend, index), in the order workers start them."""

@@ -155,7 +155,9 @@ class OSWorldEnv:
         self._step += 1
         return self._observe()
 
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
+        """`ended_by`: how the policy ended the episode (the runner does not step finished or
+        call_user); a driver that stepped them itself leaves it out."""
         if self._spec is None:
             return Evaluation(reward=0.0, success=False, details={"reason": "no task was reset"})
         env = WheelEnv(
@@ -165,7 +167,7 @@ class OSWorldEnv:
             setup_controller=self._setup_controller(),
             cache_dir=self._cache,
         )
-        return evaluate_task(self._spec["evaluator"], env=env, last_action=self._last)
+        return evaluate_task(self._spec["evaluator"], env=env, last_action=ended_by or self._last)
 
     def close(self) -> None:
         self._spec = None

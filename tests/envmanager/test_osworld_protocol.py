@@ -110,13 +110,13 @@ def test_execute_sees_no_secret_and_no_network(controller, osworld_desktop):
         "import os, json, socket\n"
         "out = {'uid': os.getuid(), 'env': dict(os.environ)}\n"
         "out['pid1'] = open('/proc/1/environ').read()\n"
-        "for port in (%d, %d):\n"
+        "for port in PORTS:\n"
         "    try:\n"
         "        socket.create_connection(('127.0.0.1', port), timeout=2); out[port] = 'open'\n"
         "    except OSError as exc:\n"
         "        out[port] = str(exc)\n"
         "print(json.dumps(out))\n"
-    ) % (listener.getsockname()[1], osworld_desktop.port)
+    ).replace("PORTS", repr((listener.getsockname()[1], osworld_desktop.port)))
     answer = controller.run_python_script(probe)
     assert answer["status"] == "success", answer
     out = json.loads(answer["output"])

@@ -72,7 +72,8 @@ def _random_action(rng: random.Random) -> Action:
 def test_a_random_policy_does_not_solve_them(env):
     rng = random.Random(7)
     successes = 0
-    for name in sorted(TASKS):
+    names = sorted(TASKS)[::2]  # six of the twelve: terminal, editor and browser tasks
+    for name in names:
         env.reset(spec(name))
         for _ in range(2):
             action = _random_action(rng)
@@ -80,7 +81,7 @@ def test_a_random_policy_does_not_solve_them(env):
             if action.ends_episode:
                 break
         successes += env.evaluate().success
-    assert successes < len(TASKS)
+    assert successes < len(names)
 
 
 def test_call_user_solves_only_the_infeasible_task(env):

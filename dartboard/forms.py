@@ -47,7 +47,10 @@ def _form_field(tp: Any, f: dataclasses.Field, default: Any) -> forms.Field:
     if tp is float:
         return forms.FloatField(initial=default, help_text=help_text)
     if tp is str:
-        return forms.CharField(initial=default, help_text=help_text, max_length=500)
+        # A setting whose default is empty (e.g. env.osworld_provider) may be left empty.
+        return forms.CharField(
+            initial=default, help_text=help_text, max_length=500, required=bool(default)
+        )
     if get_origin(tp) is list:
         if f.name == "env_kinds":
             return forms.MultipleChoiceField(

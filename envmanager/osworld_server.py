@@ -58,6 +58,7 @@ import hmac
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -226,7 +227,7 @@ def _command(data: dict[str, Any]) -> tuple[list[str] | str, bool]:
     shell = bool(data.get("shell", False))
     command = data.get("command", "" if shell else [])
     if isinstance(command, str) and not shell:
-        command = command.split()
+        command = shlex.split(command)  # as OSWorld's server does
     if isinstance(command, list) and not all(isinstance(a, str) for a in command):
         raise Refused(400, {"status": "error", "message": "command must be a list of strings"})
     if not command:
@@ -279,11 +280,12 @@ def run_bash_script(h: Handler) -> Answer:
             {"status": "error", "output": "Script not supplied!", "error": "", "returncode": -1},
             None,
         )
-    workdir = data.get("working_dir")
-    cd = f"cd {json.dumps(vm_path(workdir))} && " if workdir else ""
+    workdir = vm_path(data["working_dir"]) if data.get("working_dir") else VM_HOME
+    # The script and the directory travel as arguments, never spliced into shell text.
+    wrapper = 'cd "$1" && exec /bin/bash -c "$2" 2>&1'
     try:
         result = h.desktop.execute(
-            ["/bin/bash", "-c", f"{cd}exec /bin/bash -c {json.dumps(script)} 2>&1"],
+            ["/bin/bash", "-c", wrapper, "bash", workdir, script],
             timeout_s=min(float(timeout), 600.0),
         )
     except subprocess.TimeoutExpired:

@@ -111,3 +111,33 @@ def test_an_unreachable_vm_is_unavailable_at_once():
     dead = OSWorldEnv(address="127.0.0.1:9", token="t")
     with pytest.raises(EnvUnavailable, match=r"127\.0\.0\.1:9"):
         dead.reset(spec("osworld/dartboard-terminal-mkdir"))
+
+
+def test_a_vm_with_no_way_to_reset_is_refused_with_the_reason():
+    """A server that answers the health check but has no snapshot provider configured and no
+    /dartboard/reset (an OSWorld VM's own server): resetting it would leave the last task's
+    state, so the backend refuses."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class VMServer(BaseHTTPRequestHandler):
+        def do_POST(self):
+            found = self.path == "/screen_size"
+            body = b'{"width": 1920, "height": 1080}' if found else b"Not Found"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VMServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        vm = OSWorldEnv(address=f"127.0.0.1:{server.server_address[1]}", token="t")
+        assert vm.screen_size() == (1920, 1080)
+        with pytest.raises(EnvUnavailable, match="cannot be reset: configure a provider"):
+            vm.reset(spec("osworld/dartboard-terminal-mkdir"))
+    finally:
+        server.shutdown()

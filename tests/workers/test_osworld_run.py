@@ -12,7 +12,9 @@ import pytest
 import torch
 from django.core.management import call_command
 
+from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, PolicyVersion, Task, TrainUpdate, Trajectory
+from datamanager.services import env_slots, episodes
 from rollout.local_server import LocalPolicyServer
 from tests.datamanager.factories import make_running_run
 from workers import slot_worker, training_loop
@@ -96,3 +98,38 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
     update = TrainUpdate.objects.get(run=run)
     assert update.metrics["n_samples"] > 0
     assert PolicyVersion.objects.filter(run=run, version=1).exists()
+
+
+@pytest.mark.django_db
+def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
+    osworld_tasks, osworld_desktop
+):
+    task = osworld_tasks.get(name="osworld/dartboard-terminal-mkdir")
+    spec = dict(task.env_config["osworld"])
+    spec["evaluator"] = {  # exact_match reads rules["expected"]: this rule makes it raise
+        "func": "exact_match",
+        "result": {"type": "vm_command_line", "command": ["echo", "yes"]},
+        "expected": {"type": "rule", "rules": {"wanted": "yes\n"}},
+    }
+    task.env_config = {"osworld": spec}
+    task.save()
+    run = make_running_run(
+        {
+            "policy": "oracle",
+            "tasks": {"env_kinds": ["osworld"], "names": [task.name]},
+            "env": {"miniwob_slots": 0, "osworld_addresses": [osworld_desktop.address]},
+        }
+    )
+    slot = env_slots.env_slot_register(
+        name="t:1:osworld:0", host="t", backend="osworld", run_id=run.pk
+    )
+    claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("osworld",))
+    slot_worker._ENVS.clear()
+    cfg = RunConfig.from_dict(run.config)
+    slot_worker._run_claim(claim, slot.pk, "osworld", cfg, client=None, index=0)
+    traj = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert traj.status == "error" and traj.reward is None
+    assert "osworld evaluator: exact_match failed: KeyError" in traj.error
+    slot.refresh_from_db()
+    assert slot.consecutive_failures == 1 and "exact_match failed" in slot.last_error
+    slot_worker.discard_backend_envs("osworld")

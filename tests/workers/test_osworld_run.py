@@ -93,6 +93,7 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
     rollouts = Trajectory.objects.filter(run=run, purpose="train")
     assert rollouts.count() == 2 and all(t.status in ("succeeded", "failed") for t in rollouts)
     assert all(t.steps.count() >= 1 for t in rollouts)
+    assert not all(t.status == "succeeded" for t in rollouts)  # the untrained policy fails
     training_loop._TRAINERS.clear()
     assert training_loop.train_for(run_id=run.pk, max_seconds=180) == "max_updates reached"
     update = TrainUpdate.objects.get(run=run)

@@ -17,8 +17,11 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY requirements.lock requirements.txt ./
+COPY requirements.lock requirements.txt requirements-osworld.txt requirements-sandbox.txt ./
 RUN pip install -r requirements.lock
+# OSWorld's wheel without its pins, and the desktop sandbox's pyautogui (see the Makefile).
+RUN pip install --no-deps -r requirements-osworld.txt \
+ && pip install --no-deps --target /usr/local/sandbox-site -r requirements-sandbox.txt
 
 COPY . .
 

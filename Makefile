@@ -20,10 +20,15 @@ $(PY):
 	@echo "==> creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): requirements.lock requirements-dev.txt | $(PY)
+$(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requirements-sandbox.txt | $(PY)
 	@echo "==> installing pinned Python packages (torch==2.13.0 CPU)"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	@echo "==> OSWorld's desktop-env without its pins (torch 2.5, numpy<2): --no-deps"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-osworld.txt
+	@echo "==> pyautogui for the desktop sandbox's /usr/bin/python3 ($(VENV)/sandbox-site)"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+	  --target $(VENV)/sandbox-site -r requirements-sandbox.txt
 	@touch $(STAMP)
 
 install: system-deps $(STAMP)

@@ -4,7 +4,12 @@ Each slot is a separate process owning one env (as an env worker does) and runs 
 episodes (falling back to random clicks when the oracle has nothing to do) for --seconds.
 Memory is the PSS (proportional RSS, shared pages split) of the slot's browser / X process tree (not the Python process).
 
-    .venv/bin/python bench/envs.py --seconds 10 --slots 1 2 4 --backends miniwob desktop
+`osworld`: each slot starts its own Dartboard desktop serving OSWorld's protocol
+(`python -m envmanager.osworld_server`, its own process like a VM) and drives it with the
+osworld backend over HTTP (the wheel's PythonController/SetupController, the 12 tasks of
+tasks/osworld/); its memory is the server's tree (server, Xvfb, openbox, sandboxed apps).
+
+    .venv/bin/python bench/envs.py --seconds 10 --slots 1 2 4 --backends miniwob desktop osworld
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def _slot(backend: str, seconds: float, seed: int, out: mp.Queue) -> None:
             return TaskSpec(
                 name=name, env_kind="miniwob", env_config={"task": task}, seed=rng.randrange(10**6)
             )
+    elif backend == "osworld":
+        env, names, pids, spec = _osworld_slot(seed)
     else:
         from envmanager.desktop_env import DesktopEnv
 
@@ -91,7 +98,51 @@ def _slot(backend: str, seconds: float, seed: int, out: mp.Queue) -> None:
                 env.step(Action(type=ActionType.CLICK, x=rng.randrange(100), y=rng.randrange(100)))
     finally:
         env.close()
+        if backend == "osworld":
+            _SERVERS.pop().terminate()
     out.put({"resets": resets, "steps": steps, "rewards": rewards, "rss": max(rss or [0.0])})
+
+
+_SERVERS: list = []
+
+
+def _osworld_slot(seed: int):
+    """(env, task names, pids(), spec()) of one OSWorld-protocol desktop started for this slot."""
+    import json
+    import os
+    import secrets
+    import subprocess
+
+    import psutil
+
+    from core.protocol import TaskSpec
+    from envmanager.osworld_env import OSWorldEnv
+    from envmanager.osworld_oracles import osworld_task_files
+
+    token = secrets.token_urlsafe(16)
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "envmanager.osworld_server", "--port", "0"],
+        cwd=root,
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(root), "DARTBOARD_SERVICE_TOKEN": token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    _SERVERS.append(server)
+    address = server.stdout.readline().split(" on ")[1].split()[0]
+    env = OSWorldEnv(address=address, token=token, settle_s=0.15)
+    tasks = {f"osworld/{json.loads(p.read_text())['id']}": p for p in osworld_task_files()}
+
+    def pids() -> list[int]:
+        proc = psutil.Process(server.pid)
+        return [server.pid, *(c.pid for c in proc.children(recursive=True))]
+
+    def spec(name: str) -> TaskSpec:
+        data = json.loads(tasks[name].read_text())
+        return TaskSpec(name, "osworld", {"osworld": data}, data["instruction"])
+
+    return env, sorted(tasks), pids, spec
 
 
 def _pct(values: list[float], q: float) -> float:

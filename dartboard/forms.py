@@ -49,7 +49,10 @@ def _form_field(tp: Any, f: dataclasses.Field, default: Any) -> forms.Field:
     if tp is float:
         return forms.FloatField(initial=default, help_text=help_text)
     if tp is str:
-        return forms.CharField(initial=default, help_text=help_text, max_length=500)
+        # A setting whose default is empty (e.g. env.osworld_provider) may be left empty.
+        return forms.CharField(
+            initial=default, help_text=help_text, max_length=500, required=bool(default)
+        )
     if get_origin(tp) is list:
         if f.name == "env_kinds":
             return forms.MultipleChoiceField(
@@ -161,7 +164,7 @@ class RunForm(forms.Form):
                 self.add_error("tasks.names", f"no task named {', '.join(missing)}")
         if self.user is not None and not self.user.has_perm(CAN_ADMINISTER):
             # A checkpoint path loads arbitrary weights on the shared workers, and a desktop
-            # slot hands the policy a shell: both are an admin's call.
+            # slot or an OSWorld VM hands the policy a shell: each is an admin's call.
             if self.config.policy not in NAMED_POLICIES:
                 self.add_error(
                     "policy",
@@ -170,6 +173,8 @@ class RunForm(forms.Form):
                 )
             if self.config.env.desktop_slots:
                 self.add_error("env.desktop_slots", "only an admin may give a run desktop slots")
+            if self.config.env.osworld_addresses:
+                self.add_error("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
         return cleaned
 
 

@@ -50,7 +50,8 @@ class TaskSelection:
     tags: list[str] = knob([], "Only tasks with all of these tags (empty: no tag filter).")
     names: list[str] = knob([], "Only these task names (empty: every task of the split/tags).")
     env_kinds: list[str] = knob(
-        ["miniwob"], "Environment backends whose tasks are included: miniwob, desktop, sim."
+        ["miniwob"],
+        "Environment backends whose tasks are included: miniwob, desktop, sim, osworld.",
     )
     instances: int = knob(
         0,
@@ -59,8 +60,10 @@ class TaskSelection:
     )
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop", "sim"})
-        _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob, desktop, sim")
+        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop", "sim", "osworld"})
+        _check(
+            not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob, desktop, sim, osworld"
+        )
         _check(bool(self.env_kinds), "env_kinds", "name at least one backend")
         _check(0 <= self.instances <= 1000, "instances", "must be between 0 and 1000")
 
@@ -72,6 +75,22 @@ class EnvConfig:
     sim_slots: int = knob(
         0, "Simulated slots (envmanager/sim_env.py): synthetic screens, no browser; load tests."
     )
+    osworld_addresses: list[str] = knob(
+        [],
+        "OSWorld VMs (or Dartboard desktops serving OSWorld's protocol) as host:port, one "
+        "osworld slot each; a task whose env_config names an 'address' uses that VM instead.",
+    )
+    osworld_provider: str = knob(
+        "",
+        "desktop_env provider that reverts the VMs to a snapshot before each task (vmware, "
+        "virtualbox, docker, aws, azure, aliyun, volcengine); empty: Dartboard desktops, "
+        "reset by their /dartboard/reset.",
+    )
+    osworld_vm_paths: list[str] = knob(
+        [], "The provider's VM path or id of each address, in the same order (with a provider)."
+    )
+    osworld_snapshot: str = knob("init_state", "Snapshot the provider reverts each VM to.")
+    osworld_region: str = knob("", "The provider's region (cloud providers).")
     step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
     heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
     quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
@@ -86,10 +105,12 @@ class EnvConfig:
         _check(0 <= self.desktop_slots <= 16, "desktop_slots", "must be between 0 and 16")
         _check(0 <= self.sim_slots <= 2000, "sim_slots", "must be between 0 and 2000")
         _check(
-            self.miniwob_slots + self.desktop_slots + self.sim_slots > 0,
+            self.miniwob_slots + self.desktop_slots + self.sim_slots + len(self.osworld_addresses)
+            > 0,
             "miniwob_slots",
             "a run needs at least one slot",
         )
+        self._check_osworld()
         _check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         _check(self.quarantine_after >= 1, "quarantine_after", "must be >= 1")
@@ -99,12 +120,49 @@ class EnvConfig:
             f"must be a share from 0 to 1 (0 turns it off), got {self.error_rate_alert}",
         )
 
+    def _check_osworld(self) -> None:
+        _check(len(self.osworld_addresses) <= 256, "osworld_addresses", "at most 256 VMs")
+        for address in self.osworld_addresses:
+            host, sep, port = address.rpartition(":")
+            _check(
+                bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
+                and "@" not in host and "/" not in host,
+                "osworld_addresses",
+                f"{address!r} is not host:port (e.g. 10.0.0.5:5000)",
+            )  # fmt: skip
+        _check(
+            len(set(self.osworld_addresses)) == len(self.osworld_addresses),
+            "osworld_addresses",
+            "an address appears twice (one slot per VM)",
+        )
+        providers = ("vmware", "virtualbox", "docker", "aws", "azure", "aliyun", "volcengine")
+        _check(
+            self.osworld_provider in ("", *providers),
+            "osworld_provider",
+            f"unknown provider {self.osworld_provider!r}; use one of {', '.join(providers)}",
+        )
+        if self.osworld_provider:
+            _check(
+                len(self.osworld_vm_paths) == len(self.osworld_addresses),
+                "osworld_vm_paths",
+                f"give one VM path per address ({len(self.osworld_addresses)})",
+            )
+            _check(bool(self.osworld_snapshot.strip()), "osworld_snapshot", "name a snapshot")
+        else:
+            _check(
+                not self.osworld_vm_paths,
+                "osworld_vm_paths",
+                "has no effect without an osworld_provider; leave it empty",
+            )
+            _unused_knob(self, "osworld_region", "without an osworld_provider")
+
     def slots(self) -> list[tuple[str, int]]:
         """Every env slot of a run as (backend, index), in the order workers start them."""
         return (
             [("miniwob", i) for i in range(self.miniwob_slots)]
             + [("desktop", i) for i in range(self.desktop_slots)]
             + [("sim", i) for i in range(self.sim_slots)]
+            + [("osworld", i) for i in range(len(self.osworld_addresses))]
         )
 
     @property

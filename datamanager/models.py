@@ -19,6 +19,7 @@ class EnvKind(models.TextChoices):
     MINIWOB = "miniwob"
     DESKTOP = "desktop"
     SIM = "sim"
+    OSWORLD = "osworld"
 
 
 class Task(models.Model):

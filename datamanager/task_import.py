@@ -4,7 +4,7 @@ A task file is JSON Lines (one object per line; blank lines and lines starting w
 are skipped) or a JSON array of objects. Each object:
 
     {"name": "miniwob/click-test",          # unique; importing again updates the task
-     "env_kind": "miniwob",                  # miniwob | desktop | sim
+     "env_kind": "miniwob",                  # miniwob | desktop | sim | osworld
      "env_config": {"task": "click-test"},   # backend-specific, an object (optional)
      "instruction": "",                      # optional; empty when the environment sets it
      "split": "train",                       # train | eval (optional, default train)
@@ -12,6 +12,14 @@ are skipped) or a JSON array of objects. Each object:
 
 A malformed record raises `InvalidTaskRecord` naming the line (JSONL) or the record index
 (JSON array) and the field.
+
+A file holding one OSWorld task object (`evaluation_examples/examples/<app>/<id>.json`:
+`id`, `instruction`, `config`, `evaluator`, `related_apps`, ...; see envmanager/osworld_tasks.py)
+becomes one task named `osworld/<id>` of env_kind `osworld`, the whole object kept as
+env_config {"osworld": {...}}, tagged `osworld` and its related apps, split train. Everything
+Dartboard cannot run in it (a setup step type, a metric func, a getter type the wheel's
+loaded modules lack) is listed with the file and field, and the file imports nothing.
+`read_task_path` reads a directory as all its *.json files (OSWorld's layout).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENV_KINDS = ("miniwob", "desktop", "sim")
+from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
+
+ENV_KINDS = ("miniwob", "desktop", "sim", "osworld")
 SPLITS = ("train", "eval")
 FIELDS = {"name", "env_kind", "env_config", "instruction", "split", "tags"}
 
@@ -62,6 +72,11 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     env_config = data.get("env_config", {})
     if not isinstance(env_config, dict):
         raise InvalidTaskRecord(f"{where}: field 'env_config' must be an object")
+    if env_kind == "osworld":
+        spec = env_config.get("osworld")
+        if not isinstance(spec, dict):
+            raise InvalidTaskRecord(f"{where}: field 'env_config.osworld' must be an OSWorld task")
+        _check_osworld(spec, f"{where}: env_config.osworld.")
     instruction = data.get("instruction", "")
     if not isinstance(instruction, str):
         raise InvalidTaskRecord(f"{where}: field 'instruction' must be a string")
@@ -81,6 +96,42 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     )
 
 
+def _check_osworld(spec: dict[str, Any], where: str) -> None:
+    problems = osworld_task_problems(spec)
+    if problems:
+        raise InvalidTaskRecord(
+            "; ".join(f"{where}{field}: {reason}" for field, reason in problems)
+        )
+
+
+def osworld_record(spec: dict[str, Any], where: str) -> TaskRecord:
+    """The task record of one OSWorld task object (checked first)."""
+    _check_osworld(spec, f"{where}: ")
+    apps = [a for a in spec.get("related_apps", []) if a]
+    return TaskRecord(
+        name=f"osworld/{spec['id'].strip()}"[:200],
+        env_kind="osworld",
+        env_config={"osworld": spec},
+        instruction=spec["instruction"],
+        tags=("osworld", *dict.fromkeys(apps)),
+    )
+
+
+def read_task_path(path: Path) -> list[TaskRecord]:
+    """A task file, or every *.json file of a directory (OSWorld's examples layout)."""
+    if path.is_dir():
+        files = sorted(path.rglob("*.json"))
+        if not files:
+            raise InvalidTaskRecord(f"{path}: no *.json task files in this directory")
+        records = [rec for f in files for rec in read_task_file(f)]
+        names = [r.name for r in records]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise InvalidTaskRecord(f"{path}: task {twice[0]!r} appears twice")
+        return records
+    return read_task_file(path)
+
+
 def read_task_file(path: Path) -> list[TaskRecord]:
     """Read and validate a whole file; raise on the first bad record (nothing is returned)."""
     try:
@@ -92,13 +143,25 @@ def read_task_file(path: Path) -> list[TaskRecord]:
             f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
         ) from None
     records: list[TaskRecord] = []
+    if text.lstrip().startswith("{") and "\n{" not in text.strip():
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError:
+            item = None  # a one-line JSON Lines file, read below
+        if is_osworld_task(item):
+            return [osworld_record(item, str(path))]
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidTaskRecord(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
         for i, item in enumerate(items):
-            records.append(parse_task_record(item, f"{path} record {i + 1}"))
+            where = f"{path} record {i + 1}"
+            records.append(
+                osworld_record(item, where)
+                if is_osworld_task(item)
+                else parse_task_record(item, where)
+            )
     else:
         for lineno, line in enumerate(text.splitlines(), start=1):
             stripped = line.strip()

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from core.protocol import Action, Env, Evaluation, Observation, TaskSpec
+from core.protocol import Action, ActionType, Env, Evaluation, Observation, TaskSpec
 
 
 class BusyClock:
@@ -67,8 +67,8 @@ class BusyEnv:
     def step(self, action: Action) -> Observation:
         return self._timed(self.env.step, action)
 
-    def evaluate(self) -> Evaluation:
-        return self._timed(self.env.evaluate)
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
+        return self._timed(lambda: self.env.evaluate(ended_by=ended_by))
 
     def close(self) -> None:
         self.env.close()

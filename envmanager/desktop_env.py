@@ -274,7 +274,7 @@ class DesktopEnv:
         self._step += 1
         return self._observe()
 
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
         """Run the task's checker on the sandbox and window titles (polls briefly)."""
         if self._task_name is None:
             return Evaluation(reward=0.0, success=False, details={"reason": "no task was reset"})

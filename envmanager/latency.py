@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from core.protocol import Action, Env, Evaluation, Observation, TaskSpec
+from core.protocol import Action, ActionType, Env, Evaluation, Observation, TaskSpec
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class LatencyEnv:
         time.sleep(self.rng.uniform(*self.profile.step_s))
         return self.env.step(action)
 
-    def evaluate(self) -> Evaluation:
-        return self.env.evaluate()
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
+        return self.env.evaluate(ended_by=ended_by)
 
     def close(self) -> None:
         self.env.close()

@@ -375,7 +375,7 @@ class MiniWoBEnv:
                 self._perform(action)
             return self._observe()
 
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
         """The task's own reward: max(0, raw) so failure/timeout/unfinished are 0."""
         with self._guard("evaluate"):
             status = self._page.evaluate(_STATUS_JS)

@@ -59,8 +59,8 @@ class ObservedEnv:
         self.endpoint.observation = obs
         return obs
 
-    def evaluate(self) -> Evaluation:
-        return self.env.evaluate()
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
+        return self.env.evaluate(ended_by=ended_by)
 
     def close(self) -> None:
         self.env.close()

@@ -5,7 +5,8 @@ perfect agent would take, the same `Action` objects a model's parsed output beco
 when the episode is over (or the task has no oracle). It is stateless: MiniWoB oracles read
 the DOM elements and fields in `observation.metadata` (so a half-done form is completed from
 where it stands); desktop oracles replay their task's fixed plan indexed by
-`observation.metadata["step"]` (desktop tasks launch their windows at fixed geometry).
+`observation.metadata["step"]` (desktop tasks launch their windows at fixed geometry), and
+so do the OSWorld-format tasks of tasks/osworld/ (envmanager/osworld_oracles.py).
 
     obs = env.reset(task)
     while (action := oracle_action(env_kind=env.kind, task_name=task.name, observation=obs)):
@@ -19,6 +20,7 @@ from typing import Any
 
 from core.protocol import Action, ActionType, Observation
 from envmanager.desktop_tasks import DESKTOP_TASKS, desktop_oracle_plan
+from envmanager.osworld_oracles import OSWORLD_PLANS
 
 Element = dict[str, Any]
 
@@ -211,6 +213,11 @@ def oracle_action(*, env_kind: str, task_name: str, observation: Observation) ->
         plan = desktop_oracle_plan(name=task_name)
         step = int(observation.metadata.get("step", 0))
         return plan[step] if step < len(plan) else None
+    if env_kind == "osworld":
+        # envmanager/osworld_oracles.py: fixed plans of the tasks in tasks/osworld/.
+        osworld_plan = OSWORLD_PLANS.get(task_name, ())
+        step = int(observation.metadata.get("step", 0))
+        return osworld_plan[step] if step < len(osworld_plan) else None
     if env_kind == "sim":
         # envmanager/sim_env.py: the next box to click is on the screen's metadata.
         boxes, nxt = observation.metadata["targets"], int(observation.metadata["next"])
@@ -227,4 +234,6 @@ def has_oracle(*, env_kind: str, task_name: str) -> bool:
         return task_name.removeprefix("miniwob/") in MINIWOB_ORACLES
     if env_kind == "desktop":
         return task_name in DESKTOP_TASKS
+    if env_kind == "osworld":
+        return task_name in OSWORLD_PLANS
     return env_kind == "sim"

@@ -27,6 +27,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -82,11 +83,27 @@ class Sandbox:
     """The sandbox of one desktop: its task directory, display and resource limits."""
 
     def __init__(
-        self, *, task_dir: Path, display: str, limits: SandboxLimits = SandboxLimits()
+        self,
+        *,
+        task_dir: Path,
+        display: str,
+        limits: SandboxLimits = SandboxLimits(),
+        mount_at: str = TASK_DIR,
+        home: str = HOME,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+        extra_env: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """mount_at: where the task directory appears inside (an OSWorld-protocol desktop
+        mounts it as the whole home, /home/user); home: $HOME inside; ro_binds: more
+        read-only (host, inside) mounts, e.g. the sandbox's pyautogui; extra_env: more
+        variables of the clean environment (never the worker's)."""
         self.task_dir = task_dir
         self.display = display
         self.limits = limits
+        self.mount_at = mount_at
+        self.home = home
+        self.ro_binds = ro_binds
+        self.extra_env = extra_env
         self._cgroups = _make_cgroups(limits)
 
     def prepare_task_dir(self) -> None:
@@ -104,7 +121,13 @@ class Sandbox:
         os.chown(path, AGENT_UID, AGENT_GID)
 
     def environ(self) -> dict[str, str]:
-        return {"DISPLAY": self.display, "HOME": HOME, "PATH": AGENT_PATH, "LANG": "C.UTF-8"}
+        return {
+            "DISPLAY": self.display,
+            "HOME": self.home,
+            "PATH": AGENT_PATH,
+            "LANG": "C.UTF-8",
+            **dict(self.extra_env),
+        }
 
     def argv(self, program: list[str]) -> list[str]:
         """The bwrap command line that runs `program` (paths as the sandbox sees them)."""
@@ -113,9 +136,9 @@ class Sandbox:
         return bwrap_argv(
             program,
             env=self.environ(),
-            binds=[(str(self.task_dir), TASK_DIR)],
-            ro_binds=[(x_socket, x_socket)],
-            chdir=TASK_DIR,
+            binds=[(str(self.task_dir), self.mount_at)],
+            ro_binds=[(x_socket, x_socket), *self.ro_binds],
+            chdir=self.mount_at,
         )
 
     def popen(self, program: list[str]) -> subprocess.Popen:
@@ -131,16 +154,29 @@ class Sandbox:
             preexec_fn=self._drop_privileges(),
         )
 
-    def run(self, program: list[str], *, timeout_s: float) -> subprocess.CompletedProcess:
-        """Run `program` in the sandbox to completion (tests, probes)."""
-        return subprocess.run(
+    def run(
+        self, program: list[str], *, timeout_s: float, stdin: bytes | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run `program` in the sandbox to completion, `stdin` fed to it; raises
+        subprocess.TimeoutExpired after `timeout_s` (its process group is killed first)."""
+        proc = subprocess.Popen(
             self.argv(program),
             env={},
             cwd="/",
-            capture_output=True,
-            timeout=timeout_s,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
             preexec_fn=self._drop_privileges(),
         )
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a program that forked survives kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def close(self) -> None:
         """Remove the desktop's cgroups (their processes have been stopped)."""

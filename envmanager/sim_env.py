@@ -96,7 +96,7 @@ class SimEnv:
             self._misses += 1  # any other action on this screen is a mistake
         return self._observe("")
 
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
         success = self._next == len(self._boxes) and self._misses == 0
         details: dict[str, Any] = {"clicked": self._next, "misses": self._misses}
         return Evaluation(reward=1.0 if success else 0.0, success=success, details=details)

@@ -12,7 +12,15 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from core.protocol import Action, Env, EnvUnavailable, Evaluation, Observation, TaskSpec
+from core.protocol import (
+    Action,
+    ActionType,
+    Env,
+    EnvUnavailable,
+    Evaluation,
+    Observation,
+    TaskSpec,
+)
 
 T = TypeVar("T")
 
@@ -49,8 +57,8 @@ class ThreadedEnv:
     def step(self, action: Action) -> Observation:
         return self._call(f"step({action.type.value})", self._env.step, action)
 
-    def evaluate(self) -> Evaluation:
-        return self._call("evaluate", self._env.evaluate)
+    def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
+        return self._call("evaluate", lambda: self._env.evaluate(ended_by=ended_by))
 
     def close(self) -> None:
         try:

@@ -167,6 +167,7 @@ def _run_episode(
     env_total, model_total = reset_ms, 0.0
     parse_errors_in_a_row = 0
     end_reason = "step_cap"
+    ended_by: ActionType | None = None  # finished / call_user, for the env's verdict
     index = 0
     count_image_tokens = image_token_counter(config.image_geometry)
     for index in range(config.step_cap):
@@ -231,10 +232,10 @@ def _run_episode(
         else:
             parse_errors_in_a_row = 0
         if action is not None and action.type == ActionType.FINISHED:
-            end_reason = "finished"
+            end_reason, ended_by = "finished", action.type
             break
         if action is not None and action.type == ActionType.CALL_USER:
-            end_reason = "call_user"
+            end_reason, ended_by = "call_user", action.type
             break
         if next_obs.done:
             # Asking the policy again would only add steps that cannot change the outcome
@@ -245,7 +246,7 @@ def _run_episode(
         screenshots.append(obs.screenshot_png)
     if pacer is not None:
         pacer.leave()  # the rest of the batch need not wait for this evaluation
-    evaluation, eval_ms = _env_call(env.evaluate)
+    evaluation, eval_ms = _env_call(lambda: env.evaluate(ended_by=ended_by))
     env_total += eval_ms
     # reset_ms: the per-host health map's reset time (a host whose resets slow down is
     # overloaded before its episodes start failing).

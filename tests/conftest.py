@@ -160,3 +160,12 @@ def s3_artifacts(s3_server, monkeypatch) -> str:
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     return "s3://dartboard/artifacts"
+
+
+@pytest.fixture(scope="session")
+def osworld_desktop() -> Iterator[Any]:
+    """One Dartboard desktop serving OSWorld's protocol for the session (tests/osworld_desktop.py)."""
+    from tests.osworld_desktop import desktop_server
+
+    with desktop_server(token="osworld-test-token-5b2e") as server:
+        yield server

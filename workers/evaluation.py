@@ -35,7 +35,14 @@ from workers.leases import (
     work_enqueue,
     work_hold,
 )
-from workers.slot_worker import DbRecorder, discard_env, process_env
+from workers.slot_worker import (
+    DbRecorder,
+    VMTarget,
+    discard_backend_envs,
+    discard_env,
+    osworld_target,
+    process_env,
+)
 
 log = logging.getLogger("dartboard.evaluate")
 
@@ -74,7 +81,7 @@ def eval_job_run(
                 for i in range(job.k):
                     if eval_episode_ended(job_id=job.pk, task_id=task.pk, seed=job.seed * 1000 + i):
                         continue  # resumed job: this episode is done
-                    _one_episode(job, task, i, policy, oracle)
+                    _one_episode(job, task, i, policy, oracle, shard=shard)
                     evaluations.eval_job_progress(job_id=job_id)
                     if on_episode:
                         on_episode()
@@ -83,7 +90,7 @@ def eval_job_run(
         raise
     finally:
         for kind in kinds:
-            discard_env(kind)
+            discard_backend_envs(kind)
     return evaluations.eval_job_finish_if_done(job_id=job_id)
 
 
@@ -183,8 +190,22 @@ def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
     )
 
 
+def _vm(job: EvalJob, task: Task, shard: int) -> VMTarget | None:
+    """An osworld task's VM: its own address, else the run's VM of this shard's number."""
+    if task.env_kind != "osworld":
+        return None
+    cfg = RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
+    return osworld_target(env_config=task.env_config, env=cfg.env, index=shard)
+
+
 def _one_episode(
-    job: EvalJob, task: Task, i: int, policy: PolicyEndpoint, oracle: OracleEndpoint | None
+    job: EvalJob,
+    task: Task,
+    i: int,
+    policy: PolicyEndpoint,
+    oracle: OracleEndpoint | None,
+    *,
+    shard: int = 0,
 ) -> None:
     seed = job.seed * 1000 + i  # the same seeds for every policy: comparable cells
     config = _episode_config(job, seed)
@@ -198,8 +219,10 @@ def _one_episode(
         instruction=task.instruction,
         seed=seed,
     )
+    vm: VMTarget | None = None
     try:
-        env = process_env(task.env_kind)
+        vm = _vm(job, task, shard)
+        env = process_env(task.env_kind, vm=vm)
         if oracle is not None:
             env = ObservedEnv(env, oracle)
         result = run_episode(
@@ -214,7 +237,7 @@ def _one_episode(
         episodes.trajectory_finish(
             trajectory_id=traj.pk, status="error", reward=None, error=f"{type(exc).__name__}: {exc}"
         )
-        discard_env(task.env_kind)
+        discard_env(task.env_kind, vm=vm)
         return
     episodes.trajectory_finish(
         trajectory_id=traj.pk,

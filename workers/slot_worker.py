@@ -31,7 +31,7 @@ from django.conf import settings
 from django.db import connection
 
 from core.protocol import Env, EnvUnavailable, TaskSpec
-from datamanager.config import RunConfig
+from datamanager.config import EnvConfig, RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.services import env_slots as slot_services
@@ -42,6 +42,7 @@ from envmanager.desktop_env import DesktopEnv
 from envmanager.latency import PROFILES, LatencyEnv, profile_from_settings
 from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
+from envmanager.osworld_env import OSWorldEnv, Provider
 from envmanager.sim_env import sim_env
 from envmanager.threaded import ThreadedEnv
 from rollout.client import InferenceError, PolicyClient
@@ -58,8 +59,50 @@ log = logging.getLogger("dartboard.slots")
 _ENVS: dict[str, Env] = {}
 
 
-def make_env(backend: str, *, timeout_s: float = 30.0) -> Env:
+@dataclass(frozen=True)
+class VMTarget:
+    """The OSWorld VM an osworld episode runs on, and how to revert it (if configured)."""
+
+    address: str
+    provider: Provider | None = None
+
+
+class NoVMForTask(RuntimeError):
+    """An osworld task with no VM: neither its env_config nor the run names one."""
+
+
+def osworld_target(*, env_config: dict[str, Any], env: EnvConfig, index: int) -> VMTarget:
+    """The task's own `address` (a VM it needs), else the run's VM of this slot index."""
+    if isinstance(env_config.get("address"), str):
+        return VMTarget(address=env_config["address"])
+    pool = env.osworld_addresses
+    if not pool:
+        raise NoVMForTask(
+            "an osworld task needs a VM: give the run env.osworld_addresses (host:port), or "
+            "the task an env_config 'address'"
+        )
+    i = index % len(pool)
+    provider = None
+    if env.osworld_provider:
+        provider = Provider(
+            name=env.osworld_provider,
+            vm_path=env.osworld_vm_paths[i],
+            snapshot=env.osworld_snapshot,
+            region=env.osworld_region,
+        )
+    return VMTarget(address=pool[i], provider=provider)
+
+
+def make_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = None) -> Env:
     """A backend on its own thread, every call limited to `timeout_s` (envmanager.threaded)."""
+    if backend == "osworld":
+        if vm is None:
+            raise NoVMForTask("an osworld env needs a VM address")
+        token = settings.DARTBOARD_SERVICE_TOKEN
+        return ThreadedEnv(
+            lambda: OSWorldEnv(address=vm.address, token=token, provider=vm.provider),
+            timeout_s=timeout_s,
+        )
     if backend == "miniwob":
         return ThreadedEnv(MiniWoBEnv, timeout_s=timeout_s)
     if backend == "desktop":
@@ -69,31 +112,47 @@ def make_env(backend: str, *, timeout_s: float = 30.0) -> Env:
         # DARTBOARD_ENV_LATENCY_SCALE): their point is the control plane's load.
         latency = PROFILES["osworld"].scaled(settings.DARTBOARD_ENV_LATENCY_SCALE)
         return sim_env(latency=latency, seed=os.getpid())
-    raise ValueError(f"unknown env backend {backend!r}; use miniwob, desktop or sim")
+    raise ValueError(f"unknown env backend {backend!r}; use miniwob, desktop, sim or osworld")
 
 
-def process_env(backend: str, *, timeout_s: float = 30.0) -> Env:
-    env = _ENVS.get(backend)
+def _env_key(backend: str, vm: VMTarget | None) -> str:
+    return backend if vm is None else f"{backend}@{vm.address}"
+
+
+def process_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = None) -> Env:
+    """This process's env of `backend` (one per VM for osworld), created on first use."""
+    key = _env_key(backend, vm)
+    env = _ENVS.get(key)
     if env is None:
-        env = make_env(backend, timeout_s=timeout_s)
+        env = make_env(backend, timeout_s=timeout_s, vm=vm)
         profile = profile_from_settings(
             settings.DARTBOARD_ENV_LATENCY, settings.DARTBOARD_ENV_LATENCY_SCALE
         )
         if profile is not None and backend != "sim":  # sim has its latency built in
             env = LatencyEnv(env, profile, seed=os.getpid())
         env = BusyEnv(env, PROCESS_CLOCK)
-        _ENVS[backend] = env
+        _ENVS[key] = env
     return env
 
 
-def discard_env(backend: str) -> None:
+def discard_env(backend: str, *, vm: VMTarget | None = None) -> None:
     """Close (best effort) and forget the process's env; the next use creates a fresh one."""
-    env = _ENVS.pop(backend, None)
+    env = _ENVS.pop(_env_key(backend, vm), None)
     if env is not None:
         try:
             env.close()
         except Exception:
             log.exception("closing a broken %s env failed (it is replaced anyway)", backend)
+
+
+def discard_backend_envs(backend: str) -> None:
+    """discard_env for every env of `backend` in this process (each VM's, for osworld)."""
+    for key in [k for k in _ENVS if k == backend or k.startswith(f"{backend}@")]:
+        env = _ENVS.pop(key)
+        try:
+            env.close()
+        except Exception:
+            log.exception("closing a %s env failed (it is replaced anyway)", key)
 
 
 class SlotTakenOver(RuntimeError):
@@ -249,6 +308,8 @@ def serve_slot(
     run = Run.objects.get(pk=run_id)
     cfg = RunConfig.from_dict(run.config)
     name = slot_name(backend, index)
+    if backend == "osworld" and cfg.env.osworld_addresses:  # the env wall shows the VM
+        name += f"@{cfg.env.osworld_addresses[index % len(cfg.env.osworld_addresses)]}"
     # At most one live worker serves a slot: a duplicate slot task (the watchdog's, or one
     # re-enqueued by a worker that shut down while the launcher started the run again) finds
     # the lease held and ends.
@@ -295,7 +356,9 @@ def serve_slot(
                     return SlotOutcome(False, f"run is {status}")
                 time.sleep(1.0)
                 continue
-            quarantined = _run_claim(claim, slot.pk, backend, cfg, client, pacer, heartbeat.lost)
+            quarantined = _run_claim(
+                claim, slot.pk, backend, cfg, client, pacer, heartbeat.lost, index=index
+            )
             if quarantined:
                 taken = heartbeat.lost.is_set()
                 return SlotOutcome(False, "slot taken over" if taken else "slot quarantined")
@@ -330,8 +393,11 @@ def _run_claim(
     client: PolicyClient,
     pacer: Pacer | None = None,
     lost: threading.Event | None = None,
+    *,
+    index: int = 0,
 ) -> bool:
-    """One episode of a claim; returns True when the slot got quarantined or taken over."""
+    """One episode of a claim; returns True when the slot got quarantined or taken over.
+    `index`: the slot's number among its backend's (an osworld slot's VM in the pool)."""
     slot_services.env_slot_set(
         slot_id=slot_id, status=SlotStatus.BUSY, trajectory_id=claim.trajectory_id
     )
@@ -342,8 +408,11 @@ def _run_claim(
         instruction=claim.instruction,
         seed=claim.seed,
     )
+    vm: VMTarget | None = None
     try:
-        env = process_env(backend, timeout_s=cfg.env.step_timeout_s)
+        if backend == "osworld":
+            vm = osworld_target(env_config=claim.env_config, env=cfg.env, index=index)
+        env = process_env(backend, timeout_s=cfg.env.step_timeout_s, vm=vm)
         policy: PolicyEndpoint = client
         if cfg.policy == ORACLE_POLICY:
             oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy), coords=cfg.rollout.coords)
@@ -389,7 +458,7 @@ def _run_claim(
             reason += "\n" + traceback.format_exc(limit=5)
         log.warning("slot %s: %s on %s", slot_id, reason.splitlines()[0], claim.task_name)
         _finish(claim.trajectory_id, status="error", reward=None, error=reason)
-        discard_env(backend)
+        discard_env(backend, vm=vm)
         return slot_services.env_slot_failure(
             slot_id=slot_id, error=reason, quarantine_after=cfg.env.quarantine_after
         )

@@ -29,6 +29,28 @@ def test_defaults_resolve_and_round_trip():
         ({"tasks": {"env_kinds": ["android"]}}, "tasks.env_kinds", "unknown backend"),
         ({"trainer": {"optimiser": "sgd"}}, "trainer.optimiser", "unknown setting"),
         ({"curation": {"dynamic_budget": "yes"}}, "curation.dynamic_budget", "true or false"),
+        ({"env": {"osworld_addresses": ["10.0.0.5"]}}, "env.osworld_addresses", "host:port"),
+        (
+            {"env": {"osworld_addresses": ["t0k@10.0.0.5:5000"]}},
+            "env.osworld_addresses",
+            "host:port",
+        ),
+        (
+            {"env": {"osworld_addresses": ["a:1", "a:1"]}},
+            "env.osworld_addresses",
+            "appears twice",
+        ),
+        (
+            {"env": {"osworld_addresses": ["a:1"], "osworld_provider": "qemu"}},
+            "env.osworld_provider",
+            "unknown provider",
+        ),
+        (
+            {"env": {"osworld_addresses": ["a:1", "b:1"], "osworld_provider": "vmware"}},
+            "env.osworld_vm_paths",
+            "one VM path per address (2)",
+        ),
+        ({"env": {"osworld_vm_paths": ["/vms/a.vmx"]}}, "env.osworld_vm_paths", "no effect"),
     ],
 )
 def test_bad_values_name_their_field(data, path, text):
@@ -36,3 +58,10 @@ def test_bad_values_name_their_field(data, path, text):
         RunConfig.from_dict(data)
     assert err.value.path == path
     assert text in str(err.value)
+
+
+def test_osworld_vms_are_slots_of_their_own():
+    cfg = RunConfig.from_dict(
+        {"env": {"miniwob_slots": 0, "osworld_addresses": ["10.0.0.5:5000", "10.0.0.6:5000"]}}
+    )
+    assert cfg.env.slots() == [("osworld", 0), ("osworld", 1)]

@@ -84,3 +84,68 @@ def test_duplicate_names_in_one_file_are_rejected(tmp_path):
     path = _write(tmp_path / "tasks.jsonl", [GOOD[0], GOOD[0]])
     with pytest.raises(CommandError, match="appears twice"):
         call_command("import_tasks", str(path))
+
+
+def _osworld(**changes):
+    task = {
+        "id": "demo-task",
+        "instruction": "Create ~/done.txt",
+        "config": [{"type": "execute", "parameters": {"command": ["true"]}}],
+        "related_apps": ["terminal"],
+        "evaluator": {
+            "func": "exact_match",
+            "result": {"type": "vm_command_line", "command": ["cat", "/home/user/done.txt"]},
+            "expected": {"type": "rule", "rules": {"expected": "ok\n"}},
+        },
+    }
+    return task | changes
+
+
+def test_osworld_task_files_and_directories_import_as_osworld_tasks(tmp_path, capsys):
+    call_command("import_tasks", "tasks/osworld")
+    tasks = Task.objects.filter(env_kind="osworld")
+    assert tasks.count() == 12
+    mkdir = tasks.get(name="osworld/dartboard-terminal-mkdir")
+    assert mkdir.env_config["osworld"]["evaluator"]["func"] == "exact_match"
+    assert mkdir.instruction == "Create a folder named projects in your home folder."
+    assert mkdir.tags == ["osworld", "terminal"]
+    single = tmp_path / "demo-task.json"
+    single.write_text(json.dumps(_osworld()))
+    call_command("import_tasks", str(single))
+    assert Task.objects.get(name="osworld/demo-task").env_config["osworld"] == _osworld()
+
+
+def test_what_dartboard_cannot_run_is_named_by_file_and_field_and_nothing_is_written(tmp_path):
+    good = tmp_path / "a-good.json"
+    good.write_text(json.dumps(_osworld(id="fine")))
+    bad = tmp_path / "b-bad.json"
+    bad.write_text(
+        json.dumps(
+            _osworld(
+                config=[
+                    {"type": "execute", "parameters": {}},
+                    {"type": "teleport", "parameters": {}},
+                ],
+                evaluator={
+                    "func": ["exact_match", "compare_table"],
+                    "result": [{"type": "vm_file"}, {"type": "chrome_tabs"}],
+                    "expected": [{"type": "rule"}, {"type": "rule"}],
+                },
+            )
+        )
+    )
+    with pytest.raises(CommandError) as err:
+        call_command("import_tasks", str(tmp_path))
+    message = str(err.value)
+    assert f"{bad}: config[1].type: unknown setup step type 'teleport'" in message
+    assert f"{bad}: evaluator.func[1]: unknown metric func 'compare_table'" in message
+    assert f"{bad}: evaluator.result[1].type: unknown getter type 'chrome_tabs'" in message
+    assert "nothing was imported" in message
+    assert not Task.objects.exists()  # not even the good file of the directory
+
+
+def test_an_infeasible_osworld_task_needs_no_getter(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_osworld(evaluator={"func": "infeasible"})))
+    call_command("import_tasks", str(path))
+    assert Task.objects.get(name="osworld/demo-task").env_kind == "osworld"

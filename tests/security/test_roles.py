@@ -75,6 +75,10 @@ def test_an_operator_runs_but_only_an_admin_picks_paths_desktops_and_rewards(
     assert r.status_code == 400 and "only an admin may give a run desktop slots" in (
         r.content.decode()
     )
+    r = ada_client.post("/runs/new/", form(**{"env.osworld_addresses": "10.0.0.5:5000"}))
+    assert r.status_code == 400 and "only an admin may give a run OSWorld VMs" in (
+        r.content.decode()
+    )
     assert not Run.objects.exists()
     assert ada_client.post("/runs/new/", form()).status_code == 302  # the shipped policy
     r = grace_client.post(
@@ -82,6 +86,13 @@ def test_an_operator_runs_but_only_an_admin_picks_paths_desktops_and_rewards(
         form(name="admin's", policy=str(tiny_policy_dir), **{"env.desktop_slots": "1"}),
     )
     assert r.status_code == 302
+    r = grace_client.post(
+        "/runs/new/",
+        form(name="admin's vms", **{"env.osworld_addresses": "10.0.0.5:5000, 10.0.0.6:5000"}),
+    )
+    assert r.status_code == 302
+    vms = Run.objects.get(name="admin's vms").config["env"]["osworld_addresses"]
+    assert vms == ["10.0.0.5:5000", "10.0.0.6:5000"]
     run = make_run()
     traj = finished(run)
     assert (

@@ -1,5 +1,5 @@
-"""`python manage.py collect_demos [--per-task N] [--tasks a,b] [--kinds miniwob,desktop]
-[--policy shipped]`:
+"""`python manage.py collect_demos [--per-task N] [--tasks a,b] [--kinds miniwob,desktop,osworld]
+[--policy shipped] [--osworld-address host:port]`:
 solve tasks with the scripted oracles in real environments and put the successes in each
 task's experience pool. Failed oracle episodes are reported, never stored as demos."""
 
@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from core.imaging import ProcessorNotSupported
 from core.protocol import TaskSpec
+from datamanager.config import ConfigError, EnvConfig
 from datamanager.models import Task
 from datamanager.policies import PolicyNotFound, policy_geometry
 from datamanager.services.pool import (
@@ -18,7 +19,7 @@ from datamanager.services.pool import (
 )
 from envmanager.demo_collection import collect_demo
 from envmanager.oracles import has_oracle
-from workers.slot_worker import discard_env, process_env
+from workers.slot_worker import discard_backend_envs, osworld_target, process_env
 
 
 class Command(BaseCommand):
@@ -29,7 +30,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--tasks", default="", help="Comma-separated task names (default: all with an oracle)."
         )
-        parser.add_argument("--kinds", default="miniwob", help="Backends: miniwob,desktop.")
+        parser.add_argument("--kinds", default="miniwob", help="Backends: miniwob,desktop,osworld.")
+        parser.add_argument(
+            "--osworld-address",
+            default="",
+            help="The VM (host:port) osworld tasks without their own address run on.",
+        )
         parser.add_argument("--split", default="train")
         parser.add_argument(
             "--policy",
@@ -37,10 +43,11 @@ class Command(BaseCommand):
             help="The policy the demos are for: they are written in its model coordinates.",
         )
 
-    def handle(self, *args, per_task, tasks, kinds, split, policy, **options):
+    def handle(self, *args, per_task, tasks, kinds, split, policy, osworld_address, **options):
         try:
             geometry = policy_geometry(policy)
-        except (PolicyNotFound, ProcessorNotSupported) as exc:
+            vms = EnvConfig(osworld_addresses=[osworld_address] if osworld_address else [])
+        except (PolicyNotFound, ProcessorNotSupported, ConfigError) as exc:
             raise CommandError(str(exc)) from None
         kinds = [k for k in kinds.split(",") if k]
         qs = Task.objects.filter(env_kind__in=kinds, split=split)
@@ -60,7 +67,10 @@ class Command(BaseCommand):
         stored = failed = 0
         try:
             for task in tqdm(todo, desc="oracle demos", unit="task"):
-                env = process_env(task.env_kind)
+                vm = None
+                if task.env_kind == "osworld":
+                    vm = osworld_target(env_config=task.env_config, env=vms, index=0)
+                env = process_env(task.env_kind, vm=vm)
                 seed = 0
                 while pool_count(task=task) < per_task and seed < per_task * 3:
                     spec = TaskSpec(
@@ -92,7 +102,7 @@ class Command(BaseCommand):
                     stored += 1
         finally:
             for kind in kinds:
-                discard_env(kind)
+                discard_backend_envs(kind)
         self.stdout.write(
             f"demos: {stored} stored, {failed} oracle failures, {len(todo)} tasks topped up"
         )

@@ -1,0 +1,104 @@
+"""Dartboard `Action`s as the pyautogui code an OSWorld VM runs through its /execute route.
+
+OSWorld's `PythonController.execute_python_command(code)` runs
+`python -c "import pyautogui; import time; pyautogui.FAILSAFE = False; <code>"` in the VM.
+`pyautogui_command` builds that `<code>` from a structured Action: numbers formatted from
+integers and text through `repr`, never spliced from model output, so the code is exactly
+one pyautogui call (or a fixed pair for drag).
+
+Coordinates: an Action is in screenshot pixels (core.actions maps the model's image back to
+the screenshot). pyautogui takes the VM's logical screen pixels (/screen_size); they differ
+on a VM whose screenshot is scaled (HiDPI), so each point is multiplied by
+`scale = screen size / screenshot size` and rounded.
+
+How the episode-ending actions map to OSWorld's: `finished` is OSWorld's DONE and
+`call_user` its FAIL (the agent says the task cannot be done), as UI-TARS-1.5's own OSWorld
+agent maps them; an evaluator whose func is "infeasible" succeeds iff the episode ended
+with call_user (envmanager.osworld_evaluator). `wait` sleeps on Dartboard's side (WAIT).
+
+    .venv/bin/python -c "from envmanager.osworld_actions import pyautogui_command as c; \
+        from core.protocol import Action; print(c(Action('click', 10, 20), scale=(2.0, 2.0), keys=frozenset()))"
+"""
+
+from __future__ import annotations
+
+from core.protocol import Action, ActionNotSupported, ActionType
+
+SCROLL_CLICKS = 5  # wheel clicks per UI-TARS scroll (pyautogui.scroll units on X11)
+MAX_TYPE_CHARS = 1000  # as the desktop backend: a longer text outlasts the step timeout
+DRAG_SECONDS = 0.3
+
+# Dartboard/UI-TARS key names -> pyautogui's (OSWorld's KEYBOARD_KEYS).
+KEY_ALIASES = {
+    "control": "ctrl",
+    "return": "enter",
+    "escape": "esc",
+    "del": "delete",
+    "arrowup": "up",
+    "arrowdown": "down",
+    "arrowleft": "left",
+    "arrowright": "right",
+    "meta": "win",
+    "super": "win",
+    "cmd": "command",
+    "page_up": "pageup",
+    "page_down": "pagedown",
+    "space": "space",
+}
+
+
+def pyautogui_keys(key: str, *, keys: frozenset[str]) -> list[str]:
+    """'ctrl shift t' -> ['ctrl', 'shift', 't']; ActionNotSupported for a key OSWorld's
+    pyautogui does not know (`keys`: OSWorld's KEYBOARD_KEYS; empty accepts any)."""
+    names = []
+    for raw in key.replace("+", " ").split():
+        name = KEY_ALIASES.get(raw.lower(), raw.lower())
+        if keys and name not in keys:
+            raise ActionNotSupported(f"hotkey {key!r}: pyautogui has no key {raw!r}")
+        names.append(name)
+    return names
+
+
+def _point(x: int | None, y: int | None, scale: tuple[float, float]) -> str:
+    assert x is not None and y is not None  # Action checks that point actions have both
+    return f"{round(x * scale[0])}, {round(y * scale[1])}"
+
+
+def pyautogui_command(
+    action: Action, *, scale: tuple[float, float], keys: frozenset[str]
+) -> str | None:
+    """The pyautogui code for `action`, or None for actions that run nothing in the VM
+    (wait, finished, call_user)."""
+    t = action.type
+    if t == ActionType.CLICK:
+        return f"pyautogui.click({_point(action.x, action.y, scale)})"
+    if t == ActionType.LEFT_DOUBLE:
+        return f"pyautogui.doubleClick({_point(action.x, action.y, scale)})"
+    if t == ActionType.RIGHT_SINGLE:
+        return f"pyautogui.rightClick({_point(action.x, action.y, scale)})"
+    if t == ActionType.DRAG:
+        return (
+            f"pyautogui.moveTo({_point(action.x, action.y, scale)}); "
+            f"pyautogui.dragTo({_point(action.x2, action.y2, scale)}, "
+            f"duration={DRAG_SECONDS}, button='left')"
+        )
+    if t == ActionType.HOTKEY:
+        names = pyautogui_keys(action.key or "", keys=keys)
+        return f"pyautogui.hotkey({', '.join(repr(n) for n in names)})"
+    if t == ActionType.TYPE:
+        text = action.text or ""
+        if len(text) > MAX_TYPE_CHARS:
+            raise ActionNotSupported(
+                f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
+            )
+        return f"pyautogui.typewrite({text!r}, interval=0.005)"
+    if t == ActionType.SCROLL:
+        at = _point(action.x, action.y, scale)
+        clicks = {"up": SCROLL_CLICKS, "down": -SCROLL_CLICKS, "left": -SCROLL_CLICKS}.get(
+            action.direction or "down", SCROLL_CLICKS
+        )
+        call = "hscroll" if action.direction in ("left", "right") else "scroll"
+        return f"pyautogui.moveTo({at}); pyautogui.{call}({clicks})"
+    if t in (ActionType.WAIT, ActionType.FINISHED, ActionType.CALL_USER):
+        return None
+    raise ActionNotSupported(f"osworld: no mapping for action {t.value!r}")  # pragma: no cover

@@ -1,0 +1,66 @@
+"""Dartboard actions as OSWorld's pyautogui code: one call per action, coordinates scaled to
+the VM's screen, text passed through repr (never spliced), keys checked against OSWorld's
+KEYBOARD_KEYS; and the wheel is imported without its heavy package __init__s."""
+
+from __future__ import annotations
+
+import ast
+import sys
+
+import pytest
+
+from core.protocol import Action, ActionNotSupported, ActionType
+from envmanager.osworld_actions import pyautogui_command
+from envmanager.osworld_wheel import wheel
+
+KEYS = wheel().keyboard_keys
+
+
+def code(action: Action, scale=(1.0, 1.0)) -> str | None:
+    return pyautogui_command(action, scale=scale, keys=KEYS)
+
+
+def test_points_are_scaled_to_the_vms_screen():
+    # A 1920x1080 VM whose screenshots arrive at 960x540: every point doubles.
+    assert (
+        code(Action(type=ActionType.CLICK, x=100, y=50), (2.0, 2.0)) == "pyautogui.click(200, 100)"
+    )
+    assert code(Action(type=ActionType.LEFT_DOUBLE, x=3, y=4)) == "pyautogui.doubleClick(3, 4)"
+    assert code(Action(type=ActionType.RIGHT_SINGLE, x=3, y=4)) == "pyautogui.rightClick(3, 4)"
+    drag = code(Action(type=ActionType.DRAG, x=10, y=10, x2=30, y2=40), (1.5, 1.5))
+    assert drag.startswith("pyautogui.moveTo(15, 15); pyautogui.dragTo(45, 60,")
+    scroll = code(Action(type=ActionType.SCROLL, x=5, y=5, direction="down"))
+    assert scroll == "pyautogui.moveTo(5, 5); pyautogui.scroll(-5)"
+
+
+def test_text_is_one_literal_whatever_it_contains():
+    nasty = "'); import os; os.system('id'); ('\n\"\\"
+    call = code(Action(type=ActionType.TYPE, text=nasty))
+    tree = ast.parse(call)
+    assert len(tree.body) == 1  # one statement: the typewrite call
+    assert ast.literal_eval(tree.body[0].value.args[0]) == nasty
+    with pytest.raises(ActionNotSupported, match="at most 1000"):
+        code(Action(type=ActionType.TYPE, text="x" * 1001))
+
+
+def test_keys_map_to_pyautogui_names_or_are_refused():
+    assert code(Action(type=ActionType.HOTKEY, key="ctrl s")) == "pyautogui.hotkey('ctrl', 's')"
+    assert code(Action(type=ActionType.HOTKEY, key="Control+Return")) == (
+        "pyautogui.hotkey('ctrl', 'enter')"
+    )
+    with pytest.raises(ActionNotSupported, match="no key 'hyper'"):
+        code(Action(type=ActionType.HOTKEY, key="hyper x"))
+
+
+def test_ending_and_waiting_run_nothing_in_the_vm():
+    for kind in (ActionType.WAIT, ActionType.FINISHED, ActionType.CALL_USER):
+        assert code(Action(type=kind)) is None
+
+
+def test_the_wheels_heavy_modules_stay_unimported():
+    assert "desktop_env.evaluators.metrics.general" in sys.modules
+    heavy = ("desktop_env.evaluators.metrics.gimp", "desktop_env.evaluators.getters.chrome")
+    for name in (*heavy, "desktop_env.desktop_env", "cv2"):
+        assert name not in sys.modules, name
+    assert {"exact_match", "check_include_exclude", "compare_text_file"} <= set(wheel().metrics)
+    assert {"vm_file", "vm_command_line", "rule"} <= set(wheel().getters)

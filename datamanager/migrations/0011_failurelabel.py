@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('datamanager', '0009_trajectory_run_task_finished'),
+        ('datamanager', '0010_osworld_env_kind'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -59,7 +59,7 @@ def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds(
     assert (train.policy, train.k, train.task_names) == (
         f"run:{run.pk}:v2",
         4,
-        [t.name for t in tasks],
+        sorted(t.name for t in tasks),
     )
     # The harness plays seeds job.seed * 1000 + i: exactly the seeds the run's groups cycle
     # through (group indexes count from 1), and none of them on the held-out side.

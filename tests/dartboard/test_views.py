@@ -370,6 +370,7 @@ def test_charts_json_has_every_chart_with_data(ada_client):
         "logprob_gap",
         "staleness",
         "groups",
+        "versions",
         "errors_host",
         "errors_task",
         "left_out",

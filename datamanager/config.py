@@ -393,6 +393,9 @@ class EvaluationConfig:
     k: int = knob(1, "Episodes per eval task (fixed seeds).")
     slot_share: float = knob(0.5, "Share of the run's env slots an evaluation may use.")
     greedy: bool = knob(True, "Greedy decoding in scheduled evaluations.")
+    eval_split: bool = knob(
+        True, "Evaluate each scheduled version on the eval split of the run's env kinds."
+    )
     train_instances: bool = knob(
         False,
         "Also evaluate each scheduled version on the run's training instances (its tasks at "

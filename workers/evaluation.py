@@ -102,7 +102,7 @@ def scheduled_evaluations(cfg: RunConfig) -> list[tuple[str, list[Task], int, in
     split = list(
         Task.objects.filter(split="eval", env_kind__in=cfg.tasks.env_kinds).order_by("name")
     )
-    if split:
+    if split and cfg.evaluation.eval_split:
         plans.append((EvalScope.EVAL_SPLIT, split, 0, cfg.evaluation.k))
     trained = sorted(task_list(selection=cfg.tasks), key=lambda t: t.name)
     if trained and cfg.evaluation.train_instances:

@@ -32,6 +32,7 @@ def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
     assert main.tasks.env_kinds == ["miniwob"] and main.env.desktop_slots == 0
     assert main.trainer.warm_start_bc_updates == 0  # the first RL version within minutes
     assert main.evaluation.train_instances and main.evaluation.heldout_k > 0
+    assert not main.evaluation.eval_split  # its 23 tasks would take the slots from training
     desktop = main_run_config("desktop")
     assert desktop.tasks.names == ["desktop/double-click"] and desktop.env.miniwob_slots == 0
     with pytest.raises(ValueError, match="unknown preset 'osworld'; presets: miniwob, desktop"):

@@ -173,7 +173,7 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
 
 def trajectory_set_instruction(*, trajectory_id: int, instruction: str) -> None:
     """The environment's own instruction (MiniWoB's utterance differs per episode)."""
-    Trajectory.objects.filter(pk=trajectory_id).update(instruction=instruction)
+    Trajectory.objects.filter(pk=trajectory_id).update(instruction=storable(instruction))
 
 
 @dataclass
@@ -206,6 +206,22 @@ def _delete_orphan_screenshot(step: Step, name: str) -> None:
     stored = step.screenshot.field.generate_filename(step, name)
     if step.screenshot.storage.exists(stored):
         step.screenshot.storage.delete(stored)
+
+
+def storable(value: Any) -> Any:
+    """`value` with every NUL character of its strings (nested in lists and dicts too) made
+    U+FFFD. PostgreSQL's text and jsonb refuse NUL ("text fields cannot contain NUL (0x00)
+    bytes"), and an untrained policy's byte-level tokens decode to it: without this, a step
+    the model wrote NUL in ended its episode as an environment error on PostgreSQL only
+    (found by tests/workers/test_osworld_run.py). Training re-uses the token ids, not the
+    text, so nothing it learns from changes."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
 
 
 def step_record(
@@ -251,10 +267,10 @@ def step_record(
         index=index,
         screen_width=width,
         screen_height=height,
-        raw_output=raw_output,
-        thought=thought,
-        action=action,
-        parse_error=parse_error,
+        raw_output=storable(raw_output),
+        thought=storable(thought),
+        action=storable(action),
+        parse_error=storable(parse_error),
         prompt_tokens=prompt_tokens,
         response_tokens=response_tokens,
         rollout_logprobs=rollout_logprobs,
@@ -323,8 +339,8 @@ def trajectory_finish(
         return traj  # already finished (e.g. a retried task): never count twice
     traj.status = status
     traj.reward = reward
-    traj.details = details or {}
-    traj.error = error
+    traj.details = storable(details or {})
+    traj.error = storable(error)
     traj.finished_at = timezone.now()
     traj.env_ms = env_ms
     traj.model_ms = model_ms

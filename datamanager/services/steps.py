@@ -18,7 +18,7 @@ from django.db.models import Q
 
 from datamanager.events import publish_on_commit
 from datamanager.models import Step, Trajectory
-from datamanager.services.episodes import TrajectoryHead
+from datamanager.services.episodes import TrajectoryHead, storable
 from rollout.episode import StepRecord
 
 
@@ -58,10 +58,10 @@ def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
             index=w.record.index,
             screen_width=w.record.width,
             screen_height=w.record.height,
-            raw_output=w.record.raw_output,
-            thought=w.record.thought,
-            action=w.record.action,
-            parse_error=w.record.parse_error,
+            raw_output=storable(w.record.raw_output),
+            thought=storable(w.record.thought),
+            action=storable(w.record.action),
+            parse_error=storable(w.record.parse_error),
             prompt_tokens=w.record.prompt_tokens,
             response_tokens=w.record.response_tokens,
             rollout_logprobs=w.record.rollout_logprobs,

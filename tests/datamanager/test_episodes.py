@@ -178,3 +178,29 @@ def test_a_task_may_declare_its_own_step_budget():
     assert episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)).step_cap == 4
     play(run, success=False)
     assert TaskStat.objects.get(run=run, task=task).step_cap == 4
+
+
+def test_a_model_output_with_nul_characters_is_stored_and_the_episode_goes_on():
+    """PostgreSQL refuses NUL in text and jsonb; an untrained policy's byte tokens decode to
+    it. The step is stored with U+FFFD in its place (on SQLite too, so both read the same)."""
+    from datamanager.models import Step, Trajectory
+    from datamanager.services import episodes
+    from tests.conftest import png_bytes
+    from tests.datamanager.factories import make_running_run, make_tasks
+
+    make_tasks(1)
+    run = make_running_run({})
+    claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+    episodes.step_record(
+        trajectory_id=claim.trajectory_id, index=0, screenshot_png=png_bytes(), width=160,
+        height=210, raw_output="Thought: \x00x\nAction: type(content='a\x00b')",
+        thought="\x00x", action={"type": "type", "text": "a\x00b"}, parse_error="",
+        prompt_tokens=10, response_tokens=5, rollout_logprobs=[], mean_entropy=0.5,
+        policy_version=0, env_ms=1.0, model_ms=1.0,
+    )  # fmt: skip
+    episodes.trajectory_finish(trajectory_id=claim.trajectory_id, status="failed", reward=0.0,
+                               details={"note": "\x00"})  # fmt: skip
+    step = Step.objects.get(trajectory_id=claim.trajectory_id)
+    assert step.raw_output == "Thought: \ufffdx\nAction: type(content='a\ufffdb')"
+    assert (step.thought, step.action["text"]) == ("\ufffdx", "a\ufffdb")
+    assert Trajectory.objects.get(pk=claim.trajectory_id).details == {"note": "\ufffd"}

@@ -303,7 +303,9 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
     _fill(run)
     training_loop._TRAINERS.clear()
     training_loop.train_for(run_id=run.pk, max_seconds=120)
-    job = EvalJob.objects.get(run=run)
+    baseline, job = EvalJob.objects.filter(run=run).order_by("policy_version")
+    # The starting policy first (the baseline the versions are compared against), then v1.
+    assert baseline.policy == str(tiny_policy_dir) and baseline.policy_version == 0
     assert job.policy == f"run:{run.pk}:v1" and job.policy_version == 1
     assert job.task_names == ["miniwob/held-out"] and job.k == 3 and job.total == 3
 

@@ -1,8 +1,8 @@
 """Read-only selectors for the dashboard. Aggregation happens in the database; lists page.
 
 Every function here is a plain read (no locks, no writes) and is safe from any process.
-Time series are bucketed in SQL (`dartboard.aggregates`) so a run with 10,000 trajectories and 200,000
-steps returns a few hundred rows, not the raw history.
+Time series are bucketed in SQL (`dartboard.aggregates`), so a run with 10,000 trajectories
+and 200,000 steps returns a few hundred rows, not the raw history.
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class TrajectoryFilter:
     policy_version: int | None = None
     in_pool: bool | None = None
     end: str = ""  # an END_REASONS value
-    env_error: bool | None = None  # ended in an environment error (dartboard.env_health)
+    env_error: bool | None = None  # ended in an environment error (aggregates.env_error_q)
     label: str = ""  # a FailureKind value, or "none" for unlabelled
     reward_min: float | None = None  # reward >= reward_min
     reward_max: float | None = None  # reward < reward_max

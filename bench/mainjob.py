@@ -135,6 +135,25 @@ def final_evaluation(run) -> dict:
     return out
 
 
+def _with_settings(run, changes: list[str]):
+    """The run with `changes` (KEY=JSON, dotted keys) applied and validated (an experiment
+    against make run's configuration)."""
+    from datamanager.config import RunConfig
+
+    config = run.config
+    for change in changes:
+        key, _, raw = change.partition("=")
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[leaf] = json.loads(raw)
+    run.config = RunConfig.from_dict(config).to_dict()
+    run.save(update_fields=["config"])
+    print(f"experiment: {', '.join(changes)}")
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
@@ -142,6 +161,13 @@ def main() -> None:
     ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
     ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
     ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an experiment: change one setting of the preset's run, e.g. tasks.instances=50",
+    )
     args = ap.parse_args()
     rows: list[dict] = []
     with PrivateStack(slots=args.slots, policy="shipped"):
@@ -154,6 +180,8 @@ def main() -> None:
         if wanted != args.slots:  # make run starts one env worker per slot
             raise SystemExit(f"the {args.preset} preset has {wanted} slots: use --slots {wanted}")
         run = prepare_main_run(write=print, preset=args.preset)
+        if args.set:
+            run = _with_settings(run, args.set)
         started = timezone.now()
         run_apply(run_id=run.pk, action="start")
         print(f"run {run.pk} started; a row every {args.every:g} min for {args.minutes:g} min\n")

@@ -33,6 +33,9 @@ def test_each_update_is_written_to_tensorboard_as_the_database_has_it(run_on_tin
     run = run_on_tiny
     _fill(run)
     training_loop._TRAINERS.clear()
+    # Writers are cached per run id in this process: an earlier test's run 1 (its directory
+    # gone) must not take this one's scalars.
+    exports._WRITERS.clear()
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     exports.exports_close(run.pk)
     update = TrainUpdate.objects.get(run=run)

@@ -16,6 +16,40 @@ import time
 from pathlib import Path
 
 
+def _browser(pw):
+    return pw.chromium.launch(
+        executable_path="/usr/bin/chromium",
+        args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--disable-background-networking"],
+    )  # fmt: skip
+
+
+def _log_in(page, *, base: str, user: str, password: str) -> None:
+    page.goto(f"{base}/accounts/login/")
+    page.fill("input[name=username]", user)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_load_state()
+
+
+def capture_run_chart(*, base: str, user: str, password: str, run_id: int, out: Path) -> Path:
+    """The run page's first chart, greedy success per version with its 95% interval, as the
+    PNG `out`."""
+    from playwright.sync_api import sync_playwright
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        _log_in(page, base=base, user=user, password=password)
+        page.goto(f"{base}/runs/{run_id}/")
+        page.wait_for_selector("#charts[data-loaded]", timeout=60000)
+        time.sleep(1.0)
+        page.locator("#chart-versions").screenshot(path=out)
+        browser.close()
+    return out
+
+
 def capture_pages(
     *,
     base: str,
@@ -63,19 +97,12 @@ def capture_pages(
     shots = review if review_only else shots + review
     saved = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path="/usr/bin/chromium",
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking"],
-        )  # fmt: skip
+        browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{base}/accounts/login/")
         page.screenshot(path=out / "login.png")
         saved.append(out / "login.png")
-        page.fill("input[name=username]", user)
-        page.fill("input[name=password]", password)
-        page.click("button[type=submit]")
-        page.wait_for_load_state()
+        _log_in(page, base=base, user=user, password=password)
         for name, url, wait in shots:
             page.goto(base + url)
             if wait:

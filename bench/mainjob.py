@@ -11,6 +11,10 @@ greedy evaluation (the run's own scheduled ones) on the training instances and o
 seeds, with the 95% interval. At the end it stops the run and evaluates the last version on
 both (unless its scheduled evaluation exists), so the final row compares it with version 0.
 Writes bench/results/mainjob.json.
+
+`--screenshot PATH` also serves the dashboard of the private stack (its URL and a login are
+printed, to watch the run live) and, at the end, saves the run page's success chart as PATH
+before the run stops (the README's picture).
 """
 
 from __future__ import annotations
@@ -154,6 +158,17 @@ def _with_settings(run, changes: list[str]):
     return run
 
 
+def _dashboard_login() -> tuple[str, str]:
+    """An admin of the private stack's dashboard (a fresh password each bench)."""
+    import secrets
+
+    from django.contrib.auth import get_user_model
+
+    password = secrets.token_urlsafe(12)
+    get_user_model().objects.create_superuser("bench", password=password)
+    return "bench", password
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
@@ -161,6 +176,8 @@ def main() -> None:
     ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
     ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
     ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
+    ap.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
+                    help="serve the dashboard too and save the run page's success chart here")  # fmt: skip
     ap.add_argument(
         "--set",
         action="append",
@@ -170,7 +187,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     rows: list[dict] = []
-    with PrivateStack(slots=args.slots, policy="shipped"):
+    with PrivateStack(slots=args.slots, policy="shipped", web=args.screenshot is not None) as stack:
         from django.utils import timezone
 
         from dartboard.main_job import main_run_config, prepare_main_run
@@ -183,8 +200,13 @@ def main() -> None:
         if args.set:
             run = _with_settings(run, args.set)
         started = timezone.now()
+        login = _dashboard_login() if args.screenshot else None
         run_apply(run_id=run.pk, action="start")
         print(f"run {run.pk} started; a row every {args.every:g} min for {args.minutes:g} min\n")
+        if login:
+            print(
+                f"dashboard: {stack.web_url}/runs/{run.pk}/ (user {login[0]}, password {login[1]})\n"
+            )
         since = started
         deadline = time.monotonic() + args.minutes * 60
         while time.monotonic() < deadline:
@@ -193,6 +215,13 @@ def main() -> None:
             rows.append(snapshot(run, since=since, until=now, started=started))
             print_row(rows[-1], header=len(rows) == 1)
             since = now
+        if args.screenshot:
+            from bench.capture import capture_run_chart
+
+            user, password = login
+            saved = capture_run_chart(base=stack.web_url, user=user, password=password,
+                                      run_id=run.pk, out=args.screenshot.resolve())  # fmt: skip
+            print(f"the run page's success chart: {saved}")
         from datamanager.services.runs import run_control
 
         run_control(run_id=run.pk, action="stop")

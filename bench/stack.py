@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
 
 class PrivateStack:
     ROUTER_PORT = 18100
+    WEB_PORT = 18000
 
     def __init__(
         self,
@@ -32,8 +33,12 @@ class PrivateStack:
         env: dict[str, str] | None = None,
         home: Path | None = None,
         database_url: str | None = None,
+        web: bool = False,
     ) -> None:
+        """`web`: also serve the dashboard at `self.web_url` (for screenshots)."""
         self.database_url = database_url  # None: SQLite under the private home
+        self.web = web
+        self.web_url = f"http://127.0.0.1:{self.WEB_PORT}"
         self.slots = slots
         self.policy_name = policy
         self.inference_workers = inference_workers
@@ -72,7 +77,7 @@ class PrivateStack:
         self.policy = str(policy_path(self.policy_name))
         specs = default_specs(
             host="127.0.0.1",
-            port=18000,
+            port=self.WEB_PORT,
             env_slots=self.slots,
             inference_policy=self.policy,
             inference_workers=self.inference_workers,
@@ -80,12 +85,17 @@ class PrivateStack:
         )
         # The supervisor watches the embedded Redis as the launcher does.
         self.supervisor = Supervisor(
-            home=self.home, specs=[s for s in specs if s.name != "web"], redis=self.redis
+            home=self.home,
+            specs=[s for s in specs if self.web or s.name != "web"],
+            redis=self.redis,
         )
         self.supervisor.start()
         if not wait_http(f"http://127.0.0.1:{self.ROUTER_PORT}/health", timeout=300):
             self.__exit__()
             raise SystemExit(f"the router did not come up; see {self.home / 'logs'}")
+        if self.web and not wait_http(f"{self.web_url}/health/", timeout=120):
+            self.__exit__()
+            raise SystemExit(f"the dashboard did not come up; see {self.home / 'logs'}")
         return self
 
     def __exit__(self, *exc: object) -> None:

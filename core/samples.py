@@ -69,6 +69,7 @@ class UpdateMetrics:
     logprob_gap_p99: float = 0.0
     logprob_gap_tokens: int = 0
     grad_norm: float = 0.0  # Gradient norm before clipping (last optimizer step).
+    lr: float = 0.0  # Learning rate of the optimizer steps (0: none taken).
     optimizer_steps: int = 0  # Optimizer steps taken (0: nothing to train).
     n_samples: int = 0  # Samples handed to the update.
     n_trained_steps: int = 0  # Steps that received policy-gradient signal.

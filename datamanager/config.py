@@ -223,7 +223,19 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    lr: float = knob(1e-5, "AdamW learning rate.")
+    lr: float = knob(1e-5, "AdamW learning rate (the peak, under a schedule).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = knob(
+        "constant",
+        "Learning rate over updates: constant, or after the warm-up a cosine or linear decay "
+        "to lr * lr_min_ratio over lr_decay_updates updates (then held there).",
+    )
+    lr_warmup_updates: int = knob(
+        0, "Updates over which the learning rate rises linearly from lr / N to lr (0: none)."
+    )
+    lr_decay_updates: int = knob(
+        0, "Updates after the warm-up over which a cosine or linear schedule decays."
+    )
+    lr_min_ratio: float = knob(0.1, "Where a decaying schedule ends, as a share of lr.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     grad_clip: float = knob(1.0, "Gradient norm clipping.")
     stale_serving_alert: int = knob(
@@ -286,6 +298,25 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(
+            self.lr_warmup_updates >= 0,
+            "lr_warmup_updates",
+            f"must be >= 0, got {self.lr_warmup_updates}",
+        )
+        if self.lr_schedule == "constant":
+            _unused_knob(self, "lr_decay_updates", "under a constant lr_schedule")
+            _unused_knob(self, "lr_min_ratio", "under a constant lr_schedule")
+        _check(
+            self.lr_decay_updates > 0 or self.lr_schedule == "constant",
+            "lr_decay_updates",
+            f"a {self.lr_schedule} schedule needs the updates it decays over (> 0), "
+            f"got {self.lr_decay_updates}",
+        )
+        _check(
+            0 < self.lr_min_ratio <= 1,
+            "lr_min_ratio",
+            f"must be in (0, 1] (a zero rate would stop training), got {self.lr_min_ratio}",
+        )
         _check(
             self.stale_serving_alert >= 0,
             "stale_serving_alert",

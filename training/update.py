@@ -68,6 +68,7 @@ class UpdateConfig:
     mini_batches: int = 1  # Optimizer steps per epoch (the batch split into this many parts).
     ppo_epochs: int = 1  # Passes over the batch; >1 makes pi_theta drift from pi_old.
     max_grad_norm: float = 1.0  # Gradient norm clipping before each optimizer step.
+    lr: float | None = None  # This update's learning rate (a schedule's); None: the optimizer's.
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -106,6 +107,9 @@ class UpdateConfig:
         check(self.mini_batches >= 1, f"mini_batches must be >= 1, got {self.mini_batches}")
         check(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
         check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        check(
+            self.lr is None or self.lr > 0, f"lr must be > 0 (None: the optimizer's), got {self.lr}"
+        )
 
     @property
     def pg_clip(self) -> tuple[float, float]:
@@ -543,6 +547,10 @@ def policy_update(
             metrics.is_weight_min = float(all_w.min())
             metrics.is_weight_max = float(all_w.max())
 
+    if config.lr is not None:
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = config.lr
+    metrics.lr = float(optimizer.param_groups[0]["lr"])
     sums = _StepTotals()
     for _epoch in range(config.ppo_epochs):
         for part in _chunks(order, config.mini_batches):

@@ -8,6 +8,8 @@ on the way to the code it is meant to change.
 
 from __future__ import annotations
 
+import math
+
 from core.imaging import ImageGeometry
 from core.lora import LoraSpec
 from datamanager.config import RunConfig, TrainerConfig
@@ -25,7 +27,10 @@ READ_ELSEWHERE: dict[str, str] = {
     "rollout.request_timeout_s": "workers.slot_worker (the policy client's timeout)",
     "rollout.inference_workers": "dartboard.launcher (inference workers started)",
     "rollout.backend": "dartboard.launcher (which inference server it starts)",
-    "trainer.lr": "workers.training_loop.get_trainer (the optimizer)",
+    "trainer.lr_schedule": "scheduled_lr below (each update's learning rate)",
+    "trainer.lr_warmup_updates": "scheduled_lr below",
+    "trainer.lr_decay_updates": "scheduled_lr below",
+    "trainer.lr_min_ratio": "scheduled_lr below",
     "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts and training_metrics (the run page)",
     "trainer.stale_serving_alert": "dartboard.viewmodels.run_alerts (the run page)",
     "trainer.left_out_alert": "dartboard.env_health.health_alerts (the run page)",
@@ -65,10 +70,28 @@ def lora_spec(trainer: TrainerConfig) -> LoraSpec | None:
     return LoraSpec(rank=trainer.lora_rank, alpha=trainer.lora_alpha, vision=trainer.lora_vision)
 
 
-def update_config(cfg: RunConfig) -> UpdateConfig:
-    """The trainer's knobs for one RL update of this run."""
+def scheduled_lr(trainer: TrainerConfig, updates_done: int) -> float:
+    """The learning rate of a run's next update, after `updates_done` updates (warm-start
+    updates count): a linear warm-up to `lr`, then constant, or a cosine or linear decay to
+    `lr * lr_min_ratio` over `lr_decay_updates` updates, held there afterwards."""
+    n = updates_done + 1
+    if n <= trainer.lr_warmup_updates:
+        return trainer.lr * n / trainer.lr_warmup_updates
+    if trainer.lr_schedule == "constant":
+        return trainer.lr
+    progress = min(1.0, (n - trainer.lr_warmup_updates - 1) / trainer.lr_decay_updates)
+    shape = (
+        (1 + math.cos(math.pi * progress)) / 2 if trainer.lr_schedule == "cosine" else 1 - progress
+    )
+    low = trainer.lr * trainer.lr_min_ratio
+    return low + (trainer.lr - low) * shape
+
+
+def update_config(cfg: RunConfig, *, updates_done: int) -> UpdateConfig:
+    """The trainer's knobs for one RL update of this run, the next after `updates_done`."""
     t, c = cfg.trainer, cfg.curation
     return UpdateConfig(
+        lr=scheduled_lr(t, updates_done),  # the optimizer starts at trainer.lr (get_trainer)
         loss_type=t.loss_type,
         aggregation=t.loss_aggregation,
         clip_low=t.clip_low,

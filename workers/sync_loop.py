@@ -67,7 +67,7 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
         run=run,
         trainer=trainer,
         batch=batch,
-        config=update_config(cfg),
+        config=update_config(cfg, updates_done=trainer.state.updates),
         kind="sync",
         publish=True,
         rolling=False,

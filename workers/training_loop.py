@@ -231,7 +231,7 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
             run=run,
             trainer=trainer,
             batch=batch,
-            config=update_config(cfg),
+            config=update_config(cfg, updates_done=trainer.state.updates),
             kind="rl",
             publish=(trainer.state.updates + 1) % cfg.trainer.checkpoint_every == 0,
         )
@@ -260,7 +260,9 @@ def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None
         run=run,
         trainer=trainer,
         batch=batch,
-        config=dataclasses.replace(update_config(cfg), bc_weight=1.0, kl_coef=0.0),
+        config=dataclasses.replace(
+            update_config(cfg, updates_done=trainer.state.updates), bc_weight=1.0, kl_coef=0.0
+        ),
         kind="warm_start",
         publish=trainer.state.updates + 1 >= cfg.trainer.warm_start_bc_updates,
     )

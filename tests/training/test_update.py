@@ -195,6 +195,30 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
     assert not torch.equal(p8, torch.cat([p.flatten() for p in base.parameters()]))
 
 
+def test_the_update_steps_with_its_scheduled_learning_rate() -> None:
+    """SGD moves the weights by lr * grad: the same batch at half the scheduled rate moves
+    them half as far, and the metrics record the rate used."""
+    base = tiny_lm(seed=1)
+    batch = with_rollout_logprobs(base, bandit_batch())
+    moves = {}
+    for lr in (0.2, 0.1):
+        model = copy.deepcopy(base)
+        metrics = policy_update(
+            model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            samples=batch, logprob_fn=toy_logprob_fn,
+            config=UpdateConfig(kl_coef=0.0, max_grad_norm=1e6, lr=lr),
+        )  # fmt: skip
+        assert metrics.lr == pytest.approx(lr)
+        moves[lr] = torch.cat(
+            [
+                (p - q).detach().flatten()
+                for p, q in zip(model.parameters(), base.parameters(), strict=True)
+            ]
+        )
+    assert moves[0.1].abs().sum() > 0
+    assert torch.allclose(moves[0.2], 2 * moves[0.1], atol=1e-6)
+
+
 def test_entropy_filter_groups_and_per_step_decisions() -> None:
     samples = [
         # task 1: two-step trajectory 10 (reward 1) vs trajectory 11 (reward 0)

@@ -4,6 +4,8 @@ that would do nothing under the chosen setting is refused with its field named."
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import typing
 from typing import Any, get_args
 
@@ -42,7 +44,7 @@ def other_value(hint: Any, value: Any) -> Any:
 
 
 def mapped_outputs(cfg: RunConfig) -> tuple[Any, Any]:
-    return update_config(cfg), episode_config(cfg, step_cap=5, seed=1)
+    return update_config(cfg, updates_done=0), episode_config(cfg, step_cap=5, seed=1)
 
 
 def with_field(path: str, value: Any) -> RunConfig:
@@ -96,6 +98,8 @@ def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -
         ({"rollout": {"language": "Chinese"}}, "rollout.language"),
         ({"trainer": {"lora_alpha": 16}}, "trainer.lora_alpha"),
         ({"trainer": {"lora_vision": True}}, "trainer.lora_vision"),
+        ({"trainer": {"lr_decay_updates": 40}}, "trainer.lr_decay_updates"),
+        ({"trainer": {"lr_min_ratio": 0.5}}, "trainer.lr_min_ratio"),
     ],
 )
 def test_a_knob_that_does_nothing_under_the_chosen_setting_is_refused(
@@ -125,3 +129,30 @@ def test_sharding_settings_that_cannot_work_are_refused(trainer: dict, message: 
     with pytest.raises(ConfigError, match=message) as caught:
         RunConfig.from_dict({"trainer": trainer})
     assert caught.value.path.startswith("trainer.")
+
+
+def test_the_learning_rate_follows_the_schedule_update_by_update() -> None:
+    """Warm-up, then cosine or linear decay to lr * lr_min_ratio, held after the horizon;
+    the update config carries it (the trainer sets its optimizer to it)."""
+    cosine = RunConfig.from_dict(
+        {"trainer": {"lr": 1e-4, "lr_schedule": "cosine", "lr_warmup_updates": 4,
+                     "lr_decay_updates": 10, "lr_min_ratio": 0.1}}
+    )  # fmt: skip
+    lrs = [update_config(cosine, updates_done=n).lr for n in range(20)]
+    assert lrs[:4] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4])
+    assert lrs[4] == pytest.approx(1e-4)  # the decay starts at the peak
+    assert lrs[9] == pytest.approx(1e-5 + 9e-5 * (1 + math.cos(math.pi / 2)) / 2)
+    assert lrs[14:] == pytest.approx([1e-5] * 6)  # held at the floor
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+    linear = RunConfig.from_dict(
+        {"trainer": {"lr": 1e-4, "lr_schedule": "linear", "lr_decay_updates": 4,
+                     "lr_min_ratio": 0.2}}
+    )  # fmt: skip
+    assert [update_config(linear, updates_done=n).lr for n in range(6)] == pytest.approx(
+        [1e-4, 8e-5, 6e-5, 4e-5, 2e-5, 2e-5]
+    )
+    constant = RunConfig.from_dict({"trainer": {"lr": 3e-5}})
+    assert update_config(constant, updates_done=500).lr == pytest.approx(3e-5)
+    with pytest.raises(ConfigError, match="needs the updates it decays over") as caught:
+        RunConfig.from_dict({"trainer": {"lr_schedule": "cosine"}})
+    assert caught.value.path == "trainer.lr_decay_updates"

@@ -55,8 +55,15 @@ def _greedy(run, scope: str, version: int | None = None) -> dict | None:
     if job is None or not job.scored:
         return None
     low, high = wilson_interval(job.ok, job.scored)
+    per_task = (
+        job.trajectories.filter(status__in=("succeeded", "failed"))
+        .values("task__name")
+        .annotate(ok=Count("pk", filter=Q(status="succeeded")), n=Count("pk"))
+        .order_by("task__name")
+    )
     return {"version": job.policy_version, "ok": job.ok, "scored": job.scored,
-            "rate": job.ok / job.scored, "low": low, "high": high}  # fmt: skip
+            "rate": job.ok / job.scored, "low": low, "high": high,
+            "tasks": {t["task__name"]: [t["ok"], t["n"]] for t in per_task}}  # fmt: skip
 
 
 def snapshot(run, *, since, until, started) -> dict:
@@ -230,6 +237,11 @@ def main() -> None:
         print("\nstopped; final greedy evaluations (version 0 and the last version):")
         for label, g in final.items():
             print(f"  {label}: {_fmt(g)}")
+            if g:
+                print(
+                    "    "
+                    + ", ".join(f"{t.split('/')[-1]} {ok}/{n}" for t, (ok, n) in g["tasks"].items())
+                )
         first = rows[-1]["first_rl_version_s"] if rows else None
         print(f"first RL version {first:.0f} s after the run started" if first else
               "no RL version was published")  # fmt: skip

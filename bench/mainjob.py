@@ -183,6 +183,8 @@ def main() -> None:
     ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
     ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
     ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
+    ap.add_argument("--demos", type=int, default=None, metavar="N",
+                    help="oracle demos per task in the experience pool (default: make run's)")  # fmt: skip
     ap.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
                     help="serve the dashboard too and save the run page's success chart here")  # fmt: skip
     ap.add_argument(
@@ -203,7 +205,8 @@ def main() -> None:
         wanted = len(main_run_config(args.preset).env.slots())
         if wanted != args.slots:  # make run starts one env worker per slot
             raise SystemExit(f"the {args.preset} preset has {wanted} slots: use --slots {wanted}")
-        run = prepare_main_run(write=print, preset=args.preset)
+        demos = {} if args.demos is None else {"demos_per_task": args.demos}
+        run = prepare_main_run(write=print, preset=args.preset, **demos)
         if args.set:
             run = _with_settings(run, args.set)
         started = timezone.now()

@@ -87,7 +87,13 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
     )
 
 
-def prepare_main_run(*, write, preset: str = "miniwob") -> Run:
+# Oracle demonstrations per task pre-collected into the experience pool (seeds 10000+).
+DEMOS_PER_TASK = 3
+
+
+def prepare_main_run(
+    *, write, preset: str = "miniwob", demos_per_task: int = DEMOS_PER_TASK
+) -> Run:
     """Everything before the workers start. `write` prints progress lines."""
     write("==> tiny policy")
     call_command("make_tiny_policy")
@@ -104,7 +110,7 @@ def prepare_main_run(*, write, preset: str = "miniwob") -> Run:
     write("==> oracle demonstrations for the experience pool")
     call_command(
         "collect_demos",
-        per_task=3,
+        per_task=demos_per_task,
         tasks=",".join(cfg.tasks.names),
         kinds=",".join(cfg.tasks.env_kinds),
         policy=cfg.policy,

@@ -277,6 +277,12 @@ class TrainerConfig:
         "reference is the base with the adapters off, no second copy).",
     )
     bc_weight: float = knob(0.0, "Weight of the behaviour-cloning loss on experience-pool demos.")
+    pool_mix_steps: int = knob(
+        0,
+        "Experience-pool demo steps (a new draw each update) mixed into every RL update and "
+        "trained by behaviour cloning at bc_weight, an anchor against forgetting what "
+        "pretraining taught (as InstructGPT's PPO-ptx mixes in pretraining data; 0: none).",
+    )
     warm_start_bc_updates: int = knob(0, "Behaviour-cloning updates on the pool before RL.")
     checkpoint_every: int = knob(1, "Publish a PolicyVersion every N updates.")
     max_updates: int = knob(0, "Stop after N updates (0: until stopped).")
@@ -302,6 +308,14 @@ class TrainerConfig:
             self.lr_warmup_updates >= 0,
             "lr_warmup_updates",
             f"must be >= 0, got {self.lr_warmup_updates}",
+        )
+        _check(
+            self.pool_mix_steps >= 0, "pool_mix_steps", f"must be >= 0, got {self.pool_mix_steps}"
+        )
+        _check(
+            self.pool_mix_steps == 0 or self.bc_weight > 0,
+            "pool_mix_steps",
+            "needs bc_weight > 0: mixed-in demos train only through the behaviour-cloning term",
         )
         if self.lr_schedule == "constant":
             _unused_knob(self, "lr_decay_updates", "under a constant lr_schedule")

@@ -38,6 +38,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.min_groups": "datamanager.services.batches.batch_collect",
     "trainer.max_steps_per_update": "datamanager.services.batches.batch_collect",
     "trainer.warm_start_bc_updates": "workers.training_loop (the warm start)",
+    "trainer.pool_mix_steps": "workers.training_loop (pool demos mixed into each RL update)",
     "trainer.checkpoint_every": "workers.training_loop (when a version is published)",
     "trainer.max_updates": "workers.training_loop.run_loop",
     "trainer.bf16": "workers.training_loop.get_trainer",

@@ -59,6 +59,13 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
         )
     if batch is None or not batch.samples:
         return True
+    batches.pool_mix(
+        batch=batch,
+        run=run,
+        cfg=cfg,
+        current_version=trainer.state.version,
+        seed=trainer.state.updates,
+    )
     run_set_message(
         run_id=run.pk, message=f"synchronous round: training on {len(batch.samples)} steps"
     )

@@ -226,7 +226,15 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
                 last_message = message
             time.sleep(1.0)
             return None
-        run_set_message(run_id=run.pk, message=f"training on {len(batch.samples)} steps")
+        mixed = batches.pool_mix(
+            batch=batch,
+            run=run,
+            cfg=cfg,
+            current_version=trainer.state.version,
+            seed=trainer.state.updates,
+        )
+        mix_note = f" (of them {mixed} experience-pool demo steps mixed in)" if mixed else ""
+        run_set_message(run_id=run.pk, message=f"training on {len(batch.samples)} steps{mix_note}")
         update_and_publish(
             run=run,
             trainer=trainer,

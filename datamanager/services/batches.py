@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from django.core.files.storage import default_storage
@@ -182,15 +183,28 @@ def batch_collect(*, run: Run, current_version: int, min_groups: int | None = No
     return batch
 
 
-def pool_batch(*, run: Run, cfg: RunConfig, current_version: int, seed: int) -> Batch | None:
-    """Demo samples from the experience pool of the run's tasks (behaviour-cloning warm start).
+def pool_batch(
+    *,
+    run: Run,
+    cfg: RunConfig,
+    current_version: int,
+    seed: int,
+    max_steps: int | None = None,
+    exclude: Collection[int] = (),
+) -> Batch | None:
+    """Demo samples from the experience pool of the run's tasks (the behaviour-cloning warm
+    start, and the demos mixed into RL updates).
 
-    Up to `max_steps_per_update` steps, a different shuffle per update (seeded)."""
+    Up to `max_steps` steps (default `max_steps_per_update`), a different shuffle per update
+    (seeded); the trajectories in `exclude` are left out."""
+    limit = cfg.trainer.max_steps_per_update if max_steps is None else max_steps
     task_ids = list(
         TaskStat.objects.filter(run=run, retired=False).values_list("task_id", flat=True)
     )
     demos = list(
-        Trajectory.objects.filter(task_id__in=task_ids, in_pool=True, rejected=False).order_by("pk")
+        Trajectory.objects.filter(task_id__in=task_ids, in_pool=True, rejected=False)
+        .exclude(pk__in=exclude)
+        .order_by("pk")
     )
     if not demos:
         return None
@@ -198,13 +212,33 @@ def pool_batch(*, run: Run, cfg: RunConfig, current_version: int, seed: int) -> 
     batch = Batch(samples=[], group_ids=[])
     for demo in demos:
         steps = list(demo.steps.order_by("index"))
-        if batch.samples and len(batch.samples) + len(steps) > cfg.trainer.max_steps_per_update:
+        if batch.samples and len(batch.samples) + len(steps) > limit:
             break
         # Each demo is its own group: no advantage signal, only the BC term trains.
         batch.samples += trajectory_samples(
             demo, steps, group_id=-demo.pk, cfg=cfg, is_demo=True, version_for_demo=current_version
         )
     return batch
+
+
+def pool_mix(*, batch: Batch, run: Run, cfg: RunConfig, current_version: int, seed: int) -> int:
+    """Add `trainer.pool_mix_steps` experience-pool demo steps to an RL batch (a new draw per
+    `seed`; demos already in the batch through a pool join are not drawn twice). Returns the
+    steps added."""
+    if not cfg.trainer.pool_mix_steps:
+        return 0
+    mix = pool_batch(
+        run=run,
+        cfg=cfg,
+        current_version=current_version,
+        seed=seed,
+        max_steps=cfg.trainer.pool_mix_steps,
+        exclude={s.trajectory_id for s in batch.samples},
+    )
+    if mix is None:
+        return 0
+    batch.samples += mix.samples
+    return len(mix.samples)
 
 
 @transaction.atomic

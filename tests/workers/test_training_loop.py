@@ -247,15 +247,11 @@ def _cfg(run):
     return RunConfig.from_dict(run.config)
 
 
-def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
-    tiny_policy_dir, tmp_path, settings
-):
+def _store_demos(tasks) -> None:
+    """One one-step oracle-style demo per task in the experience pool."""
     from datamanager.services.pool import DemoStep, demo_store
     from tests.conftest import png_bytes
 
-    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
-    tasks = make_tasks(2)
     for i, task in enumerate(tasks):
         demo_store(
             task=task,
@@ -272,6 +268,14 @@ def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
                 )
             ],
         )
+
+
+def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
+    tiny_policy_dir, tmp_path, settings
+):
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    torch.set_num_threads(2)
+    _store_demos(make_tasks(2))
     run = make_running_run(
         {
             "policy": str(tiny_policy_dir),
@@ -284,6 +288,34 @@ def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
     assert [u.metrics["kind"] for u in updates] == ["warm_start"] * 6
     assert updates[-1].metrics["bc_loss"] < updates[0].metrics["bc_loss"] * 0.8
     assert PolicyVersion.objects.get(run=run).version == 1  # published once, at the end
+
+
+def test_pool_demos_are_mixed_into_an_rl_update_and_behaviour_cloned(
+    tiny_policy_dir, tmp_path, settings
+):
+    """trainer.pool_mix_steps: the RL update also trains that many pool demo steps by
+    behaviour cloning (the groups still give the policy-gradient signal)."""
+    settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
+    torch.set_num_threads(2)
+    tasks = make_tasks(2)
+    _store_demos(tasks)
+    run = make_running_run(
+        {
+            "policy": str(tiny_policy_dir),
+            "curation": {"n_max": 2, "n_min": 2, "experience_pool": False},
+            "trainer": {"min_groups": 2, "kl_coef": 0.0, "max_updates": 1,
+                        "bc_weight": 0.5, "pool_mix_steps": 1},
+        }
+    )  # fmt: skip
+    _fill(run)
+    training_loop._TRAINERS.clear()
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    update = TrainUpdate.objects.get(run=run)
+    assert update.metrics["kind"] == "rl"
+    assert update.metrics["n_samples"] == 9 and update.metrics["n_demo_steps"] == 1
+    assert update.metrics["bc_loss"] > 0 and update.metrics["n_trained_steps"] > 0
+    trained = Step.objects.filter(trained_in_update=update)
+    assert trained.filter(trajectory__source="online").count() == 8
 
 
 def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, settings):

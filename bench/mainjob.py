@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 from bench.stack import PrivateStack  # noqa: E402
 
 
-def _greedy(run, scope: str, version: int | None = None) -> dict | None:
-    """The latest finished scheduled evaluation of `scope` (or of `version`): its version,
-    successes, episodes and 95% interval."""
+def _greedy(run, scope: str, version: int | None = None, k: int | None = None) -> dict | None:
+    """The latest finished scheduled evaluation of `scope` (or of `version`, with `k`
+    episodes per task): its version, successes, episodes and 95% interval."""
     from django.db.models import Count, Q
 
     from datamanager.eval_metrics import wilson_interval
@@ -42,6 +42,8 @@ def _greedy(run, scope: str, version: int | None = None) -> dict | None:
     jobs = EvalJob.objects.filter(run=run, scope=scope, status="finished")
     if version is not None:
         jobs = jobs.filter(policy_version=version)
+    if k is not None:
+        jobs = jobs.filter(k=k)
     job = (
         jobs.annotate(
             ok=Count("trajectories", filter=Q(trajectories__status="succeeded")),
@@ -121,9 +123,10 @@ def print_row(row: dict, *, header: bool) -> None:
           f"{sampled} | {_fmt(row['train'])} | {_fmt(row['heldout'])} |", flush=True)  # fmt: skip
 
 
-def final_evaluation(run) -> dict:
+def final_evaluation(run, *, heldout_k: int | None = None) -> dict:
     """Version 0 and the last version on the training instances and held-out seeds: the
-    scheduled job where it exists, else the same job run here, after the run stopped."""
+    scheduled job where it exists, else the same job run here, after the run stopped.
+    `heldout_k`: that many held-out seeds per task instead of the run's `heldout_k`."""
     from datamanager.config import RunConfig
     from datamanager.models import PolicyVersion
     from datamanager.services.evaluations import eval_job_create
@@ -136,13 +139,15 @@ def final_evaluation(run) -> dict:
         for scope, tasks, seed, k in scheduled_evaluations(cfg):
             if scope == "eval_split":
                 continue
-            if _greedy(run, scope, version) is None:
+            if scope == "heldout" and heldout_k:
+                k = heldout_k
+            if _greedy(run, scope, version, k) is None:
                 policy = f"run:{run.pk}:v{version}" if version else cfg.policy
                 job = eval_job_create(name=f"bench v{version} {scope}", policy=policy,
                                       tasks=tasks, k=k, seed=seed, run_id=run.pk,
                                       policy_version=version, scope=scope)  # fmt: skip
                 eval_job_run(job_id=job.pk)
-            out[f"v{version} {scope}"] = _greedy(run, scope, version)
+            out[f"v{version} {scope}"] = _greedy(run, scope, version, k)
     return out
 
 
@@ -183,6 +188,8 @@ def main() -> None:
     ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
     ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
     ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
+    ap.add_argument("--final-heldout-k", type=int, default=None, metavar="K",
+                    help="held-out seeds per task in the final evaluations (default: the run's)")  # fmt: skip
     ap.add_argument("--demos", type=int, default=None, metavar="N",
                     help="oracle demos per task in the experience pool (default: make run's)")  # fmt: skip
     ap.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
@@ -239,7 +246,7 @@ def main() -> None:
 
         run_control(run_id=run.pk, action="stop")
         time.sleep(10)
-        final = {} if args.no_final else final_evaluation(run)
+        final = {} if args.no_final else final_evaluation(run, heldout_k=args.final_heldout_k)
         print("\nstopped; final greedy evaluations (version 0 and the last version):")
         for label, g in final.items():
             print(f"  {label}: {_fmt(g)}")

@@ -446,6 +446,11 @@ class EvaluationConfig:
         "Also evaluate each scheduled version on the run's training instances (its tasks at "
         "the seeds of tasks.instances): the run page charts it per version.",
     )
+    train_instances_k: int = knob(
+        0,
+        "Evaluate the first K of each task's training instances (0: all tasks.instances), so a "
+        "run with many instances is still charted at a bounded cost.",
+    )
     heldout_k: int = knob(
         0,
         "Also evaluate each scheduled version on this many held-out seeds per training task, "
@@ -459,6 +464,9 @@ class EvaluationConfig:
         _check(1 <= self.k <= 64, "k", "must be between 1 and 64")
         _check(0 < self.slot_share <= 1, "slot_share", "must be in (0, 1]")
         _check(0 <= self.heldout_k <= 64, "heldout_k", "must be between 0 and 64")
+        _check(0 <= self.train_instances_k <= 64, "train_instances_k", "must be between 0 and 64")
+        if not self.train_instances:
+            _unused_knob(self, "train_instances_k", "with train_instances off")
         _check(self.heldout_seed >= 0, "heldout_seed", "must be >= 0")
 
 
@@ -489,6 +497,12 @@ class RunConfig:
             not self.evaluation.train_instances or self.tasks.instances > 0,
             "evaluation.train_instances",
             "the run has no fixed training instances: set tasks.instances (e.g. 10) or turn it off",
+        )
+        _check(
+            self.evaluation.train_instances_k <= self.tasks.instances,
+            "evaluation.train_instances_k",
+            f"the run has {self.tasks.instances} training instances per task; "
+            f"got {self.evaluation.train_instances_k}",
         )
         _check(
             self.evaluation.heldout_seed != INSTANCE_SEED_BASE + self.seed,

@@ -97,7 +97,8 @@ def eval_job_run(
 def scheduled_evaluations(cfg: RunConfig) -> list[tuple[str, list[Task], int, int]]:
     """(scope, tasks, seed base, k) of each evaluation a scheduled version gets: the eval
     split, the run's training instances (the seeds its groups cycle through,
-    `curation.group_seed`) and held-out seeds of the same tasks."""
+    `curation.group_seed`, or the first `train_instances_k` of them) and held-out seeds of
+    the same tasks."""
     plans: list[tuple[str, list[Task], int, int]] = []
     split = list(
         Task.objects.filter(split="eval", env_kind__in=cfg.tasks.env_kinds).order_by("name")
@@ -107,7 +108,8 @@ def scheduled_evaluations(cfg: RunConfig) -> list[tuple[str, list[Task], int, in
     trained = sorted(task_list(selection=cfg.tasks), key=lambda t: t.name)
     if trained and cfg.evaluation.train_instances:
         seed = INSTANCE_SEED_BASE + cfg.seed
-        plans.append((EvalScope.TRAIN_INSTANCES, trained, seed, cfg.tasks.instances))
+        k = cfg.evaluation.train_instances_k or cfg.tasks.instances
+        plans.append((EvalScope.TRAIN_INSTANCES, trained, seed, k))
     if trained and cfg.evaluation.heldout_k:
         plans.append(
             (EvalScope.HELDOUT, trained, cfg.evaluation.heldout_seed, cfg.evaluation.heldout_k)

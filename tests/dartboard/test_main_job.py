@@ -72,6 +72,27 @@ def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds(
     assert heldout.k == 3 and heldout.name.endswith("(held-out seeds)")
 
 
+def test_a_run_with_many_instances_evaluates_the_first_k_of_them():
+    tasks = _miniwob_tasks()[:2]
+    run = make_running_run(
+        {
+            "tasks": {"names": [t.name for t in tasks], "instances": 100},
+            "evaluation": {"every_n_versions": 1, "train_instances": True, "train_instances_k": 5},
+        }
+    )
+    (train,) = eval_schedule_baseline(run_id=run.pk)
+    assert train.k == 5 and train.total == 5 * len(tasks)
+    first_groups = {
+        group_seed(run_seed=0, group_pk=0, group_index=g, instances=100) for g in range(1, 6)
+    }
+    assert {train.seed * 1000 + i for i in range(train.k)} == first_groups
+    with pytest.raises(ConfigError, match="has 30 training instances per task; got 31"):
+        RunConfig.from_dict(
+            {"tasks": {"instances": 30},
+             "evaluation": {"train_instances": True, "train_instances_k": 31}}
+        )  # fmt: skip
+
+
 def test_greedy_success_per_version_is_charted_with_its_interval(ada_client):
     (task,) = _miniwob_tasks()[:1]
     run = make_running_run({"tasks": {"names": [task.name], "instances": 10}})

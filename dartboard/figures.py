@@ -255,8 +255,12 @@ def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     return _fig(
         "Greedy success per policy version (95% interval)",
         traces,
-        xaxis={"title": {"text": "policy version"}, "dtick": 1},
+        # Integer ticks that plotly spaces itself (one per version crowds after ~20); the
+        # legend goes below the axis title.
+        xaxis={"title": {"text": "policy version"}, "tickformat": "d", "rangemode": "tozero"},
         yaxis={"range": [0, 1.05], "tickformat": ".0%"},
+        margin={**_LAYOUT["margin"], "b": 60},
+        legend={"orientation": "h", "y": -0.32},
     )
 
 

@@ -259,7 +259,7 @@ def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any
         # legend goes below the axis title.
         xaxis={"title": {"text": "policy version"}, "tickformat": "d", "rangemode": "tozero"},
         yaxis={"range": [0, 1.05], "tickformat": ".0%"},
-        margin={**_LAYOUT["margin"], "b": 60},
+        margin={"l": 48, "r": 12, "t": 36, "b": 60},
         legend={"orientation": "h", "y": -0.32},
     )
 

@@ -180,7 +180,7 @@ def test_run_form_lists_every_setting_with_default_and_help(ada_client):
         for name in names:
             assert f'data-field="{name}"' in html, name
     row = field_errors(html, "trainer.lr")
-    assert "AdamW learning rate." in row and "Default: 1e-05" in row
+    assert "AdamW learning rate (the peak, under a schedule)." in row and "Default: 1e-05" in row
     assert 'value="0.28"' in field_errors(html, "trainer.clip_high")
     assert "checked" in field_errors(html, "curation.high_entropy")
 

@@ -7,9 +7,11 @@ is ~20 ms. Screenshots come from `scrot -o -` (PNG on stdout), measured 18 ms me
 Model actions arrive only as structured `Action`s and become fixed xdotool argv lists (no
 shell). Task setup comes only from `envmanager.desktop_tasks`. Each reset kills the previous
 task's app process groups, recreates the task's directory and runs the setup steps. Every
-app the policy drives runs in the desktop's bubblewrap sandbox (`envmanager.sandbox`: an
-unprivileged uid, no network, a clean environment, a tmpfs home, no view of the worker's
-files or secrets); Xvfb, openbox, xdotool and scrot are the platform's and run outside it.
+app the policy drives, and the window manager it clicks on, runs in the desktop's bubblewrap
+sandbox (`envmanager.sandbox`: a uid of its own, no network, a clean environment, a tmpfs
+home, no view of the worker's files or secrets). Xvfb runs outside it (demanding a cookie),
+and so do the platform's xdotool and scrot, with DISPLAY and XAUTHORITY as their only
+environment.
 
     env = DesktopEnv(); obs = env.reset(TaskSpec(name="desktop/double-click", env_kind="desktop",
                                                  env_config={"task": "desktop/double-click"}))
@@ -143,9 +145,16 @@ class DesktopEnv:
     def _start(self) -> None:
         try:
             self._x = XServer.start(width=WIDTH, height=HEIGHT, timeout_s=self.timeout_s)
-        except (XServerError, OSError, subprocess.SubprocessError) as exc:
+            self._jail = Sandbox(
+                task_dir=self._sandbox,
+                display=self._x.display,
+                xauth_cookie=self._x.cookie,
+                limits=self.limits,
+            )
+            self._x.start_wm(self._jail, timeout_s=self.timeout_s)
+        except (XServerError, SandboxUnavailable, OSError, subprocess.SubprocessError) as exc:
+            self.close()
             raise EnvUnavailable(f"desktop: cannot start Xvfb/openbox: {exc}") from exc
-        self._jail = Sandbox(task_dir=self._sandbox, display=self._x.display, limits=self.limits)
 
     def _stop_apps(self) -> None:
         for app in self._apps:
@@ -153,14 +162,14 @@ class DesktopEnv:
         self._apps = []
 
     def close(self) -> None:
-        """Stop the task's apps, openbox and Xvfb; safe to call twice."""
+        """Stop the task's apps, openbox and Xvfb, then free the sandbox; safe to call twice."""
         self._stop_apps()
-        if self._jail is not None:
-            self._jail.close()
-            self._jail = None
         if self._x is not None:
             self._x.stop()
             self._x = None
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None
         self._task_name = None
 
     def recreate(self) -> None:

@@ -1,7 +1,7 @@
 """A Dartboard X desktop with what an OSWorld VM's server does to it, for `osworld_server`.
 
-Xvfb + openbox (envmanager.xserver) at 1024x768, and every program the policy or a task
-runs inside the desktop's bubblewrap sandbox (envmanager.sandbox): uid 64999, no network,
+Xvfb (envmanager.xserver) at 1024x768, and the window manager and every program the policy
+or a task runs inside the desktop's bubblewrap sandbox (envmanager.sandbox): a uid of its own, no network,
 a clean environment, nothing of the host but /usr. The sandbox's home is /home/user (OSWorld
 VMs' user), a host directory that lives until the next `reset`; /tmp in the sandbox is
 private to each command. Read-only at /opt/dartboard: `bin/` (`python` for Debian's
@@ -13,7 +13,8 @@ python-xlib, pure Python, from requirements-sandbox.txt: OSWorld's pyautogui cod
 The server never opens an agent's file itself: reads, uploads and listings run in the
 sandbox too (`python3 -c` as the agent uid in its mount namespace), so a symlink to a host
 file points nowhere. Paths must lie under /home/user (`PathRefused` otherwise, a 403).
-xdotool and scrot (windows, screenshots) are the platform's, outside the sandbox.
+xdotool and scrot (windows, screenshots) are the platform's, outside the sandbox, with
+DISPLAY and XAUTHORITY as their only environment.
 
     desktop = OSWorldDesktop(); desktop.start(); desktop.reset()
     desktop.execute(["python", "-c", "import pyautogui; print(pyautogui.size())"])
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envmanager.desktop_tasks import DARTAPP
-from envmanager.sandbox import AGENT_GID, AGENT_UID, Sandbox, SandboxLimits
+from envmanager.sandbox import Sandbox, SandboxLimits
 from envmanager.xserver import XServer, _stop
 
 WIDTH, HEIGHT = 1024, 768
@@ -164,7 +165,6 @@ class OSWorldDesktop:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._x = XServer.start(width=self.width, height=self.height)
         tools = self._root / "tools"
         (tools / "bin").mkdir(parents=True)
         (tools / "site").mkdir()  # the mount point of site/ (a read-only parent cannot grow one)
@@ -178,15 +178,18 @@ class OSWorldDesktop:
             raise RuntimeError(
                 f"{site} has no pyautogui: `make install` installs requirements-sandbox.txt there"
             )
+        self._x = XServer.start(width=self.width, height=self.height)
         self._jail = Sandbox(
             task_dir=self._root / "home",
             display=self._x.display,
+            xauth_cookie=self._x.cookie,
             limits=self.limits,
             mount_at=VM_HOME,
             home=VM_HOME,
             ro_binds=((str(tools), TOOLS), (str(site), f"{TOOLS}/site")),
             extra_env=(("PYTHONPATH", f"{TOOLS}/site"), ("PATH", f"{TOOLS}/bin:/usr/bin:/bin")),
         )
+        self._x.start_wm(self._jail)
         self.reset()
 
     def reset(self) -> None:
@@ -196,16 +199,16 @@ class OSWorldDesktop:
         jail.prepare_task_dir()
         desktop = jail.task_dir / "Desktop"
         desktop.mkdir()
-        os.chown(desktop, AGENT_UID, AGENT_GID)
+        os.chown(desktop, jail.uid, jail.uid)
 
     def close(self) -> None:
         self._stop_apps()
-        if self._jail is not None:
-            self._jail.close()
-            self._jail = None
         if self._x is not None:
             self._x.stop()
             self._x = None
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None
         self._spawner.shutdown(wait=False)
         shutil.rmtree(self._root, ignore_errors=True)
 

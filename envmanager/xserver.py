@@ -1,23 +1,93 @@
-"""A private X display: Xvfb on a free display number plus the openbox window manager.
+"""A private X display: Xvfb on a free display number, and openbox inside the desktop's sandbox.
 
 Xvfb picks the display itself (`-displayfd`: it binds the first free :N and writes N to a
 pipe), so several desktops can start at once on one machine without racing on lock files.
+It demands a cookie (`-auth`: a random MIT-MAGIC-COOKIE-1 in a root-only file) and listens
+on its filesystem socket only (no TCP, no abstract socket): another desktop's sandbox sees
+neither the socket nor the cookie. Xvfb is the one process of a desktop outside the sandbox.
 
-    with XServer.start(width=800, height=600) as x:
-        subprocess.run(["xdotool", "getmouselocation"], env=x.environ())
+The window manager is what the policy clicks on first, so it runs in the sandbox (the
+desktop's uid and namespaces) with a configuration of its own (WM_RC): focus, raise, move,
+resize, maximize and close only; no keyboard bindings, no menus, no action that executes a
+program. Debian's default openbox configuration opens a menu on a right-click on the
+background whose first entry starts a terminal; the sandbox has no /etc/xdg to fall back on.
+
+The platform's own X clients (xdotool, scrot, xprop) run with `environ()`: DISPLAY,
+XAUTHORITY and PATH, nothing of the worker's environment.
+
+    x = XServer.start(width=800, height=600)
+    jail = Sandbox(task_dir=..., display=x.display, xauth_cookie=x.cookie)
+    x.start_wm(jail)
+    subprocess.run(["xdotool", "getmouselocation"], env=x.environ())
+    x.stop(); jail.close()
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import select
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.procutil import die_with_parent
+from envmanager.sandbox import xauth_record
+
+if TYPE_CHECKING:
+    from envmanager.sandbox import Sandbox
+
+WM_DIR = "/opt/dartboard-wm"  # where the window manager's configuration appears inside
+X_TOOLS_PATH = "/usr/bin:/bin"
+
+# openbox's whole configuration. Mouse bindings only: none shows a menu or executes anything;
+# <keyboard> is empty (alt+f2, ctrl+alt+t, alt+tab do nothing); the menu file is empty.
+WM_RC = f"""<?xml version="1.0" encoding="UTF-8"?>
+<openbox_config xmlns="http://openbox.org/3.4/rc">
+  <focus><focusNew>yes</focusNew><followMouse>no</followMouse></focus>
+  <placement><policy>Smart</policy></placement>
+  <theme><name>Clearlooks</name><titleLayout>LMC</titleLayout></theme>
+  <desktops><number>1</number></desktops>
+  <keyboard></keyboard>
+  <mouse>
+    <dragThreshold>1</dragThreshold>
+    <doubleClickTime>500</doubleClickTime>
+    <context name="Frame">
+      <mousebind button="Left" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
+    </context>
+    <context name="Client">
+      <mousebind button="Left" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
+      <mousebind button="Middle" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
+      <mousebind button="Right" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
+    </context>
+    <context name="Titlebar">
+      <mousebind button="Left" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
+      <mousebind button="Left" action="Drag"><action name="Move"/></mousebind>
+      <mousebind button="Left" action="DoubleClick"><action name="ToggleMaximize"/></mousebind>
+    </context>
+    <context name="Top"><mousebind button="Left" action="Drag"><action name="Resize"><edge>top</edge></action></mousebind></context>
+    <context name="Left"><mousebind button="Left" action="Drag"><action name="Resize"><edge>left</edge></action></mousebind></context>
+    <context name="Right"><mousebind button="Left" action="Drag"><action name="Resize"><edge>right</edge></action></mousebind></context>
+    <context name="Bottom"><mousebind button="Left" action="Drag"><action name="Resize"><edge>bottom</edge></action></mousebind></context>
+    <context name="BLCorner"><mousebind button="Left" action="Drag"><action name="Resize"/></mousebind></context>
+    <context name="BRCorner"><mousebind button="Left" action="Drag"><action name="Resize"/></mousebind></context>
+    <context name="TLCorner"><mousebind button="Left" action="Drag"><action name="Resize"/></mousebind></context>
+    <context name="TRCorner"><mousebind button="Left" action="Drag"><action name="Resize"/></mousebind></context>
+    <context name="Maximize"><mousebind button="Left" action="Click"><action name="ToggleMaximize"/></mousebind></context>
+    <context name="Close"><mousebind button="Left" action="Click"><action name="Close"/></mousebind></context>
+  </mouse>
+  <menu><file>{WM_DIR}/menu.xml</file></menu>
+</openbox_config>
+"""
+WM_MENU = """<?xml version="1.0" encoding="UTF-8"?>
+<openbox_menu xmlns="http://openbox.org/3.4/menu"></openbox_menu>
+"""
 
 
 class XServerError(RuntimeError):
@@ -26,17 +96,26 @@ class XServerError(RuntimeError):
 
 @dataclass
 class XServer:
-    """A running Xvfb + openbox pair, owned (and stopped) by this process."""
+    """A running Xvfb (and, once `start_wm` ran, its sandboxed openbox), owned by this process."""
 
     display: str
     width: int
     height: int
     xvfb: subprocess.Popen
-    wm: subprocess.Popen | None
+    cookie: bytes  # the display's MIT-MAGIC-COOKIE-1
+    private_dir: Path  # root-only: the server's auth file and the WM configuration
+    wm: subprocess.Popen | None = None
 
     @classmethod
     def start(cls, *, width: int, height: int, timeout_s: float = 10.0) -> XServer:
-        """Start Xvfb on a free display and openbox on it; raise XServerError on failure."""
+        """Start Xvfb on a free display, demanding a fresh cookie; raise XServerError."""
+        private_dir = Path(tempfile.mkdtemp(prefix="dartboard-x-"))
+        os.chmod(private_dir, 0o711)  # the sandbox's bwrap reaches the WM files by name
+        cookie = secrets.token_bytes(16)
+        auth = private_dir / "xvfb.auth"
+        fd = os.open(auth, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(xauth_record(cookie))
         read_fd, write_fd = os.pipe()
         try:
             xvfb = subprocess.Popen(
@@ -47,11 +126,16 @@ class XServer:
                     "-screen",
                     "0",
                     f"{width}x{height}x24",
+                    "-auth",
+                    str(auth),
                     "-nolisten",
                     "tcp",
+                    "-nolisten",
+                    "local",  # the abstract socket: reachable from any process on the host
                     "-noreset",
                 ],
                 pass_fds=(write_fd,),
+                env={"PATH": X_TOOLS_PATH},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
@@ -63,27 +147,40 @@ class XServer:
             number = _read_display_number(read_fd=read_fd, timeout_s=timeout_s)
         except XServerError:
             _stop(xvfb)
+            shutil.rmtree(private_dir, ignore_errors=True)
             raise
         finally:
             os.close(read_fd)
-        server = cls(display=f":{number}", width=width, height=height, xvfb=xvfb, wm=None)
-        server.wm = subprocess.Popen(
-            ["openbox", "--sm-disable"],
-            env=server.environ(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
+        return cls(
+            display=f":{number}",
+            width=width,
+            height=height,
+            xvfb=xvfb,
+            cookie=cookie,
+            private_dir=private_dir,
         )
-        server._wait_for_wm(timeout_s=timeout_s)
-        return server
+
+    def start_wm(self, jail: Sandbox, *, timeout_s: float = 10.0) -> None:
+        """Start openbox inside `jail` with WM_RC and wait until it manages the screen."""
+        wm_dir = self.private_dir / "wm"
+        wm_dir.mkdir(mode=0o755, exist_ok=True)
+        (wm_dir / "rc.xml").write_text(WM_RC)
+        (wm_dir / "menu.xml").write_text(WM_MENU)
+        for name in ("rc.xml", "menu.xml"):
+            os.chmod(wm_dir / name, 0o644)
+        self.wm = jail.popen(
+            ["openbox", "--sm-disable", "--config-file", f"{WM_DIR}/rc.xml"],
+            extra_ro_binds=((str(wm_dir), WM_DIR),),
+        )
+        self._wait_for_wm(timeout_s=timeout_s)
 
     def environ(self) -> dict[str, str]:
-        """os.environ with DISPLAY pointing at this server (for child processes)."""
-        env = dict(os.environ)
-        env["DISPLAY"] = self.display
-        env.pop("WAYLAND_DISPLAY", None)
-        return env
+        """The environment of the platform's X clients: this display and its cookie only."""
+        return {
+            "DISPLAY": self.display,
+            "XAUTHORITY": str(self.private_dir / "xvfb.auth"),
+            "PATH": X_TOOLS_PATH,
+        }
 
     @property
     def alive(self) -> bool:
@@ -109,10 +206,11 @@ class XServer:
         raise XServerError(f"openbox did not start on {self.display} within {timeout_s}s")
 
     def stop(self) -> None:
-        """Stop openbox and Xvfb (by their own pids / process groups)."""
+        """Stop openbox and Xvfb (by their own pids / process groups), drop the cookie."""
         if self.wm is not None:
             _stop(self.wm)
         _stop(self.xvfb)
+        shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def __enter__(self) -> XServer:
         return self

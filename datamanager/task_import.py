@@ -18,7 +18,9 @@ A file holding one OSWorld task object (`evaluation_examples/examples/<app>/<id>
 becomes one task named `osworld/<id>` of env_kind `osworld`, the whole object kept as
 env_config {"osworld": {...}}, tagged `osworld` and its related apps, split train. Everything
 Dartboard cannot run in it (a setup step type, a metric func, a getter type the wheel's
-loaded modules lack) is listed with the file and field, and the file imports nothing.
+loaded modules lack; a metric refused because it would run the agent's content in the env
+worker, named with why; a cache file name that is a path) is listed with the file and
+field, and the file imports nothing.
 `read_task_path` reads a directory as all its *.json files (OSWorld's layout).
 """
 

@@ -12,6 +12,13 @@ Infeasible tasks: success iff the episode's last action was `call_user` (OSWorld
 envmanager.osworld_actions). On any other task, ending with call_user scores 0, as in
 OSWorld.
 
+Metrics run here, in the env worker, outside the sandbox: a metric the wheel module defines
+but Dartboard refuses (one that would import, run or write the agent's content on the host:
+envmanager.osworld_wheel.REFUSED_METRICS), a getter or execute step whose cache file name is
+a path, is refused before anything of the evaluator runs, as EnvUnavailable naming it and
+why. The task importer refuses such a task first; this is the second line, for a task
+stored before the refusal existed or written to the database by other means.
+
 A getter or metric that raises (the VM did not answer, a malformed option) is not a score:
 `evaluate_task` raises EnvUnavailable naming the func and the reason, and the episode ends
 as an environment error on its trajectory and slot, never as reward 0.
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.protocol import ActionType, EnvUnavailable, Evaluation
-from envmanager.osworld_wheel import INFEASIBLE, wheel
+from envmanager.osworld_wheel import INFEASIBLE, getter_refusal, setup_step_refusal, wheel
 
 
 @dataclass
@@ -48,10 +55,37 @@ def _listify(value: Any, n: int) -> list[Any]:
     return value if isinstance(value, list) else [value] * n
 
 
+def _refuse_unsafe(evaluator: dict[str, Any]) -> None:
+    """Raise EnvUnavailable if any part of `evaluator` may not run in this process."""
+    w = wheel()
+    funcs = evaluator.get("func")
+    for name in funcs if isinstance(funcs, list) else [funcs]:
+        if name == INFEASIBLE:
+            continue
+        if name in w.refused_metrics:
+            raise EnvUnavailable(
+                f"osworld evaluator: metric {name!r} is refused: {w.refused_metrics[name]}"
+            )
+        if name not in w.metrics:
+            raise EnvUnavailable(f"osworld evaluator: unknown metric func {name!r}")
+    for key in ("result", "expected"):
+        configs = evaluator.get(key)
+        for config in configs if isinstance(configs, list) else [configs]:
+            if isinstance(config, dict) and (why := getter_refusal(config)):
+                raise EnvUnavailable(f"osworld evaluator: {key} getter refused: {why}")
+    for step in evaluator.get("postconfig") or []:
+        if not isinstance(step, dict) or step.get("type") not in ("execute", "command"):
+            continue
+        parameters = step.get("parameters")
+        if isinstance(parameters, dict) and (why := setup_step_refusal(parameters)):
+            raise EnvUnavailable(f"osworld evaluator: postconfig step refused: {why}")
+
+
 def evaluate_task(
     evaluator: dict[str, Any], *, env: WheelEnv, last_action: ActionType | None
 ) -> Evaluation:
     """Score the VM's current state with the task's evaluator (see the module docstring)."""
+    _refuse_unsafe(evaluator)
     postconfig = evaluator.get("postconfig") or []
     if postconfig:
         try:

@@ -14,7 +14,9 @@ A task file holds one object:
 `osworld_task_problems(data)` lists what Dartboard cannot run, each as (field, reason): a
 setup step type the wheel's SetupController has no `_<type>_setup` for, a metric func or a
 getter type not among the wheel's modules Dartboard loads (envmanager.osworld_wheel), a
-missing or mistyped field. Keys Dartboard does not read (snapshot, source, trajectory,
+metric those modules define that would run the agent's content in the env worker (refused
+with its name and why: envmanager.osworld_wheel.REFUSED_METRICS), a cache file name that
+is a path (a getter's `dest`, an execute step's `stdout`), a missing or mistyped field. Keys Dartboard does not read (snapshot, source, trajectory,
 proxy, ...) are kept as they are: the whole object is stored in the task's env_config.
 
     .venv/bin/python -c "import json,sys; from envmanager.osworld_tasks import osworld_task_problems as p; \
@@ -25,7 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from envmanager.osworld_wheel import GETTER_MODULES, INFEASIBLE, METRIC_MODULES, wheel
+from envmanager.osworld_wheel import (
+    GETTER_MODULES,
+    INFEASIBLE,
+    METRIC_MODULES,
+    getter_refusal,
+    setup_step_refusal,
+    wheel,
+)
 
 Problem = tuple[str, str]  # (field path, reason)
 
@@ -52,8 +61,11 @@ def _steps(steps: Any, field: str, setup_types: frozenset[str]) -> list[Problem]
                     f"SetupController has: {', '.join(sorted(setup_types))})",
                 )
             )
-        if not isinstance(step.get("parameters", {}), dict):
+        parameters = step.get("parameters", {})
+        if not isinstance(parameters, dict):
             problems.append((f"{where}.parameters", "must be an object"))
+        elif step["type"] in ("execute", "command") and (why := setup_step_refusal(parameters)):
+            problems.append((f"{where}.parameters", why))
     return problems
 
 
@@ -70,7 +82,8 @@ def _getter(config: Any, field: str, getters: dict[str, Any]) -> list[Problem]:
                 f"desktop_env.evaluators.getters.{{{', '.join(GETTER_MODULES)}}})",
             )
         ]
-    return []
+    why = getter_refusal(config)
+    return [(field, why)] if why else []
 
 
 def osworld_task_problems(data: dict[str, Any]) -> list[Problem]:
@@ -97,7 +110,9 @@ def osworld_task_problems(data: dict[str, Any]) -> list[Problem]:
         return [*problems, ("evaluator.func", "must be a metric name or a list of them")]
     for i, name in enumerate(funcs):
         where = "evaluator.func" if not isinstance(func, list) else f"evaluator.func[{i}]"
-        if name not in w.metrics:
+        if name in w.refused_metrics:
+            problems.append((where, f"metric {name!r} is refused: {w.refused_metrics[name]}"))
+        elif name not in w.metrics:
             problems.append(
                 (
                     where,

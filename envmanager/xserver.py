@@ -2,9 +2,14 @@
 
 Xvfb picks the display itself (`-displayfd`: it binds the first free :N and writes N to a
 pipe), so several desktops can start at once on one machine without racing on lock files.
-It demands a cookie (`-auth`: a random MIT-MAGIC-COOKIE-1 in a root-only file) and listens
-on its filesystem socket only (no TCP, no abstract socket): another desktop's sandbox sees
-neither the socket nor the cookie. Xvfb is the one process of a desktop outside the sandbox.
+It demands a cookie (`-auth`: a random MIT-MAGIC-COOKIE-1 in a root-only file) and listens on
+no TCP port. Its abstract socket stays: abstract sockets belong to a network namespace, and
+every sandbox has its own, so no desktop reaches another's; on the host it is what makes
+Xvfb skip a display number whose abstract name another process holds (clients try the
+abstract socket first: with `-nolisten local` they would hand our cookie to a squatter, seen
+when two Xvfbs in different mount namespaces both took :0). A sandbox sees its own display's
+filesystem socket and an agent copy of the cookie, never another display's. Xvfb is the one
+process of a desktop outside the sandbox.
 
 The window manager is what the policy clicks on first, so it runs in the sandbox (the
 desktop's uid and namespaces) with a configuration of its own (WM_RC): focus, raise, move,
@@ -58,9 +63,6 @@ WM_RC = f"""<?xml version="1.0" encoding="UTF-8"?>
   <mouse>
     <dragThreshold>1</dragThreshold>
     <doubleClickTime>500</doubleClickTime>
-    <context name="Frame">
-      <mousebind button="Left" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
-    </context>
     <context name="Client">
       <mousebind button="Left" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
       <mousebind button="Middle" action="Press"><action name="Focus"/><action name="Raise"/></mousebind>
@@ -130,8 +132,6 @@ class XServer:
                     str(auth),
                     "-nolisten",
                     "tcp",
-                    "-nolisten",
-                    "local",  # the abstract socket: reachable from any process on the host
                     "-noreset",
                 ],
                 pass_fds=(write_fd,),

@@ -15,6 +15,7 @@ import requests
 from PIL import Image
 
 from envmanager.osworld_wheel import wheel
+from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
 from tests.osworld_desktop import PLANTED_SECRET
 
 pytestmark = [pytest.mark.desktop]
@@ -120,9 +121,9 @@ def test_execute_sees_no_secret_and_no_network(controller, osworld_desktop):
     answer = controller.run_python_script(probe)
     assert answer["status"] == "success", answer
     out = json.loads(answer["output"])
-    assert out["uid"] == 64999
+    assert AGENT_UID_BASE <= out["uid"] < AGENT_UID_BASE + AGENT_UID_COUNT
     assert PLANTED_SECRET not in answer["output"]
-    assert set(out["env"]) <= {"DISPLAY", "HOME", "PATH", "LANG", "PYTHONPATH", "PWD"}
+    assert set(out["env"]) <= {"DISPLAY", "XAUTHORITY", "HOME", "PATH", "LANG", "PYTHONPATH", "PWD"}
     assert (
         out[str(listener.getsockname()[1])] != "open" and out[str(osworld_desktop.port)] != "open"
     )

@@ -11,6 +11,7 @@ import pytest
 
 from core.protocol import TaskSpec
 from envmanager.miniwob_env import MiniWoBEnv, miniwob_html_dir
+from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
 
 pytestmark = pytest.mark.browser
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def test_the_miniwob_browser_is_sandboxed(monkeypatch) -> None:
         own_net = os.readlink("/proc/self/ns/net")
         for proc in renderers:
             pid = proc.pid
-            assert proc.uids().real == 64999
+            assert AGENT_UID_BASE <= proc.uids().real < AGENT_UID_BASE + AGENT_UID_COUNT
             with open(f"/proc/{pid}/environ", "rb") as f:  # bwrap's own too: it is pid 1 there
                 environ = f.read()
             assert b"dartboard-test-secret" not in environ and b"DATABASE_URL" not in environ

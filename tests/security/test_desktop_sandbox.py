@@ -19,6 +19,7 @@ import pytest
 from core.protocol import Action, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.desktop_tasks import read_task_file
+from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
 
 pytestmark = [pytest.mark.desktop, pytest.mark.slow]
 
@@ -57,7 +58,7 @@ def test_the_shell_sees_no_secret_of_the_worker(shell: DesktopEnv, tmp_path) -> 
     out = type_command(shell, "env > env.txt; echo END >> env.txt", wait_for="env.txt")
     names = {line.split("=", 1)[0] for line in out.splitlines() if "=" in line}
     assert SECRET not in out
-    assert names <= {"DISPLAY", "HOME", "PATH", "LANG", "PWD", "OLDPWD", "SHLVL", "_", "TERM",
+    assert names <= {"DISPLAY", "XAUTHORITY", "HOME", "PATH", "LANG", "PWD", "OLDPWD", "SHLVL", "_", "TERM",
                      "WINDOWID", "XTERM_VERSION", "XTERM_SHELL", "XTERM_LOCALE", "COLUMNS",
                      "LINES"}  # fmt: skip
     out = type_command(
@@ -70,7 +71,7 @@ def test_the_shell_sees_no_secret_of_the_worker(shell: DesktopEnv, tmp_path) -> 
     assert f"{tmp_path}/secret_key: No such file or directory" in out
     assert f"{CHECKOUT}/README.md: No such file or directory" in out
     assert "work" not in out.split() and "root" not in out.split()
-    assert "64999" in out.split()  # not root
+    assert str(shell._jail.uid) in out.split()  # the desktop's own uid, not root
 
 
 def test_the_shell_cannot_reach_a_server_on_this_host(shell: DesktopEnv) -> None:
@@ -156,4 +157,4 @@ def _is_agents_sleep(pid: str) -> bool:
     except OSError:
         return False
     uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
-    return uid_line.split()[1] == "64999" and cmdline.startswith(b"sleep\x001000")
+    return AGENT_UID_BASE <= int(uid_line.split()[1]) < AGENT_UID_BASE + AGENT_UID_COUNT and cmdline.startswith(b"sleep\x001000")

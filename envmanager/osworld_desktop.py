@@ -118,6 +118,7 @@ class CommandResult:
     output: str
     error: str
     returncode: int
+    truncated: bool = False  # output passed the sandbox's cap: cut, and the command killed
 
 
 def vm_path(raw: str) -> str:
@@ -241,6 +242,7 @@ class OSWorldDesktop:
             output=done.stdout.decode(errors="replace"),
             error=done.stderr.decode(errors="replace"),
             returncode=done.returncode,
+            truncated=done.truncated,
         )
 
     def launch(self, command: list[str] | str) -> None:

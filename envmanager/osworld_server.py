@@ -38,20 +38,28 @@ network, a clean environment (DISPLAY, HOME, PATH, LANG, PYTHONPATH), nothing of
 server's environment. /file, /setup/upload and /list_directory reach only /home/user (403
 for a path outside it) and read or write as the sandboxed agent.
 
-Every route needs the service token: OSWorld's client builds `http://{vm_ip}:{port}` and
+Every route needs this desktop's own token (DARTBOARD_DESKTOP_TOKEN: the workers derive
+one per desktop address, so a token read inside one desktop opens no other): OSWorld's client builds `http://{vm_ip}:{port}` and
 sends no header of its own, so it is given `vm_ip="dartboard:<token>@127.0.0.1"` and
 `requests` sends the URL's userinfo as HTTP Basic auth (password = token; `<token>@host`
 alone sends nothing: requests takes userinfo only with a password part).
-`Authorization: Bearer <token>` works too. Anything else is a 401. Bodies are capped at
-70 MiB.
+`Authorization: Bearer <token>` works too. Anything else is a 401, answered from the headers
+alone: the body an unauthenticated client declares is never read (the connection is closed
+instead), so a stranger cannot make the server read 70 MiB. Bodies are capped at 70 MiB.
 
-    DARTBOARD_SERVICE_TOKEN=... .venv/bin/python -m envmanager.osworld_server --port 5000
+At most MAX_CONNECTIONS connections are served at once, each on its own thread; one more is
+answered 503 by the accepting thread and closed at once, so idle or slow connections cannot
+grow the server's threads without bound (OSWorld's client opens one connection a request).
+
+    DARTBOARD_DESKTOP_TOKEN=$(python -m rollout.auth desktop:HOST:PORT) \\
+        .venv/bin/python -m envmanager.osworld_server --port 5000
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import email.parser
 import email.policy
 import hmac
@@ -60,6 +68,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,6 +78,7 @@ from urllib.parse import parse_qs
 
 from envmanager.osworld_desktop import (
     VM_HOME,
+    CommandResult,
     DesktopFileError,
     OSWorldDesktop,
     PathRefused,
@@ -78,6 +88,28 @@ from envmanager.osworld_desktop import (
 log = logging.getLogger("dartboard.osworld_server")
 
 MAX_BODY_BYTES = 70 * 1024 * 1024  # a 64 MiB upload plus its multipart envelope
+# OSWorld's client sends one request at a time per desktop; 16 leaves room for a person's
+# probe or two while bounding what idle connections can cost (a thread and 120 s each).
+MAX_CONNECTIONS = 16
+_BUSY = json.dumps(
+    {
+        "status": "error",
+        "message": f"the desktop server is busy: it serves at most {MAX_CONNECTIONS} "
+        "connections at once; retry",
+    }
+).encode()
+BUSY_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)
+)
+# What /execute, /run_python and /run_bash_script add (to "error", or to "output" where
+# stderr is merged into it) when the sandbox cut a command's output, with "truncated": true
+# (a key OSWorld's server does not send: it appears only then, so the usual answer keeps
+# OSWorld's exact shape).
+OUTPUT_CUT = (
+    "[dartboard: the command's output passed the sandbox's cap: it was cut there and the "
+    "command was killed]"
+)
 NOT_HERE = {
     "/accessibility": "no accessibility tree on a Dartboard desktop (no AT-SPI bus)",
     "/wallpaper": "a Dartboard desktop has no wallpaper (openbox draws none)",
@@ -97,20 +129,27 @@ class Refused(Exception):
 
 
 def token_matches(header: str | None, token: str) -> bool:
-    """Basic auth whose user (or password) is the token, or a Bearer token."""
+    """Basic auth whose user (or password) is the token, or a Bearer token.
+
+    Compared as bytes, never as text: http.server decodes header lines as latin-1, so
+    `header.encode("latin-1")` is what came on the wire, and any byte a client sends (a
+    non-ASCII Authorization header) is a mismatch, never an exception."""
     if not header:
         return False
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer":
-        return hmac.compare_digest(value.strip().encode(), token.encode())
-    if scheme.lower() == "basic":
+    want = token.encode("utf-8", "surrogateescape")  # how os.environ keeps undecodable bytes
+    try:
+        raw = header.encode("latin-1")
+    except UnicodeEncodeError:  # not from http.server's parser: no byte string it came from
+        return False
+    scheme, _, value = raw.partition(b" ")
+    if scheme.lower() == b"bearer":
+        return hmac.compare_digest(value.strip(), want)
+    if scheme.lower() == b"basic":
         try:
-            user, _, password = base64.b64decode(value.strip()).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
+            user, _, password = base64.b64decode(value.strip(), validate=True).partition(b":")
+        except ValueError:  # binascii.Error: not base64
             return False
-        return hmac.compare_digest(user.encode(), token.encode()) or hmac.compare_digest(
-            password.encode(), token.encode()
-        )
+        return hmac.compare_digest(user, want) | hmac.compare_digest(password, want)
     return False
 
 
@@ -133,7 +172,9 @@ class Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         try:
             if not token_matches(self.headers.get("Authorization"), self.server.token):
-                self._body()  # drain it, so the connection can be reused
+                # Decided on the headers alone: the declared body is never read (a stranger
+                # could declare 70 MiB), and the unread body makes the connection unusable.
+                self.close_connection = True
                 raise Refused(401, {"error": "a valid service token is required"})
             route = ROUTES.get((method, self.path.split("?")[0]))
             if route is None:
@@ -163,6 +204,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if status == 401:
             self.send_header("WWW-Authenticate", 'Basic realm="dartboard-desktop"')
+        if self.close_connection:  # the client must not send another request on it
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -176,6 +219,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
+            self.close_connection = True  # where its body ends is unknown
             raise Refused(400, {"error": "Content-Length must be an integer"}) from None
         if length < 0 or length > MAX_BODY_BYTES:
             self.close_connection = True
@@ -235,14 +279,26 @@ def _command(data: dict[str, Any]) -> tuple[list[str] | str, bool]:
     return command, shell
 
 
+def _cut(text: str, result: CommandResult) -> str:
+    """`text` with OUTPUT_CUT after it when the sandbox cut the command's output."""
+    if not result.truncated:
+        return text
+    separator = "\n" if text and not text.endswith("\n") else ""
+    return f"{text}{separator}{OUTPUT_CUT}\n"
+
+
+def _truncated(result: CommandResult) -> dict[str, bool]:
+    return {"truncated": True} if result.truncated else {}
+
+
 def execute(h: Handler) -> Answer:
     command, shell = _command(h.json())
     try:
         result = h.desktop.execute(command, shell=shell)
     except subprocess.TimeoutExpired as exc:
         return 500, {"status": "error", "message": f"timed out after {exc.timeout:g} s"}, None
-    body = {"status": "success", "output": result.output, "error": result.error}
-    return 200, body | {"returncode": result.returncode}, None
+    body = {"status": "success", "output": result.output, "error": _cut(result.error, result)}
+    return 200, body | {"returncode": result.returncode} | _truncated(result), None
 
 
 def run_python(h: Handler) -> Answer:
@@ -254,9 +310,8 @@ def run_python(h: Handler) -> Answer:
     except subprocess.TimeoutExpired:
         body = {"status": "error", "message": "Execution timeout: Code took too long to execute"}
         return 500, body | {"error": "TimeoutExpired", "need_more": False, "output": None}, None
-    message = result.output + (
-        ("\n" if result.output else "") + result.error if result.error else ""
-    )
+    error = _cut(result.error, result)
+    message = result.output + (("\n" if result.output else "") + error if error else "")
     return (
         200,
         {
@@ -264,9 +319,10 @@ def run_python(h: Handler) -> Answer:
             "message": message,
             "need_more": False,
             "output": result.output,
-            "error": result.error,
+            "error": error,
             "return_code": result.returncode,
-        },
+        }
+        | _truncated(result),
         None,
     )
 
@@ -292,11 +348,8 @@ def run_bash_script(h: Handler) -> Answer:
         body = {"status": "error", "output": f"Script execution timed out after {timeout} seconds"}
         return 500, body | {"error": "", "returncode": -1}, None
     status = "success" if result.returncode == 0 else "error"
-    return (
-        200,
-        {"status": status, "output": result.output, "error": "", "returncode": result.returncode},
-        None,
-    )
+    body = {"status": status, "output": _cut(result.output, result), "error": ""}
+    return 200, body | {"returncode": result.returncode} | _truncated(result), None
 
 
 def launch(h: Handler) -> Answer:
@@ -430,14 +483,47 @@ ROUTES = {
 
 
 class OSWorldHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them (see the module docstring)."""
+
     daemon_threads = True
+    # The kernel's queue of connections not yet accepted. socketserver's 5 drops a burst's
+    # handshakes (seen: 1 s connect retries at the 7th idle connection); accepting is cheap
+    # now that a connection past the bound is answered 503 at once.
+    request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], *, desktop: OSWorldDesktop, token: str) -> None:
         if not token:
-            raise ValueError("a desktop server needs a service token (DARTBOARD_SERVICE_TOKEN)")
+            raise ValueError("a desktop server needs its token (DARTBOARD_DESKTOP_TOKEN)")
         super().__init__(address, Handler)
         self.desktop = desktop
         self.token = token
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """On the accepting thread: a handler thread if a slot is free, else 503 and close."""
+        if not self._slots.acquire(blocking=False):
+            self._refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else will give the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse_busy(self, request: socket.socket) -> None:
+        log.warning("refused a connection: %d connections are being served", MAX_CONNECTIONS)
+        # Never blocks the accepting thread: the answer fits a fresh socket's send buffer,
+        # and a client that cannot take it loses it.
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(BUSY_ANSWER)
+        self.shutdown_request(request)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -446,10 +532,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    token = os.environ.get("DARTBOARD_SERVICE_TOKEN", "")
+    token = os.environ.get("DARTBOARD_DESKTOP_TOKEN", "")
     if not token:
         sys.exit(
-            "DARTBOARD_SERVICE_TOKEN is not set: the desktop server refuses to start without it"
+            "DARTBOARD_DESKTOP_TOKEN is not set: the desktop server refuses to start without it"
         )
     desktop = OSWorldDesktop()
     desktop.start()

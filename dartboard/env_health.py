@@ -107,6 +107,7 @@ class HostHealth:
     env_bug_labels: int  # over the whole run
     reset_ms: float | None  # mean reset time of the window's rollouts
     last_error: str
+    sandbox_note: str  # why its sandboxes run without resource limits ("": enforced)
 
     @property
     def error_rate(self) -> float | None:
@@ -138,9 +139,12 @@ def host_map(*, run: Run) -> list[HostHealth]:
     cutoff = timezone.now() - timedelta(seconds=lost_after)
     slots: dict[str, dict[str, int]] = {}
     last_error: dict[str, str] = {}
-    for host, status, heartbeat, error in EnvSlot.objects.filter(run=run).values_list(
-        "host", "status", "last_heartbeat", "last_error"
+    unlimited: dict[str, str] = {}
+    for host, status, heartbeat, error, note in EnvSlot.objects.filter(run=run).values_list(
+        "host", "status", "last_heartbeat", "last_error", "sandbox_note"
     ):
+        if note:
+            unlimited[host] = note
         if status in SERVING_STATUSES and heartbeat is not None and heartbeat < cutoff:
             status = "lost"
         counts = slots.setdefault(host, {})
@@ -174,6 +178,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
                 env_bug_labels=labels.get(host, 0),
                 reset_ms=r.get("reset"),
                 last_error=last_error.get(host, ""),
+                sandbox_note=unlimited.get(host, ""),
                 alert_rate=env_cfg.error_rate_alert,
             )
         )

@@ -340,6 +340,11 @@ class EnvSlot(models.Model):
         help_text="Seconds this slot's environment has spent in reset/step/evaluate while "
         "served (the call under way included), as of the last heartbeat.",
     )
+    sandbox_note = models.TextField(
+        blank=True,
+        help_text="Why this slot's sandboxes run without their memory/pids cgroup or task "
+        "quota (the admin allowed it with DARTBOARD_ALLOW_UNLIMITED_SANDBOX); empty: enforced.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envmanager.desktop_tasks import DARTAPP
-from envmanager.sandbox import Sandbox, SandboxLimits
+from envmanager.sandbox import Sandbox, SandboxLimits, SandboxResult
 from envmanager.xserver import XServer, _stop
 
 WIDTH, HEIGHT = 1024, 768
@@ -381,7 +381,7 @@ class OSWorldDesktop:
         return json.loads(_file_answer(done, path, what="list"))
 
 
-def _file_answer(done: subprocess.CompletedProcess, path: str, *, what: str) -> bytes:
+def _file_answer(done: SandboxResult, path: str, *, what: str) -> bytes:
     if done.returncode == 0:
         return done.stdout
     reasons = {

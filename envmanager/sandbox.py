@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ XAUTHORITY = "/tmp/.Xauthority"  # the agent's copy of its display's cookie, ins
 AGENT_PATH = "/usr/bin:/bin"
 AGENT_PYTHON = "/usr/bin/python3"  # Debian's, with python3-tk; never the checkout's venv
 STATE_DIR = Path("/run/dartboard-sandbox")  # uid lease locks (root, 0700)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 ALLOW_UNLIMITED_ENV = "DARTBOARD_ALLOW_UNLIMITED_SANDBOX"
 TASK_MOUNT_SOURCE = "dartboard-task"  # the tmpfs source name of task directories
 ETC_ENTRIES = (
@@ -114,6 +116,29 @@ def bwrap_path() -> str:
 def unlimited_allowed() -> bool:
     """Whether the admin lets sandboxes run without a memory/pids cgroup or task-dir quota."""
     return os.environ.get(ALLOW_UNLIMITED_ENV, "") == "1"
+
+
+def host_limits_problem() -> str | None:
+    """Why sandboxes on this host run without their memory/pids cgroup or task-directory
+    quota, or None when both are enforced. With DARTBOARD_ALLOW_UNLIMITED_SANDBOX unset such a
+    host refuses sandboxes instead; with it set, the slot records this and the host map shows
+    it. Probes with a throwaway cgroup and tmpfs (a few ms; call it once per worker)."""
+    problems = []
+    probe = AGENT_UID_BASE + AGENT_UID_COUNT  # outside the leased range: no sandbox uses it
+    try:
+        for group in sandbox_cgroups(uid=probe, limits=SandboxLimits()):
+            _kill_and_remove(group)
+    except SandboxUnavailable as exc:
+        problems.append(str(exc).split(";")[0])
+    with tempfile.TemporaryDirectory(prefix="dartboard-probe-") as tmp:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "dartboard-probe", tmp], capture_output=True
+        )
+        if done.returncode == 0:
+            subprocess.run(["umount", tmp], capture_output=True)
+        else:
+            problems.append(f"no task-directory quota ({done.stderr.decode().strip()})")
+    return "; ".join(problems) or None
 
 
 class UidLease:
@@ -436,7 +461,7 @@ def sandbox_cgroups(*, uid: int, limits: SandboxLimits) -> list[Path]:
     the same uid is emptied and reused. Raises SandboxUnavailable when one cannot be made."""
     name = f"dartboard-sandbox-{uid}"
     memory, processes = str(limits.memory_mb * 1024 * 1024), str(limits.processes)
-    base = Path("/sys/fs/cgroup")
+    base = CGROUP_ROOT
     own = _own_cgroups()
     if (base / "cgroup.controllers").exists():
         plan = [

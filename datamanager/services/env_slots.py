@@ -11,14 +11,18 @@ from datamanager.events import publish_on_commit
 from datamanager.models import EnvSlot, SlotStatus
 
 
-def env_slot_register(*, name: str, host: str, backend: str, run_id: int | None) -> EnvSlot:
-    """Create or revive the slot row of this worker process (status starting)."""
+def env_slot_register(
+    *, name: str, host: str, backend: str, run_id: int | None, sandbox_note: str = ""
+) -> EnvSlot:
+    """Create or revive the slot row of this worker process (status starting).
+    sandbox_note: why its sandboxes run without resource limits (empty: enforced)."""
     slot, _ = EnvSlot.objects.update_or_create(
         name=name,
         defaults={
             "host": host,
             "backend": backend,
             "run_id": run_id,
+            "sandbox_note": sandbox_note,
             "status": SlotStatus.STARTING,
             "last_heartbeat": timezone.now(),
             "current_trajectory": None,

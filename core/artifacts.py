@@ -38,7 +38,8 @@ PREFIX = "artifact:"
 # A published version's optimizer state and counters, beside its weights: what a trainer
 # resumes from. Inference never reads it (for a 7B model it is several times the weights).
 STATE_FILE = "trainer_state.pt"
-_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+# Matched whole (fullmatch): `$` also matches before a trailing newline.
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 _CHUNK = 1 << 20
 
 
@@ -75,7 +76,7 @@ def is_ref(text: str) -> bool:
 
 def check_key(key: str) -> str:
     """Relative path segments of letters, digits, `._-`; no `..`, no leading `/`."""
-    if not _KEY.match(key) or any(part in (".", "..") for part in key.split("/")):
+    if not _KEY.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise ArtifactError(f"artifact key {key!r}: use segments of letters, digits and ._- ")
     return key
 

@@ -8,7 +8,10 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 from django import forms
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm
 
+from dartboard import login_throttle
 from dartboard.viewmodels import END_REASONS
 from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import ConfigError, RunConfig
@@ -279,3 +282,41 @@ class EvalJobFilterForm(forms.Form):
 class EvalCompareForm(forms.Form):
     a = forms.IntegerField(min_value=1, label="Job A")
     b = forms.IntegerField(min_value=1, label="Job B")
+
+
+class _Throttled:
+    """A login form's clean() behind dartboard.login_throttle: a pair (username, client
+    address) past its failures is refused before the password is checked; `retry_after` then
+    holds the seconds to wait."""
+
+    request: Any
+    cleaned_data: dict[str, Any]
+    retry_after: int | None = None
+
+    def clean(self) -> dict[str, Any]:
+        username = str(self.cleaned_data.get("username") or "")
+        address = login_throttle.client_address(self.request)
+        wait = login_throttle.login_retry_after(username=username, address=address)
+        if wait is not None:
+            self.retry_after = wait
+            raise forms.ValidationError(
+                f"Too many failed logins as {username} from your address: try again in "
+                f"{login_throttle.wait_words(wait)}.",
+                code="throttled",
+            )
+        try:
+            cleaned = super().clean()  # type: ignore[misc]
+        except forms.ValidationError:
+            if username:
+                login_throttle.login_failed(username=username, address=address)
+            raise
+        login_throttle.login_succeeded(username=username, address=address)
+        return cleaned
+
+
+class LoginForm(_Throttled, AuthenticationForm):
+    """The dashboard's login."""
+
+
+class AdminLoginForm(_Throttled, AdminAuthenticationForm):
+    """The admin site's login (staff only), throttled the same way."""

@@ -250,7 +250,8 @@ if PRODUCTION:
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 # Behind a TLS-terminating proxy (README, Security model): the proxy sets X-Forwarded-Proto,
 # the browser's origin is trusted for CSRF, and HSTS tells browsers to stay on https.
-if config_env.env_bool("DARTBOARD_TLS_PROXY", default=False):
+DARTBOARD_TLS_PROXY = config_env.env_bool("DARTBOARD_TLS_PROXY", default=False)
+if DARTBOARD_TLS_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SECURE_SSL_REDIRECT = True
     SECURE_REDIRECT_EXEMPT = [r"^health/$"]  # the orchestrator's probe speaks plain http
@@ -260,6 +261,8 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = False
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 
+# Flower (the Celery monitor), which the web serves to admins at /flower/ (dartboard/flower.py).
+DARTBOARD_FLOWER_URL = os.environ.get("DARTBOARD_FLOWER_URL") or "http://127.0.0.1:5555"
 # The rollout service: the router (or inference workers) env slots send requests to. Image
 # bounds are not settings: they come from the policy's processor (core/imaging.py).
 DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [

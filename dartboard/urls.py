@@ -1,8 +1,11 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import path, re_path
 
 from dartboard import review_views, views
+from dartboard.forms import AdminLoginForm
+
+admin.site.login_form = AdminLoginForm  # throttled like the dashboard's (login_throttle.py)
 
 urlpatterns = [
     path("", views.runs_list, name="runs"),
@@ -37,7 +40,8 @@ urlpatterns = [
     path("health/", views.health, name="health"),
     path("media/<path:key>", views.media, name="media"),
     path("vendor/plotly.min.js", views.plotly_js, name="plotly_js"),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    re_path(r"^flower(?P<rest>/.*)?$", views.flower, name="flower"),
+    path("accounts/login/", views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
 ]

@@ -6,10 +6,12 @@ Every view needs a login (LoginRequiredMiddleware); changes are POST with CSRF.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from typing import Any, cast
 
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_not_required, permission_required
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
@@ -26,13 +28,16 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.cache import cache_control
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from dartboard import aggregates, env_health, figures, viewmodels
+from dartboard import flower as flower_proxy
 from dartboard import health as service_health
 from dartboard.forms import (
     EvalCompareForm,
     EvalJobFilterForm,
+    LoginForm,
     RewardOverrideForm,
     RunForm,
     TaskOverrideForm,
@@ -41,7 +46,7 @@ from dartboard.forms import (
     UploadForm,
 )
 from datamanager.archive import InvalidUpload
-from datamanager.models import EvalJob, FailureLabel, Run, TaskStat, Trajectory
+from datamanager.models import EvalJob, FailureLabel, Run, Step, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors import evaluations, groups
 from datamanager.services import review
@@ -503,13 +508,52 @@ def health(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
+# A step's screenshot: an episode's, an uploaded or a curated demonstration's
+# (datamanager/services: every one is stored under screenshots/.../traj-<id>/).
+_SCREENSHOT_KEY = re.compile(r"screenshots/(?:[A-Za-z0-9_-]+/)*traj-([0-9]+)/[A-Za-z0-9_.-]+")
+
+
 @require_GET
 @permission_required(CAN_VIEW, raise_exception=True)
 def media(request: HttpRequest, key: str) -> HttpResponseBase:
-    """Screenshots and other media, for logged-in users only (never a public directory)."""
-    if ".." in key.split("/") or not default_storage.exists(key):
-        raise Http404(f"no media file {key!r}")
-    return FileResponse(default_storage.open(key, "rb"))
+    """A step's screenshot, to users who may view runs. Nothing else in the media storage is
+    served: on S3 the same bucket holds the checkpoints (artifacts/)."""
+    found = _SCREENSHOT_KEY.fullmatch(key)
+    if found is None or not (
+        Step.objects.filter(trajectory_id=int(found[1]), screenshot=key).exists()
+        and default_storage.exists(key)
+    ):
+        raise Http404(f"no screenshot {key!r}")
+    return FileResponse(default_storage.open(key, "rb"), content_type="image/png")
+
+
+class LoginView(auth_views.LoginView):
+    """Django's login with the throttled form: a refusal for too many failures is a 429
+    with Retry-After (dartboard/login_throttle.py)."""
+
+    form_class = LoginForm
+
+    def form_invalid(self, form: LoginForm) -> HttpResponse:  # type: ignore[override]
+        response = super().form_invalid(form)
+        if form.retry_after is not None:
+            response.status_code = 429
+            response["Retry-After"] = str(form.retry_after)
+        return response
+
+
+@csrf_exempt  # Flower's own pages post without Django's token: same_origin() stands in
+@permission_required(CAN_ADMINISTER, raise_exception=True)
+def flower(request: HttpRequest, rest: str | None = None) -> HttpResponse:
+    """Flower (the Celery monitor; its API runs any task) behind the dashboard's login, for
+    admins only: the request goes on to the Flower process with Flower's own login, which
+    no user needs to know (dartboard/flower.py)."""
+    if request.method not in ("GET", "HEAD", "OPTIONS") and not flower_proxy.same_origin(request):
+        raise PermissionDenied("a cross-site request to Flower is refused")
+    reply = flower_proxy.forward(request)
+    response = HttpResponse(reply.body, status=reply.status)
+    for name, value in reply.headers:
+        response[name] = value
+    return response
 
 
 @require_GET

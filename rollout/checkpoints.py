@@ -67,9 +67,11 @@ class CheckpointSource:
             )
 
     def local(self, checkpoint: str) -> str:
-        """The directory to load: the path itself, or the verified fetched copy."""
+        """The directory to load: the path resolved and checked against the roots again (the
+        resolved path is what is loaded, so a symlink swapped after `check` leads nowhere
+        else), or the verified fetched copy."""
         if not is_ref(checkpoint):
-            return checkpoint
+            return str(checkpoint_allowed(checkpoint, self.roots))
         assert self.store_url is not None  # check() refused a reference without a store
         ref = ArtifactRef.parse(checkpoint)
         return str(fetch(open_store(self.store_url), ref, self.cache, skip=SERVING_SKIPS))

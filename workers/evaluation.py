@@ -21,6 +21,7 @@ from datamanager.config import RunConfig
 from datamanager.curation import INSTANCE_SEED_BASE
 from datamanager.models import EvalJob, EvalScope, Run, Task
 from datamanager.policies import resolve_checkpoint
+from datamanager.roles import run_env_check
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
 from datamanager.selectors.tasks import task_list
 from datamanager.services import episodes, evaluations
@@ -76,6 +77,9 @@ def eval_job_run(
     tasks = [by_name[n] for n in names if n in by_name]
     kinds = sorted({t.env_kind for t in tasks})
     try:
+        if job.run is not None:  # a desktop or a VM only where the run was given them
+            for kind in kinds:
+                run_env_check(run=job.run, backend=kind)
         with _policy_endpoint(job) as (policy, oracle):
             for task in tasks:
                 for i in range(job.k):

@@ -34,6 +34,7 @@ from core.protocol import Env, EnvUnavailable, TaskSpec
 from datamanager.config import EnvConfig, RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
+from datamanager.roles import run_env_check
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
@@ -304,8 +305,12 @@ def serve_slot(
     """Run episodes for `run_id` on this process's env until the run stops, time is up or
     `max_episodes` episodes ran (the synchronous baseline runs one per slot per round).
     With a `pacer` (a lockstep round), a slot with nothing to claim sits the round out
-    instead of waiting for a task, so the rest of the batch does not wait for it."""
-    run = Run.objects.get(pk=run_id)
+    instead of waiting for a task, so the rest of the batch does not wait for it.
+    Raises EnvNotGranted (datamanager.roles) for a desktop or VM slot its run was not given."""
+    run = Run.objects.select_related("owner").get(pk=run_id)
+    # A slot task can come from anything that reaches the broker (Flower's API, say), not
+    # only from the launcher: a desktop or a VM only for a run an admin gave them to.
+    run_env_check(run=run, backend=backend, index=index)
     cfg = RunConfig.from_dict(run.config)
     name = slot_name(backend, index)
     if backend == "osworld" and cfg.env.osworld_addresses:  # the env wall shows the VM

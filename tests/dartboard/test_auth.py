@@ -3,11 +3,12 @@
 import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
-from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.test import Client
 
 from dartboard.asgi import application
+from tests.dartboard.test_curation_views import finished
+from tests.dartboard.test_views import make_run
 
 pytestmark = pytest.mark.django_db
 
@@ -41,10 +42,13 @@ def test_wrong_password_stays_on_login(client, researcher):
 
 
 def test_media_served_to_logged_in_users_only(ada_client):
-    key = default_storage.save("screenshots/t/shot.png", ContentFile(b"png-bytes"))
+    traj = finished(make_run())
+    key = traj.steps.get(index=0).screenshot.name
     assert Client().get(f"/media/{key}").status_code == 302
     response = ada_client.get(f"/media/{key}")
-    assert response.status_code == 200 and b"".join(response.streaming_content) == b"png-bytes"
+    with default_storage.open(key, "rb") as stored:
+        assert response.status_code == 200
+        assert b"".join(response.streaming_content) == stored.read()
     assert ada_client.get("/media/screenshots/none.png").status_code == 404
 
 

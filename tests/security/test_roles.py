@@ -5,8 +5,6 @@ is recorded with who and when; two model runs cannot share the inference workers
 from __future__ import annotations
 
 import pytest
-from django.core.files.storage import default_storage
-from django.core.files.uploadedfile import SimpleUploadedFile
 
 from datamanager.config import RunConfig
 from datamanager.models import RewardOverride, Run, RunAction, TaskStat, Trajectory
@@ -39,7 +37,7 @@ def test_a_viewer_reads_everything_and_changes_nothing(viewer_client) -> None:
     run = make_run()
     traj = finished(run)
     stat = TaskStat.objects.filter(run=run).first()
-    key = default_storage.save("screenshots/v/shot.png", SimpleUploadedFile("x", b"png"))
+    key = traj.steps.get(index=0).screenshot.name
     for url in (
         "/", f"/runs/{run.pk}/", f"/runs/{run.pk}/charts.json", f"/runs/{run.pk}/slots.json",
         f"/runs/{run.pk}/tasks/", "/trajectories/", f"/trajectories/{traj.pk}/",

@@ -1,35 +1,24 @@
 """`manage.py run_flower` (`make flower`): Flower, the Celery monitor, for a `make run` stack:
 queues, workers, every task with its arguments and outcome. It listens on 127.0.0.1:5555
-under /flower/ and asks for a login: user `ops`, the password generated once in
-DARTBOARD_HOME/flower_password (or FLOWER_BASIC_AUTH=user:password). Flower can revoke tasks
-and shut workers down, so it is never served without it.
+and the dashboard serves it at /flower/ to admins only (dartboard/flower.py), passing
+Flower's own login along: user `ops`, the password generated once in
+DARTBOARD_HOME/flower_password (or FLOWER_BASIC_AUTH=user:password). Flower's API runs any
+task, so it is never served without both.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-
-def flower_login() -> str:
-    """user:password from FLOWER_BASIC_AUTH, else ops and the password kept in the home."""
-    given = os.environ.get("FLOWER_BASIC_AUTH", "").strip()
-    if given:
-        return given
-    path = settings.DARTBOARD_HOME / "flower_password"
-    if not path.exists():  # readable by its owner only from the first byte
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(18))
-    return f"ops:{path.read_text().strip()}"
+from dartboard.flower import flower_login
 
 
 class Command(BaseCommand):
-    help = "Run Flower (the Celery monitor) on 127.0.0.1:5555/flower/, behind a login."
+    help = "Run Flower (the Celery monitor) on 127.0.0.1:5555; the dashboard serves it at /flower/."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--port", type=int, default=5555)
@@ -38,8 +27,9 @@ class Command(BaseCommand):
         port = int(str(options["port"]))
         login = flower_login()
         self.stdout.write(
-            f"Flower on http://127.0.0.1:{port}/flower/ (user {login.split(':', 1)[0]}, "
-            f"password in {settings.DARTBOARD_HOME / 'flower_password'} or FLOWER_BASIC_AUTH)"
+            f"Flower on http://127.0.0.1:{port}/flower/, served to admins at the dashboard's "
+            f"/flower/ (its own login: user {login.split(':', 1)[0]}, password in "
+            f"{settings.DARTBOARD_HOME / 'flower_password'} or FLOWER_BASIC_AUTH)"
         )
         argv = [sys.executable, "-m", "celery", "-A", "dartboard", "flower",
                 "--address=127.0.0.1", f"--port={port}", "--url_prefix=flower"]  # fmt: skip

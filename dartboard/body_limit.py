@@ -1,0 +1,89 @@
+"""Request body limits, enforced while the body streams in: ASGI middleware around Django.
+
+Django's ASGI handler reads a request's whole body into a temporary file before any view
+runs, so a size check in a form (the upload's) comes after the disk has taken all of it.
+`BodyLimit` refuses a body past its path's limit with 413 before Django sees it: at once,
+nothing read, when Content-Length declares too much; else as soon as the bytes received pass
+the limit (a chunked body). The demonstration upload may carry MAX_UPLOAD_BYTES of .zip plus
+its form; every other request is a form or a JSON call.
+
+Daphne itself (twisted) buffers a body before it calls the application: in deployment the
+TLS proxy's limit (deploy/Caddyfile, request_body) stops a body before it reaches daphne.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from datamanager.archive import MAX_UPLOAD_BYTES
+
+DEFAULT_MAX_BYTES = 10 * 2**20
+FORM_SLACK_BYTES = 2**20  # multipart framing and the upload form's other fields
+UPLOAD_PATH = "/trajectories/upload/"  # dartboard/urls.py, name "upload"
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def path_limits() -> dict[str, int]:
+    """The paths with a limit of their own."""
+    return {UPLOAD_PATH: MAX_UPLOAD_BYTES + FORM_SLACK_BYTES}
+
+
+class BodyLimit:
+    def __init__(
+        self, app: Any, *, default: int = DEFAULT_MAX_BYTES, paths: dict[str, int] | None = None
+    ) -> None:
+        self.app = app
+        self.default = default
+        self.paths = path_limits() if paths is None else paths
+
+    def limit(self, path: str) -> int:
+        return self.paths.get(path, self.default)
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit(scope["path"])
+        declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _refuse(send, limit)
+            return
+        received = 0
+        refused = False
+
+        async def counted() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # Refused here; Django is told the client left, and stops reading.
+                    refused = True
+                    await _refuse(send, limit)
+                    return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _refuse(send: Send, limit: int) -> None:
+    body = f"Request body too large: at most {limit} bytes here.\n".encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),  # the rest of the body is never read
+            ],
+            "trailers": False,
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

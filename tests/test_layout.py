@@ -204,10 +204,15 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
     import json
     import os
 
-    given = {"SECRET_KEY": "s" * 50, "DARTBOARD_SERVICE_TOKEN": "t" * 40}
+    given = {
+        "SECRET_KEY": "s" * 50,
+        "DARTBOARD_SERVICE_TOKEN": "t" * 40,
+        "FLOWER_BASIC_AUTH": "ops:" + "f" * 24,
+    }
     services = _dartboard_services()
-    envs = {  # the same for all (Flower adds only its own login)
-        tuple(sorted((k, v) for k, v in s["environment"].items() if k != "FLOWER_BASIC_AUTH"))
+    flower = ("FLOWER_BASIC_AUTH", "DARTBOARD_FLOWER_URL")  # Flower's login, the web's way to it
+    envs = {  # the same for all (Flower and the web add only the above)
+        tuple(sorted((k, v) for k, v in s["environment"].items() if k not in flower))
         for s in services.values()
     }
     assert len(envs) == 1, "the services' environments drifted apart"
@@ -270,19 +275,24 @@ def test_every_long_running_service_is_health_checked_and_redis_keeps_its_data()
     assert services["redis"]["command"][1:3] == ["--appendonly", "yes"]
 
 
-def test_the_proxy_serves_the_dashboard_and_flower_under_its_prefix():
-    """The Caddyfile sends /flower* to Flower (which serves under that prefix, behind its own
-    login) and everything else to the web."""
+def test_the_proxy_sends_everything_to_the_web_and_flower_is_reached_through_it():
+    """The Caddyfile sends every request to the web (which serves /flower/ to admins only,
+    dartboard/flower.py), with body limits; Flower serves under /flower at the address the
+    web is given, with the same login."""
     caddyfile = (ROOT / "deploy" / "Caddyfile").read_text()
     routes = [
         line.split()
         for line in caddyfile.splitlines()
-        if line.strip().startswith(("handle", "reverse_proxy"))
+        if line.strip().startswith(("handle", "reverse_proxy", "request_body", "max_size"))
     ]
-    assert routes == [["handle", "/flower*", "{"], ["reverse_proxy", "flower:5555"],
-                      ["handle", "{"], ["reverse_proxy", "web:8000"]]  # fmt: skip
-    flower = _compose()["services"]["flower"]
+    assert routes == [["request_body", "@upload", "{"], ["max_size", "257MiB"],
+                      ["request_body", "@other", "{"], ["max_size", "10MiB"],
+                      ["reverse_proxy", "web:8000"]]  # fmt: skip
+    services = _compose()["services"]
+    flower, web = services["flower"], services["web"]["environment"]
     assert "--url_prefix=flower" in flower["command"] and "--port=5555" in flower["command"]
+    assert web["DARTBOARD_FLOWER_URL"] == "http://flower:5555"
+    assert web["FLOWER_BASIC_AUTH"] == flower["environment"]["FLOWER_BASIC_AUTH"]
     assert _compose()["services"]["proxy"]["command"][-3:] == [
         "/etc/caddy/Caddyfile",
         "--adapter",

@@ -21,14 +21,14 @@ from core.artifacts import ArtifactError, ArtifactRef, check_key, s3_client_conf
 from dartboard import body_limit, login_throttle
 from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import RunConfig
-from datamanager.models import EnvSlot, EvalJob, Run, Task
+from datamanager.models import EnvSlot, EvalJob, Run, Step, Task
 from datamanager.roles import EnvNotGranted, run_env_check
 from datamanager.services import runs as run_services
 from datamanager.services.evaluations import eval_job_create
 from rollout.auth import RequestRefused
 from rollout.checkpoints import CheckpointSource
-from tests.conftest import user_in_role
-from tests.dartboard.test_curation_views import finished
+from tests.conftest import png_bytes, user_in_role
+from tests.dartboard.test_curation_views import GOOD, archive, finished, upload
 from tests.dartboard.test_views import make_run
 from workers.evaluation import eval_job_run
 from workers.slot_worker import serve_slot
@@ -149,12 +149,19 @@ def s3_media(s3_server, settings, monkeypatch) -> Iterator[None]:
 
 @pytest.mark.parametrize("storage", ["filesystem", "s3"])
 def test_media_serves_a_viewer_screenshots_and_never_weights(
-    storage, viewer_client, request
+    storage, viewer_client, ada_client, request
 ) -> None:
     if storage == "s3":
         request.getfixturevalue("s3_media")
     traj = finished(make_run())
     shot = traj.steps.get(index=0).screenshot.name
+    files = {"s/0.png": png_bytes(), "s/1.png": png_bytes(color=(0, 0, 255))}
+    assert upload(ada_client, archive(GOOD, files)).status_code == 302
+    uploaded = Step.objects.filter(trajectory__source="precollected").first()
+    assert (
+        uploaded is not None
+        and viewer_client.get(f"/media/{uploaded.screenshot.name}").status_code == 200
+    )
     weights = default_storage.save("artifacts/runs/1/v1/model.safetensors", ContentFile(b"w8"))
     stray = default_storage.save(f"screenshots/x/traj-{traj.pk}/000.png", ContentFile(b"png"))
     served = viewer_client.get(f"/media/{shot}")

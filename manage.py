@@ -6,6 +6,7 @@ import sys
 
 
 def main() -> None:
+    os.umask(0o077)  # what commands write under DARTBOARD_HOME (database, secrets) is private
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dartboard.settings")
     from django.core.management import execute_from_command_line
 

@@ -124,7 +124,7 @@ def _osworld_slot(seed: int):
     server = subprocess.Popen(
         [sys.executable, "-m", "envmanager.osworld_server", "--port", "0"],
         cwd=root,
-        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(root), "DARTBOARD_SERVICE_TOKEN": token},
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(root), "DARTBOARD_DESKTOP_TOKEN": token},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -15,7 +15,6 @@ import argparse
 import base64
 import io
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 from PIL import Image, ImageDraw
 
-from rollout.auth import TOKEN_ENV
+from rollout.auth import ServiceTokens
 from rollout.client import PolicyClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,8 +110,9 @@ def drive(url: str, *, clients: int, seconds: float, max_tokens: int) -> dict[st
 
 
 def main() -> None:
-    # The server demands the service token; this bench's clients send the same one.
-    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
+    # The server demands the inference and admin tokens; this bench's clients send them.
+    for name, value in ServiceTokens.fresh().environ().items():
+        os.environ.setdefault(name, value)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policy", type=Path, default=None)
     parser.add_argument("--seconds", type=float, default=8.0)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from rollout.auth import TOKEN_ENV, bearer, client_token  # noqa: E402
+from rollout.auth import MASTER_ENV, ServiceTokens, bearer, client_token  # noqa: E402
 
 
 def _png() -> bytes:
@@ -201,8 +201,10 @@ def main() -> None:
         return
 
     home = Path(tempfile.mkdtemp(prefix="dartboard-overhead-"))
-    # The rollout service demands a token; the servers and clients here share this one.
-    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
+    # The rollout service demands its tokens; the servers and clients here share these.
+    os.environ.setdefault(MASTER_ENV, secrets.token_urlsafe(32))
+    for name, value in ServiceTokens.derived(os.environ[MASTER_ENV]).environ().items():
+        os.environ.setdefault(name, value)
     env = {
         **os.environ,
         "DARTBOARD_HOME": str(home),

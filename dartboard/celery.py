@@ -7,7 +7,7 @@ Queues: `env` (env slots running episodes), `train` (one trainer task per run), 
 import os
 
 from celery import Celery
-from celery.signals import worker_shutting_down
+from celery.signals import beat_init, celeryd_init, worker_shutting_down
 
 from workers.lifecycle import shutdown_requested
 
@@ -21,3 +21,10 @@ app.autodiscover_tasks(["workers"])
 @worker_shutting_down.connect
 def _tell_loops_to_stop(**kwargs) -> None:
     shutdown_requested.set()
+
+
+@celeryd_init.connect
+@beat_init.connect
+def _private_files(**kwargs) -> None:
+    """What a worker writes (checkpoints, artifacts, media, logs) is this user's alone."""
+    os.umask(0o077)

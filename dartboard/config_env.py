@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 from urllib.parse import urlparse
+
+from rollout.auth import purpose_token
+
+PRIVATE_DIRS = ("logs", "run", "redis")  # 0700 under DARTBOARD_HOME (itself 0700)
+# Files only this user may read: secrets, the database (sessions), logs, the launcher's pids.
+PRIVATE_FILES = ("secret_key", "service_token", "dartboard.sqlite3", "dartboard.sqlite3-wal",
+                 "dartboard.sqlite3-shm", "logs/*", "run/*", "redis/*")  # fmt: skip
 
 
 class SettingsError(Exception):
@@ -90,11 +98,51 @@ def secret_key(home: Path, *, production: bool) -> str:
 
 
 def service_token(home: Path, *, production: bool) -> str:
-    """DARTBOARD_SERVICE_TOKEN, which the router, inference servers and vLLM adapter demand;
-    from the environment, else generated once under DARTBOARD_HOME for local use."""
+    """DARTBOARD_SERVICE_TOKEN, the master secret the web and the workers hold (and derive
+    every purpose's token from, rollout.auth); from the environment, else generated once
+    under DARTBOARD_HOME for local use. It is given to no other process."""
     return _home_secret(
         home, name="DARTBOARD_SERVICE_TOKEN", filename="service_token", production=production
     )
+
+
+def purpose_setting(*, name: str, purpose: str, master: str, production: bool) -> str:
+    """A purpose's token (DARTBOARD_INFERENCE_TOKEN, DARTBOARD_ADMIN_TOKEN): from the
+    environment where a deployment sets it (compose, whose services cannot derive it), else
+    derived from the master."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return purpose_token(master, purpose)
+    if len(raw) < (32 if production else 16) or not raw.isascii():
+        raise SettingsError(
+            f"{name} must be ASCII and at least {32 if production else 16} characters; "
+            f"unset it to derive it from DARTBOARD_SERVICE_TOKEN, or print the derived one "
+            f"with `python -m rollout.auth {purpose}`."
+        )
+    return raw
+
+
+def home_make_private(home: Path) -> list[Path]:
+    """DARTBOARD_HOME and its logs/run/redis directories 0700, its secrets, SQLite database,
+    logs and pid files 0600: the modes a 077 umask gives new ones, put on those an older
+    start left readable. Returns the paths whose mode changed."""
+    home.mkdir(parents=True, exist_ok=True)
+    changed = [p for p in (home, *(home / d for d in PRIVATE_DIRS)) if _chmod(p, 0o700)]
+    for pattern in PRIVATE_FILES:
+        changed += [p for p in home.glob(pattern) if not p.is_dir() and _chmod(p, 0o600)]
+    return changed
+
+
+def _chmod(path: Path, mode: int) -> bool:
+    """Set `mode` on an existing path (links are not followed); True if it changed."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode) or stat.S_IMODE(info.st_mode) == mode:
+        return False
+    path.chmod(mode)
+    return True
 
 
 def _home_secret(home: Path, *, name: str, filename: str, production: bool) -> str:
@@ -113,7 +161,7 @@ def _home_secret(home: Path, *, name: str, filename: str, production: bool) -> s
     path = home / filename
     if path.exists():
         return path.read_text().strip()
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = secrets.token_urlsafe(50)
     # Written with O_EXCL so two processes starting at once agree on one key.
     try:

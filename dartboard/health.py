@@ -107,8 +107,10 @@ def probe_rollout() -> tuple[Probe, Probe]:
     """The router and, from its /health, the inference workers behind it."""
     url = settings.DARTBOARD_INFERENCE_URLS[0].rstrip("/")
     try:
+        # The inference token, the least the router's detailed /health takes (the master
+        # never leaves the web and the workers).
         response = httpx.get(
-            f"{url}/health", headers=bearer(settings.DARTBOARD_SERVICE_TOKEN), timeout=2.0
+            f"{url}/health", headers=bearer(settings.DARTBOARD_INFERENCE_TOKEN), timeout=2.0
         )
         health = response.json()
     except (httpx.HTTPError, ValueError) as exc:

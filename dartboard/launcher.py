@@ -6,6 +6,14 @@ any survivor (only processes whose command line matches what we started). A chil
 dies is restarted (with backoff); Ctrl-C or SIGTERM stops everything in order. The embedded
 Redis is watched the same way: a dead redis-server is started again on the same socket with
 its append-only file, and every worker reconnects by itself.
+
+Secrets by need (rollout/auth.py): `prepare_home` sets a 077 umask and makes DARTBOARD_HOME
+and its logs, pid file, database and secrets private (0700/0600, older ones fixed). The web,
+the Celery workers and beat get the launcher's environment (they are configured by it); the
+rollout service's processes get only what they read (`service_environ`): their own purpose's
+tokens, never SECRET_KEY, DATABASE_URL, the master token or S3 write keys. vLLM takes its API
+key from VLLM_API_KEY (no secret on any command line) and listens on a unix socket in the
+0700 run/ directory, so its unauthenticated dev-mode routes answer only this user's adapter.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,21 +32,46 @@ from pathlib import Path
 from django.conf import settings
 
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
+from dartboard import config_env
 from dartboard.embedded_redis import EmbeddedRedis, RedisStartError
-from rollout.auth import TOKEN_ENV
+from rollout.auth import (
+    READ_KEY_ENV,
+    ROOTS_ENV,
+    VLLM_KEY_ENV,
+    ServiceTokens,
+    service_environ,
+)
 from rollout.checkpoints import CACHE_ENV, STORE_ENV
-from rollout.vllm_command import VLLM_ENV, vllm_serve_args
+from rollout.vllm_command import vllm_environment, vllm_serve_args
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 log = logging.getLogger("dartboard.launcher")
 
 
+PRIVATE_UMASK = 0o077  # files this user makes: 0600, directories 0700
+
+
+def prepare_home(home: Path) -> None:
+    """Before anything is written: a 077 umask (this process and every child it starts), and
+    DARTBOARD_HOME's logs, run/, database and secrets private, older ones fixed."""
+    os.umask(PRIVATE_UMASK)
+    changed = config_env.home_make_private(home)
+    if changed:
+        log.warning("made private (others could read them): %s", ", ".join(map(str, changed)))
+
+
 @dataclass
 class ProcSpec:
+    """One child. `env` is added to the launcher's environment when `inherit`, else it is the
+    child's whole environment. `stale`: what a dead run of it may have left that would stop
+    the next from starting (a unix socket), removed before each start."""
+
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    inherit: bool = True
+    stale: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -84,12 +118,20 @@ class Supervisor:
             cmd = pid_cmdline(child.proc.pid)
             if cmd:
                 items.append({"name": child.spec.name, "pid": child.proc.pid, "cmdline": cmd})
-        self.pid_file.write_text(json.dumps(items))
+        # 0600 whatever the umask: command lines are nobody else's business.
+        fd = os.open(self.pid_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(items))
 
     def _spawn(self, spec: ProcSpec) -> subprocess.Popen[bytes]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        logfile = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115  (owned by the child)
-        env = {**os.environ, **spec.env}
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(
+            self.log_dir / f"{spec.name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )
+        logfile = os.fdopen(fd, "ab")  # owned by the child once started
+        for path in spec.stale:
+            path.unlink(missing_ok=True)
+        env = {**os.environ, **spec.env} if spec.inherit else dict(spec.env)
         proc = subprocess.Popen(
             spec.argv,
             stdout=logfile,
@@ -102,7 +144,7 @@ class Supervisor:
         return proc
 
     def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for spec in self.specs:
             self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
             log.info(
@@ -189,14 +231,7 @@ def default_specs(
     beat (the runs watchdog) and,
     with a policy, the rollout service: inference workers behind the router."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
-    # The rollout service demands the token and loads weights only from these roots.
-    # ... and fetches versions by reference from the artifact store into its cache.
-    service_env = {
-        "DARTBOARD_SERVICE_TOKEN": settings.DARTBOARD_SERVICE_TOKEN,
-        "DARTBOARD_CHECKPOINT_ROOTS": os.pathsep.join(settings.DARTBOARD_CHECKPOINT_ROOTS),
-        STORE_ENV: settings.DARTBOARD_ARTIFACTS,
-        CACHE_ENV: str(settings.DARTBOARD_ARTIFACT_CACHE),
-    }
+    tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
     specs = [
         ProcSpec(
             "web",
@@ -216,17 +251,21 @@ def default_specs(
             ProcSpec(f"worker-env-{i}", [*celery, "-Q", "env", "--pool=solo", "-n", f"env{i}@%h"])
         )
     if inference_policy is not None:
+        if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
+            log.warning("inference workers get the artifact store's own keys, which can write: "
+                        "set %s and its secret to a read-only pair", READ_KEY_ENV)  # fmt: skip
         workers = []
         for i in range(inference_workers):
             wport = router_port + 1 + i
             workers.append(f"http://127.0.0.1:{wport}")
             if backend == "vllm":
-                specs += vllm_specs(i, inference_policy, wport, router_port + 51 + i, service_env)
+                specs += vllm_specs(i, inference_policy, wport, tokens=tokens)
                 continue
             specs.append(
                 ProcSpec(
                     f"inference-{i}",
-                    env=service_env,
+                    env=inference_env(tokens),
+                    inherit=False,
                     argv=python_argv(
                         "-m",
                         "rollout.server",
@@ -248,28 +287,66 @@ def default_specs(
         )
         for url in workers:
             router += ["--worker", url]
-        specs.append(ProcSpec("router", router, env=service_env))
+        specs.append(ProcSpec("router", router, env=router_env(tokens), inherit=False))
     return specs
 
 
-def vllm_specs(
-    i: int, policy: str, port: int, vllm_port: int, service_env: dict[str, str]
-) -> list[ProcSpec]:
-    """vLLM on GPU i (on 127.0.0.1 only: its dev mode reloads weights) and the adapter that
-    puts it behind the inference-worker contract on `port`. `policy` is the base checkpoint;
-    the router's first sync loads the run's current version (an adapter, or full weights)."""
-    args = vllm_serve_args(
-        model_dir=policy, host="127.0.0.1", port=vllm_port, token=service_env[TOKEN_ENV]
-    )
-    vllm_env = {**service_env, **VLLM_ENV, "CUDA_VISIBLE_DEVICES": str(i), "PYTHONPATH": ROOT}
+def router_env(tokens: ServiceTokens) -> dict[str, str]:
+    """The router's whole environment: its two tokens and the roots a sync may name."""
+    return {
+        **service_environ(os.environ),
+        **tokens.environ(),
+        "PYTHONPATH": ROOT,
+        ROOTS_ENV: os.pathsep.join(settings.DARTBOARD_CHECKPOINT_ROOTS),
+    }
+
+
+def inference_env(tokens: ServiceTokens) -> dict[str, str]:
+    """An inference worker's (or vLLM adapter's) whole environment: its tokens, the roots it
+    loads from, the artifact store it fetches versions from (read keys only where the store
+    is S3 and a read-only pair is configured) and its cache."""
+    store = settings.DARTBOARD_ARTIFACTS
+    return {
+        **service_environ(os.environ, store=store),
+        **tokens.environ(),
+        "PYTHONPATH": ROOT,
+        ROOTS_ENV: os.pathsep.join(settings.DARTBOARD_CHECKPOINT_ROOTS),
+        STORE_ENV: store,
+        CACHE_ENV: str(settings.DARTBOARD_ARTIFACT_CACHE),
+    }
+
+
+def vllm_socket(i: int) -> Path:
+    """vLLM i's unix socket: in DARTBOARD_HOME/run/ (0700), so only this user connects."""
+    return Path(settings.DARTBOARD_HOME) / "run" / f"vllm-{i}.sock"
+
+
+def vllm_specs(i: int, policy: str, port: int, *, tokens: ServiceTokens) -> list[ProcSpec]:
+    """vLLM on GPU i, on a unix socket only this user can reach (its dev mode reloads weights
+    from any path, with no key), and the adapter that puts it behind the inference-worker
+    contract on `port`. The API key is a fresh one that only these two hold, in their
+    environments. `policy` is the base checkpoint; the router's first sync loads the run's
+    current version (an adapter, or full weights)."""
+    sock = vllm_socket(i)
+    key = secrets.token_urlsafe(32)
+    args = vllm_serve_args(model_dir=policy, uds=str(sock))
+    vllm_env = {
+        **service_environ(os.environ),
+        # vLLM's own settings (VLLM_CPU_KVCACHE_SPACE, ...); the key is set below, not taken.
+        **{k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k != VLLM_KEY_ENV},
+        **vllm_environment(api_key=key),
+        "CUDA_VISIBLE_DEVICES": str(i),
+        "PYTHONPATH": ROOT,  # rollout.vllm_ext, the worker extension
+    }
     adapter = python_argv(
-        "-m", "rollout.vllm_adapter", "--vllm", f"http://127.0.0.1:{vllm_port}",
+        "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
         "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
     return [
         ProcSpec(f"vllm-{i}", python_argv("-m", "vllm.entrypoints.openai.api_server", *args),
-                 env=vllm_env),
-        ProcSpec(f"inference-{i}", adapter, env=service_env),
+                 env=vllm_env, inherit=False, stale=(sock,)),
+        ProcSpec(f"inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
+                 inherit=False),
     ]  # fmt: skip
 
 

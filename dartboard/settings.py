@@ -268,9 +268,22 @@ DARTBOARD_FLOWER_URL = os.environ.get("DARTBOARD_FLOWER_URL") or "http://127.0.0
 DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
     "http://127.0.0.1:8100"
 ]
-# The router, inference servers and vLLM adapter demand this token (rollout/auth.py) and
-# load weights only from these roots.
+# The master secret, held by the web and the workers only; each other process gets the token
+# of its purpose, derived from it (rollout/auth.py): the env slots' inference token, the
+# trainer's router-admin token, one token per desktop. The rollout service loads weights only
+# from these roots.
 DARTBOARD_SERVICE_TOKEN = config_env.service_token(DARTBOARD_HOME, production=PRODUCTION)
+try:
+    DARTBOARD_INFERENCE_TOKEN = config_env.purpose_setting(
+        name="DARTBOARD_INFERENCE_TOKEN", purpose="inference",
+        master=DARTBOARD_SERVICE_TOKEN, production=PRODUCTION,
+    )  # fmt: skip
+    DARTBOARD_ADMIN_TOKEN = config_env.purpose_setting(
+        name="DARTBOARD_ADMIN_TOKEN", purpose="router-admin",
+        master=DARTBOARD_SERVICE_TOKEN, production=PRODUCTION,
+    )  # fmt: skip
+except config_env.SettingsError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
 # Published versions go to the artifact store (core/artifacts.py) and are fetched by reference,
 # checksums verified, into each host's cache: no host reads another's disk.
 DARTBOARD_ARTIFACT_CACHE = Path(

@@ -15,12 +15,16 @@ One env holds one VM address ("host:port"). Per episode:
 - evaluate: the task's `evaluator` with the wheel's getters and metrics
   (envmanager.osworld_evaluator); a failing evaluator raises EnvUnavailable with its reason.
 
-The service token rides in the address's userinfo (`dartboard:<token>@host`), which
-`requests` sends as HTTP Basic auth, so the wheel's client needs no change; an OSWorld VM's
-own server ignores it. The controllers' retries are shortened (3 tries 5 s apart in the
+The desktop's token (its own: `rollout.auth.desktop_purpose`, derived by the workers) rides
+in the address's userinfo (`dartboard:<token>@host`), which `requests` sends as HTTP Basic
+auth, so the wheel's client needs no change; an OSWorld VM's own server ignores it. The
+wheel's controllers have no header option and log that URL (`SetupController`: "try to
+connect http://dartboard:<token>@..." at INFO), so every `desktopenv.*` logger carries
+`RedactCredentials`, which writes the password of any URL as `***`, and so do this module's
+own error messages. The controllers' retries are shortened (3 tries 5 s apart in the
 wheel): a missing file is an answer, and a dead VM should end the episode in seconds.
 
-    env = OSWorldEnv(address="127.0.0.1:5000", token=os.environ["DARTBOARD_SERVICE_TOKEN"])
+    env = OSWorldEnv(address="127.0.0.1:5000", token=desktop_token)
     obs = env.reset(TaskSpec("osworld/x", "osworld", {"osworld": json.load(open(path))}))
 """
 
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import re
 import shutil
 import tempfile
 import time
@@ -51,6 +57,38 @@ from envmanager.osworld_wheel import wheel
 
 HEALTH_TIMEOUT_S = 5.0
 CONTROLLER_RETRIES, CONTROLLER_RETRY_S = 2, 0.3
+
+
+WHEEL_LOGGERS = "desktopenv"  # the wheel's loggers: desktopenv.setup, desktopenv.pycontroller, ...
+_USERINFO = re.compile(r"(//[^\s/@:]*:|\bdartboard:)[^\s/@]+@")
+
+
+def redact_credentials(text: str) -> str:
+    """`http://user:secret@host` -> `http://user:***@host` (and `dartboard:<token>@host`)."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+class RedactCredentials(logging.Filter):
+    """Rewrites a record's message with URL passwords redacted (before any handler sees it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_credentials(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+def redact_wheel_logs() -> None:
+    """Put RedactCredentials on every `desktopenv.*` logger (a logger's filters see only the
+    records logged to it, not its children's, so each gets one). Idempotent; call it after
+    `wheel()` has imported the modules that create them."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        ours = name == WHEEL_LOGGERS or name.startswith(WHEEL_LOGGERS + ".")
+        if not ours or not isinstance(logger, logging.Logger):
+            continue
+        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
+            logger.addFilter(RedactCredentials())
 
 
 class AddressError(ValueError):
@@ -101,6 +139,7 @@ class OSWorldEnv:
         self._vm_ip = f"dartboard:{token}@{self.host}" if token else self.host
         self._cache = tempfile.mkdtemp(prefix="dartboard-osworld-cache-")
         w = wheel()
+        redact_wheel_logs()
         self._keys = w.keyboard_keys
         self.controller = w.python_controller(self._vm_ip, self.port)
         self.controller.retry_times = CONTROLLER_RETRIES
@@ -126,7 +165,8 @@ class OSWorldEnv:
             setup.setup(spec.get("config") or [])
         except Exception as exc:
             raise EnvUnavailable(
-                f"osworld {self.address}: setup of {task.name} failed: {exc}"
+                f"osworld {self.address}: setup of {task.name} failed: "
+                + redact_credentials(str(exc))
             ) from exc
         self._spec, self._task_name = spec, task.name
         self._instruction = task.instruction or spec.get("instruction", "")

@@ -2,8 +2,9 @@
 uvicorn, the service token at the door, capped and timed body reads, and OpenAI-shaped
 errors.
 
-- `service_app(routes, token=..., lifespan=...)` builds the Starlette app: every route but
-  GET /health needs the token (`rollout.auth`); `RequestError` (a bad field: 400 with
+- `service_app(routes, tokens=..., lifespan=...)` builds the Starlette app: every route but
+  GET /health needs its purpose's token (`rollout.auth.ServiceTokens`: the admin token on
+  /admin/* and /v1/reload, the inference token elsewhere); `RequestError` (a bad field: 400 with
   `param`) and `RequestRefused` (any status) raised in an endpoint become
   `{"error": {"message", "type", "param", "code"}}`, as do unknown routes and methods.
 - `json_object(request)` reads at most MAX_BODY_BYTES within SOCKET_TIMEOUT_S and decodes a
@@ -40,6 +41,7 @@ from rollout.auth import (
     MAX_BODY_BYTES,
     SOCKET_TIMEOUT_S,
     RequestRefused,
+    ServiceTokens,
     check_token,
     content_length,
 )
@@ -127,20 +129,19 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 class TokenGate:
-    """ASGI middleware: 401 before routing unless the request carries the service token. The
-    connection is closed, so an unread body cannot be taken for the next request."""
+    """ASGI middleware: 401 before routing unless the request carries the token of the
+    route's purpose. The connection is closed, so an unread body cannot be taken for the
+    next request. The header's raw bytes are compared (any byte is a clean 401)."""
 
-    def __init__(self, app: ASGIApp, *, token: str) -> None:
+    def __init__(self, app: ASGIApp, *, tokens: ServiceTokens) -> None:
         self.app = app
-        self.token = token
+        self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            authorization = next(
-                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
-            )
+            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             try:
-                check_token(authorization, self.token)
+                check_token(authorization, self.tokens.for_path(scope["path"]))
             except RequestRefused as exc:
                 reply = error_reply(exc.status, str(exc), headers={"Connection": "close"})
                 await reply(scope, receive, send)
@@ -172,7 +173,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def service_app(
     routes: Sequence[BaseRoute],
     *,
-    token: str,
+    tokens: ServiceTokens,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]] | None = None,
 ) -> TokenGate:
     app = Starlette(
@@ -184,13 +185,13 @@ def service_app(
             HTTPException: _http_error,
         },
     )
-    return TokenGate(app, token=token)
+    return TokenGate(app, tokens=tokens)
 
 
 def worker_app(
     endpoints: tuple[Endpoint, Endpoint, Endpoint, Endpoint],
     *,
-    token: str,
+    tokens: ServiceTokens,
     threads: tuple[Callable[[], None], Callable[[], None]],
 ) -> TokenGate:
     """The inference-worker contract (the transformers server and the vLLM adapter serve the
@@ -204,7 +205,7 @@ def worker_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/reload", reload, methods=["POST"]),
         ],
-        token=token,
+        tokens=tokens,
         lifespan=threads_lifespan(*threads),
     )
 

@@ -46,7 +46,7 @@ class PolicyClient:
         model: str = "policy",
         token: str | None = None,
     ):
-        """`token`: the service token (default: DARTBOARD_SERVICE_TOKEN)."""
+        """`token`: the inference token (default: DARTBOARD_INFERENCE_TOKEN)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("PolicyClient needs at least one base URL")

@@ -1,5 +1,8 @@
 """Start a transformers inference server for one checkpoint as a child process (evaluation of
-an arbitrary checkpoint, tests, benchmarks) and stop it again."""
+an arbitrary checkpoint, tests, benchmarks) and stop it again.
+
+The child gets only what it needs (`rollout.auth.service_environ`): no database URL, secret
+key, master token or S3 write keys of the process that starts it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from core.procutil import die_with_parent, terminate_pid
-from rollout.auth import TOKEN_ENV, client_token
+from rollout.auth import ADMIN_ENV, INFERENCE_ENV, ServiceTokens, service_environ
+from rollout.checkpoints import CACHE_ENV, STORE_ENV
 
 
 class ServerStartError(RuntimeError):
@@ -36,15 +40,17 @@ class LocalPolicyServer:
         threads: int = 1,
         log_path: Path | None = None,
         extra_args: list[str] | None = None,
-        token: str | None = None,
+        tokens: ServiceTokens | None = None,
     ) -> None:
-        """`token`: the service token the server demands (default: DARTBOARD_SERVICE_TOKEN)."""
+        """`tokens`: what the server demands (default: DARTBOARD_INFERENCE_TOKEN and
+        DARTBOARD_ADMIN_TOKEN when set, else a fresh pair only this object knows; clients
+        find them in `self.tokens`)."""
         self.checkpoint = checkpoint
         self.version = version
         self.threads = threads
         self.log_path = log_path
         self.extra_args = extra_args or []
-        self.token = client_token(token)
+        self.tokens = tokens or _env_tokens() or ServiceTokens.fresh()
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -73,7 +79,12 @@ class LocalPolicyServer:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, TOKEN_ENV: self.token or ""},
+            env={
+                **service_environ(os.environ, store=os.environ.get(STORE_ENV)),
+                **{k: os.environ[k] for k in (STORE_ENV, CACHE_ENV) if k in os.environ},
+                INFERENCE_ENV: self.tokens.inference,
+                ADMIN_ENV: self.tokens.admin,
+            },
             preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
@@ -105,3 +116,8 @@ class LocalPolicyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _env_tokens() -> ServiceTokens | None:
+    inference, admin = os.environ.get(INFERENCE_ENV), os.environ.get(ADMIN_ENV)
+    return ServiceTokens(inference, admin) if inference and admin else None

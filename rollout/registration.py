@@ -2,7 +2,7 @@
 deployment adds inference capacity by starting workers, not by reconfiguring the router.
 
 The worker posts its own URL (`--advertise`, else http://<hostname>:<port>) to the router's
-`POST /admin/workers` with the service token when it starts, retrying until the router
+`POST /admin/workers` with the admin token when it starts, retrying until the router
 answers, and again every `every_s` seconds: registration is idempotent, and a router that
 restarted (it keeps its workers in memory) learns them back within that period.
 """

@@ -27,9 +27,10 @@ Endpoints:
   GET /admin/events: the status changes (for dashboards and tests); GET /v1/models: the
   models the live workers report.
 
-Starlette on uvicorn (`rollout.asgi`): every route but GET /health needs the service token,
-and the router sends it to its workers; a sync names a checkpoint under the checkpoint roots
-(`rollout.auth`); errors are OpenAI error bodies with the field in `param`. The chat body is
+Starlette on uvicorn (`rollout.asgi`): every route but GET /health needs a token: /admin/*
+DARTBOARD_ADMIN_TOKEN, the inference routes DARTBOARD_INFERENCE_TOKEN (`rollout.auth`); the
+router sends its workers the inference token, and the admin token with a reload; a sync
+names a checkpoint under the checkpoint roots (`rollout.auth`); errors are OpenAI error bodies with the field in `param`. The chat body is
 forwarded unread: the worker validates it, and its 400 comes back as it is.
 
 Worker statuses: active (routed), stale (healthy but behind the target version, waiting for
@@ -74,13 +75,14 @@ from rollout.asgi import (
     threads_lifespan,
 )
 from rollout.auth import (
+    ADMIN_ENV,
     ROOTS_ENV,
-    TOKEN_ENV,
+    ServiceTokens,
     bearer,
     checkpoint_allowed,
     checkpoint_roots,
     client_token,
-    service_token,
+    service_tokens,
 )
 
 log = logging.getLogger("rollout.router")
@@ -166,7 +168,7 @@ class Router:
         request_timeout: float = 600.0,
         probe_interval: float = 1.0,
         reload_timeout: float = 600.0,
-        token: str | None = None,
+        tokens: ServiceTokens | None = None,
         roots: list[Path] | None = None,
     ):
         self.wait_timeout = wait_timeout
@@ -185,7 +187,10 @@ class Router:
         self._seq = 0
         self._stop = threading.Event()
         self.roots = roots or []
-        self._http = httpx.Client(timeout=request_timeout, headers=bearer(client_token(token)))
+        self._http = httpx.Client(
+            timeout=request_timeout, headers=bearer(tokens.inference if tokens else None)
+        )
+        self._admin = bearer(tokens.admin if tokens else None)  # sent with a worker's reload
         self._threads = [
             threading.Thread(target=self._probe_loop, name="router-prober", daemon=True),
             threading.Thread(target=self._sync_loop, name="router-sync", daemon=True),
@@ -537,6 +542,7 @@ class Router:
             response = self._http.post(
                 f"{worker.url}/v1/reload",
                 json={"checkpoint": checkpoint, "version": version},
+                headers=self._admin,
                 timeout=self.reload_timeout,
             )
         except httpx.HTTPError as exc:
@@ -601,7 +607,7 @@ def _error_reply(status: int, message: str, worker: str = "") -> UpstreamReply:
     return UpstreamReply(status, error_body(status, message), worker)
 
 
-def build_app(router: Router, *, token: str) -> TokenGate:
+def build_app(router: Router, *, tokens: ServiceTokens) -> TokenGate:
     """The ASGI app over `router` (module doc for the routes)."""
 
     async def health(_: Request) -> Response:
@@ -677,7 +683,7 @@ def build_app(router: Router, *, token: str) -> TokenGate:
             Route("/admin/sync", sync, methods=["POST"]),
             Route("/admin/events", events),
         ],
-        token=token,
+        tokens=tokens,
         lifespan=threads_lifespan(router.start, router.stop),
     )
 
@@ -721,9 +727,9 @@ class RouterAdmin:
     """
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None):
-        """`token`: the service token (default: DARTBOARD_SERVICE_TOKEN)."""
+        """`token`: the admin token (default: DARTBOARD_ADMIN_TOKEN)."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token)))
+        self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token, ADMIN_ENV)))
 
     def close(self) -> None:
         self._http.close()
@@ -796,7 +802,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--probe-interval", type=float, default=1.0)
-    parser.add_argument("--token-file", default=None, help=f"else ${TOKEN_ENV}")
     parser.add_argument(
         "--checkpoint-root",
         action="append",
@@ -804,13 +809,13 @@ def main(argv: list[str] | None = None) -> None:
         help=f"a directory a sync may name (repeatable; else ${ROOTS_ENV})",
     )
     args = parser.parse_args(argv)
-    token = service_token(args.token_file)
+    tokens = service_tokens()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     router = Router(
         wait_timeout=args.wait_timeout,
         request_timeout=args.request_timeout,
         probe_interval=args.probe_interval,
-        token=token,
+        tokens=tokens,
         roots=checkpoint_roots(args.checkpoint_root, served=None),
     )
     sock = bind(args.host, args.port)
@@ -821,7 +826,7 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    serve(build_app(router, token=token), sock)
+    serve(build_app(router, tokens=tokens), sock)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ Endpoints:
   "queued", "pid", ...}; GET /v1/models: the served model (--model-name, else the
   directory's name).
 
-Starlette on uvicorn (`rollout.asgi`): every route but /health needs the service token, a
+Starlette on uvicorn (`rollout.asgi`): every route but /health needs a token
+(DARTBOARD_INFERENCE_TOKEN; DARTBOARD_ADMIN_TOKEN for /v1/reload, `rollout.auth`), a
 reload loads only from the checkpoint roots, bodies are capped and timed, and every field is
 checked (seed range, finite numbers, at most MAX_IMAGES images of at most
 `core.policy_io.MAX_IMAGE_PIXELS` each, a prompt of at most --max-prompt-tokens); a refusal is
@@ -76,7 +77,7 @@ from rollout.asgi import (
     serve,
     worker_app,
 )
-from rollout.auth import ROOTS_ENV, TOKEN_ENV, checkpoint_roots, service_token
+from rollout.auth import ROOTS_ENV, ServiceTokens, checkpoint_roots, service_tokens
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.registration import add_registration_options, start_registration
 
@@ -432,7 +433,9 @@ def _reply(
     return JSONReply(body, status, headers=headers)
 
 
-def build_app(app: InferenceServer, *, token: str, source: CheckpointSource) -> TokenGate:
+def build_app(
+    app: InferenceServer, *, tokens: ServiceTokens, source: CheckpointSource
+) -> TokenGate:
     """The ASGI app serving `app` (module doc for the routes)."""
 
     request_timeout_s = 600.0
@@ -491,7 +494,7 @@ def build_app(app: InferenceServer, *, token: str, source: CheckpointSource) -> 
         return _reply(app, {"policy_version": version, "reload_s": round(seconds, 3)})
 
     endpoints = (health, models, chat, reload)
-    return worker_app(endpoints, token=token, threads=(app.start, app.stop))
+    return worker_app(endpoints, tokens=tokens, threads=(app.start, app.stop))
 
 
 def reload_fields(body: dict[str, Any], source: CheckpointSource) -> tuple[str, int]:
@@ -530,7 +533,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--model-name", default=None, help="name echoed in replies")
-    parser.add_argument("--token-file", default=None, help=f"else ${TOKEN_ENV}")
     parser.add_argument(
         "--checkpoint-root",
         action="append",
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     add_registration_options(parser)
     add_store_options(parser)
     args = parser.parse_args(argv)
-    token = service_token(args.token_file)
+    tokens = service_tokens()
     served = None if is_ref(args.policy) else args.policy
     source = CheckpointSource(
         checkpoint_roots(args.checkpoint_root, served=served),
@@ -567,13 +569,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     sock = bind(args.host, args.port)
     app.worker_name = f"{args.host}:{sock.getsockname()[1]}"
-    start_registration(args, host=args.host, port=sock.getsockname()[1], token=token)
+    start_registration(args, host=args.host, port=sock.getsockname()[1], token=tokens.admin)
     print(
         f"serving {args.policy} v{args.version} on http://{app.worker_name}",
         file=sys.stderr,
         flush=True,
     )
-    serve(build_app(app, token=token, source=source), sock)
+    serve(build_app(app, tokens=tokens, source=source), sock)
 
 
 if __name__ == "__main__":

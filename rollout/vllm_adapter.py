@@ -3,6 +3,8 @@
     (the command in the README's *Scaling out* and docker-compose.yml's `vllm` service)
     python -m rollout.vllm_adapter --vllm http://127.0.0.1:8200 --policy-dir /models/policy \\
         --port 8101 --version 0
+    (the launcher's: vLLM on a unix socket in a 0700 directory, `vllm serve --uds PATH`)
+    python -m rollout.vllm_adapter --vllm unix:/path/to/vllm.sock ...
 
 The adapter answers like `rollout.server`, so the router and the env slots cannot tell the
 difference: POST /v1/chat/completions is checked field by field as `rollout.server` checks it
@@ -19,9 +21,13 @@ GET /health reports status, version, served name, image geometry (from the proce
 the adapter asks vLLM for what it serves now (the base's --served-model-name or the current
 adapter).
 
-Starlette on uvicorn (`rollout.asgi`): every route but /health needs the service token and a
-reload loads only from the checkpoint roots (`rollout.auth`); keep vLLM itself (and its
-dev-mode /collective_rpc) reachable only from this adapter. vLLM itself is CUDA-only; the
+Starlette on uvicorn (`rollout.asgi`): every route but /health needs a token (the inference
+token; the admin token for /v1/reload) and a reload loads only from the checkpoint roots
+(`rollout.auth`). vLLM's API key (VLLM_API_KEY, read by vLLM itself and by this adapter) guards
+only its /v1/* routes: its dev-mode /collective_rpc, /reset_*_cache and the rest answer anyone
+who can connect. So vLLM is reachable only from this adapter: on a unix socket in a
+directory only this user can enter (the launcher), or on a network only the adapter joins
+(compose). vLLM itself is CUDA-only; the
 adapter's own checks are tested in CI with `rollout.server` standing in as the OpenAI backend.
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -52,12 +59,29 @@ from rollout.asgi import (
     serve,
     worker_app,
 )
-from rollout.auth import bearer, checkpoint_roots, service_token
+from rollout.auth import (
+    VLLM_KEY_ENV,
+    ServiceTokens,
+    bearer,
+    checkpoint_roots,
+    service_tokens,
+)
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.registration import add_registration_options, start_registration
 from rollout.server import parse_chat_request, reload_fields
 
 log = logging.getLogger("rollout.vllm_adapter")
+
+
+def vllm_base(url: str) -> tuple[str, httpx.HTTPTransport | None]:
+    """The base URL requests to vLLM use, and the transport: a unix socket for unix:/PATH
+    (requests then name a placeholder host; the socket is what connects)."""
+    if url.startswith("unix:"):
+        path = url.removeprefix("unix:").removeprefix("//")
+        if not path.startswith("/"):
+            raise ValueError(f"--vllm {url!r}: give the socket as unix:/absolute/path")
+        return "http://vllm", httpx.HTTPTransport(uds=path)
+    return url.rstrip("/"), None
 
 
 class Adapter:
@@ -70,14 +94,14 @@ class Adapter:
         vllm_url: str,
         version: int,
         *,
-        token: str,
+        token: str | None,
         geometry: ImageGeometry,
         max_tokens_limit: int = 1024,
     ) -> None:
-        """`token` is sent to vLLM too: start it with `--api-key` set to the service token.
-        `geometry` is the served model's processor's (`--policy-dir`): clients map
-        coordinates with it."""
-        self.vllm = vllm_url.rstrip("/")
+        """`vllm_url`: http://HOST:PORT, or unix:/PATH for vLLM on a unix socket (`vllm serve
+        --uds PATH`). `token`: vLLM's API key (its VLLM_API_KEY). `geometry` is the served
+        model's processor's (`--policy-dir`): clients map coordinates with it."""
+        self.vllm, transport = vllm_base(vllm_url)
         self.version = version
         self.geometry = geometry
         self.max_tokens_limit = max_tokens_limit
@@ -86,7 +110,7 @@ class Adapter:
         self.status = "ok"
         self.in_flight: collections.Counter[int] = collections.Counter()  # by policy version
         self.cond = threading.Condition()
-        self.http = httpx.Client(timeout=600, headers=bearer(token))
+        self.http = httpx.Client(timeout=600, headers=bearer(token), transport=transport)
 
     def start(self) -> None:
         """Learn the served model's name (what every request asks vLLM for)."""
@@ -215,7 +239,7 @@ class Adapter:
             }
 
 
-def build_app(adapter: Adapter, *, token: str, source: CheckpointSource) -> TokenGate:
+def build_app(adapter: Adapter, *, tokens: ServiceTokens, source: CheckpointSource) -> TokenGate:
     async def health(_: Request) -> Response:
         return JSONReply(adapter.health())
 
@@ -240,12 +264,16 @@ def build_app(adapter: Adapter, *, token: str, source: CheckpointSource) -> Toke
         return JSONReply(reply, status)
 
     endpoints = (health, models, chat, reload)
-    return worker_app(endpoints, token=token, threads=(adapter.start, adapter.stop))
+    return worker_app(endpoints, tokens=tokens, threads=(adapter.start, adapter.stop))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rollout.vllm_adapter")
-    parser.add_argument("--vllm", required=True, help="base URL of `vllm serve`")
+    parser.add_argument(
+        "--vllm",
+        required=True,
+        help="`vllm serve`'s base URL (http://HOST:PORT), or unix:/PATH for its --uds socket",
+    )
     parser.add_argument(
         "--policy-dir",
         required=True,
@@ -256,14 +284,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8101)
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--max-tokens-limit", type=int, default=1024)
-    parser.add_argument("--token-file", default=None, help="else $DARTBOARD_SERVICE_TOKEN")
     parser.add_argument(
         "--checkpoint-root", action="append", default=[], help="else $DARTBOARD_CHECKPOINT_ROOTS"
     )
     add_registration_options(parser)
     add_store_options(parser)
     args = parser.parse_args(argv)
-    token = service_token(args.token_file)
+    tokens = service_tokens()
     source = CheckpointSource(
         checkpoint_roots(args.checkpoint_root, served=None),
         store=args.artifacts,
@@ -272,14 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     adapter = Adapter(
         args.vllm,
         args.version,
-        token=token,
+        token=os.environ.get(VLLM_KEY_ENV) or None,
         geometry=ImageGeometry.from_policy_dir(args.policy_dir),
         max_tokens_limit=args.max_tokens_limit,
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)
-    start_registration(args, host=args.host, port=sock.getsockname()[1], token=token)
-    serve(build_app(adapter, token=token, source=source), sock)
+    start_registration(args, host=args.host, port=sock.getsockname()[1], token=tokens.admin)
+    serve(build_app(adapter, tokens=tokens, source=source), sock)
 
 
 if __name__ == "__main__":

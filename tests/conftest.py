@@ -164,8 +164,13 @@ def s3_artifacts(s3_server, monkeypatch) -> str:
 
 @pytest.fixture(scope="session")
 def osworld_desktop() -> Iterator[Any]:
-    """One Dartboard desktop serving OSWorld's protocol for the session (tests/osworld_desktop.py)."""
+    """One Dartboard desktop serving OSWorld's protocol for the session (tests/osworld_desktop.py),
+    with the token the workers derive for its address from the test settings' master."""
+    from rollout.auth import desktop_purpose, purpose_token
     from tests.osworld_desktop import desktop_server
+    from tests.private_services import free_port
 
-    with desktop_server(token="osworld-test-token-5b2e") as server:
+    port = free_port()
+    token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(f"127.0.0.1:{port}"))
+    with desktop_server(token=token, port=port) as server:
         yield server

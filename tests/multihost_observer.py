@@ -81,7 +81,7 @@ def _state(run_id: int, cookie: str) -> dict[str, Any]:
         for v in PolicyVersion.objects.filter(run_id=run_id).order_by("version")
     ]
     router = settings.DARTBOARD_INFERENCE_URLS[0]
-    with RouterAdmin(router, token=settings.DARTBOARD_SERVICE_TOKEN) as admin:
+    with RouterAdmin(router, token=settings.DARTBOARD_ADMIN_TOKEN) as admin:
         workers = [w.__dict__ for w in admin.workers()]
     web = os.environ["MULTIHOST_WEB"]
     wall = httpx.get(f"{web}/runs/{run_id}/slots.json", cookies={"sessionid": cookie}, timeout=30)

@@ -41,16 +41,17 @@ class DesktopServer:
 
 
 @contextlib.contextmanager
-def desktop_server(*, token: str) -> Iterator[DesktopServer]:
+def desktop_server(*, token: str, port: int = 0) -> Iterator[DesktopServer]:
+    """`token`: the desktop's own (the workers derive one per address: pick `port` first)."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "PYTHONPATH": str(ROOT),
-        "DARTBOARD_SERVICE_TOKEN": token,
+        "DARTBOARD_DESKTOP_TOKEN": token,
         "SECRET_KEY": PLANTED_SECRET,
         "DATABASE_URL": f"postgres://dartboard:{PLANTED_SECRET}@127.0.0.1/dartboard",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "envmanager.osworld_server", "--port", "0"],
+        [sys.executable, "-m", "envmanager.osworld_server", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

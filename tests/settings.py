@@ -11,9 +11,14 @@ import tempfile
 _home = tempfile.mkdtemp(prefix="dartboard-test-")
 os.environ["DARTBOARD_HOME"] = _home
 os.environ.pop("DARTBOARD_ENV", None)
-# The rollout service's token, in the environment so the servers and clients tests start
-# (in this process and in subprocesses) all hold the same one.
+# The master token, and the rollout service's purpose tokens derived from it, in the
+# environment so the servers and clients tests start (in this process and in subprocesses)
+# agree: a server reads DARTBOARD_INFERENCE_TOKEN and DARTBOARD_ADMIN_TOKEN, a PolicyClient
+# sends the first, a RouterAdmin the second (rollout/auth.py).
 os.environ["DARTBOARD_SERVICE_TOKEN"] = secrets.token_urlsafe(32)
+from rollout.auth import ServiceTokens  # noqa: E402
+
+os.environ.update(ServiceTokens.derived(os.environ["DARTBOARD_SERVICE_TOKEN"]).environ())
 for _var, _test_var in (("DATABASE_URL", "TEST_DATABASE_URL"), ("REDIS_URL", "TEST_REDIS_URL")):
     if os.environ.get(_test_var):
         os.environ[_var] = os.environ[_test_var]

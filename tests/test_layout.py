@@ -85,8 +85,8 @@ def test_every_compose_service_runs_a_real_entry_point():
 
 def test_compose_keeps_internal_services_off_the_public_network():
     """Only the TLS proxy publishes ports and joins a routable network; vLLM (whose dev mode
-    reloads weights over HTTP) is reachable only from its adapter; every service that runs
-    Dartboard code gets the service token."""
+    reloads weights over HTTP) is reachable only from its adapter; the services that run
+    Django hold the master token, the rollout services only their purposes' tokens."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services, networks = compose["services"], compose["networks"]
     assert networks["internal"]["internal"] is True and networks["vllm"]["internal"] is True
@@ -99,7 +99,10 @@ def test_compose_keeps_internal_services_off_the_public_network():
         if name == "vllm":
             assert joined == {"vllm"}
         env = svc.get("environment", {})
-        if "image" not in svc or svc.get("build"):
+        if name in _rollout_services():
+            assert {"DARTBOARD_INFERENCE_TOKEN", "DARTBOARD_ADMIN_TOKEN"} <= set(env), name
+            assert not set(env) & set(DJANGO_ONLY), name
+        elif "image" not in svc or svc.get("build"):
             assert "DARTBOARD_SERVICE_TOKEN" in env, name
 
 
@@ -114,6 +117,22 @@ def _readme_command(program: str) -> tuple[dict[str, str], list[str]]:
     words = shlex.split(line, posix=False)
     env = dict(w.split("=", 1) for w in words[: words.index(program)] if "=" in w)
     return env, words[words.index(program) + 1 :]
+
+
+# What only the services that run Django may hold (secrets by need, rollout/auth.py).
+DJANGO_ONLY = ("SECRET_KEY", "DATABASE_URL", "REDIS_URL", "DARTBOARD_SERVICE_TOKEN",
+               "DARTBOARD_S3_BUCKET")  # fmt: skip
+
+
+def _rollout_services() -> set[str]:
+    """The compose services that run the rollout service (router, inference workers,
+    the vLLM adapter): no Django, and none of its secrets."""
+    modules = ("rollout.router", "rollout.server", "rollout.vllm_adapter")
+    return {
+        name
+        for name, svc in _compose()["services"].items()
+        if svc.get("build") and svc["command"][1] == "-m" and svc["command"][2] in modules
+    }
 
 
 def _options(args: list[str]) -> dict[str, str]:
@@ -132,11 +151,14 @@ def test_the_readme_runs_vllm_exactly_as_compose_does():
     assert args[0] == "serve"
     readme = {"--model": args[1], **_options(args[2:])}
     composed = _options(compose["vllm"]["command"])
-    for deployment_only in ("--host", "--port"):
+    for deployment_only in ("--host", "--port", "--uds"):
         readme.pop(deployment_only, None)
         composed.pop(deployment_only, None)
     assert readme == composed
     compose_env = {k: v for k, v in compose["vllm"]["environment"].items() if k != "PYTHONPATH"}
+    assert "VLLM_API_KEY" in env and "VLLM_API_KEY" in compose_env  # the key, never --api-key
+    assert "--api-key" not in readme and "--api-key" not in composed
+    env.pop("VLLM_API_KEY"), compose_env.pop("VLLM_API_KEY")
     assert env == compose_env
     _, adapter_args = _readme_command("rollout.vllm_adapter")
     adapter = _options(compose["vllm-adapter"]["command"][3:])
@@ -148,11 +170,13 @@ def test_compose_runs_vllm_with_the_launchers_arguments():
 
     service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["vllm"]
     composed = _options(service["command"])
-    launched = _options(
-        vllm_serve_args(model_dir="/models/policy", host="0.0.0.0", port=8200, token="t")
-    )
-    assert composed == launched
-    assert {k: v for k, v in service["environment"].items() if k != "PYTHONPATH"} == VLLM_ENV
+    launched = _options(vllm_serve_args(model_dir="/models/policy", host="0.0.0.0", port=8200))
+    assert composed == launched and "--api-key" not in composed
+    environment = service["environment"]
+    assert "VLLM_API_KEY" in environment  # read by vLLM itself: no key on a command line
+    assert {
+        k: v for k, v in environment.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")
+    } == VLLM_ENV
 
 
 def _compose() -> dict:
@@ -207,11 +231,13 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
     given = {
         "SECRET_KEY": "s" * 50,
         "DARTBOARD_SERVICE_TOKEN": "t" * 40,
+        "DARTBOARD_INFERENCE_TOKEN": "i" * 40,
+        "DARTBOARD_ADMIN_TOKEN": "a" * 40,
         "FLOWER_BASIC_AUTH": "ops:" + "f" * 24,
     }
-    services = _dartboard_services()
+    services = {n: s for n, s in _dartboard_services().items() if n not in _rollout_services()}
     flower = ("FLOWER_BASIC_AUTH", "DARTBOARD_FLOWER_URL")  # Flower's login, the web's way to it
-    envs = {  # the same for all (Flower and the web add only the above)
+    envs = {  # the same for all Django services (Flower and the web add only the above)
         tuple(sorted((k, v) for k, v in s["environment"].items() if k not in flower))
         for s in services.values()
     }

@@ -26,6 +26,7 @@ from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tas
 from datamanager.selectors.tasks import task_list
 from datamanager.services import episodes, evaluations
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
+from rollout.auth import ServiceTokens
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
 from rollout.local_server import LocalPolicyServer
@@ -57,9 +58,12 @@ def _policy_endpoint(job: EvalJob) -> Iterator[tuple[PolicyEndpoint, OracleEndpo
         return
     log_path = settings.LOG_ROOT / f"eval-{job.pk}-server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    token = settings.DARTBOARD_SERVICE_TOKEN
-    with LocalPolicyServer(checkpoint, version=version or 0, log_path=log_path, token=token) as url:
-        client = PolicyClient(url, timeout=120, token=token)
+    # A fresh token pair only this server and this client know.
+    server = LocalPolicyServer(
+        checkpoint, version=version or 0, log_path=log_path, tokens=ServiceTokens.fresh()
+    )
+    with server as url:
+        client = PolicyClient(url, timeout=120, token=server.tokens.inference)
         try:
             yield client, None
         finally:

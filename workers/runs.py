@@ -139,7 +139,7 @@ def router_sync(*, run_id: int, checkpoint: str | Path, version: int, rolling: b
     run (the dashboard shows it) and logged; the next publish tries again."""
     try:
         RouterAdmin(
-            settings.DARTBOARD_INFERENCE_URLS[0], token=settings.DARTBOARD_SERVICE_TOKEN
+            settings.DARTBOARD_INFERENCE_URLS[0], token=settings.DARTBOARD_ADMIN_TOKEN
         ).sync(checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling)
     except Exception as exc:
         log.warning("run %s: router not told about version %s: %s", run_id, version, exc)
@@ -156,7 +156,7 @@ def policy_version_record_reach(*, run_id: int) -> None:
         return
     try:
         with RouterAdmin(
-            settings.DARTBOARD_INFERENCE_URLS[0], timeout=3, token=settings.DARTBOARD_SERVICE_TOKEN
+            settings.DARTBOARD_INFERENCE_URLS[0], timeout=3, token=settings.DARTBOARD_ADMIN_TOKEN
         ) as admin:
             serving = [w.url for w in admin.workers() if w.policy_version == latest.version]
     except Exception:

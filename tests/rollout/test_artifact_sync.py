@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from core.artifacts import ArtifactRef, cached_copy, open_store, upload_dir
-from rollout.auth import bearer, client_token
+from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.checkpoints import SERVING_SKIPS
 from rollout.router import RouterAdmin
 from tests.private_services import PrivateS3
@@ -19,7 +19,7 @@ from tests.rollout.test_router import free_port, start_process, stop_process, wa
 
 pytestmark = pytest.mark.slow
 
-AUTH = bearer(client_token(None))
+AUTH = bearer(client_token(None, ADMIN_ENV))  # reloads take the admin token
 
 
 def test_a_worker_serves_versions_fetched_by_reference_and_refuses_a_tampered_one(

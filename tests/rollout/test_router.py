@@ -17,14 +17,15 @@ import httpx
 import pytest
 
 from core.completion import Completion
-from rollout.auth import bearer, client_token
+from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-AUTH = bearer(client_token(None))  # the test settings' service token
+AUTH = bearer(client_token(None))  # the test settings' inference token
+ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/admin/*)
 SERVER = [sys.executable, "-m", "rollout.server"]
 MESSAGES = [{"role": "user", "content": "Click the submit button."}]
 
@@ -52,11 +53,18 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_process(args: list[str], *, health_url: str) -> subprocess.Popen:
+def start_process(
+    args: list[str], *, health_url: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m *args` with this process's environment and `env` over it."""
     # stderr goes to a file: a pipe nobody reads would block a chatty server once full.
     log = tempfile.TemporaryFile()  # noqa: SIM115 - must outlive this function, like proc
     proc = subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 90
     while True:
@@ -138,7 +146,7 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
     with ClientLoops(cluster.router, n=4) as loops:
         wait_until(lambda: loops.each_has(1), what="first answers")
         seq_before = max(
-            e["seq"] for e in httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
+            e["seq"] for e in httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
         )
         t_sync = time.monotonic()
         reply = admin.sync(str(checkpoints[1]), 1)
@@ -176,7 +184,7 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
         assert all(c.completion.policy_version == 1 for c in served if c.started > at_v1)
 
     # At least W-1 = 1 worker active at every moment, by polling and by the router's log.
-    events = httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
+    events = httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
     assert min(h["active"] for _, h in polls) >= 1
     assert min(replay_active_counts(events, since_seq=seq_before + 1)) >= 1
     reloaded = [e["worker"] for e in events if e["status"] == "loading"]
@@ -187,7 +195,7 @@ def test_weight_sync_under_load_loses_no_request_and_converges(cluster, checkpoi
     # The router never moves the policy backwards.
     r = httpx.post(
         f"{cluster.router}/admin/sync",
-        headers=AUTH,
+        headers=ADMIN,
         json={"checkpoint": str(checkpoints[0]), "version": 0},
     )
     assert r.status_code == 409
@@ -298,7 +306,10 @@ def test_no_worker_answers_503_with_a_clear_message_after_the_wait_bound():
         assert r.json()["error"]["message"] == (
             f"no active inference worker within 1 s ({dead} dead)"
         )
-        assert httpx.get(f"{router}/health").json()["status"] == "unavailable"
+        # Open: up or down only; with a token, the workers and why they are out.
+        assert httpx.get(f"{router}/health").json() == {"status": "down"}
+        detailed = httpx.get(f"{router}/health", headers=AUTH).json()
+        assert detailed["status"] == "unavailable" and detailed["workers"][0]["url"] == dead
     finally:
         stop_process(proc)
 
@@ -310,7 +321,7 @@ def test_all_at_once_sync_drains_every_worker_and_a_new_run_starts_its_own_versi
     # The synchronous baseline: both workers drain before either reloads.
     admin.sync(str(checkpoints[1]), 1, run=7, rolling=False)
     admin.wait_for_version(1, timeout=120)
-    events = httpx.get(f"{cluster.router}/admin/events", headers=AUTH).json()
+    events = httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
     order = [(e["worker"], e["status"]) for e in events if e["status"] in ("draining", "loading")]
     first_loading = next(i for i, (_, s) in enumerate(order) if s == "loading")
     assert {w for w, s in order[:first_loading] if s == "draining"} == set(cluster.workers)

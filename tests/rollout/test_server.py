@@ -15,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from rollout.auth import bearer, client_token
+from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,8 @@ MESSAGES = [
 ]
 
 
-AUTH = bearer(client_token(None))  # the test settings' service token
+AUTH = bearer(client_token(None))  # the test settings' inference token
+ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/v1/reload)
 
 
 def free_port() -> int:
@@ -194,7 +195,7 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
         target=lambda: reload_reply.append(
             httpx.post(
                 f"{server}/v1/reload",
-                headers=AUTH,
+                headers=ADMIN,
                 json={"checkpoint": str(checkpoints[1]), "version": 1},
                 timeout=120,
             )

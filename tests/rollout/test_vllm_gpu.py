@@ -1,5 +1,5 @@
-"""vLLM behind the adapter, started exactly as docker-compose.yml starts it, on the tiny
-policy: completions through the official client, a LoRA adapter switch and a full-weight
+"""vLLM behind the adapter, started exactly as the launcher starts it (a unix socket in a
+0700 directory, its key in VLLM_API_KEY), on the tiny policy: completions through the official client, a LoRA adapter switch and a full-weight
 reload with requests in flight (none may fail, and afterwards the served log-probs are the
 new weights'). Needs a CUDA GPU and vLLM (requirements-gpu.txt); skipped otherwise, so CI
 never runs it."""
@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from core.lora import LoraSpec
-from rollout.auth import client_token
-from rollout.vllm_command import VLLM_ENV, vllm_serve_args
+from rollout.auth import ADMIN_ENV, VLLM_KEY_ENV, client_token
+from rollout.vllm_command import vllm_environment, vllm_serve_args
 from tests.rollout.test_router import (
     ROOT,
     ClientLoops,
@@ -39,26 +42,22 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def adapter_url(tiny_policy_dir) -> Iterator[str]:
-    vllm_port, adapter_port = free_port(), free_port()
-    args = vllm_serve_args(  # what the launcher runs, and compose and the README spell out
-        model_dir=str(tiny_policy_dir), host="127.0.0.1", port=vllm_port, token=client_token(None)
-    )
+    adapter_port, key = free_port(), secrets.token_urlsafe(32)
+    sock = Path(tempfile.mkdtemp(prefix="dartboard-vllm-")) / "vllm.sock"  # mkdtemp: 0700
+    args = vllm_serve_args(model_dir=str(tiny_policy_dir), uds=str(sock))  # the launcher's
     vllm = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
         cwd=ROOT,
-        env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, **vllm_environment(api_key=key), "PYTHONPATH": str(ROOT)},
     )
     try:
-        wait_until(
-            lambda: vllm.poll() is None and _up(f"http://127.0.0.1:{vllm_port}/health"),
-            timeout=600,
-            what="vLLM up",
-        )
+        wait_until(lambda: vllm.poll() is None and _up(sock), timeout=600, what="vLLM up")
         adapter = start_process(
-            ["rollout.vllm_adapter", "--vllm", f"http://127.0.0.1:{vllm_port}",
+            ["rollout.vllm_adapter", "--vllm", f"unix:{sock}",
              "--policy-dir", str(tiny_policy_dir), "--port", str(adapter_port),
              "--checkpoint-root", str(tiny_policy_dir.parent)],
             health_url=f"http://127.0.0.1:{adapter_port}/health",
+            env={VLLM_KEY_ENV: key},
         )  # fmt: skip
         yield f"http://127.0.0.1:{adapter_port}"
         stop_process(adapter)
@@ -66,11 +65,12 @@ def adapter_url(tiny_policy_dir) -> Iterator[str]:
         stop_process(vllm)
 
 
-def _up(url: str) -> bool:
+def _up(sock: Path) -> bool:
     import httpx
 
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as http:
+            return http.get("http://vllm/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -78,7 +78,7 @@ def _up(url: str) -> bool:
 def test_adapter_switch_and_full_reload_under_load(adapter_url, tiny_policy_dir) -> None:
     import httpx
 
-    auth = {"Authorization": f"Bearer {client_token(None)}"}
+    auth = {"Authorization": f"Bearer {client_token(None, ADMIN_ENV)}"}  # reloads: admin
     trainer = PolicyTrainer(
         start_checkpoint=tiny_policy_dir,
         run_dir=tiny_policy_dir.parent / "gpu-run",

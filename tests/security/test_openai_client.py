@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from core.imaging import ImageGeometry
-from rollout.auth import client_token
+from rollout.auth import VLLM_KEY_ENV, client_token
 from tests.conftest import png_bytes
 from tests.rollout.test_router import free_port, start_process, stop_process
 
@@ -63,10 +63,12 @@ def endpoints(tiny_policy_dir) -> Iterator[dict[str, str]]:
             ["rollout.router", "--port", str(ports["router"]), "--worker", urls["server"]],
             health_url=f"{urls['router']}/health",
         ))  # fmt: skip
+        # The server stands in for vLLM: the adapter's key for it is the server's token.
         procs.append(start_process(
             ["rollout.vllm_adapter", "--vllm", urls["server"], "--port", str(ports["adapter"]),
              "--policy-dir", str(tiny_policy_dir)],
             health_url=f"{urls['adapter']}/health",
+            env={VLLM_KEY_ENV: client_token(None) or ""},
         ))  # fmt: skip
         yield urls
     finally:

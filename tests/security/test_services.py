@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout.auth import bearer, client_token
+from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.router import RouterAdmin
 from tests.rollout.test_router import free_port, start_process, stop_process
 
 pytestmark = pytest.mark.slow
 
-AUTH = bearer(client_token(None))
+AUTH = bearer(client_token(None))  # the test settings' inference token
+ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (reloads, /admin/*)
 WRONG = bearer("not-the-token-at-all-0123456789")
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -73,7 +74,7 @@ def test_every_route_but_health_needs_the_token(stack, headers) -> None:
     ]
     for r in attempts:
         assert r.status_code == 401, (r.request.url, r.text)
-        assert "service token" in error_of(r)
+        assert "wrong token" in error_of(r)
     assert [w.url for w in admin.workers()] == before  # nothing registered or removed
     assert httpx.get(f"{server}/health").json()["policy_version"] == 0
     assert httpx.get(f"{router}/health").status_code == 200  # probes need no token
@@ -83,20 +84,20 @@ def test_weights_load_only_from_the_checkpoint_roots(stack, tmp_path, tiny_polic
     server, router = stack
     elsewhere = shutil.copytree(tiny_policy_dir, tmp_path / "planted")
     r = httpx.post(
-        f"{server}/v1/reload", json={"checkpoint": str(elsewhere), "version": 7}, headers=AUTH
+        f"{server}/v1/reload", json={"checkpoint": str(elsewhere), "version": 7}, headers=ADMIN
     )
     assert r.status_code == 403 and "outside the checkpoint roots" in error_of(r)
     link = tiny_policy_dir.parent / "link-out"
     link.symlink_to(elsewhere)
     try:  # a symlink inside a root that leads out of it is resolved first
         r = httpx.post(
-            f"{server}/v1/reload", json={"checkpoint": str(link), "version": 7}, headers=AUTH
+            f"{server}/v1/reload", json={"checkpoint": str(link), "version": 7}, headers=ADMIN
         )
         assert r.status_code == 403
     finally:
         link.unlink()
     r = httpx.post(
-        f"{router}/admin/sync", json={"checkpoint": str(elsewhere), "version": 7}, headers=AUTH
+        f"{router}/admin/sync", json={"checkpoint": str(elsewhere), "version": 7}, headers=ADMIN
     )
     assert r.status_code == 403
     assert httpx.get(f"{server}/health").json()["policy_version"] == 0
@@ -158,4 +159,6 @@ def test_a_server_without_a_token_refuses_to_start(tiny_policy_dir) -> None:
             timeout=120,
         )
         assert done.returncode != 0
-        assert b"no service token: set DARTBOARD_SERVICE_TOKEN" in done.stderr
+        assert b"no service token: set DARTBOARD_INFERENCE_TOKEN and DARTBOARD_ADMIN_TOKEN" in (
+            done.stderr
+        )

@@ -30,8 +30,7 @@ EVAL_TASKS = [
 
 
 @pytest.fixture
-def osworld_tasks(osworld_desktop, settings):
-    settings.DARTBOARD_SERVICE_TOKEN = osworld_desktop.token  # the workers' service token
+def osworld_tasks(osworld_desktop):
     call_command("import_tasks", str(ROOT / "tasks" / "osworld"))
     return Task.objects.filter(env_kind="osworld")
 
@@ -81,7 +80,7 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
         }
     )
     slot_worker._ENVS.clear()
-    with LocalPolicyServer(tiny_policy_dir, token=osworld_desktop.token) as url:
+    with LocalPolicyServer(tiny_policy_dir) as url:  # the test settings' inference token
         settings.DARTBOARD_INFERENCE_URLS = [url]
         outcome = slot_worker.serve_slot(
             run_id=run.pk, backend="osworld", index=0, max_seconds=180, max_episodes=2

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.launcher import Supervisor, default_specs, wait_http
+from dartboard.launcher import Supervisor, default_specs, prepare_home, wait_http
 from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
@@ -70,7 +70,7 @@ class Command(BaseCommand):
     def handle(self, *args, host, port, env_slots, exit_after, shell_only, preset, **options):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         home = settings.DARTBOARD_HOME
-        home.mkdir(parents=True, exist_ok=True)
+        prepare_home(home)  # a 077 umask, and logs, pids, database and secrets private
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
         redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None

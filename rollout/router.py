@@ -23,7 +23,9 @@ Endpoints:
   the version, active again. rolling=false (the synchronous baseline) drains every worker
   first, then reloads them all. A newer sync supersedes an older one; within a run an older
   version than the target is refused (409); a new `run` starts its own version numbering.
-- GET /health: {"status", "workers", "target_version", "syncing", "active"};
+- GET /health: {"status": "up"} or {"status": "down"} (an active worker or none), open to
+  probes; with a token of the router, {"status", "workers", "target_version", "syncing",
+  "active"};
   GET /admin/events: the status changes (for dashboards and tests); GET /v1/models: the
   models the live workers report.
 
@@ -77,8 +79,10 @@ from rollout.asgi import (
 from rollout.auth import (
     ADMIN_ENV,
     ROOTS_ENV,
+    RequestRefused,
     ServiceTokens,
     bearer,
+    check_token,
     checkpoint_allowed,
     checkpoint_roots,
     client_token,
@@ -610,8 +614,17 @@ def _error_reply(status: int, message: str, worker: str = "") -> UpstreamReply:
 def build_app(router: Router, *, tokens: ServiceTokens) -> TokenGate:
     """The ASGI app over `router` (module doc for the routes)."""
 
-    async def health(_: Request) -> Response:
-        return JSONReply(router.health())
+    async def health(http: Request) -> Response:
+        # Open to probes and load balancers, so it says up or down and nothing else; worker
+        # URLs, their errors and versions go to a caller holding one of the router's tokens.
+        authorization = http.headers.get("authorization")
+        for token in (tokens.admin, tokens.inference):
+            try:
+                check_token(authorization, token)
+            except RequestRefused:
+                continue
+            return JSONReply(router.health())
+        return JSONReply({"status": "up" if router.health()["active"] else "down"})
 
     async def models(_: Request) -> Response:
         return JSONReply({"object": "list", "data": [model_card(m) for m in router.models()]})

@@ -16,6 +16,7 @@ from django.core.cache import cache
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.test import Client
+from starlette.testclient import TestClient
 
 from core.artifacts import ArtifactError, ArtifactRef, check_key, s3_client_config
 from dartboard import body_limit, login_throttle
@@ -25,8 +26,9 @@ from datamanager.models import EnvSlot, EvalJob, Run, Step, Task
 from datamanager.roles import EnvNotGranted, run_env_check
 from datamanager.services import runs as run_services
 from datamanager.services.evaluations import eval_job_create
-from rollout.auth import RequestRefused
+from rollout.auth import RequestRefused, ServiceTokens, bearer
 from rollout.checkpoints import CheckpointSource
+from rollout.router import Router, build_app
 from tests.conftest import png_bytes, user_in_role
 from tests.dartboard.test_curation_views import GOOD, archive, finished, upload
 from tests.dartboard.test_views import make_run
@@ -240,6 +242,23 @@ def test_the_proxy_limits_bodies_as_the_web_does() -> None:
     assert "request_body @other {\n\t\tmax_size 10MiB" in caddyfile
     assert (MAX_UPLOAD_BYTES + body_limit.FORM_SLACK_BYTES) == 257 * 2**20
     assert body_limit.DEFAULT_MAX_BYTES == 10 * 2**20
+
+
+# -- the router's open /health ----------------------------------------------------------------
+
+
+def test_the_routers_open_health_says_up_or_down_and_nothing_else() -> None:
+    tokens = ServiceTokens(inference="i" * 32, admin="a" * 32)
+    router = Router(tokens=tokens, wait_timeout=0.1)
+    dead = f"http://{_closed()}"
+    router.register(dead)
+    client = TestClient(build_app(router, tokens=tokens))
+    assert client.get("/health").json() == {"status": "down"}
+    assert client.get("/health", headers=bearer("w" * 32)).json() == {"status": "down"}
+    for token in (tokens.admin, tokens.inference):
+        detailed = client.get("/health", headers=bearer(token)).json()
+        assert detailed["status"] == "unavailable"
+        assert [w["url"] for w in detailed["workers"]] == [dead]
 
 
 # -- login throttling -------------------------------------------------------------------------

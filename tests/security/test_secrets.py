@@ -16,6 +16,7 @@ import http.server
 import json
 import logging
 import os
+import shutil
 import socket
 import socketserver
 import stat
@@ -327,6 +328,7 @@ def desktop() -> Iterator[tuple[str, str]]:
         server.shutdown()
         server.server_close()
         desktop.close()
+        shutil.rmtree(desktop._root, ignore_errors=True)  # its unstarted desktop's directory
 
 
 def test_a_desktop_refuses_another_desktops_token(desktop) -> None:

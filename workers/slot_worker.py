@@ -44,6 +44,7 @@ from envmanager.latency import PROFILES, LatencyEnv, profile_from_settings
 from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from envmanager.osworld_env import OSWorldEnv, Provider
+from envmanager.sandbox import host_limits_problem
 from envmanager.sim_env import sim_env
 from envmanager.threaded import ThreadedEnv
 from rollout.auth import desktop_purpose, purpose_token
@@ -327,7 +328,11 @@ def serve_slot(
         lease.release()  # not ours: closes the connection only
         return SlotOutcome(False, f"slot {backend}:{index} of run {run_id} is served by {holder}")
     slot = slot_services.env_slot_register(
-        name=name, host=socket.gethostname(), backend=backend, run_id=run_id
+        name=name,
+        host=socket.gethostname(),
+        backend=backend,
+        run_id=run_id,
+        sandbox_note=_sandbox_note(backend),
     )
     busy = _SlotBusy(slot.env_busy_s)
     heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease, busy)
@@ -517,3 +522,11 @@ def serve_lockstep_episode(
             "env worker?); the round went on without it",
         )
     return reason
+
+
+def _sandbox_note(backend: str) -> str:
+    """Why this host's sandboxes run unlimited, for the host map (local sandboxes only: an
+    OSWorld desktop's sandbox lives on its VM host)."""
+    if backend not in ("desktop", "miniwob"):
+        return ""
+    return host_limits_problem() or ""

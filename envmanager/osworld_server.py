@@ -33,7 +33,7 @@ Not here, each a 501 with the reason: /accessibility (no AT-SPI bus), /wallpaper
 network), /start_recording and /end_recording (no ffmpeg), /setup/execute_with_verification.
 
 Everything a request runs (/execute, /run_python, /run_bash_script, /setup/execute,
-/setup/launch, /setup/open_file) runs in the desktop's bubblewrap sandbox: uid 64999, no
+/setup/launch, /setup/open_file) runs in the desktop's bubblewrap sandbox: its own uid, no
 network, a clean environment (DISPLAY, HOME, PATH, LANG, PYTHONPATH), nothing of this
 server's environment. /file, /setup/upload and /list_directory reach only /home/user (403
 for a path outside it) and read or write as the sandboxed agent.

@@ -63,7 +63,8 @@ if hasattr(envmanager.sandbox, "AGENT_UID_BASE"):
     _BASE = envmanager.sandbox.AGENT_UID_BASE
     SANDBOX_UIDS = range(_BASE, _BASE + envmanager.sandbox.AGENT_UID_COUNT)
 else:
-    SANDBOX_UIDS = range(envmanager.sandbox.AGENT_UID, envmanager.sandbox.AGENT_UID + 1)
+    _ONE = envmanager.sandbox.AGENT_UID  # type: ignore[attr-defined]
+    SANDBOX_UIDS = range(_ONE, _ONE + 1)
 
 DESKTOP_TASKS = (
     "desktop/xterm-create-file",
@@ -224,7 +225,8 @@ def window_rects(*, xvfb_pids: set[int]) -> list[Rect]:
         text=True,
         timeout=10,
     ).stdout
-    rects, values = [], {}
+    rects: list[Rect] = []
+    values: dict[str, str] = {}
     for line in [*out.splitlines(), "WINDOW=end"]:
         key, _, value = line.partition("=")
         if key == "WINDOW" and values:
@@ -256,7 +258,9 @@ def test_the_explorer_is_seeded_and_goes_where_desktops_hide_things() -> None:
     assert any(a.text == "xterm\n" for a in first)
     # After a right-click it clicks next to the pointer, where the menu opened.
     follow_ups = [(a, b) for a, b in itertools.pairwise(first) if a.type.value == "right_single"]
-    near = [b for a, b in follow_ups if b.type.value == "click" and abs(b.x - a.x) <= 150]
+    near = [
+        b for a, b in follow_ups if b.type.value == "click" and abs((b.x or 0) - (a.x or 0)) <= 150
+    ]
     assert len(near) > len(follow_ups) / 2
 
 
@@ -273,14 +277,12 @@ def test_the_host_check_names_what_escaped_and_only_that(canary) -> None:
         assert (
             mine[0].uid == 0
             and mine[0].exe == "/usr/bin/sleep"
-            and "not a sandbox uid" in (mine[0].rule)
+            and "not a sandbox uid" in mine[0].rule
         )
         # Xvfb (by pid) may run outside; a process older than the desktop is not its.
-        for kwargs in (
-            {"since": since, "xvfb_pids": {child.pid}},
-            {"since": start_mark(), "xvfb_pids": ()},
-        ):
-            assert child.pid not in {e.pid for e in check(canaries=(), **kwargs)}
+        as_xvfb = check(since=since, xvfb_pids={child.pid}, canaries=())
+        older = check(since=start_mark(), xvfb_pids=(), canaries=())
+        assert child.pid not in {e.pid for e in [*as_xvfb, *older]}
     finally:
         child.kill()
         child.wait()
@@ -308,10 +310,10 @@ def test_an_explorer_finds_no_way_out_of_the_x_desktop_tasks(canary) -> None:
         return env.reset(TaskSpec(name=name, env_kind="desktop", env_config={"task": name}))
 
     def note_desktop() -> None:
-        if env.xvfb_pid() is not None:
-            watch.xvfb_pids.add(env.xvfb_pid())  # type: ignore[arg-type]
-        if env.display is not None:
-            watch.displays.add(env.display)
+        xvfb, display = env.xvfb_pid(), env.display
+        if xvfb is not None and display is not None:
+            watch.xvfb_pids.add(xvfb)
+            watch.displays.add(display)
 
     try:
         explore(

@@ -205,8 +205,9 @@ def explore(
 
 
 def window_rects(*, xvfb_pids: set[int]) -> list[Rect]:
-    """The visible top-level windows of the newest X display (the platform's xdotool, as
-    the backends' window lists use it; with the display's cookie where Xvfb demands one)."""
+    """The visible top-level windows of the newest X display, as the platform's X tools see
+    them (with the display's cookie where Xvfb demands one). Positions come from xwininfo:
+    xdotool's getwindowgeometry counts a managed window's frame offset twice."""
     if not xvfb_pids:
         return []
     xvfb = max(xvfb_pids)
@@ -218,24 +219,21 @@ def window_rects(*, xvfb_pids: set[int]) -> list[Rect]:
         argv = psutil.Process(xvfb).cmdline()
         if "-auth" in argv:
             env["XAUTHORITY"] = argv[argv.index("-auth") + 1]
-    out = subprocess.run(
-        ["xdotool", "search", "--onlyvisible", "--name", ".", "getwindowgeometry", "--shell", "%@"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    ).stdout
-    rects: list[Rect] = []
-    values: dict[str, str] = {}
-    for line in [*out.splitlines(), "WINDOW=end"]:
-        key, _, value = line.partition("=")
-        if key == "WINDOW" and values:
-            w, h = int(values["WIDTH"]), int(values["HEIGHT"])
-            if w > 1 and h > 1:
-                rects.append(Rect(int(values["X"]), int(values["Y"]), w, h))
-            values = {}
-        if value.lstrip("-").isdigit():
-            values[key] = value
+
+    def x_tool(*argv: str) -> str:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10).stdout
+
+    rects = []
+    for window in x_tool("xdotool", "search", "--onlyvisible", "--name", ".").split():
+        info = {}
+        for line in x_tool("xwininfo", "-id", window).splitlines():
+            key, _, value = line.strip().partition(":")
+            if value.strip().lstrip("-").isdigit():
+                info[key] = int(value)
+        x, y = info.get("Absolute upper-left X", 0), info.get("Absolute upper-left Y", 0)
+        w, h = info.get("Width", 0), info.get("Height", 0)
+        if w > 1 and h > 1:
+            rects.append(Rect(x, y, w, h))
     return rects
 
 

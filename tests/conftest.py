@@ -167,8 +167,8 @@ def osworld_desktop() -> Iterator[Any]:
     """One Dartboard desktop serving OSWorld's protocol for the session (tests/osworld_desktop.py),
     with the token the workers derive for its address from the test settings' master."""
     from rollout.auth import desktop_purpose, purpose_token
+    from tests.helpers import free_port
     from tests.osworld_desktop import desktop_server
-    from tests.private_services import free_port
 
     port = free_port()
     token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(f"127.0.0.1:{port}"))

@@ -8,21 +8,16 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 Wrap = Callable[[list[str]], list[str]]  # an argv made to run elsewhere (another namespace)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_log(what: str) -> IO[bytes]:

@@ -16,7 +16,8 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from core.procutil import terminate_pid
 from tests.conftest import png_bytes
-from tests.private_services import free_port, server_log, wait_answering
+from tests.helpers import free_port
+from tests.private_services import server_log, wait_answering
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

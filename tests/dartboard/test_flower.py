@@ -11,7 +11,8 @@ import pytest
 from django.test import Client
 
 from core.procutil import terminate_pid
-from tests.private_services import free_port, server_log, wait_answering
+from tests.helpers import free_port
+from tests.private_services import server_log, wait_answering
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -10,7 +10,7 @@ from django.test import Client
 from dartboard.embedded_redis import EmbeddedRedis
 from datamanager.models import ServiceOutage
 from tests.datamanager.factories import make_running_run, make_tasks
-from tests.private_services import free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.django_db
 

@@ -13,16 +13,9 @@ import pytest
 from core.procutil import pid_cmdline, terminate_pid
 from dartboard.launcher import default_specs
 from rollout.vllm_command import vllm_missing
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(home: Path, port: int) -> subprocess.Popen:
@@ -80,7 +73,7 @@ def _all_children_gone(home: Path, pids: list[int], timeout: float = 20) -> bool
 
 @pytest.mark.slow
 def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
-    port = _free_port()
+    port = free_port()
     first = _launch(tmp_path, port)
     try:
         page = _wait_for_login_page(port)
@@ -142,7 +135,7 @@ def test_vllm_missing_names_the_fix_on_a_host_without_vllm() -> None:
 def test_a_killed_embedded_redis_is_restarted_with_its_data(tmp_path):
     import redis
 
-    port = _free_port()
+    port = free_port()
     launcher = _launch(tmp_path, port)
     try:
         _wait_for_login_page(port)

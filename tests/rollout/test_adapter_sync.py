@@ -14,7 +14,8 @@ from core.lora import LoraSpec, is_adapter_dir
 from core.policy_io import encode_prompt_response, load_policy, sequence_logprobs
 from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
-from tests.rollout.test_router import MESSAGES, ClientLoops, wait_until
+from tests.helpers import wait_until
+from tests.rollout.test_router import MESSAGES, ClientLoops
 from training.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.slow

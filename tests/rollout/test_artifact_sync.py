@@ -14,8 +14,9 @@ from core.artifacts import ArtifactRef, cached_copy, open_store, upload_dir
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.checkpoints import SERVING_SKIPS
 from rollout.router import RouterAdmin
+from tests.helpers import free_port, wait_until
 from tests.private_services import PrivateS3
-from tests.rollout.test_router import free_port, start_process, stop_process, wait_until
+from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
 

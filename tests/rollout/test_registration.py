@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rollout.router import RouterAdmin
-from tests.rollout.test_router import free_port, start_process, stop_process, wait_until
+from tests.helpers import free_port, wait_until
+from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
 

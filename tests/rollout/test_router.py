@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from core.completion import Completion
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import PolicyClient
 from rollout.router import RouterAdmin
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -28,19 +28,6 @@ AUTH = bearer(client_token(None))  # the test settings' inference token
 ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/admin/*)
 SERVER = [sys.executable, "-m", "rollout.server"]
 MESSAGES = [{"role": "user", "content": "Click the submit button."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(condition, *, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def stop_process(proc: subprocess.Popen) -> None:

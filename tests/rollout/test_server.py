@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from PIL import Image, ImageDraw
 
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -43,12 +43,6 @@ MESSAGES = [
 
 AUTH = bearer(client_token(None))  # the test settings' inference token
 ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/v1/reload)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +76,6 @@ def server(checkpoints):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def wait_until(condition, *, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def test_concurrent_clients_get_sampled_answers_with_policy_version(server):

@@ -20,6 +20,7 @@ from core.protocol import Action, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.desktop_tasks import read_task_file
 from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.desktop, pytest.mark.slow]
 
@@ -139,22 +140,29 @@ def test_a_killed_sandbox_leaves_no_process_of_the_agent_behind() -> None:
     env.reset(TaskSpec(name=name, env_kind="desktop", env_config={"task": name}))
     env.step(Action(type=ActionType.CLICK, x=300, y=200))
     env.step(Action(type=ActionType.TYPE, text="sleep 1000 &\n"))
-    time.sleep(0.5)
+    # The sleep must have started, or its absence afterwards proves nothing.
+    started = wait_until(_agents_sleeps, timeout=15, what="the typed `sleep 1000 &` to start")
+    assert env._jail is not None and all(_uid(pid) == env._jail.uid for pid in started)
     env.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        mine = [p for p in os.listdir("/proc") if p.isdigit() and _is_agents_sleep(p)]
-        if not mine:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"agent processes survived the desktop: {mine}")
+    wait_until(lambda: not _agents_sleeps(), timeout=5, what="the agent's sleep to end")
+
+
+def _agents_sleeps() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit() and _is_agents_sleep(p)]
+
+
+def _uid(pid: str) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return -1
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
 
 
 def _is_agents_sleep(pid: str) -> bool:
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
-    return AGENT_UID_BASE <= int(uid_line.split()[1]) < AGENT_UID_BASE + AGENT_UID_COUNT and cmdline.startswith(b"sleep\x001000")
+    in_range = AGENT_UID_BASE <= _uid(pid) < AGENT_UID_BASE + AGENT_UID_COUNT
+    return in_range and cmdline.startswith(b"sleep\x001000")

@@ -17,7 +17,8 @@ from PIL import Image
 from core.imaging import ImageGeometry
 from rollout.auth import VLLM_KEY_ENV, client_token
 from tests.conftest import png_bytes
-from tests.rollout.test_router import free_port, start_process, stop_process
+from tests.helpers import free_port
+from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
 

@@ -46,7 +46,7 @@ from rollout.auth import (
     purpose_token,
 )
 from rollout.router import Router, build_app
-from tests.private_services import free_port
+from tests.helpers import free_port
 
 PLANTED = "planted-secret-5c9e1d"
 # What the web and the workers hold and no rollout process may see.

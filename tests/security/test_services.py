@@ -16,7 +16,8 @@ import pytest
 
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.router import RouterAdmin
-from tests.rollout.test_router import free_port, start_process, stop_process
+from tests.helpers import free_port
+from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
 

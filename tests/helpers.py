@@ -1,0 +1,44 @@
+"""Helpers shared by the tests: a free local port and waiting for a condition.
+
+port = free_port()
+value = wait_until(lambda: read_status() == "up", timeout=30, what="the server")
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], T],
+    *,
+    timeout: float = 60.0,
+    what: str = "the condition",
+    interval: float = 0.05,
+    between: Callable[[], object] | None = None,
+) -> T:
+    """Poll `condition` until it returns something truthy (returned); AssertionError naming
+    `what` after `timeout` seconds. `between` runs before each poll (a supervisor that
+    restarts what died, say)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if between is not None:
+            between()
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)

@@ -11,7 +11,8 @@ inside the sandbox, and the worker's canary is in no other process's environment
 A few hundred actions per kind in the suite; the by-hand run takes more, and with
 DARTBOARD_EXPLORER_KEEP_GOING=1 goes on after an escape to list every distinct one:
 
-    DARTBOARD_EXPLORER_ACTIONS=2000 .venv/bin/pytest tests/security/test_explorer.py -q -s
+    DARTBOARD_EXPLORER_ACTIONS=2000 .venv/bin/pytest tests/security/test_explorer.py -q -s \\
+        --timeout=0  # the suite's 600 s limit per test: 2000 desktop actions take 450 s and more
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 STAMP := $(VENV)/.installed
+TEST_WORKERS ?= 2
 
-.PHONY: run run-desktop test lint format bench policy system-deps install install-dev clean flower
+.PHONY: run run-desktop test test-fast lint format bench policy system-deps install clean flower
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -42,11 +43,19 @@ run-desktop: install
 	@echo "==> starting Dartboard on the desktop preset (Ctrl-C stops everything)"
 	$(PY) manage.py run_dartboard --preset desktop
 
+# The whole suite, two pytest-xdist workers side by side (most live tests wait on processes).
 test: install
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The quick loop: every test that needs no live stack, browser, desktop or GPU and is not
+# marked slow (markers come from the fixtures a test uses: tests/helpers.py `needs`). A test
+# left unmarked that takes over 5 s fails the run, so slow tests cannot creep in.
+test-fast: install
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/pytest -m "not (slow or live or browser or desktop or gpu)" --unmarked-budget 5 $(PYTEST_ARGS)
 
 flower: install
 	@echo "==> Flower, the Celery monitor of a running make run (Ctrl-C stops it)"

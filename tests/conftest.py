@@ -11,6 +11,68 @@ import pytest
 from django.conf import settings
 
 from dartboard.embedded_redis import EmbeddedRedis
+from tests.helpers import NEEDS, needs
+
+HEAVY_MARKERS = {"slow", *NEEDS}  # what `make test-fast` leaves out
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--unmarked-budget",
+        type=float,
+        default=None,
+        help="fail the session when a test with none of the markers "
+        f"{sorted(HEAVY_MARKERS)} takes longer than this many seconds (make test-fast)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test gets the markers its fixtures `need` (tests/helpers.py), through every
+    fixture it uses directly or indirectly: a new test on a live fixture is marked live."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        kinds: set[str] = set()
+        for defs in info.name2fixturedefs.values():
+            for fixturedef in defs:
+                kinds |= getattr(fixturedef.func, "dartboard_needs", frozenset())
+        for kind in sorted(kinds):
+            item.add_marker(kind)
+
+
+_over_budget: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """With --unmarked-budget: note a test without a heavy marker whose setup or call took
+    longer than the budget (it belongs out of the fast path: mark it, or use a fixture that
+    needs what it starts)."""
+    yield
+    budget = item.config.getoption("--unmarked-budget")
+    if budget is None or call.when not in ("setup", "call") or call.duration <= budget:
+        return
+    if not any(item.get_closest_marker(m) for m in HEAVY_MARKERS):
+        _over_budget.append(f"{item.nodeid} ({call.when} {call.duration:.1f} s)")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _over_budget and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _over_budget:
+        terminalreporter.section("unmarked slow tests")
+        budget = terminalreporter.config.getoption("--unmarked-budget")
+        terminalreporter.write_line(
+            f"{len(_over_budget)} test(s) with none of the markers {sorted(HEAVY_MARKERS)} "
+            f"took longer than {budget:g} s: mark them, or give them a fixture that "
+            "`needs` what they start (tests/helpers.py):"
+        )
+        for line in _over_budget:
+            terminalreporter.write_line(f"  {line}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,6 +158,7 @@ def viewer_client(django_user_model):
 
 
 @pytest.fixture
+@needs("live")
 def subprocess_env(transactional_db) -> dict[str, str]:
     """Environment for worker processes a test starts: same home, test DB, same Redis."""
     from django.db import connection
@@ -140,6 +203,7 @@ def png_bytes(
 
 
 @pytest.fixture(scope="session")
+@needs("live")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (a real S3 API), with a bucket `dartboard`; stopped at
     the end of the session."""
@@ -163,6 +227,7 @@ def s3_artifacts(s3_server, monkeypatch) -> str:
 
 
 @pytest.fixture(scope="session")
+@needs("desktop", "live")
 def osworld_desktop() -> Iterator[Any]:
     """One Dartboard desktop serving OSWorld's protocol for the session (tests/osworld_desktop.py),
     with the token the workers derive for its address from the test settings' master."""

@@ -12,6 +12,29 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., object])
+
+# What a fixture may need; tests/conftest.py turns each into the marker of the same name on
+# every test that uses the fixture. `make test-fast` runs the tests that have none of them.
+NEEDS = {
+    "live": "starts servers or worker processes (a rollout server, a router, Celery, moto)",
+    "browser": "starts a real chromium",
+    "desktop": "starts a real Xvfb desktop",
+    "gpu": "needs a CUDA GPU (skipped without one)",
+}
+
+
+def needs(*kinds: str) -> Callable[[F], F]:
+    """Mark a fixture function (under @pytest.fixture) with what it starts."""
+    unknown = set(kinds) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"needs{kinds}: unknown {sorted(unknown)}; known: {sorted(NEEDS)}")
+
+    def mark(func: F) -> F:
+        func.dartboard_needs = frozenset(kinds) | getattr(func, "dartboard_needs", frozenset())  # type: ignore[attr-defined]
+        return func
+
+    return mark
 
 
 def free_port() -> int:

@@ -24,6 +24,15 @@ for _var, _test_var in (("DATABASE_URL", "TEST_DATABASE_URL"), ("REDIS_URL", "TE
         os.environ[_var] = os.environ[_test_var]
     else:
         os.environ.pop(_var, None)
+# Under pytest-xdist each worker gets a Redis database of its own on a shared server (its
+# Celery queues, leases and channel groups must not meet another worker's); the embedded
+# Redis is per worker already (its socket lives in this worker's DARTBOARD_HOME). PostgreSQL
+# test databases get pytest-django's per-worker suffix.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and os.environ.get("REDIS_URL"):
+    _base, _, _db = os.environ["REDIS_URL"].rpartition("/")
+    _first = int(_db) if _db.isdigit() else 0
+    os.environ["REDIS_URL"] = f"{_base}/{_first + int(_worker[2:])}"
 
 from dartboard.settings import *  # noqa: E402,F403
 from dartboard.settings import DARTBOARD_HOME, DATABASES  # noqa: E402

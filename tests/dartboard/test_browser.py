@@ -16,7 +16,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from core.procutil import terminate_pid
 from tests.conftest import png_bytes
-from tests.helpers import free_port
+from tests.helpers import free_port, needs
 from tests.private_services import server_log, wait_answering
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -72,6 +72,7 @@ def daphne(subprocess_env):
 
 
 @pytest.fixture
+@needs("browser")
 def page(monkeypatch):
     from playwright.sync_api import sync_playwright
 

@@ -10,7 +10,7 @@ from django.test import Client
 from dartboard.embedded_redis import EmbeddedRedis
 from datamanager.models import ServiceOutage
 from tests.datamanager.factories import make_running_run, make_tasks
-from tests.helpers import free_port
+from tests.helpers import free_port, needs
 
 pytestmark = pytest.mark.django_db
 
@@ -24,6 +24,7 @@ def _probe_every_request(monkeypatch):
 
 
 @pytest.fixture
+@needs("live")
 def private_redis(settings, tmp_path):
     redis = EmbeddedRedis(tmp_path / "r" / "redis.sock")
     redis.start()

@@ -26,6 +26,7 @@ from django.test import Client
 from django.utils import timezone
 
 from datamanager.models import ServiceOutage
+from tests.helpers import needs
 from tests.live_stack import (
     create_started_run,
     finished,
@@ -69,6 +70,7 @@ def _django_on(url: str) -> Iterator[None]:
 
 
 @pytest.fixture
+@needs("live")
 def private_postgres() -> Iterator[PrivatePostgres]:
     cluster = PrivatePostgres().init()
     cluster.start()

@@ -12,9 +12,11 @@ import pytest
 from core.protocol import Action, Evaluation, Observation, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
+from tests.helpers import needs
 
 
 @pytest.fixture(scope="session")
+@needs("browser")
 def miniwob_env() -> Iterator[MiniWoBEnv]:
     env = MiniWoBEnv()
     yield env
@@ -22,6 +24,7 @@ def miniwob_env() -> Iterator[MiniWoBEnv]:
 
 
 @pytest.fixture(scope="session")
+@needs("desktop")
 def desktop_env() -> Iterator[DesktopEnv]:
     env = DesktopEnv(evaluate_wait_s=0.5)
     yield env

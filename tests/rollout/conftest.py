@@ -13,14 +13,8 @@ import torch
 
 from core.policy_io import load_policy, save_checkpoint
 from rollout.router import RouterAdmin
-from tests.rollout.test_router import (
-    ROOT,
-    SERVER,
-    free_port,
-    start_process,
-    stop_process,
-    wait_until,
-)
+from tests.helpers import free_port, needs, wait_until
+from tests.rollout.test_router import ROOT, SERVER, start_process, stop_process
 from training.tiny_policy import build_tiny_policy
 
 
@@ -44,6 +38,7 @@ class Cluster:
 
 
 @pytest.fixture
+@needs("live")
 def cluster(checkpoints) -> Iterator[Cluster]:
     """Two inference workers at v0 and a router over them, as the launcher starts them."""
     started: list[subprocess.Popen] = []

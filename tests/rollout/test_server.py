@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, needs, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -46,6 +46,7 @@ ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/v1/relo
 
 
 @pytest.fixture(scope="module")
+@needs("live")
 def server(checkpoints):
     port = free_port()
     proc = subprocess.Popen(

@@ -21,6 +21,7 @@ import torch
 from core.lora import LoraSpec
 from rollout.auth import ADMIN_ENV, VLLM_KEY_ENV, client_token
 from rollout.vllm_command import vllm_environment, vllm_serve_args
+from tests.helpers import needs
 from tests.rollout.test_router import (
     ROOT,
     ClientLoops,
@@ -41,6 +42,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
+@needs("gpu")
 def adapter_url(tiny_policy_dir) -> Iterator[str]:
     adapter_port, key = free_port(), secrets.token_urlsafe(32)
     sock = Path(tempfile.mkdtemp(prefix="dartboard-vllm-")) / "vllm.sock"  # mkdtemp: 0700

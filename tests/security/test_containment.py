@@ -31,6 +31,7 @@ from envmanager.sandbox import (
     host_limits_problem,
 )
 from envmanager.xserver import XServer
+from tests.helpers import needs
 
 pytestmark = [pytest.mark.desktop]
 
@@ -39,6 +40,7 @@ HARMLESS_ACTIONS = {"Focus", "Raise", "Move", "Resize", "ToggleMaximize", "Close
 
 
 @pytest.fixture
+@needs("desktop")
 def desktop() -> Iterator[DesktopEnv]:
     env = DesktopEnv(evaluate_wait_s=0.2)
     name = "desktop/xterm-create-file"
@@ -48,6 +50,7 @@ def desktop() -> Iterator[DesktopEnv]:
 
 
 @pytest.fixture
+@needs("desktop")
 def display() -> Iterator[XServer]:
     x = XServer.start(width=320, height=240)
     yield x

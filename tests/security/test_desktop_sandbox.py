@@ -20,7 +20,7 @@ from core.protocol import Action, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.desktop_tasks import read_task_file
 from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
-from tests.helpers import wait_until
+from tests.helpers import needs, wait_until
 
 pytestmark = [pytest.mark.desktop, pytest.mark.slow]
 
@@ -29,6 +29,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
+@needs("desktop")
 def shell(monkeypatch, tmp_path) -> Iterator[DesktopEnv]:
     """A desktop on the xterm task, in a worker whose environment holds secrets."""
     monkeypatch.setenv("SECRET_KEY", SECRET)

@@ -17,7 +17,7 @@ from PIL import Image
 from core.imaging import ImageGeometry
 from rollout.auth import VLLM_KEY_ENV, client_token
 from tests.conftest import png_bytes
-from tests.helpers import free_port
+from tests.helpers import free_port, needs
 from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
@@ -48,6 +48,7 @@ def huge_canvas_png() -> bytes:
 
 
 @pytest.fixture(scope="module")
+@needs("live")
 def endpoints(tiny_policy_dir) -> Iterator[dict[str, str]]:
     """The inference server, a router over it and a vLLM adapter fronting it, by name."""
     ports = {name: free_port() for name in ("server", "router", "adapter")}

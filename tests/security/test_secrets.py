@@ -46,7 +46,7 @@ from rollout.auth import (
     purpose_token,
 )
 from rollout.router import Router, build_app
-from tests.helpers import free_port
+from tests.helpers import free_port, needs
 
 PLANTED = "planted-secret-5c9e1d"
 # What the web and the workers hold and no rollout process may see.
@@ -229,6 +229,7 @@ def _mode(path: Path) -> int:
 
 
 @pytest.fixture
+@needs("live")
 def launched(tmp_path, planted_environment) -> Iterator[tuple[Path, Supervisor, str]]:
     """A DARTBOARD_HOME an older start left readable by everyone, prepared by the launcher,
     and the launcher's router started from it by its Supervisor."""

@@ -16,7 +16,7 @@ import pytest
 
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.router import RouterAdmin
-from tests.helpers import free_port
+from tests.helpers import free_port, needs
 from tests.rollout.test_router import start_process, stop_process
 
 pytestmark = pytest.mark.slow
@@ -29,6 +29,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
+@needs("live")
 def stack(tiny_policy_dir, tmp_path_factory) -> Iterator[tuple[str, str]]:
     """An inference server serving the tiny policy and a router over it."""
     server_port, router_port = free_port(), free_port()

@@ -20,10 +20,17 @@ from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.utils import timezone
 
-from dartboard.aggregates import LEFT_OUT, bucket_width, env_error_q, fold, iso, outcome_rows
 from dartboard.viewmodels import SERVING_STATUSES
 from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, FailureKind, Run, TrainUpdate, Trajectory
+from datamanager.selectors.aggregates import (
+    LEFT_OUT,
+    bucket_width,
+    env_error_q,
+    fold,
+    iso,
+    outcome_rows,
+)
 from datamanager.selectors.labels import label_counts_by_host
 
 WINDOW = timedelta(minutes=15)  # the health map's and the alerts' recent window

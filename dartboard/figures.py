@@ -2,6 +2,8 @@
 
 Plotly's Python `graph_objects` would validate the same dicts at a cost of milliseconds per
 trace; the chart endpoint refreshes every few seconds, so the dicts are built directly.
+`run_figures` draws the run page's charts, one function per chart, from the typed series of
+`datamanager.selectors.charts.ChartData` (and `dartboard.env_health`'s health series).
 `action_overlay_svg` draws an action onto its screenshot in screen-pixel coordinates.
 """
 
@@ -15,6 +17,9 @@ from urllib.parse import urlencode
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
+
+from datamanager.models import EvalScope
+from datamanager.selectors.charts import ChartData, GroupPoint, VersionPoint
 
 _LAYOUT = {
     "margin": {"l": 48, "r": 12, "t": 36, "b": 36},
@@ -54,12 +59,12 @@ def trajectories_link(**query: Any) -> str:
     )
 
 
-def _window_links(data: dict[str, Any], times: list[str | None], **query: Any) -> list[str | None]:
+def _window_links(charts: ChartData, times: list[str | None], **query: Any) -> list[str | None]:
     """Per chart point (a time bucket), the trajectory list of the rollouts that finished in
     that bucket: what a click on the point opens. (Two thousand points a refresh: the
     common part of the link is built once.)"""
-    width = timedelta(seconds=data["bucket_s"])
-    base = trajectories_link(run=data["run_id"], **query)
+    width = timedelta(seconds=charts.bucket_s)
+    base = trajectories_link(run=charts.run_id, **query)
     return [
         base
         + "&"
@@ -72,165 +77,204 @@ def _window_links(data: dict[str, Any], times: list[str | None], **query: Any) -
     ]
 
 
-def _update_links(data: dict[str, Any], numbers: list[int]) -> list[str]:
+def _update_links(charts: ChartData, numbers: list[int]) -> list[str]:
     """Per update, the trajectory list of the rollouts it trained on."""
-    return [trajectories_link(run=data["run_id"], update=n) for n in numbers]
+    return [trajectories_link(run=charts.run_id, update=n) for n in numbers]
 
 
-def run_figures(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """All run-page charts from `dartboard.viewmodels.chart_data` (plus
-    `dartboard.env_health.health_chart_data`'s). A point's `customdata` is the page a click
-    on it opens (static/dartboard/charts.js): the trajectories behind it, or its group."""
-    rate_axis = {"range": [0, 1.05], "tickformat": ".0%"}
-    times = [p["t"] for p in data["success"]]
-    success = (
+_RATE_AXIS = {"range": [0, 1.05], "tickformat": ".0%"}
+_SHOWN_LINES = 8  # lines per chart drawn at first; the rest wait in the legend
+# The training chart's metrics in this order, the first four drawn at first.
+_TRAINING_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "bc_loss",
+    "mean_entropy",
+    "clip_fraction",
+    "is_weight_mean",
+    "kept_step_fraction",
+)
+
+
+def _visible(i: int) -> bool | str:
+    return True if i < _SHOWN_LINES else "legendonly"
+
+
+def run_figures(charts: ChartData, health: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """All run-page charts from `datamanager.selectors.charts.chart_data` and
+    `dartboard.env_health.health_chart_data`. A point's `customdata` is the page a click on
+    it opens (static/dartboard/charts.js): the trajectories behind it, or its group."""
+    return {
+        "errors_host": _errors_figure(charts, health, "per_host", "Env error rate per host"),
+        "errors_task": _errors_figure(charts, health, "per_task", "Env error rate per task"),
+        "left_out": _left_out_figure(health),
+        "groups": _groups_figure(charts.groups),
+        "versions": _versions_figure(charts.versions),
+        "success": _success_figure(charts),
+        "budget": _history_figure(charts, "Rollout budget per task", "budget"),
+        "step_cap": _history_figure(charts, "Step cap per task", "step_cap"),
+        "throughput": _throughput_figure(charts),
+        "utilisation": _utilisation_figure(charts),
+        "training": _training_figure(charts),
+        "logprob_gap": _logprob_gap_figure(charts),
+        "staleness": _staleness_figure(charts),
+    }
+
+
+def _success_figure(charts: ChartData) -> dict[str, Any]:
+    """The overall success rate per bucket, and each task's (the first few drawn)."""
+    overall = charts.success
+    traces = (
         [
             _line(
                 "overall",
-                times,
-                [p["rate"] for p in data["success"]],
+                overall.t,
+                overall.values,
                 line={"width": 3},
-                customdata=_window_links(data, times),
+                customdata=_window_links(charts, overall.t),
             )
         ]
-        if data["success"]
+        if overall.t
         else []
     )
-    for i, (task, points) in enumerate(sorted(data["per_task"].items())):
-        task_times = [t for t, _ in points]
-        success.append(
+    for i, (task, s) in enumerate(sorted(charts.per_task.items())):
+        traces.append(
             _line(
                 task,
-                task_times,
-                [r for _, r in points],
-                visible=True if i < 8 else "legendonly",
+                s.t,
+                s.values,
+                visible=_visible(i),
                 line={"width": 1},
-                customdata=_window_links(data, task_times, task=task, task_exact="on"),
+                customdata=_window_links(charts, s.t, task=task, task_exact="on"),
             )
         )
-    budget, cap = [], []
-    for i, (task, h) in enumerate(sorted(data["history"].items())):
-        vis = True if i < 8 else "legendonly"
-        budget.append(_line(task, h["t"], h["budget"], line={"shape": "hv"}, visible=vis))
-        cap.append(_line(task, h["t"], h["step_cap"], line={"shape": "hv"}, visible=vis))
-    tp = data["throughput"]
-    tp_links = _window_links(data, tp["t"])
-    throughput = (
+    return _fig("Success rate", traces, yaxis=_RATE_AXIS)
+
+
+def _history_figure(charts: ChartData, title: str, field: str) -> dict[str, Any]:
+    """A task's curation knob (`field`: budget or step_cap) per bucket, as steps."""
+    traces = [
+        _line(task, h.t, getattr(h, field), line={"shape": "hv"}, visible=_visible(i))
+        for i, (task, h) in enumerate(sorted(charts.history.items()))
+    ]
+    return _fig(title, traces, yaxis={"rangemode": "tozero"})
+
+
+def _throughput_figure(charts: ChartData) -> dict[str, Any]:
+    """Actions and trajectories per minute, on two axes."""
+    tp = charts.throughput
+    links = _window_links(charts, list(tp.t))
+    traces = (
         [
-            _line("actions/min", tp["t"], tp["actions_per_min"], customdata=tp_links),
-            _line(
-                "trajectories/min",
-                tp["t"],
-                tp["trajectories_per_min"],
-                yaxis="y2",
-                customdata=tp_links,
-            ),
+            _line("actions/min", tp.t, tp.actions_per_min, customdata=links),
+            _line("trajectories/min", tp.t, tp.trajectories_per_min, yaxis="y2", customdata=links),
         ]
-        if tp["t"]
+        if tp.t
         else []
     )
-    util = data["utilisation"]
-    utilisation = [
+    return _fig(
+        "Throughput",
+        traces,
+        yaxis={"title": {"text": "actions/min"}, "rangemode": "tozero"},
+        yaxis2={
+            "title": {"text": "trajectories/min"},
+            "overlaying": "y",
+            "side": "right",
+            "rangemode": "tozero",
+        },
+    )
+
+
+def _utilisation_figure(charts: ChartData) -> dict[str, Any]:
+    """The env slots' and the trainer's busy share per bucket."""
+    util = charts.utilisation
+    traces = [
         trace
         for trace in (
-            _line(f"env ({util['slots']} slots)", util["env"]["t"], util["env"]["share"]),
-            _line("trainer", util["trainer"]["t"], util["trainer"]["share"]),
+            _line(f"env ({util.slots} slots)", util.env.t, util.env.values),
+            _line("trainer", util.trainer.t, util.trainer.values),
         )
         if trace["x"]
     ]
-    upd = data["updates"]
-    wanted = (
-        "loss",
-        "pg_loss",
-        "kl",
-        "bc_loss",
-        "mean_entropy",
-        "clip_fraction",
-        "is_weight_mean",
-        "kept_step_fraction",
-    )
-    update_links = _update_links(data, upd["number"])
-    training = [
+    return _fig("Utilisation (busy share)", traces, yaxis=_RATE_AXIS)
+
+
+def _training_figure(charts: ChartData) -> dict[str, Any]:
+    """Every scalar metric per update: the usual ones first, the rest in the legend."""
+    upd = charts.updates
+    links = _update_links(charts, upd.number)
+    names = [
+        *[k for k in _TRAINING_METRICS if k in upd.series],
+        *[k for k in upd.series if k not in _TRAINING_METRICS],
+    ]
+    traces = [
         _line(
             k,
-            upd["number"],
-            upd["series"][k],
-            visible=True if k in wanted[:4] else "legendonly",
-            customdata=update_links,
+            upd.number,
+            upd.series[k],
+            visible=True if k in _TRAINING_METRICS[:4] else "legendonly",
+            customdata=links,
         )
-        for k in [
-            *[k for k in wanted if k in upd["series"]],
-            *[k for k in upd["series"] if k not in wanted],
-        ]
+        for k in names
     ]
-    stale = upd["staleness"]
+    return _fig("Training metrics per update", traces, xaxis={"title": {"text": "update"}})
+
+
+def _logprob_gap_figure(charts: ChartData) -> dict[str, Any]:
+    """The trainer-vs-rollout log-prob gap per update, with the run's alert threshold."""
+    upd = charts.updates
+    links = _update_links(charts, upd.number)
+    # An update that measured no token (a warm-start or all-stale batch) has no gap: a gap.
+    measured = upd.series.get("logprob_gap_tokens") or [None] * len(upd.number)
+    traces = [
+        _line(
+            f"{k.rsplit('_', 1)[-1]} per token",
+            upd.number,
+            [v if n else None for v, n in zip(upd.series[k], measured, strict=True)],
+            customdata=links,
+        )
+        for k in ("logprob_gap_mean", "logprob_gap_p99")
+        if k in upd.series
+    ]
+    if traces and upd.gap_alert:
+        alert = upd.gap_alert
+        traces.append(_line("alert threshold (mean)", [upd.number[0], upd.number[-1]],
+                            [alert, alert], line={"dash": "dash", "color": "#c0392b"}))  # fmt: skip
+    return _fig(
+        "Trainer vs rollout log-prob gap on fresh steps (nats)",
+        traces,
+        xaxis={"title": {"text": "update"}},
+        yaxis={"rangemode": "tozero"},
+    )
+
+
+def _staleness_figure(charts: ChartData) -> dict[str, Any]:
+    """The latest update's steps per number of versions behind the trained policy."""
+    upd = charts.updates
+    stale = upd.staleness
     keys = sorted(stale, key=lambda k: (len(k), k))
-    staleness = (
+    traces = (
         [{"type": "bar", "x": keys, "y": [stale[k] for k in keys], "name": "steps"}]
         if stale
         else []
     )
-    # An update that measured no token (a warm-start or all-stale batch) has no gap: a gap.
-    measured = upd["series"].get("logprob_gap_tokens") or [None] * len(upd["number"])
-    gap = [
-        _line(
-            f"{k.rsplit('_', 1)[-1]} per token",
-            upd["number"],
-            [v if n else None for v, n in zip(upd["series"][k], measured, strict=True)],
-            customdata=update_links,
-        )
-        for k in ("logprob_gap_mean", "logprob_gap_p99")
-        if k in upd["series"]
-    ]
-    if gap and upd.get("gap_alert"):
-        alert = upd["gap_alert"]
-        gap.append(_line("alert threshold (mean)", [upd["number"][0], upd["number"][-1]],
-                         [alert, alert], line={"dash": "dash", "color": "#c0392b"}))  # fmt: skip
-    return {
-        **_health_figures(data, rate_axis),
-        "groups": _groups_figure(data["groups"]),
-        "versions": _versions_figure(data.get("versions", {})),
-        "success": _fig("Success rate", success, yaxis=rate_axis),
-        "budget": _fig("Rollout budget per task", budget, yaxis={"rangemode": "tozero"}),
-        "step_cap": _fig("Step cap per task", cap, yaxis={"rangemode": "tozero"}),
-        "throughput": _fig(
-            "Throughput",
-            throughput,
-            yaxis={"title": {"text": "actions/min"}, "rangemode": "tozero"},
-            yaxis2={
-                "title": {"text": "trajectories/min"},
-                "overlaying": "y",
-                "side": "right",
-                "rangemode": "tozero",
-            },
-        ),
-        "utilisation": _fig("Utilisation (busy share)", utilisation, yaxis=rate_axis),
-        "training": _fig(
-            "Training metrics per update", training, xaxis={"title": {"text": "update"}}
-        ),
-        "logprob_gap": _fig(
-            "Trainer vs rollout log-prob gap on fresh steps (nats)",
-            gap,
-            xaxis={"title": {"text": "update"}},
-            yaxis={"rangemode": "tozero"},
-        ),
-        "staleness": _fig(
-            f"Staleness of the latest update (policy v{upd['latest_version']})"
-            if stale
-            else "Staleness of the latest update",
-            staleness,
-            xaxis={"title": {"text": "versions behind"}, "type": "category"},
-        ),
-    }
+    return _fig(
+        f"Staleness of the latest update (policy v{upd.latest_version})"
+        if stale
+        else "Staleness of the latest update",
+        traces,
+        xaxis={"title": {"text": "versions behind"}, "type": "category"},
+    )
 
 
-def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def _versions_figure(versions: dict[str, list[VersionPoint]]) -> dict[str, Any]:
     """Greedy success per policy version on the training instances and on held-out seeds,
     each point with its 95% interval."""
     traces = []
     for scope, name, color in (
-        ("train_instances", "training instances", "#2f6fed"),
-        ("heldout", "held-out seeds", "#c0392b"),
+        (EvalScope.TRAIN_INSTANCES, "training instances", "#2f6fed"),
+        (EvalScope.HELDOUT, "held-out seeds", "#c0392b"),
     ):
         points = versions.get(scope) or []
         if not points:
@@ -238,16 +282,16 @@ def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any
         traces.append(
             _line(
                 name,
-                [p["version"] for p in points],
-                [p["rate"] for p in points],
+                [p.version for p in points],
+                [p.rate for p in points],
                 line={"color": color},
-                text=[f"{p['ok']}/{p['scored']}" for p in points],
+                text=[f"{p.ok}/{p.scored}" for p in points],
                 hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>" + name + "</extra>",
                 error_y={
                     "type": "data",
                     "symmetric": False,
-                    "array": [p["high"] - p["rate"] for p in points],
-                    "arrayminus": [p["rate"] - p["low"] for p in points],
+                    "array": [p.high - p.rate for p in points],
+                    "arrayminus": [p.rate - p.low for p in points],
                     "color": color,
                 },
             )
@@ -264,7 +308,7 @@ def _versions_figure(versions: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     )
 
 
-def _groups_figure(groups: list[dict[str, Any]]) -> dict[str, Any]:
+def _groups_figure(groups: list[GroupPoint]) -> dict[str, Any]:
     """Each GRPO group as a point (when its last member ended, its mean reward); a click
     opens the group view."""
     data = (
@@ -273,17 +317,14 @@ def _groups_figure(groups: list[dict[str, Any]]) -> dict[str, Any]:
                 "type": "scatter",
                 "mode": "markers",
                 "name": "groups",
-                "x": [g["t"] for g in groups],
-                "y": [g["mean"] for g in groups],
-                "text": [
-                    f"{g['task']} · group {g['index']} · {g['n']} ended · {g['status']}"
-                    for g in groups
-                ],
-                "customdata": [reverse("group_detail", args=[g["id"]]) for g in groups],
+                "x": [g.t for g in groups],
+                "y": [g.mean for g in groups],
+                "text": [f"{g.task} · group {g.index} · {g.n} ended · {g.status}" for g in groups],
+                "customdata": [reverse("group_detail", args=[g.id]) for g in groups],
                 "hovertemplate": "%{text}<br>mean reward %{y:.2f}<extra>click: open</extra>",
                 "marker": {
                     "size": 9,
-                    "color": [g["mean"] for g in groups],
+                    "color": [g.mean for g in groups],
                     "colorscale": [[0, "#d64545"], [1, "#1f9d55"]],
                     "cmin": 0,
                     "cmax": 1,
@@ -297,33 +338,35 @@ def _groups_figure(groups: list[dict[str, Any]]) -> dict[str, Any]:
                 yaxis={"title": {"text": "mean reward"}})  # fmt: skip
 
 
-def _health_figures(data: dict[str, Any], rate_axis: dict) -> dict[str, dict[str, Any]]:
-    """Env error rate per host and per task over time, and the share left out of training."""
-    figs = {}
-    for key, title, filter_key in (
-        ("per_host", "Env error rate per host", "host"),
-        ("per_task", "Env error rate per task", "task"),
-    ):
-        series = data.get("errors", {}).get(key, {})
-        traces = [
-            _line(
-                name,
+def _errors_figure(
+    charts: ChartData, health: dict[str, Any], key: str, title: str
+) -> dict[str, Any]:
+    """The env error rate over time per host (`key` per_host) or per task (per_task), from
+    `env_health.error_rates`; a point opens the env errors behind it."""
+    series = health.get("errors", {}).get(key, {})
+    on_task = key == "per_task"
+    traces = [
+        _line(
+            name,
+            s["t"],
+            s["rate"],
+            visible=_visible(i),
+            text=[f"{n} rollouts" for n in s["n"]],
+            customdata=_window_links(
+                charts,
                 s["t"],
-                s["rate"],
-                visible=True if i < 8 else "legendonly",
-                text=[f"{n} rollouts" for n in s["n"]],
-                customdata=_window_links(
-                    data,
-                    s["t"],
-                    env_error="yes",
-                    **{filter_key: name},
-                    **({"task_exact": "on"} if filter_key == "task" else {}),
-                ),
-            )
-            for i, (name, s) in enumerate(sorted(series.items()))
-        ]
-        figs[f"errors_{key.split('_')[1]}"] = _fig(title, traces, yaxis=rate_axis)
-    left = data.get("left_out", {})
+                env_error="yes",
+                **({"task": name, "task_exact": "on"} if on_task else {"host": name}),
+            ),
+        )
+        for i, (name, s) in enumerate(sorted(series.items()))
+    ]
+    return _fig(title, traces, yaxis=_RATE_AXIS)
+
+
+def _left_out_figure(health: dict[str, Any]) -> dict[str, Any]:
+    """The share of rollouts and of stale steps left out of training (`env_health.left_out`)."""
+    left = health.get("left_out", {})
     traces = []
     if left.get("rollouts", {}).get("t"):
         r = left["rollouts"]
@@ -331,8 +374,7 @@ def _health_figures(data: dict[str, Any], rate_axis: dict) -> dict[str, dict[str
     if left.get("stale", {}).get("t"):
         traces.append(_line("steps: too stale (per update)", left["stale"]["t"],
                             left["stale"]["share"]))  # fmt: skip
-    figs["left_out"] = _fig("Left out of training (share)", traces, yaxis=rate_axis)
-    return figs
+    return _fig("Left out of training (share)", traces, yaxis=_RATE_AXIS)
 
 
 def reward_histogram_svg(

@@ -12,7 +12,6 @@ from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 
 from dartboard import login_throttle
-from dartboard.viewmodels import END_REASONS
 from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import ConfigError, RunConfig
 from datamanager.models import (
@@ -24,6 +23,7 @@ from datamanager.models import (
 )
 from datamanager.policies import NAMED_POLICIES
 from datamanager.roles import CAN_ADMINISTER
+from datamanager.selectors.trajectories import END_REASONS
 
 _TITLES = {"": "Run", "tasks": "Tasks", "env": "Environments"}
 

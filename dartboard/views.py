@@ -31,7 +31,7 @@ from django.views.decorators.cache import cache_control
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import aggregates, env_health, figures, viewmodels
+from dartboard import env_health, figures, viewmodels
 from dartboard import flower as flower_proxy
 from dartboard import health as service_health
 from dartboard.forms import (
@@ -48,7 +48,9 @@ from dartboard.forms import (
 from datamanager.archive import InvalidUpload
 from datamanager.models import EvalJob, FailureLabel, Run, Step, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
-from datamanager.selectors import evaluations, groups
+from datamanager.selectors import charts, evaluations, groups, trajectories
+from datamanager.selectors import runs as run_reads
+from datamanager.selectors.aggregates import bucket_width, outcome_rows
 from datamanager.services import review
 from datamanager.services import runs as services
 from workers import runs
@@ -63,10 +65,10 @@ def _user(request: HttpRequest) -> User:
 @require_GET
 @permission_required(CAN_VIEW, raise_exception=True)
 def runs_list(request: HttpRequest) -> HttpResponse:
-    runs = list(viewmodels.runs_overview()[:200])
+    runs = list(run_reads.runs_overview()[:200])
     for run in runs:
         row = cast(Any, run)  # n_succeeded/n_finished come from runs_overview's .annotate()
-        row.success_rate = viewmodels.success_rate(row.n_succeeded, row.n_finished)
+        row.success_rate = run_reads.success_rate(row.n_succeeded, row.n_finished)
     return render(request, "dashboard/runs.html", {"runs": runs})
 
 
@@ -105,7 +107,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "dashboard/run_detail.html",
         {
             "run": run,
-            "summary": viewmodels.run_summary(run=run),
+            "summary": run_reads.run_summary(run=run),
             "wall": wall,
             "wall_statuses": viewmodels.WALL_STATUSES,
             "live_work": viewmodels.live_work_rows(run=run),
@@ -157,12 +159,13 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_charts(request: HttpRequest, run_id: int) -> JsonResponse:
     """Every run-page chart as Plotly figure JSON (refreshed by static/dartboard/charts.js)."""
     run = get_object_or_404(Run, pk=run_id)
-    rows = aggregates.outcome_rows(run=run, width=aggregates.bucket_width(run))  # one pass
-    data = {
-        **viewmodels.chart_data(run=run, rows=rows),
-        **env_health.health_chart_data(run=run, rows=rows),
-    }
-    return JsonResponse(figures.run_figures(data))
+    rows = outcome_rows(run=run, width=bucket_width(run))  # one pass
+    return JsonResponse(
+        figures.run_figures(
+            charts.chart_data(run=run, rows=rows),
+            env_health.health_chart_data(run=run, rows=rows),
+        )
+    )
 
 
 @require_GET
@@ -201,9 +204,9 @@ def _wall(request: HttpRequest, run: Run) -> viewmodels.SlotWall:
 @permission_required(CAN_VIEW, raise_exception=True)
 def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    rows = viewmodels.task_board(run=run)
+    rows = run_reads.task_board(run=run)
     for row in rows:
-        row["spark"] = figures.sparkline_svg(row["history"])
+        cast(Any, row).spark = figures.sparkline_svg(row.history)  # for the template only
     return render(request, "dashboard/task_board.html", {"run": run, "rows": rows})
 
 
@@ -249,11 +252,11 @@ def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpRespon
 @permission_required(CAN_VIEW, raise_exception=True)
 def trajectory_list(request: HttpRequest) -> HttpResponse:
     form = TrajectoryFilterForm(request.GET or None)
-    flt = viewmodels.TrajectoryFilter()
+    flt = trajectories.TrajectoryFilter()
     if form.is_bound and form.is_valid():
         d = form.cleaned_data
         yes_no = {"yes": True, "no": False}
-        flt = viewmodels.TrajectoryFilter(
+        flt = trajectories.TrajectoryFilter(
             run_id=d["run"],
             task=d["task"],
             task_exact=d["task_exact"],
@@ -278,13 +281,13 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
             finished_from=d["finished_from"],
             finished_to=d["finished_to"],
         )
-    page = viewmodels.trajectory_page(flt=flt, page=request.GET.get("page", 1))
+    page = trajectories.trajectory_page(flt=flt, page=request.GET.get("page", 1))
     query = _query_without_page(request)
     unranged = request.GET.copy()
     for key in ("page", "reward_min", "reward_max"):
         unranged.pop(key, None)
     histogram = figures.reward_histogram_svg(
-        viewmodels.reward_histogram(flt=flt),
+        trajectories.reward_histogram(flt=flt),
         query=unranged.urlencode(),
         selected=(flt.reward_min, flt.reward_max),
     )
@@ -397,7 +400,7 @@ def evaluation_compare(request: HttpRequest) -> HttpResponse:
 
 def _trajectory_context(trajectory_id: int, **forms) -> dict:
     try:
-        traj, steps = viewmodels.trajectory_detail(trajectory_id=trajectory_id)
+        traj, steps = trajectories.trajectory_detail(trajectory_id=trajectory_id)
     except Trajectory.DoesNotExist:
         raise Http404(f"no trajectory {trajectory_id}") from None
     for s in steps:

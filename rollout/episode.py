@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
@@ -110,11 +111,22 @@ class EpisodeConfig:
     image_geometry: ImageGeometry = field(kw_only=True)
 
 
+class EndReason(StrEnum):
+    """How an episode ended, stored as the trajectory's `details["end_reason"]` (the
+    dashboard's trajectory list filters on it). One home: readers import it."""
+
+    FINISHED = "finished"  # the policy said so
+    CALL_USER = "call_user"
+    ENV_DONE = "env_done"  # the environment ended it (`Observation.done`)
+    STEP_CAP = "step_cap"
+    PARSE_ERRORS = "parse_errors"  # `max_parse_errors` unparsable outputs in a row
+
+
 @dataclass
 class EpisodeResult:
     status: str  # succeeded | failed
     reward: float
-    end_reason: str  # finished | call_user | env_done | step_cap | parse_errors
+    end_reason: EndReason
     steps: int
     details: dict[str, Any] = field(default_factory=dict)
     env_ms: float = 0.0
@@ -166,7 +178,7 @@ def _run_episode(
     screenshots: list[bytes] = [obs.screenshot_png]
     env_total, model_total = reset_ms, 0.0
     parse_errors_in_a_row = 0
-    end_reason = "step_cap"
+    end_reason = EndReason.STEP_CAP
     ended_by: ActionType | None = None  # finished / call_user, for the env's verdict
     index = 0
     count_image_tokens = image_token_counter(config.image_geometry)
@@ -227,20 +239,20 @@ def _run_episode(
         if parse_error:
             parse_errors_in_a_row += 1
             if parse_errors_in_a_row >= config.max_parse_errors:
-                end_reason = "parse_errors"
+                end_reason = EndReason.PARSE_ERRORS
                 break
         else:
             parse_errors_in_a_row = 0
         if action is not None and action.type == ActionType.FINISHED:
-            end_reason, ended_by = "finished", action.type
+            end_reason, ended_by = EndReason.FINISHED, action.type
             break
         if action is not None and action.type == ActionType.CALL_USER:
-            end_reason, ended_by = "call_user", action.type
+            end_reason, ended_by = EndReason.CALL_USER, action.type
             break
         if next_obs.done:
             # Asking the policy again would only add steps that cannot change the outcome
             # (and, in training, would share the trajectory's reward with them).
-            end_reason = "env_done"
+            end_reason = EndReason.ENV_DONE
             break
         obs = next_obs
         screenshots.append(obs.screenshot_png)

@@ -31,7 +31,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.lr_warmup_updates": "scheduled_lr below",
     "trainer.lr_decay_updates": "scheduled_lr below",
     "trainer.lr_min_ratio": "scheduled_lr below",
-    "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts and training_metrics (the run page)",
+    "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts, datamanager.selectors.charts.training_metrics",
     "trainer.stale_serving_alert": "dartboard.viewmodels.run_alerts (the run page)",
     "trainer.left_out_alert": "dartboard.env_health.health_alerts (the run page)",
     "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",

@@ -348,6 +348,16 @@ def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_
     assert "trainer: no live worker; the watchdog enqueues it again after 20 s" in text
 
 
+def test_with_redis_down_the_run_page_says_who_holds_the_slots_is_unknown(
+    ada_client, settings, tmp_path
+):
+    settings.REDIS_URL = f"unix://{tmp_path / 'no-redis.sock'}"  # nothing listens there
+    run = make_run(env={"miniwob_slots": 2})
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "workers: Redis unreachable, live state unavailable:" in text
+    assert "slot miniwob:0" not in text
+
+
 def test_charts_json_has_every_chart_with_data(ada_client):
     run = make_run(curation={"n_max": 2, "n_min": 1})
     slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)

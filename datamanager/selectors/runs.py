@@ -1,0 +1,139 @@
+"""Reads for the runs list, the run page's header and its task board.
+
+Plain reads (no locks, no writes), safe from any process. Counts are aggregated by the
+database, one correlated subquery per figure, so a run with 10,000 trajectories costs a few
+queries, not a row per trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Count, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models.functions import Coalesce
+
+from datamanager.models import (
+    FailureKind,
+    PolicyVersion,
+    Run,
+    TaskGroup,
+    TaskStat,
+    TaskStatHistory,
+    TrainUpdate,
+    Trajectory,
+    TrajectoryStatus,
+)
+from datamanager.selectors.aggregates import FINISHED
+from datamanager.selectors.labels import label_counts_by_task
+
+
+def _count_subquery(qs: QuerySet) -> Coalesce:
+    """COUNT(*) of a correlated queryset, as an integer subquery (0 when empty)."""
+    counted = qs.order_by().values("run").annotate(c=Count("pk")).values("c")
+    return Coalesce(Subquery(counted, output_field=IntegerField()), Value(0))
+
+
+def runs_overview() -> QuerySet[Run]:
+    """Runs, newest first, annotated with trajectory count, finished and succeeded counts
+    (`success_rate` turns them into a rate) and policy version.
+
+    Each figure is a correlated subquery, so the three joins do not multiply each other.
+    """
+    trajs = Trajectory.objects.filter(run=OuterRef("pk"))
+    n_trajs = _count_subquery(trajs)
+    n_finished = _count_subquery(trajs.filter(status__in=FINISHED))
+    n_success = _count_subquery(trajs.filter(status=TrajectoryStatus.SUCCEEDED))
+    version = Subquery(
+        PolicyVersion.objects.filter(run=OuterRef("pk")).order_by("-version").values("version")[:1]
+    )
+    return (
+        Run.objects.select_related("owner")
+        .annotate(
+            n_trajectories=n_trajs,
+            n_finished=n_finished,
+            n_succeeded=n_success,
+            current_version=version,
+        )
+        .order_by("-created_at")
+    )
+
+
+def success_rate(succeeded: int, finished: int) -> float | None:
+    """None for no finished (succeeded/failed) trajectory: no rate, rather than 0%."""
+    return succeeded / finished if finished else None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The counts on the run page's header."""
+
+    total: int
+    running: int
+    succeeded: int
+    finished: int  # succeeded or failed
+    errors: int
+    success_rate: float | None
+    policy_version: int | None  # the newest published, None before the first
+    updates: int
+
+
+def run_summary(*, run: Run) -> RunSummary:
+    """Counts shown on the run page header."""
+    agg = Trajectory.objects.filter(run=run).aggregate(
+        total=Count("pk"),
+        running=Count("pk", filter=Q(status=TrajectoryStatus.RUNNING)),
+        succeeded=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)),
+        finished=Count("pk", filter=Q(status__in=FINISHED)),
+        errors=Count("pk", filter=Q(status=TrajectoryStatus.ERROR)),
+    )
+    return RunSummary(
+        **agg,
+        success_rate=success_rate(agg["succeeded"], agg["finished"]),
+        policy_version=PolicyVersion.objects.filter(run=run).aggregate(v=Max("version"))["v"],
+        updates=TrainUpdate.objects.filter(run=run).count(),
+    )
+
+
+@dataclass
+class TaskRow:
+    """One task on the task board. Not frozen: the view adds its sparkline for the template."""
+
+    stat: TaskStat
+    history: list[float]  # the success-rate history, oldest first
+    group_id: int | None  # the task's latest group
+    labels: list[tuple[str, str, int]]  # (FailureKind value, its label, rollouts so labelled)
+
+
+def task_board(*, run: Run, sparkline_points: int = 30) -> list[TaskRow]:
+    """Per-task rows: stats, the success-rate history (last N points), the latest group and
+    the failure labels of the task's rollouts."""
+    stats = list(TaskStat.objects.filter(run=run).select_related("task").order_by("task__name"))
+    history: dict[int, list[float]] = {}
+    rows = (
+        TaskStatHistory.objects.filter(run=run, success_rate__isnull=False)
+        .order_by("at", "pk")
+        .values_list("task_id", "success_rate")
+    )
+    for task_id, rate in rows:
+        assert rate is not None  # filtered on success_rate__isnull=False
+        history.setdefault(task_id, []).append(rate)
+    latest_group = dict(
+        TaskGroup.objects.filter(run=run)
+        .values("task_id")
+        .annotate(last=Max("pk"))
+        .values_list("task_id", "last")
+        .order_by()
+    )
+    labels = label_counts_by_task(run_id=run.pk)
+    return [
+        TaskRow(
+            stat=s,
+            history=history.get(s.task_id, [])[-sparkline_points:],
+            group_id=latest_group.get(s.task_id),
+            labels=[
+                (kind.value, kind.label, labels.get(s.task_id, {}).get(kind.value, 0))
+                for kind in FailureKind
+            ],
+        )
+        for s in stats
+    ]

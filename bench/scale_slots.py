@@ -4,9 +4,10 @@
         .venv/bin/python -m bench.scale_slots --run 1 --first 0 --count 250 --until EPOCH --out x.json
 
 Each slot is a thread that runs what an env worker runs (workers/slot_worker.py) against the
-real services: register its EnvSlot row, take its Redis lease, then claim -> episode (the
-`sim` backend at OSWorld latency, scaled, and the scripted oracle through the policy
-contract) -> a step record with its screenshot per step -> finish. It stops claiming at
+real services: register its EnvSlot row, take its Redis lease, then claim -> episode through
+the slot worker's runner (workers/episode_runner.py; the `sim` backend at OSWorld latency,
+scaled, and the scripted oracle through the policy contract) -> a step record with its
+screenshot per step -> finish; an episode that ends early counts as an error. It stops claiming at
 `--until` and finishes the episode under way (nothing is left running).
 
 A slot sleeps through its env's latency without a database connection: its database calls
@@ -83,7 +84,7 @@ class StepWriter(threading.Thread):
     """Writes the steps the process's slots record, many per transaction
     (datamanager.services.steps.steps_record_many): a slot hands its step over and waits
     until it is committed. With --batch-steps 0 each step is written alone on the pool
-    (episodes.step_record through the slot worker's DbRecorder), as serve_slot does."""
+    (episodes.step_store through the episode runner's DbRecorder), as serve_slot does."""
 
     def __init__(self, timings: Timings, max_batch: int) -> None:
         super().__init__(daemon=True, name="steps")
@@ -134,7 +135,7 @@ class StepWriter(threading.Thread):
 
 
 class PooledRecorder:
-    """The slot worker's DbRecorder, its writes run on the pool (or the step writer) and
+    """The episode runner's DbRecorder, its writes run on the pool (or the step writer) and
     timed as the slot waits."""
 
     def __init__(self, inner: Any, fleet: Fleet) -> None:
@@ -158,6 +159,20 @@ class PooledRecorder:
         started = time.perf_counter()  # on the pool thread: the write without the queue
         self.inner.record_step(record)
         self.fleet.timings.add("step_record_service", started)
+
+
+class KeptEnv:
+    """A slot's one env, as the episode runner opens it: one that failed is kept (a
+    simulated env fails only with the bench's own bug, which the errors list shows)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    def open(self) -> Any:
+        return self.env
+
+    def discard(self) -> None:
+        pass
 
 
 class Fleet:
@@ -191,12 +206,23 @@ class Fleet:
         try:
             self._slot(index)
         except Exception:
-            with self.lock:
-                self.counts["errors"] += 1
-                self.errors.append(traceback.format_exc(limit=8))
+            self._error(traceback.format_exc(limit=8))
+
+    def _error(self, text: str) -> None:
+        """A slot that died, or an episode that ended early (`error` or `aborted`)."""
+        with self.lock:
+            self.counts["errors"] += 1
+            self.errors.append(text)
+
+    def _finish_on_pool(self, finish: Callable[[], T]) -> T:
+        """A trajectory's end, on a database thread, timed as the slot waits for it."""
+        started = time.perf_counter()
+        try:
+            return self.pool.call(finish)
+        finally:
+            self.timings.add("finish", started)
 
     def _slot(self, index: int) -> None:
-        from core.protocol import TaskSpec
         from datamanager.models import SlotStatus
         from datamanager.policies import policy_geometry
         from datamanager.services import env_slots, episodes
@@ -204,11 +230,10 @@ class Fleet:
         from envmanager.latency import PROFILES, LatencyEnv
         from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
         from envmanager.sim_env import SimEnv
-        from rollout.episode import run_episode
         from workers.config_mapping import episode_config
         from workers.dbutil import db_retry
+        from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
         from workers.leases import slot_work
-        from workers.slot_worker import DbRecorder
 
         args, cfg, pool = self.args, self.cfg, self.pool
         host = socket.gethostname()
@@ -256,35 +281,21 @@ class Fleet:
                     trajectory_id=claim.trajectory_id,
                 )
             )
-            task = TaskSpec(
-                name=claim.task_name,
-                env_kind=claim.env_kind,
-                env_config=claim.env_config,
-                instruction=claim.instruction,
-                seed=claim.seed,
-            )
-            recorder = PooledRecorder(DbRecorder(claim.trajectory_id), self)
-            result = run_episode(
-                env=env,
-                policy=oracle,
-                recorder=recorder,
-                task=task,
-                config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
-            )
-            started = time.perf_counter()
-            finish = partial(
-                episodes.trajectory_finish,
+            # The slot worker's episode runner: its trajectory's end runs on the pool.
+            outcome = episode_run(
                 trajectory_id=claim.trajectory_id,
-                status=result.status,
-                reward=result.reward,
-                details=result.details,
-                env_ms=result.env_ms,
-                model_ms=result.model_ms,
+                task=claim.task_spec(),
+                env=KeptEnv(env),
+                policy=oracle,
+                recorder=PooledRecorder(DbRecorder(claim.trajectory_id), self),
+                config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
+                db=self._finish_on_pool,
             )
-            pool.call(partial(db_retry, lambda _, f=finish: f(), what="finishing"))
-            self.timings.add("finish", started)
             self.count("finished")
-            pool.call(lambda: env_slots.env_slot_success(slot_id=slot.pk))
+            if outcome.end is EpisodeEnd.RAN:
+                pool.call(lambda: env_slots.env_slot_success(slot_id=slot.pk))
+            else:
+                self._error(f"trajectory {claim.trajectory_id}: {outcome.reason}")
             pool.call(lambda: env_slots.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE))
         pool.call(lambda: env_slots.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED))
 

@@ -3,7 +3,10 @@ same environments, prompts, episode runner and inference server code as training
 
 Evaluation trajectories are stored like any other (inspectable step by step) with
 purpose=eval: they never enter training batches or task statistics. Environment errors
-are recorded on their trajectory and reported apart, never counted as policy failures.
+are recorded on their trajectory and reported apart, never counted as policy failures. An
+episode ends as a slot's does (workers.episode_runner): the database or the object storage
+away past the retry budget ends it `error` ("database: ...", "storage: ...") and the job
+goes on; a policy that does not answer fails the job.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from django.conf import settings
 from django.db import transaction
 
 from core.imaging import QWEN25_VL, ImageGeometry
-from core.protocol import TaskSpec
 from datamanager.config import RunConfig
 from datamanager.curation import INSTANCE_SEED_BASE
 from datamanager.models import EvalJob, EvalScope, Run, Task
@@ -24,26 +26,20 @@ from datamanager.policies import resolve_checkpoint
 from datamanager.roles import run_env_check
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
 from datamanager.selectors.tasks import task_list
-from datamanager.services import episodes, evaluations
-from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
+from datamanager.services import evaluations
+from envmanager.oracle_policy import OracleEndpoint
 from rollout.auth import ServiceTokens
 from rollout.client import InferenceError, PolicyClient
-from rollout.episode import EpisodeConfig, PolicyEndpoint, run_episode
+from rollout.episode import EpisodeConfig, PolicyEndpoint
 from rollout.local_server import LocalPolicyServer
 from workers.config_mapping import episode_config
+from workers.env_cache import TaskEnv, discard_backend_envs
+from workers.episode_runner import DbRecorder, episode_run, task_spec
 from workers.leases import (
     eval_shard_work,
     holder_name,
     work_enqueue,
     work_hold,
-)
-from workers.slot_worker import (
-    DbRecorder,
-    VMTarget,
-    discard_backend_envs,
-    discard_env,
-    osworld_target,
-    process_env,
 )
 
 log = logging.getLogger("dartboard.evaluate")
@@ -186,10 +182,15 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
     return f"{work.label}: {job.done}/{job.total}"
 
 
+def _run_config(job: EvalJob) -> RunConfig:
+    """The run's settings; the defaults for an evaluation outside a run."""
+    return RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
+
+
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
     """The run's rollout settings (the defaults for an evaluation outside a run) with the
     job's decoding, in the image geometry of the checkpoint under evaluation."""
-    cfg = RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
+    cfg = _run_config(job)
     checkpoint, _ = resolve_checkpoint(job.policy)
     return episode_config(
         cfg,
@@ -198,14 +199,6 @@ def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
         temperature=0.0 if job.greedy else job.temperature,
         geometry=QWEN25_VL if checkpoint is None else ImageGeometry.from_policy_dir(checkpoint),
     )
-
-
-def _vm(job: EvalJob, task: Task, shard: int) -> VMTarget | None:
-    """An osworld task's VM: its own address, else the run's VM of this shard's number."""
-    if task.env_kind != "osworld":
-        return None
-    cfg = RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
-    return osworld_target(env_config=task.env_config, env=cfg.env, index=shard)
 
 
 def _one_episode(
@@ -217,43 +210,26 @@ def _one_episode(
     *,
     shard: int = 0,
 ) -> None:
+    """One episode through the slots' runner (workers.episode_runner); a policy that did not
+    answer fails the job (raised), as nothing else it scores would mean anything."""
     seed = job.seed * 1000 + i  # the same seeds for every policy: comparable cells
     config = _episode_config(job, seed)
     traj = evaluations.eval_trajectory_start(
         job=job, task=task, seed=seed, step_cap=config.step_cap
     )
-    spec = TaskSpec(
-        name=task.name,
-        env_kind=task.env_kind,
-        env_config=task.env_config,
-        instruction=task.instruction,
-        seed=seed,
-    )
-    vm: VMTarget | None = None
-    try:
-        vm = _vm(job, task, shard)
-        env = process_env(task.env_kind, vm=vm)
-        if oracle is not None:
-            env = ObservedEnv(env, oracle)
-        result = run_episode(
-            env=env, policy=policy, recorder=DbRecorder(traj.pk), task=spec, config=config
-        )
-    except InferenceError as exc:
-        episodes.trajectory_finish(
-            trajectory_id=traj.pk, status="error", reward=None, error=f"inference: {exc}"
-        )
-        raise
-    except Exception as exc:
-        episodes.trajectory_finish(
-            trajectory_id=traj.pk, status="error", reward=None, error=f"{type(exc).__name__}: {exc}"
-        )
-        discard_env(task.env_kind, vm=vm)
-        return
-    episodes.trajectory_finish(
+    outcome = episode_run(
         trajectory_id=traj.pk,
-        status=result.status,
-        reward=result.reward,
-        details=result.details,
-        env_ms=result.env_ms,
-        model_ms=result.model_ms,
+        task=task_spec(task, seed),
+        env=TaskEnv(
+            backend=task.env_kind,
+            env_config=task.env_config,
+            env=_run_config(job).env,
+            index=shard,  # an osworld task without its own VM takes the run's VM of this shard
+            oracle=oracle,
+        ),
+        policy=policy,
+        recorder=DbRecorder(traj.pk),
+        config=config,
     )
+    if isinstance(outcome.error, InferenceError):
+        raise outcome.error

@@ -22,201 +22,33 @@ import os
 import socket
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.db import connection
 
-from core.protocol import Env, EnvUnavailable, TaskSpec
-from datamanager.config import EnvConfig, RunConfig
+from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.roles import run_env_check
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
-from envmanager.busy import PROCESS_CLOCK, BusyEnv
-from envmanager.desktop_env import DesktopEnv
-from envmanager.latency import PROFILES, LatencyEnv, profile_from_settings
-from envmanager.miniwob_env import MiniWoBEnv
-from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
-from envmanager.osworld_env import OSWorldEnv, Provider
+from envmanager.busy import PROCESS_CLOCK
+from envmanager.oracle_policy import OracleEndpoint
 from envmanager.sandbox import host_limits_problem
-from envmanager.sim_env import sim_env
-from envmanager.threaded import ThreadedEnv
-from rollout.auth import desktop_purpose, purpose_token
-from rollout.client import InferenceError, PolicyClient
-from rollout.episode import Pacer, PolicyEndpoint, StepRecord, run_episode
+from rollout.client import PolicyClient
+from rollout.episode import Pacer, PolicyEndpoint
 from workers.config_mapping import episode_config
-from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry, refresh_connection
+from workers.dbutil import db_retry, refresh_connection
+from workers.env_cache import TaskEnv
+from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
 from workers.leases import RedisLease, slot_work
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
 
 log = logging.getLogger("dartboard.slots")
-
-# One environment per worker process and backend, reused across episodes and tasks.
-_ENVS: dict[str, Env] = {}
-
-
-@dataclass(frozen=True)
-class VMTarget:
-    """The OSWorld VM an osworld episode runs on, and how to revert it (if configured)."""
-
-    address: str
-    provider: Provider | None = None
-
-
-class NoVMForTask(RuntimeError):
-    """An osworld task with no VM: neither its env_config nor the run names one."""
-
-
-def osworld_target(*, env_config: dict[str, Any], env: EnvConfig, index: int) -> VMTarget:
-    """The task's own `address` (a VM it needs), else the run's VM of this slot index."""
-    if isinstance(env_config.get("address"), str):
-        return VMTarget(address=env_config["address"])
-    pool = env.osworld_addresses
-    if not pool:
-        raise NoVMForTask(
-            "an osworld task needs a VM: give the run env.osworld_addresses (host:port), or "
-            "the task an env_config 'address'"
-        )
-    i = index % len(pool)
-    provider = None
-    if env.osworld_provider:
-        provider = Provider(
-            name=env.osworld_provider,
-            vm_path=env.osworld_vm_paths[i],
-            snapshot=env.osworld_snapshot,
-            region=env.osworld_region,
-        )
-    return VMTarget(address=pool[i], provider=provider)
-
-
-def make_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = None) -> Env:
-    """A backend on its own thread, every call limited to `timeout_s` (envmanager.threaded)."""
-    if backend == "osworld":
-        if vm is None:
-            raise NoVMForTask("an osworld env needs a VM address")
-        # The desktop's own token: one read inside a desktop opens no other (rollout.auth).
-        token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(vm.address))
-        return ThreadedEnv(
-            lambda: OSWorldEnv(address=vm.address, token=token, provider=vm.provider),
-            timeout_s=timeout_s,
-        )
-    if backend == "miniwob":
-        return ThreadedEnv(MiniWoBEnv, timeout_s=timeout_s)
-    if backend == "desktop":
-        return ThreadedEnv(DesktopEnv, timeout_s=timeout_s)
-    if backend == "sim":
-        # Simulated slots always take an OSWorld VM's time (scaled by
-        # DARTBOARD_ENV_LATENCY_SCALE): their point is the control plane's load.
-        latency = PROFILES["osworld"].scaled(settings.DARTBOARD_ENV_LATENCY_SCALE)
-        return sim_env(latency=latency, seed=os.getpid())
-    raise ValueError(f"unknown env backend {backend!r}; use miniwob, desktop, sim or osworld")
-
-
-def _env_key(backend: str, vm: VMTarget | None) -> str:
-    return backend if vm is None else f"{backend}@{vm.address}"
-
-
-def process_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = None) -> Env:
-    """This process's env of `backend` (one per VM for osworld), created on first use."""
-    key = _env_key(backend, vm)
-    env = _ENVS.get(key)
-    if env is None:
-        env = make_env(backend, timeout_s=timeout_s, vm=vm)
-        profile = profile_from_settings(
-            settings.DARTBOARD_ENV_LATENCY, settings.DARTBOARD_ENV_LATENCY_SCALE
-        )
-        if profile is not None and backend != "sim":  # sim has its latency built in
-            env = LatencyEnv(env, profile, seed=os.getpid())
-        env = BusyEnv(env, PROCESS_CLOCK)
-        _ENVS[key] = env
-    return env
-
-
-def discard_env(backend: str, *, vm: VMTarget | None = None) -> None:
-    """Close (best effort) and forget the process's env; the next use creates a fresh one."""
-    env = _ENVS.pop(_env_key(backend, vm), None)
-    if env is not None:
-        try:
-            env.close()
-        except Exception:
-            log.exception("closing a broken %s env failed (it is replaced anyway)", backend)
-
-
-def discard_backend_envs(backend: str) -> None:
-    """discard_env for every env of `backend` in this process (each VM's, for osworld)."""
-    for key in [k for k in _ENVS if k == backend or k.startswith(f"{backend}@")]:
-        env = _ENVS.pop(key)
-        try:
-            env.close()
-        except Exception:
-            log.exception("closing a %s env failed (it is replaced anyway)", key)
-
-
-class SlotTakenOver(RuntimeError):
-    """Another worker holds this slot's lease now (this one lost it during an outage)."""
-
-
-class DbRecorder:
-    """Records an episode's steps through the data manager's services, retrying while the
-    database is away. With a `lost` event (the slot's lease went to another worker) it
-    refuses to record more."""
-
-    def __init__(self, trajectory_id: int, lost: threading.Event | None = None) -> None:
-        self.trajectory_id = trajectory_id
-        self.head: episodes.TrajectoryHead | None = None
-        self.lost = lost
-
-    def _check_lease(self) -> None:
-        if self.lost is not None and self.lost.is_set():
-            raise SlotTakenOver("another worker took this slot's lease during an outage")
-
-    def set_instruction(self, instruction: str) -> None:
-        self._check_lease()
-
-        def write(attempt: int) -> None:
-            episodes.trajectory_set_instruction(
-                trajectory_id=self.trajectory_id, instruction=instruction
-            )
-            self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
-
-        db_retry(write, what=f"starting trajectory {self.trajectory_id}")
-
-    def record_step(self, record: StepRecord) -> None:
-        self._check_lease()
-        db_retry(
-            lambda attempt: self._write_step(record, resume=attempt > 0),
-            what=f"recording step {record.index} of trajectory {self.trajectory_id}",
-        )
-
-    def _write_step(self, record: StepRecord, *, resume: bool) -> None:
-        episodes.step_record(
-            trajectory_id=self.trajectory_id,
-            index=record.index,
-            screenshot_png=record.screenshot_png,
-            width=record.width,
-            height=record.height,
-            raw_output=record.raw_output,
-            thought=record.thought,
-            action=record.action,
-            parse_error=record.parse_error,
-            prompt_tokens=record.prompt_tokens,
-            response_tokens=record.response_tokens,
-            rollout_logprobs=record.rollout_logprobs,
-            response_token_ids=record.response_token_ids,
-            mean_entropy=record.mean_entropy,
-            policy_version=record.policy_version,
-            env_ms=record.env_ms,
-            model_ms=record.model_ms,
-            head=self.head,
-            resume=resume,
-        )
 
 
 class _SlotBusy:
@@ -389,14 +221,6 @@ def serve_slot(
         client.close()
 
 
-def _finish(trajectory_id: int, **fields: Any) -> None:
-    """End a trajectory, retrying while the database is away (finishing twice is a no-op)."""
-    db_retry(
-        lambda _: episodes.trajectory_finish(trajectory_id=trajectory_id, **fields),
-        what=f"ending trajectory {trajectory_id}",
-    )
-
-
 def _run_claim(
     claim: episodes.Claim,
     slot_id: int,
@@ -413,77 +237,39 @@ def _run_claim(
     slot_services.env_slot_set(
         slot_id=slot_id, status=SlotStatus.BUSY, trajectory_id=claim.trajectory_id
     )
-    task = TaskSpec(
-        name=claim.task_name,
-        env_kind=claim.env_kind,
-        env_config=claim.env_config,
-        instruction=claim.instruction,
-        seed=claim.seed,
+    policy: PolicyEndpoint = client
+    oracle = None
+    if cfg.policy == ORACLE_POLICY:
+        oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy), coords=cfg.rollout.coords)
+        policy = oracle
+    outcome = episode_run(
+        trajectory_id=claim.trajectory_id,
+        task=claim.task_spec(),
+        env=TaskEnv(
+            backend=backend,
+            env_config=claim.env_config,
+            env=cfg.env,
+            index=index,
+            timeout_s=cfg.env.step_timeout_s,
+            oracle=oracle,
+        ),
+        policy=policy,
+        recorder=DbRecorder(claim.trajectory_id, lost),
+        config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
+        pacer=pacer,
     )
-    vm: VMTarget | None = None
-    try:
-        if backend == "osworld":
-            vm = osworld_target(env_config=claim.env_config, env=cfg.env, index=index)
-        env = process_env(backend, timeout_s=cfg.env.step_timeout_s, vm=vm)
-        policy: PolicyEndpoint = client
-        if cfg.policy == ORACLE_POLICY:
-            oracle = OracleEndpoint(geometry=policy_geometry(cfg.policy), coords=cfg.rollout.coords)
-            env, policy = ObservedEnv(env, oracle), oracle
-        result = run_episode(
-            env=env,
-            policy=policy,
-            recorder=DbRecorder(claim.trajectory_id, lost),
-            task=task,
-            config=episode_config(cfg, step_cap=claim.step_cap, seed=claim.decode_seed),
-            pacer=pacer,
-        )
-    except SlotTakenOver as exc:
-        _finish(claim.trajectory_id, status="aborted", reward=None, error=str(exc))
+    if outcome.end is EpisodeEnd.TAKEN_OVER:
         return True
-    except (DatabaseUnavailable, StorageUnavailable) as exc:
-        # The steps recorded so far stay; the episode ends with the reason once the database
-        # answers again (or, if it never does here, the watchdog ends it). The environment
-        # is fine: it is kept, and the slot is not counted as failing.
-        service = "database" if isinstance(exc, DatabaseUnavailable) else "storage"
-        _finish(claim.trajectory_id, status="error", reward=None, error=f"{service}: {exc}")
-        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
-        return False
-    except (BotoCoreError, ClientError) as exc:
-        # The object storage refused a screenshot for good (a missing bucket, a refused
-        # credential): the operator's to fix, not the environment's fault.
-        reason = f"storage: {type(exc).__name__}: {exc}"
-        log.error("slot %s: %s", slot_id, reason)
-        _finish(claim.trajectory_id, status="error", reward=None, error=reason)
-        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
-        time.sleep(2.0)
-        return False
-    except InferenceError as exc:
-        # The policy did not answer: the episode is lost, but the env is fine.
-        _finish(claim.trajectory_id, status="error", reward=None, error=f"inference: {exc}")
-        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
-        time.sleep(2.0)
-        return False
-    except Exception as exc:
-        # Anything else came from the environment (or its driver): record it, recreate.
-        reason = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, EnvUnavailable):
-            reason += "\n" + traceback.format_exc(limit=5)
-        log.warning("slot %s: %s on %s", slot_id, reason.splitlines()[0], claim.task_name)
-        _finish(claim.trajectory_id, status="error", reward=None, error=reason)
-        discard_env(backend, vm=vm)
+    if outcome.env_failed:  # the env was recreated; enough failures in a row quarantine
         return slot_services.env_slot_failure(
-            slot_id=slot_id, error=reason, quarantine_after=cfg.env.quarantine_after
+            slot_id=slot_id, error=outcome.reason, quarantine_after=cfg.env.quarantine_after
         )
-    _finish(
-        claim.trajectory_id,
-        status=result.status,
-        reward=result.reward,
-        details=result.details,
-        env_ms=result.env_ms,
-        model_ms=result.model_ms,
-    )
-    slot_services.env_slot_success(slot_id=slot_id)
+    if outcome.end is EpisodeEnd.RAN:
+        slot_services.env_slot_success(slot_id=slot_id)
+    # An outage is not the slot's failure either; its env is kept.
     slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+    if outcome.end in (EpisodeEnd.STORAGE, EpisodeEnd.INFERENCE):
+        time.sleep(2.0)  # the operator's or the policy server's to fix: do not spin on it
     return False
 
 

@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from core.protocol import TaskSpec
 from datamanager import curation
 from datamanager.config import CurationConfig, RunConfig
 from datamanager.events import publish_on_commit
@@ -34,6 +35,7 @@ from datamanager.models import (
     TrajectoryStatus,
 )
 from datamanager.selectors.tasks import task_list
+from rollout.episode import StepRecord
 
 
 class NoTasks(Exception):
@@ -51,6 +53,16 @@ class Claim:
     step_cap: int
     seed: int  # the environment's: shared by the group (curation.group_seed)
     decode_seed: int  # the policy's sampling: one per rollout
+
+    def task_spec(self) -> TaskSpec:
+        """What the environment is given: the claimed task at the group's seed."""
+        return TaskSpec(
+            name=self.task_name,
+            env_kind=self.env_kind,
+            env_config=self.env_config,
+            instruction=self.instruction,
+            seed=self.seed,
+        )
 
 
 def default_step_cap(task: Task, cfg: CurationConfig) -> int:
@@ -201,13 +213,6 @@ def trajectory_head(*, trajectory_id: int) -> TrajectoryHead:
     )
 
 
-def _delete_orphan_screenshot(step: Step, name: str) -> None:
-    """The file a failed try stored under the step's screenshot name, with no row to it."""
-    stored = step.screenshot.field.generate_filename(step, name)
-    if step.screenshot.storage.exists(stored):
-        step.screenshot.storage.delete(stored)
-
-
 def storable(value: Any) -> Any:
     """`value` with every NUL character of its strings (nested in lists and dicts too) made
     U+FFFD. PostgreSQL's text and jsonb refuse NUL ("text fields cannot contain NUL (0x00)
@@ -246,31 +251,21 @@ def step_record(
     head: TrajectoryHead | None = None,
     resume: bool = False,
 ) -> Step:
-    """Store one step (the screenshot the policy saw, its output, the action taken).
-
-    `resume`: this call retries one that failed part-way (the database went away): a row an
-    earlier try wrote is kept, a screenshot file it left without a row is replaced, and the
-    trajectory's length is written again, so the step is stored once and whole.
-
-    One slot owns a running trajectory, so it passes the `head` it read at the start of
-    the episode (without one, it is read here) and the step costs two statements, the row
-    and the trajectory's length, each its own autocommit: on PostgreSQL a step's cost is
-    its round trips (bench/overhead.py), and a transaction around the two would add a
-    BEGIN and a COMMIT. Should the second fail, the step row is kept and the error reaches
-    the slot, which ends the trajectory as `error` with it."""
+    """`step_store` of a step given field by field (its trajectory's head read here when
+    none is given)."""
     if head is None:
         head = trajectory_head(trajectory_id=trajectory_id)
     elif head.pk != trajectory_id:
         raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
-    step = Step(
-        trajectory_id=head.pk,
+    record = StepRecord(
         index=index,
-        screen_width=width,
-        screen_height=height,
-        raw_output=storable(raw_output),
-        thought=storable(thought),
-        action=storable(action),
-        parse_error=storable(parse_error),
+        screenshot_png=screenshot_png,
+        width=width,
+        height=height,
+        raw_output=raw_output,
+        thought=thought,
+        action=action,
+        parse_error=parse_error,
         prompt_tokens=prompt_tokens,
         response_tokens=response_tokens,
         rollout_logprobs=rollout_logprobs,
@@ -280,36 +275,91 @@ def step_record(
         env_ms=env_ms,
         model_ms=model_ms,
     )
-    name = f"run-{head.run_id or 0}/traj-{head.pk}/{index:03d}.png"
-    earlier = Step.objects.filter(trajectory_id=head.pk, index=index).first() if resume else None
-    if earlier is not None:
-        step = earlier
-    else:
-        if resume:
-            _delete_orphan_screenshot(step, name)
-        step.screenshot.save(name, ContentFile(screenshot_png), save=False)
+    return step_store(head=head, record=record, resume=resume)
+
+
+def step_store(*, head: TrajectoryHead, record: StepRecord, resume: bool = False) -> Step:
+    """Store one step (the screenshot the policy saw, its output, the action taken).
+
+    `resume`: this call retries one that failed part-way (the database went away): a row an
+    earlier try wrote is kept, a screenshot file it left without a row is replaced, and the
+    trajectory's length is written again, so the step is stored once and whole.
+
+    One slot owns a running trajectory, so it passes the `head` it read at the start of
+    the episode instead of one read per step, and the step costs two statements, the row
+    and the trajectory's length, each its own autocommit: on PostgreSQL a step's cost is
+    its round trips (bench/overhead.py), and a transaction around the two would add a
+    BEGIN and a COMMIT. Should the second fail, the step row is kept and the error reaches
+    the slot, which ends the trajectory as `error` with it."""
+    earlier = None
+    if resume:
+        earlier = Step.objects.filter(trajectory_id=head.pk, index=record.index).first()
+    step = earlier
+    if step is None:
+        step = step_build(head=head, record=record, resume=resume)
         step.save()
-    if policy_version is not None and policy_version not in head.policy_versions:
-        head.policy_versions.append(policy_version)
+    head_add_version(head, record.policy_version)
     Trajectory.objects.filter(pk=head.pk).update(
-        length=index + 1, policy_versions=list(head.policy_versions)
+        length=record.index + 1, policy_versions=list(head.policy_versions)
     )
-    if head.run_id:
-        publish_on_commit(
-            run_id=head.run_id,
-            kind="step",
-            data={
-                "slot": head.env_slot_id,
-                "trajectory": head.pk,
-                "task": head.task_id,
-                "step": index,
-                "image": f"/media/{step.screenshot.name}",
-                "policy_version": policy_version,
-                "action": action,
-                "parse_error": parse_error,
-            },
-        )
+    step_publish(head=head, step=step, record=record)
     return step
+
+
+def step_build(*, head: TrajectoryHead, record: StepRecord, resume: bool) -> Step:
+    """The unsaved row of `record` (text made storable), its screenshot file stored. With
+    `resume`, a file an earlier, failed try left under the same name is replaced first."""
+    step = Step(
+        trajectory_id=head.pk,
+        index=record.index,
+        screen_width=record.width,
+        screen_height=record.height,
+        raw_output=storable(record.raw_output),
+        thought=storable(record.thought),
+        action=storable(record.action),
+        parse_error=storable(record.parse_error),
+        prompt_tokens=record.prompt_tokens,
+        response_tokens=record.response_tokens,
+        rollout_logprobs=record.rollout_logprobs,
+        response_token_ids=record.response_token_ids or [],
+        mean_entropy=record.mean_entropy,
+        policy_version=record.policy_version,
+        env_ms=record.env_ms,
+        model_ms=record.model_ms,
+    )
+    name = f"run-{head.run_id or 0}/traj-{head.pk}/{record.index:03d}.png"
+    if resume:  # the file a failed try stored under this name, with no row to it
+        stored = step.screenshot.field.generate_filename(step, name)
+        if step.screenshot.storage.exists(stored):
+            step.screenshot.storage.delete(stored)
+    step.screenshot.save(name, ContentFile(record.screenshot_png), save=False)
+    return step
+
+
+def head_add_version(head: TrajectoryHead, version: int | None) -> None:
+    """Note on `head` a policy version its trajectory's steps were sampled from."""
+    if version is not None and version not in head.policy_versions:
+        head.policy_versions.append(version)
+
+
+def step_publish(*, head: TrajectoryHead, step: Step, record: StepRecord) -> None:
+    """The dashboard's `step` event of a stored step of a run's trajectory, on commit."""
+    if not head.run_id:
+        return
+    publish_on_commit(
+        run_id=head.run_id,
+        kind="step",
+        data={
+            "slot": head.env_slot_id,
+            "trajectory": head.pk,
+            "task": head.task_id,
+            "step": record.index,
+            "image": f"/media/{step.screenshot.name}",
+            "policy_version": record.policy_version,
+            "action": record.action,
+            "parse_error": record.parse_error,
+        },
+    )
 
 
 @transaction.atomic

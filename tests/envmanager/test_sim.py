@@ -79,7 +79,7 @@ def test_osworld_latency_scaled() -> None:
 
 
 def test_make_env_gives_sim_the_scaled_osworld_latency(settings) -> None:
-    from workers.slot_worker import make_env
+    from workers.env_cache import make_env
 
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.5
     env = make_env("sim")

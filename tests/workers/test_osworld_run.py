@@ -18,6 +18,7 @@ from datamanager.services import env_slots, episodes
 from rollout.local_server import LocalPolicyServer
 from tests.datamanager.factories import make_running_run
 from workers import slot_worker, training_loop
+from workers.env_cache import env_cache_reset
 
 pytestmark = [pytest.mark.desktop]
 
@@ -79,13 +80,13 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
             "trainer": {"min_groups": 1, "lr": 1e-3, "kl_coef": 0.0, "max_updates": 1},
         }
     )
-    slot_worker._ENVS.clear()
+    env_cache_reset()
     with LocalPolicyServer(tiny_policy_dir) as url:  # the test settings' inference token
         settings.DARTBOARD_INFERENCE_URLS = [url]
         outcome = slot_worker.serve_slot(
             run_id=run.pk, backend="osworld", index=0, max_seconds=180, max_episodes=2
         )
-    slot_worker.discard_backend_envs("osworld")
+    env_cache_reset()
     assert outcome.reason == "2 episodes done"
     slot = EnvSlot.objects.get(run=run)
     assert slot.name.endswith(f":osworld:0@{osworld_desktop.address}")  # the env wall's tile
@@ -124,7 +125,7 @@ def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
         name="t:1:osworld:0", host="t", backend="osworld", run_id=run.pk
     )
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("osworld",))
-    slot_worker._ENVS.clear()
+    env_cache_reset()
     cfg = RunConfig.from_dict(run.config)
     slot_worker._run_claim(claim, slot.pk, "osworld", cfg, client=None, index=0)
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
@@ -132,4 +133,4 @@ def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
     assert "osworld evaluator: exact_match failed: KeyError" in traj.error
     slot.refresh_from_db()
     assert slot.consecutive_failures == 1 and "exact_match failed" in slot.last_error
-    slot_worker.discard_backend_envs("osworld")
+    env_cache_reset()

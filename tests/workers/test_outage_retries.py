@@ -18,15 +18,18 @@ from django.db import connection
 
 from core.artifacts import s3_client_config, s3_transfer_config
 from datamanager.config import RunConfig
-from datamanager.models import Step, Task, Trajectory
-from datamanager.services import env_slots, episodes
+from datamanager.models import EvalStatus, Step, Task, Trajectory, TrajectoryStatus
+from datamanager.services import env_slots, episodes, evaluations
+from envmanager.oracle_policy import OracleEndpoint
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
 from tests.private_services import PrivateS3
 from workers import slot_worker
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
-from workers.slot_worker import DbRecorder, _finish
+from workers.env_cache import TaskEnv, env_cache_reset, process_env
+from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run, task_spec, trajectory_end
+from workers.evaluation import _episode_config, eval_job_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,9 +53,9 @@ def _short_lock_wait() -> Iterator[None]:
         connection.close()
 
 
-def _hold_write_lock(seconds: float) -> threading.Event:
-    """Another connection takes the steps table's write lock for `seconds` (in a thread);
-    the returned event is set once the lock is held."""
+def _hold_write_lock(seconds: float, release: threading.Event | None = None) -> threading.Event:
+    """Another connection takes the steps table's write lock for `seconds` (in a thread),
+    or until `release` is set; the returned event is set once the lock is held."""
     held = threading.Event()
     settings_dict = connection.settings_dict
 
@@ -61,7 +64,7 @@ def _hold_write_lock(seconds: float) -> threading.Event:
             other = sqlite3.connect(settings_dict["NAME"], timeout=5, isolation_level=None)
             other.execute("BEGIN IMMEDIATE")
             held.set()
-            time.sleep(seconds)
+            (release or threading.Event()).wait(seconds)
             other.execute("COMMIT")
             other.close()
             return
@@ -78,7 +81,7 @@ def _hold_write_lock(seconds: float) -> threading.Event:
                 "LOCK TABLE datamanager_step, datamanager_trajectory IN ACCESS EXCLUSIVE MODE"
             )
             held.set()
-            time.sleep(seconds)
+            (release or threading.Event()).wait(seconds)
 
     threading.Thread(target=hold, daemon=True).start()
     assert held.wait(10), "the second connection never got the lock"
@@ -144,7 +147,7 @@ def test_past_the_budget_the_episode_ends_error_with_its_steps_intact(settings):
     assert f"recording step 1 of trajectory {trajectory_id}" in message
     assert "last error: OperationalError" in message
     settings.DARTBOARD_DB_RETRY_S = 30.0  # the lock is gone once its holder finishes
-    _finish(trajectory_id, status="error", reward=None, error=f"database: {failure.value}")
+    trajectory_end(trajectory_id, status="error", reward=None, error=f"database: {failure.value}")
     trajectory = Trajectory.objects.get(pk=trajectory_id)
     assert trajectory.status == "error" and "recording step 1" in trajectory.error
     assert list(trajectory.steps.values_list("index", flat=True)) == [0]
@@ -282,7 +285,8 @@ def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("sim",))
     assert claim is not None
     s3_screenshots.client().delete_bucket(Bucket="shots")
-    slot_worker._ENVS.clear()
+    env_cache_reset()
+    env = process_env("sim")
     cfg = RunConfig.from_dict(run.config)
     assert slot_worker._run_claim(claim, slot.pk, "sim", cfg, client=None) is False
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
@@ -290,5 +294,83 @@ def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
     assert "NoSuchBucket" in traj.error
     slot.refresh_from_db()
     assert slot.consecutive_failures == 0 and slot.status == "idle"
-    assert "sim" in slot_worker._ENVS  # the environment was fine: kept
-    slot_worker._ENVS.clear()
+    assert process_env("sim") is env  # the environment was fine: kept
+    env_cache_reset()
+
+
+@pytest.mark.parametrize(
+    ("outage", "reason"),
+    [("stopped", "storage: object storage was unreachable for 1 s while recording step 0"),
+     ("bucket gone", "storage: NoSuchBucket")],
+)  # fmt: skip
+def test_an_evaluation_rides_out_a_storage_failure_as_a_slot_does(
+    settings, s3_screenshots, outage, reason
+):
+    """Evaluation episodes go through the slots' runner: storage that stays away (or refuses
+    for good) ends each episode `storage: ...`, keeps the environment, and the job goes on."""
+    settings.DARTBOARD_DB_RETRY_S = 1.0
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0  # the sim backend without its OSWorld waits
+    task = Task.objects.create(name="sim/click-2", env_kind="sim", env_config={"targets": 2})
+    job = evaluations.eval_job_create(name="no screenshots", policy="oracle", tasks=[task], k=2)
+    if outage == "stopped":
+        s3_screenshots.stop()
+    else:
+        s3_screenshots.client().delete_bucket(Bucket="shots")
+    env_cache_reset()
+    envs = []  # the cached env after each episode: one and the same when it is kept
+    job = eval_job_run(job_id=job.pk, on_episode=lambda: envs.append(process_env("sim")))
+    assert job.status == EvalStatus.FINISHED and job.done == 2
+    trajs = Trajectory.objects.filter(eval_job=job)
+    assert [t.status for t in trajs] == [TrajectoryStatus.ERROR] * 2
+    assert all(t.error.startswith(reason) for t in trajs), [t.error for t in trajs]
+    assert len(envs) == 2 and envs[0] is envs[1]
+
+
+def test_a_database_outage_ends_an_evaluation_episode_with_its_env_kept(settings):
+    """The database away past the budget while an evaluation episode starts: the episode
+    ends `database: ...` once it is back, and the environment is kept."""
+    settings.DARTBOARD_DB_RETRY_S = 1.0
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
+    task = Task.objects.create(name="sim/click-2", env_kind="sim", env_config={"targets": 2})
+    job = evaluations.eval_job_create(name="locked", policy="oracle", tasks=[task], k=1)
+    config = _episode_config(job, seed=0)
+    traj = evaluations.eval_trajectory_start(job=job, task=task, seed=0, step_cap=2)
+    oracle = OracleEndpoint(geometry=config.image_geometry)
+    env_cache_reset()
+    env = process_env("sim")
+    with _short_lock_wait():
+        release = threading.Event()
+        _hold_write_lock(30.0, release=release)
+        outcome = episode_run(
+            trajectory_id=traj.pk,
+            task=task_spec(task, 0),
+            env=TaskEnv(
+                backend="sim", env_config=task.env_config, env=RunConfig().env, oracle=oracle
+            ),
+            policy=oracle,
+            recorder=_Releasing(DbRecorder(traj.pk), release),
+            config=config,
+        )
+    assert outcome.end is EpisodeEnd.OUTAGE and not outcome.env_failed
+    traj.refresh_from_db()
+    assert traj.status == TrajectoryStatus.ERROR
+    assert traj.error.startswith(f"database: the database was unreachable for 1 s while "
+                                 f"starting trajectory {traj.pk}")  # fmt: skip
+    assert process_env("sim") is env  # kept
+
+
+class _Releasing:
+    """A DbRecorder that lets the database back (sets `release`) once its first write gave
+    up: the trajectory's end then finds it answering."""
+
+    def __init__(self, inner: DbRecorder, release: threading.Event) -> None:
+        self.inner, self.release = inner, release
+
+    def set_instruction(self, instruction: str) -> None:
+        try:
+            self.inner.set_instruction(instruction)
+        finally:
+            self.release.set()
+
+    def record_step(self, record: StepRecord) -> None:
+        self.inner.record_step(record)

@@ -7,7 +7,6 @@ from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
 from core.imaging import ProcessorNotSupported
-from core.protocol import TaskSpec
 from datamanager.config import ConfigError, EnvConfig
 from datamanager.models import Task
 from datamanager.policies import PolicyNotFound, policy_geometry
@@ -19,7 +18,8 @@ from datamanager.services.pool import (
 )
 from envmanager.demo_collection import collect_demo
 from envmanager.oracles import has_oracle
-from workers.slot_worker import discard_backend_envs, osworld_target, process_env
+from workers.env_cache import discard_backend_envs, osworld_target, process_env
+from workers.episode_runner import task_spec
 
 
 class Command(BaseCommand):
@@ -73,13 +73,7 @@ class Command(BaseCommand):
                 env = process_env(task.env_kind, vm=vm)
                 seed = 0
                 while pool_count(task=task) < per_task and seed < per_task * 3:
-                    spec = TaskSpec(
-                        name=task.name,
-                        env_kind=task.env_kind,
-                        env_config=task.env_config,
-                        instruction=task.instruction,
-                        seed=10_000 + seed,
-                    )
+                    spec = task_spec(task, 10_000 + seed)
                     seed += 1
                     outcome = collect_demo(
                         env=env,

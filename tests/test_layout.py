@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,6 +220,7 @@ def test_the_dockerfile_installs_what_make_installs():
         assert service["build"] == "." and service["image"] == "dartboard:latest"
 
 
+@pytest.mark.slow  # a subprocess per compose service
 def test_every_dartboard_service_starts_its_settings_in_production_with_what_compose_sets(
     tmp_path,
 ):

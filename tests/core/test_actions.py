@@ -214,6 +214,7 @@ def actions(max_coord: int) -> st.SearchStrategy[Action]:
 THOUGHTS = TEXT.filter(lambda t: "\nAction:" not in t and "\n Action:" not in t)
 
 
+@pytest.mark.slow  # 1,000 hypothesis examples: 8-16 s
 @settings(max_examples=1000, deadline=None)
 @given(action=actions(max_coord=4000), thought=THOUGHTS)
 def test_format_then_parse_round_trips_in_pixel_space(action: Action, thought: str) -> None:
@@ -291,6 +292,7 @@ def _near_miss(codes: bytes) -> str:
 NEAR_MISSES = st.binary(max_size=16).map(_near_miss)
 
 
+@pytest.mark.slow  # thousands of hypothesis examples: 25-50 s
 @settings(
     max_examples=10_000,
     deadline=None,

@@ -50,6 +50,7 @@ def test_bad_setting_fails_with_how_to_fix_it(overrides, fix, tmp_path):
     assert fix in result.stderr
 
 
+@pytest.mark.slow  # starts Django in a subprocess
 def test_embedded_defaults_keep_everything_under_home(tmp_path):
     result = _django_setup({}, tmp_path)
     assert result.stdout.strip() == "ok", result.stderr

@@ -18,6 +18,8 @@ from tests.conftest import png_bytes
 from training.trainer import PolicyTrainer, version_dir
 from training.update import UpdateConfig
 
+pytestmark = pytest.mark.slow  # trains or loads a policy: 6-35 s a test
+
 LORA = LoraSpec(rank=4, alpha=8)
 CONFIG = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=4)
 

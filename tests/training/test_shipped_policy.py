@@ -13,6 +13,8 @@ from training.pretrain import grounding_accuracy
 from training.synthetic import make_sample
 from training.tiny_policy import TINY_GEOMETRY
 
+pytestmark = pytest.mark.slow  # trains or loads a policy: 6-35 s a test
+
 SHIPPED = Path(__file__).resolve().parents[2] / "policies" / "tiny-grounded"
 
 

@@ -24,6 +24,7 @@ from envmanager.oracle_policy import OracleEndpoint
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
+from tests.helpers import needs
 from tests.private_services import PrivateS3
 from workers import slot_worker
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
@@ -203,6 +204,7 @@ def test_only_transient_errors_are_retried():
 
 
 @pytest.fixture
+@needs("live")  # a moto S3 server of its own, stopped and restarted
 def s3_screenshots(settings, monkeypatch) -> Iterator[PrivateS3]:
     """Screenshots go to a private S3 server of this test's own (which it stops and starts)."""
     server = PrivateS3()

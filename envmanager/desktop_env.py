@@ -38,7 +38,8 @@ from core.protocol import (
     TaskSpec,
 )
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
-from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox, SandboxLimits, SandboxUnavailable
+from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox
+from envmanager.sandbox_limits import SandboxLimits, SandboxUnavailable
 from envmanager.xserver import XServer, XServerError, _stop
 
 WIDTH, HEIGHT = 800, 600

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envmanager.desktop_tasks import DARTAPP
-from envmanager.sandbox import Sandbox, SandboxLimits, SandboxResult
+from envmanager.sandbox import Sandbox, SandboxResult
+from envmanager.sandbox_limits import SandboxLimits
 from envmanager.xserver import XServer, _stop
 
 WIDTH, HEIGHT = 1024, 768

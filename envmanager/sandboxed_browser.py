@@ -20,17 +20,13 @@ import os
 import sys
 from pathlib import Path
 
-from envmanager.sandbox import (
-    AGENT_PATH,
-    HOME,
+from envmanager.sandbox import AGENT_PATH, HOME, bwrap_argv, drop_privileges, with_seccomp
+from envmanager.sandbox_limits import (
     SandboxLimits,
     SandboxUnavailable,
     UidLease,
-    bwrap_argv,
-    drop_privileges,
     sandbox_cgroups,
     unlimited_allowed,
-    with_seccomp,
 )
 from envmanager.seccomp import filter_bytes
 

@@ -15,7 +15,7 @@ import requests
 from PIL import Image
 
 from envmanager.osworld_wheel import wheel
-from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
+from envmanager.sandbox_limits import AGENT_UID_BASE, AGENT_UID_COUNT
 from tests.osworld_desktop import PLANTED_SECRET
 
 pytestmark = [pytest.mark.desktop]

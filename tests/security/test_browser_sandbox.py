@@ -11,7 +11,7 @@ import pytest
 
 from core.protocol import TaskSpec
 from envmanager.miniwob_env import MiniWoBEnv, miniwob_html_dir
-from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
+from envmanager.sandbox_limits import AGENT_UID_BASE, AGENT_UID_COUNT
 
 pytestmark = pytest.mark.browser
 CHECKOUT = Path(__file__).resolve().parents[2]

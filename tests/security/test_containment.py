@@ -20,12 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-import envmanager.sandbox as sandbox_module
+import envmanager.sandbox_limits as sandbox_module
 from core.protocol import TaskSpec
 from envmanager.desktop_env import DesktopEnv
-from envmanager.sandbox import (
+from envmanager.sandbox import Sandbox
+from envmanager.sandbox_limits import (
     ALLOW_UNLIMITED_ENV,
-    Sandbox,
     SandboxLimits,
     SandboxUnavailable,
     host_limits_problem,

@@ -19,7 +19,7 @@ import pytest
 from core.protocol import Action, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.desktop_tasks import read_task_file
-from envmanager.sandbox import AGENT_UID_BASE, AGENT_UID_COUNT
+from envmanager.sandbox_limits import AGENT_UID_BASE, AGENT_UID_COUNT
 from tests.helpers import needs, wait_until
 
 pytestmark = [pytest.mark.desktop, pytest.mark.slow]

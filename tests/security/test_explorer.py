@@ -32,13 +32,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-import envmanager.sandbox
 import tests.osworld_desktop
 from core.protocol import Action, ActionNotSupported, EnvUnavailable, Observation, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.osworld_env import OSWorldEnv
 from envmanager.osworld_oracles import osworld_task_files
+from envmanager.sandbox_limits import AGENT_UID_BASE, AGENT_UID_COUNT
 from tests.osworld_desktop import desktop_server
 from tests.security.explorer import (
     Escape,
@@ -58,14 +58,8 @@ SUITE_ACTIONS = {"desktop": 250, "osworld": 80, "miniwob": 250}
 KEEP_GOING = os.environ.get("DARTBOARD_EXPLORER_KEEP_GOING") == "1"
 BURST = 25
 SEED = 31
-# The uids sandboxed programs may run as: before issue 31 the one AGENT_UID, after it a
-# leased range (AGENT_UID_BASE, AGENT_UID_COUNT). Either way, envmanager.sandbox says.
-if hasattr(envmanager.sandbox, "AGENT_UID_BASE"):
-    _BASE = envmanager.sandbox.AGENT_UID_BASE
-    SANDBOX_UIDS = range(_BASE, _BASE + envmanager.sandbox.AGENT_UID_COUNT)
-else:
-    _ONE = envmanager.sandbox.AGENT_UID  # type: ignore[attr-defined]
-    SANDBOX_UIDS = range(_ONE, _ONE + 1)
+# The uids sandboxed programs may run as: the leased range.
+SANDBOX_UIDS = range(AGENT_UID_BASE, AGENT_UID_BASE + AGENT_UID_COUNT)
 
 DESKTOP_TASKS = (
     "desktop/xterm-create-file",

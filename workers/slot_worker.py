@@ -37,7 +37,7 @@ from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
 from envmanager.busy import PROCESS_CLOCK
 from envmanager.oracle_policy import OracleEndpoint
-from envmanager.sandbox import host_limits_problem
+from envmanager.sandbox_limits import host_limits_problem
 from rollout.client import PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint
 from workers.config_mapping import episode_config

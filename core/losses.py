@@ -10,7 +10,7 @@ a loss divides by its own count of unmasked tokens (sequences); a caller that sp
 mini-batch into micro-batches passes the mini-batch's count, so the micro-batch losses add up
 exactly to the mini-batch mean.
 
-Run the tests: `.venv/bin/pytest -p no:django tests/training/test_losses.py -q`.
+Run the tests: `.venv/bin/pytest -p no:django tests/core/test_losses.py -q`.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ UI-TARS does ("all texts and the most recent 5 images"). Under a token budget th
 turns go first, whole (their text and, if they still have one, their image); the system
 prompt, the instruction and the current screenshot are never dropped.
 
-`core.policy_io.to_qwen_messages` turns these messages into the Qwen2-VL chat-template form
+`core.encoding.to_qwen_messages` turns these messages into the Qwen2-VL chat-template form
 used by the inference server and the trainer; `decode_image_parts` returns the images' bytes.
 
-Run the tests with ``.venv/bin/pytest -p no:django tests/rollout/test_prompts.py -q``.
+Run the tests with ``.venv/bin/pytest -p no:django tests/core/test_prompts.py -q``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ optimizer steps with gradient accumulation over micro-batches of `micro_batch` s
 
 The model layer supplies `logprob_fn(model, samples) -> (logprobs[B, T], entropy[B, T], mask[B, T])`
 where `mask` marks the response tokens; the i-th True position of row b is the i-th token of
-`samples[b].response_text`, which is how the inference server's `rollout_logprobs` line up.
+`samples[b].response_token_ids` (the tokens the rollout sampled; `response_text` is tokenized
+only for a sample without them, such as a demo), which is how the inference server's
+`rollout_logprobs` line up.
 `logprob_fn` must be deterministic for a given model state (dropout off) so the pi_old pass and
 the training pass agree; `entropy` needs no gradient.
 

@@ -41,23 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stack import PrivateStack  # noqa: E402
+from envmanager.miniwob_tasks import STARTER_TASKS  # noqa: E402
 
 
 def call_command(*args, **kwargs):
     from django.core.management import call_command as django_call
 
     return django_call(*args, **kwargs)
-
-
-TASKS = [
-    "click-test",
-    "click-test-2",
-    "click-button",
-    "click-link",
-    "focus-text",
-    "click-dialog",
-    "click-color",
-]
 
 
 def _health(url: str) -> dict:
@@ -99,7 +89,7 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
         {
             **MODES[mode],
             "policy": policy,
-            "tasks": {"names": [f"miniwob/{t}" for t in TASKS]},
+            "tasks": {"names": [f"miniwob/{t}" for t in STARTER_TASKS]},
             "env": {"miniwob_slots": slots, "step_timeout_s": 600, "heartbeat_s": 1.0},
             # Episodes run to their step cap (the untrained policy rarely parses), and the caps
             # are heavy-tailed per task (set below), like OSWorld's trajectory lengths.
@@ -159,7 +149,7 @@ def heavy_tailed_step_budgets() -> None:
     from datamanager.models import Task
 
     rng = random.Random(0)
-    for name in TASKS:
+    for name in STARTER_TASKS:
         task = Task.objects.get(name=f"miniwob/{name}")
         task.env_config = {
             **task.env_config,
@@ -198,7 +188,9 @@ def main() -> None:
         from django.test import override_settings
 
         with override_settings(DARTBOARD_ENV_LATENCY="off"):
-            call_command("collect_demos", per_task=2, tasks=",".join(f"miniwob/{t}" for t in TASKS))
+            call_command(
+                "collect_demos", per_task=2, tasks=",".join(f"miniwob/{t}" for t in STARTER_TASKS)
+            )
         modes = args.modes.split(",")
         unknown = sorted(set(modes) - set(MODES))
         if unknown:

@@ -16,17 +16,10 @@ from pathlib import Path
 from core.protocol import ActionType, TaskSpec
 from core.samples import GroundingSample
 from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.miniwob_tasks import STARTER_TASKS
 from envmanager.oracles import oracle_action
 
-PRETRAIN_TASKS = (
-    "click-test",
-    "click-test-2",
-    "click-button",
-    "click-link",
-    "focus-text",
-    "click-dialog",
-    "click-color",
-)
+PRETRAIN_TASKS = STARTER_TASKS
 TRAIN_SEED_BASE = 100_000  # training seeds start here; bench seeds stay below
 
 

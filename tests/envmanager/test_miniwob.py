@@ -13,6 +13,7 @@ from core.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 from envmanager.miniwob_env import SCREEN_HEIGHT, SCREEN_WIDTH, MiniWoBEnv, png_size
 from envmanager.miniwob_tasks import (
     ALWAYS_TRAIN,
+    STARTER_TASKS,
     miniwob_split,
     miniwob_task_names,
     miniwob_task_records,
@@ -26,18 +27,7 @@ def miniwob_spec(subdomain: str, seed: int = 0) -> TaskSpec:
     )
 
 
-ORACLE_TASKS = [
-    "click-test",
-    "click-test-2",
-    "click-button",
-    "click-link",
-    "focus-text",
-    "click-dialog",
-    "click-color",
-    "enter-text",
-    "click-checkboxes",
-    "login-user",
-]
+ORACLE_TASKS = [*STARTER_TASKS, "enter-text", "click-checkboxes", "login-user"]
 
 
 @pytest.mark.browser

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
 from datamanager.curation import INSTANCE_SEED_BASE
+from training.ranges import Aggregation, LossType, range_error
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,13 @@ def _unused_knob(obj: Any, name: str, why: str) -> None:
 def _check(cond: bool, path: str, message: str) -> None:
     if not cond:
         raise ConfigError(path, message)
+
+
+def _in_update_range(obj: Any, name: str, knob: str = "") -> None:
+    """Knob `name` becomes the update's `knob` (default: the same name): it is refused with that
+    knob's range and message (training.ranges), under its own name."""
+    message = range_error(knob or name, getattr(obj, name), name=name)
+    _check(message is None, name, message or "")
 
 
 @dataclass
@@ -258,10 +266,8 @@ class TrainerConfig:
     micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
-    loss_type: Literal["ppo", "gspo"] = knob(
-        "ppo", "Token-level PPO clipping or GSPO sequence ratio."
-    )
-    loss_aggregation: Literal["trajectory", "token"] = knob(
+    loss_type: LossType = knob("ppo", "Token-level PPO clipping or GSPO sequence ratio.")
+    loss_aggregation: Aggregation = knob(
         "trajectory",
         "Every trajectory weighs the same, or DART's mean over all tokens (long episodes dominate).",
     )
@@ -303,7 +309,7 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _in_update_range(self, "lr")
         _check(
             self.lr_warmup_updates >= 0,
             "lr_warmup_updates",
@@ -357,24 +363,18 @@ class TrainerConfig:
         else:
             _check(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        _check(self.grad_clip > 0, "grad_clip", "must be > 0")
-        _check(self.micro_batch >= 1, "micro_batch", "must be >= 1")
+        _in_update_range(self, "grad_clip", "max_grad_norm")
         _check(self.min_groups >= 1, "min_groups", "must be >= 1")
         _check(self.max_steps_per_update >= 1, "max_steps_per_update", "must be >= 1")
-        _check(0 < self.clip_low < 1, "clip_low", "must be in (0, 1)")
-        _check(self.clip_high > 0, "clip_high", "must be > 0")
-        _check(0 < self.gspo_clip_low < 1, "gspo_clip_low", "must be in (0, 1)")
-        _check(self.gspo_clip_high > 0, "gspo_clip_high", "must be > 0")
-        _check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
-        _check(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        for name in ("micro_batch", "clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high",
+                     "ppo_epochs", "mini_batches", "kl_coef", "bc_weight"):  # fmt: skip
+            _in_update_range(self, name)
         if self.loss_type == "gspo":
             _unused_knob(self, "clip_low", "under loss_type gspo (set gspo_clip_low)")
             _unused_knob(self, "clip_high", "under loss_type gspo (set gspo_clip_high)")
         else:
             _unused_knob(self, "gspo_clip_low", "under loss_type ppo (set clip_low)")
             _unused_knob(self, "gspo_clip_high", "under loss_type ppo (set clip_high)")
-        _check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        _check(self.bc_weight >= 0, "bc_weight", "must be >= 0")
         _check(self.warm_start_bc_updates >= 0, "warm_start_bc_updates", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _check(self.max_updates >= 0, "max_updates", "must be >= 0")
@@ -411,8 +411,8 @@ class CurationConfig:
         _check(self.default_step_cap >= 1, "default_step_cap", "must be >= 1")
         _check(self.step_cap_margin >= 0, "step_cap_margin", "must be >= 0")
         _check(0 <= self.pool_ratio <= 1, "pool_ratio", "must be in [0, 1]")
-        _check(0 < self.entropy_top_q <= 1, "entropy_top_q", "must be in (0, 1]")
-        _check(self.is_cap > 0, "is_cap", "must be > 0")
+        _in_update_range(self, "entropy_top_q")
+        _in_update_range(self, "is_cap")
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
         _check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
         _check(self.success_window >= 1, "success_window", "must be >= 1")

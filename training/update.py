@@ -38,6 +38,7 @@ from core.losses import (
     truncated_is_weights,
 )
 from core.samples import TrainSample, UpdateMetrics
+from training.ranges import UPDATE_RANGES, Aggregation, LossType, range_error
 from training.replicas import Replicas
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ LogprobFn = Callable[[nn.Module, Sequence[TrainSample]], tuple[Tensor, Tensor, T
 
 @dataclass
 class UpdateConfig:
-    """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here)."""
+    """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here).
+    Their valid values are training.ranges' (the run config checks its knobs there too)."""
 
-    loss_type: str = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
+    loss_type: LossType = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
     # "trajectory": every trajectory weighs the same (its steps averaged, each step a token
     # mean); "token": DART's mean over all tokens, so long (mostly failed) episodes dominate.
-    aggregation: str = "trajectory"
+    aggregation: Aggregation = "trajectory"
     clip_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_low.
     clip_high: float = 0.28  # PPO: ratio clipped above at 1 + clip_high (clip-higher).
     gspo_clip_low: float = 3e-4  # GSPO: sequence ratio clipped below at 1 - gspo_clip_low.
@@ -73,45 +75,13 @@ class UpdateConfig:
     lr: float | None = None  # This update's learning rate (a schedule's); None: the optimizer's.
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"UpdateConfig.{message}")
-
-        check(
-            self.loss_type in ("ppo", "gspo"),
-            f"loss_type must be 'ppo' or 'gspo', got {self.loss_type!r}",
-        )
-        check(
-            self.aggregation in ("trajectory", "token"),
-            f"aggregation must be 'trajectory' or 'token', got {self.aggregation!r}",
-        )
-        for name in ("clip_low", "gspo_clip_low"):
-            value = getattr(self, name)
-            check(
-                0 < value < 1,
-                f"{name} must be in (0, 1) (the ratio's lower bound is 1 - {name}), got {value}",
-            )
-        for name in ("clip_high", "gspo_clip_high"):
-            value = getattr(self, name)
-            check(
-                value > 0,
-                f"{name} must be > 0 (the ratio's upper bound is 1 + {name}), got {value}",
-            )
-        check(self.kl_coef >= 0, f"kl_coef must be >= 0 (0 disables the KL), got {self.kl_coef}")
-        check(self.bc_weight >= 0, f"bc_weight must be >= 0 (0 disables BC), got {self.bc_weight}")
-        check(
-            0 < self.entropy_top_q <= 1,
-            f"entropy_top_q must be in (0, 1] (1.0 keeps every step), got {self.entropy_top_q}",
-        )
-        check(self.is_cap > 0, f"is_cap must be > 0 (DART uses 1.0), got {self.is_cap}")
-        check(self.adv_eps > 0, f"adv_eps must be > 0, got {self.adv_eps}")
-        check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
-        check(self.mini_batches >= 1, f"mini_batches must be >= 1, got {self.mini_batches}")
-        check(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        check(
-            self.lr is None or self.lr > 0, f"lr must be > 0 (None: the optimizer's), got {self.lr}"
-        )
+        for knob in UPDATE_RANGES:
+            value = getattr(self, knob)
+            if knob == "lr" and value is None:
+                continue  # the optimizer's own
+            message = range_error(knob, value)
+            if message:
+                raise ValueError(f"UpdateConfig.{knob} {message}")
 
     @property
     def pg_clip(self) -> tuple[float, float]:

@@ -361,8 +361,8 @@ def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"loss_type": "grpo"}, "loss_type must be 'ppo' or 'gspo'"),
-        ({"aggregation": "seq"}, "aggregation must be 'trajectory' or 'token'"),
+        ({"loss_type": "grpo"}, "loss_type must be one of ppo, gspo, got 'grpo'"),
+        ({"aggregation": "seq"}, "aggregation must be one of trajectory, token, got 'seq'"),
         ({"clip_low": 0.0}, r"clip_low must be in \(0, 1\)"),
         ({"clip_high": -0.1}, "clip_high must be > 0"),
         ({"gspo_clip_high": 0.0}, "gspo_clip_high must be > 0"),

@@ -19,14 +19,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from core.encoding import encode_batch, response_token_ids  # noqa: E402
+from core.generation import sequence_logprobs  # noqa: E402
 from core.imaging import QWEN25_VL, ImageGeometry  # noqa: E402
 from core.losses import bc_loss  # noqa: E402
-from core.policy_io import (  # noqa: E402
-    encode_batch,
-    load_policy,
-    response_token_ids,
-    sequence_logprobs,
-)
+from core.policy import load_policy  # noqa: E402
 from core.prompts import HistoryTurn, build_messages, image_token_counter  # noqa: E402
 from core.protocol import TaskSpec  # noqa: E402
 from envmanager.demo_collection import collect_demo  # noqa: E402

@@ -63,14 +63,14 @@ class ModelEndpoint:
     """Greedy decoding of a local checkpoint, in this process."""
 
     def __init__(self, path: Path, max_new_tokens: int = 40):
-        from core.policy_io import load_policy
+        from core.policy import load_policy
 
         self.policy = load_policy(path)
         self.max_new_tokens = max_new_tokens
         self.geometry = self.policy.image_geometry
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
-        from core.policy_io import generate
+        from core.generation import generate
 
         started = time.perf_counter()
         out = generate(self.policy, [messages], max_new_tokens=self.max_new_tokens, greedy=True)

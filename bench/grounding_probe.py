@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from core.generation import generate  # noqa: E402
 from core.imaging import ImageGeometry  # noqa: E402
-from core.policy_io import generate, load_policy  # noqa: E402
+from core.policy import load_policy  # noqa: E402
 from core.samples import GroundingSample  # noqa: E402
 from training.pretrain import (  # noqa: E402
     bc_batch_loss_cached,

@@ -20,7 +20,7 @@ sequence, about 14,000 tokens, 64 response tokens):
   nothing. With gradient checkpointing a layer keeps only its input, plus one layer's
   activations while it is recomputed. Attention is assumed linear in memory (flash or
   memory-efficient kernels, as on GPUs); logits are taken for the response tokens only
-  (`core.policy_io.sequence_logprobs`).
+  (`core.generation.sequence_logprobs`).
 
 "Fits 80 GB" leaves 4 GB for the CUDA context and the allocator's slack (76 GB planned).
 """
@@ -339,7 +339,7 @@ def validate_child(workdir: Path) -> None:
         trainer.update(samples, config)
     seconds = (time.monotonic() - started) / 2
     measured = peak() - before
-    from core.policy_io import encode_batch, response_token_ids
+    from core.encoding import encode_batch, response_token_ids
 
     batch = encode_batch(
         trainer.policy,

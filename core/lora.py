@@ -3,7 +3,7 @@ directory is written, attached and swapped in place.
 
 An adapter version is a peft directory (`adapter_config.json` + `adapter_model.safetensors`,
 megabytes) whose `base_model_name_or_path` is the absolute path of the base checkpoint.
-`core.policy_io.load_policy` loads one as base + adapter; `load_weights_into` swaps a new
+`core.policy.load_policy` loads one as base + adapter; `load_weights_into` swaps a new
 adapter's weights into a live model without touching the base, so a sync ships the adapter
 only.
 

@@ -1,4 +1,5 @@
-"""The policy client the episode runner calls: one OpenAI chat-completions request per step.
+"""The clients of the rollout services: `PolicyClient`, which the episode runner calls (one
+OpenAI chat-completions request per step), and `RouterAdmin`, the router's admin API.
 
     client = PolicyClient(["http://127.0.0.1:8100", "http://127.0.0.1:8101"], timeout=60)
     completion = client.complete(messages, max_tokens=256, temperature=1.0)
@@ -8,6 +9,15 @@ in front of several. A 503 (worker draining for a weight reload), a 502/504 or a
 connection failure is retried on the next URL (the same one after a short pause when only
 one is given) until `timeout` seconds have passed, then `InferenceUnavailable` is raised.
 Any other error status raises `InferenceError` with the server's message, unretried.
+
+    admin = RouterAdmin("http://127.0.0.1:8100")
+    admin.register("http://127.0.0.1:8101")
+    admin.sync("/path/to/checkpoint", 3)
+    admin.wait_for_version(3, timeout=300)
+
+`WorkerStatus` and `WorkerInfo` are what the admin API says about a worker: the router's state
+machine (rollout.router_state) records them and RouterAdmin reads them back. They live here
+so that importing a client loads neither the router nor Starlette.
 """
 
 from __future__ import annotations
@@ -16,13 +26,15 @@ import itertools
 import math
 import threading
 import time
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import httpx
 
 from core.completion import Completion
 from core.imaging import ImageGeometry
-from rollout.auth import bearer, client_token
+from rollout.auth import ADMIN_ENV, bearer, client_token
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -33,6 +45,34 @@ class InferenceError(Exception):
 
 class InferenceUnavailable(InferenceError):
     """No worker answered within the client's timeout."""
+
+
+class WorkerStatus(StrEnum):
+    """An inference worker's status in the router (rollout.router_state)."""
+
+    ACTIVE = "active"  # routed
+    STALE = "stale"  # healthy but behind the target version, waiting for its reload
+    DRAINING = "draining"  # no new requests while its in-flight ones finish
+    LOADING = "loading"  # reloading weights
+    SUSPECT = "suspect"  # answered 503 or timed out
+    DEAD = "dead"  # refused the connection
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as GET /admin/workers reports it."""
+
+    url: str
+    status: WorkerStatus
+    in_flight: int
+    policy_version: int | None
+    served: int
+    failures: int
+    last_error: str
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> WorkerInfo:
+        return cls(**{**body, "status": WorkerStatus(body["status"])})
 
 
 class PolicyClient:
@@ -126,6 +166,71 @@ class PolicyClient:
             f"no inference worker answered within {self.timeout:g} s "
             f"({len(errors)} attempts; last: {errors[-1] if errors else 'none'})"
         )
+
+
+class RouterAdmin:
+    """The router's admin API from Python (launcher, trainer); usage in the module doc."""
+
+    def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None):
+        """`token`: the admin token (default: DARTBOARD_ADMIN_TOKEN)."""
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token, ADMIN_ENV)))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RouterAdmin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, f"{self.base_url}{path}", **kwargs)
+        if response.status_code >= 400:
+            message = _error_message(response)
+            raise RuntimeError(f"router answered {response.status_code}: {message}")
+        return response.json()
+
+    def register(self, url: str) -> WorkerInfo:
+        return WorkerInfo.from_json(self._call("POST", "/admin/workers", json={"url": url}))
+
+    def unregister(self, url: str) -> None:
+        self._call("DELETE", "/admin/workers", params={"url": url})
+
+    def sync(
+        self, checkpoint: str, version: int, *, run: int | None = None, rolling: bool = True
+    ) -> dict[str, Any]:
+        """Publish `version` (of `run`); returns at once, the rollout runs in the router."""
+        body: dict[str, Any] = {
+            "checkpoint": str(checkpoint),
+            "version": version,
+            "rolling": rolling,
+        }
+        if run is not None:
+            body["run"] = run
+        return self._call("POST", "/admin/sync", json=body)
+
+    def workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo.from_json(w) for w in self._call("GET", "/admin/workers")]
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/health")
+
+    def wait_for_version(self, version: int, *, timeout: float = 300.0) -> list[WorkerInfo]:
+        """Block until every live worker is active at `version` or newer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self.workers()
+            live = [w for w in workers if w.status != WorkerStatus.DEAD]
+            if live and all(
+                w.status == WorkerStatus.ACTIVE and (w.policy_version or 0) >= version for w in live
+            ):
+                return workers
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{w.url} {w.status} v{w.policy_version}" for w in workers)
+                raise TimeoutError(f"workers did not reach v{version} in {timeout:g} s: {states}")
+            time.sleep(0.2)
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -23,7 +23,7 @@ Starlette on uvicorn (`rollout.asgi`): every route but /health needs a token
 (DARTBOARD_INFERENCE_TOKEN; DARTBOARD_ADMIN_TOKEN for /v1/reload, `rollout.auth`), a
 reload loads only from the checkpoint roots, bodies are capped and timed, and every field is
 checked (seed range, finite numbers, at most MAX_IMAGES images of at most
-`core.policy_io.MAX_IMAGE_PIXELS` each, a prompt of at most --max-prompt-tokens); a refusal is
+`core.encoding.MAX_IMAGE_PIXELS` each, a prompt of at most --max-prompt-tokens); a refusal is
 an OpenAI error body naming the field in `param`.
 
 Dynamic batching: one background thread takes the first waiting request, takes whatever
@@ -57,14 +57,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from core.artifacts import ArtifactError, is_ref
+from core.encoding import prompt_token_count, to_qwen_messages
+from core.generation import generate
 from core.lora import is_adapter_dir
-from core.policy_io import (
-    generate,
-    load_policy,
-    load_weights_into,
-    prompt_token_count,
-    to_qwen_messages,
-)
+from core.policy import load_policy, load_weights_into
 from rollout.asgi import (
     JSONReply,
     RequestError,

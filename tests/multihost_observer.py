@@ -57,7 +57,7 @@ def _state(run_id: int, cookie: str) -> dict[str, Any]:
     from django.conf import settings
 
     from datamanager.models import PolicyVersion, Step, TrainUpdate, Trajectory
-    from rollout.router import RouterAdmin
+    from rollout.client import RouterAdmin
 
     trajectories = []
     for t in Trajectory.objects.filter(run_id=run_id).select_related("env_slot").order_by("pk"):

@@ -28,6 +28,19 @@ def test_standard_platform_module_is_not_shadowed():
     assert out[1] == "Linux"
 
 
+def test_importing_the_clients_loads_neither_the_router_nor_starlette():
+    # Every Celery worker imports RouterAdmin (workers/runs.py); the router's state machine
+    # and the ASGI stack belong to the inference hosts.
+    code = (
+        "import sys, rollout.client; print(sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('starlette', 'uvicorn') or m.startswith('rollout.router')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", f"importing rollout.client loaded {out.strip()}"
+
+
 def test_every_compose_service_runs_a_real_entry_point():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]

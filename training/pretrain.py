@@ -41,17 +41,11 @@ from core.actions import (
     parse_output,
     to_screen,
 )
+from core.encoding import encode_batch, response_token_ids
+from core.generation import generate, sequence_logprobs
 from core.imaging import ImageGeometry
 from core.losses import bc_loss
-from core.policy_io import (
-    Policy,
-    encode_batch,
-    generate,
-    load_policy,
-    response_token_ids,
-    save_checkpoint,
-    sequence_logprobs,
-)
+from core.policy import Policy, load_policy, save_checkpoint
 from core.prompts import build_messages
 from core.protocol import Action, ActionType
 from core.samples import GroundingSample

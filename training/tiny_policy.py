@@ -37,7 +37,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from core.imaging import QWEN_MERGE, QWEN_PATCH, ImageGeometry
-from core.policy_io import QWEN2_VL_CHAT_TEMPLATE
+from core.policy import QWEN2_VL_CHAT_TEMPLATE
 
 TINY_GEOMETRY = ImageGeometry.from_tokens(
     min_tokens=4, max_tokens=256, factor=QWEN_PATCH * QWEN_MERGE

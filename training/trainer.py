@@ -31,15 +31,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from core.artifacts import STATE_FILE
+from core.encoding import encode_batch, response_token_ids
+from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
-from core.policy_io import (
-    Policy,
-    encode_batch,
-    load_policy,
-    response_token_ids,
-    save_checkpoint,
-    sequence_logprobs,
-)
+from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics
 from training.replicas import Replicas
 from training.sharding import (

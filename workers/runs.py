@@ -21,7 +21,7 @@ from datamanager.services.runs import (
     run_set_message,
 )
 from datamanager.services.versions import policy_version_add_reach
-from rollout.router import RouterAdmin
+from rollout.client import RouterAdmin
 from workers.leases import REDIS_DOWN, LiveWork, redis_client, slot_work, trainer_work, work_enqueue
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.policy_io import load_policy, save_checkpoint
-from rollout.router import RouterAdmin
+from core.policy import load_policy, save_checkpoint
+from rollout.client import RouterAdmin
 from tests.helpers import free_port, needs, wait_until
 from tests.rollout.test_router import ROOT, SERVER, start_process, stop_process
 from training.tiny_policy import build_tiny_policy

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.encoding import encode_prompt_response
+from core.generation import sequence_logprobs
 from core.lora import LoraSpec, is_adapter_dir
-from core.policy_io import encode_prompt_response, load_policy, sequence_logprobs
-from rollout.client import PolicyClient
-from rollout.router import RouterAdmin
+from core.policy import load_policy
+from rollout.client import PolicyClient, RouterAdmin
 from tests.helpers import wait_until
 from tests.rollout.test_router import MESSAGES, ClientLoops
 from training.trainer import PolicyTrainer

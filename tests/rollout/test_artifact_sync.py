@@ -13,7 +13,7 @@ import pytest
 from core.artifacts import ArtifactRef, cached_copy, open_store, upload_dir
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.checkpoints import SERVING_SKIPS
-from rollout.router import RouterAdmin
+from rollout.client import RouterAdmin
 from tests.helpers import free_port, wait_until
 from tests.private_services import PrivateS3
 from tests.rollout.test_router import start_process, stop_process

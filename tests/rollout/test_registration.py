@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.router import RouterAdmin
+from rollout.client import RouterAdmin
 from tests.helpers import free_port, wait_until
 from tests.rollout.test_router import start_process, stop_process
 

@@ -17,8 +17,7 @@ import pytest
 
 from core.completion import Completion
 from rollout.auth import ADMIN_ENV, bearer, client_token
-from rollout.client import PolicyClient
-from rollout.router import RouterAdmin
+from rollout.client import PolicyClient, RouterAdmin
 from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,7 +45,8 @@ from rollout.auth import (
     desktop_purpose,
     purpose_token,
 )
-from rollout.router import Router, build_app
+from rollout.router import build_app
+from rollout.router_state import Router
 from tests.helpers import free_port, needs
 
 PLANTED = "planted-secret-5c9e1d"

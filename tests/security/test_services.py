@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rollout.auth import ADMIN_ENV, bearer, client_token
-from rollout.router import RouterAdmin
+from rollout.client import RouterAdmin
 from tests.helpers import free_port, needs
 from tests.rollout.test_router import start_process, stop_process
 

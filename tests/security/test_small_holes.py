@@ -28,7 +28,8 @@ from datamanager.services import runs as run_services
 from datamanager.services.evaluations import eval_job_create
 from rollout.auth import RequestRefused, ServiceTokens, bearer
 from rollout.checkpoints import CheckpointSource
-from rollout.router import Router, build_app
+from rollout.router import build_app
+from rollout.router_state import Router
 from tests.conftest import png_bytes, user_in_role
 from tests.dartboard.test_curation_views import GOOD, archive, finished, upload
 from tests.dartboard.test_views import make_run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.lora import LoraSpec, is_adapter_dir
-from core.policy_io import load_policy, load_weights_into
+from core.policy import load_policy, load_weights_into
 from core.samples import TrainSample
 from tests.conftest import png_bytes
 from training.trainer import PolicyTrainer, version_dir

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from core.policy_io import load_policy
+from core.policy import load_policy
 from training.pretrain import (
     attention_supervision_loss,
     bc_batch_loss_cached,

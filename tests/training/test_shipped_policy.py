@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.policy_io import load_policy
+from core.policy import load_policy
 from training.pretrain import grounding_accuracy
 from training.synthetic import make_sample
 from training.tiny_policy import TINY_GEOMETRY

@@ -7,7 +7,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 
 from core.lora import is_adapter_dir
-from core.policy_io import load_policy
+from core.policy import load_policy
 from datamanager.config import RunConfig
 from datamanager.models import GroupStatus, PolicyVersion, Run, Step, TaskGroup, TrainUpdate
 from datamanager.services import batches

@@ -10,16 +10,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from core.policy_io import (
-    encode_prompt,
-    encode_prompt_response,
-    generate,
-    load_policy,
-    load_weights_into,
-    save_checkpoint,
-    sequence_logprobs,
-    to_qwen_messages,
-)
+from core.encoding import encode_prompt, encode_prompt_response, to_qwen_messages
+from core.generation import NEVER_GENERATED, generate, sequence_logprobs
+from core.policy import load_policy, load_weights_into, save_checkpoint
 from training.tiny_policy import build_tiny_policy
 
 UI_TARS_RESPONSE = (
@@ -179,8 +172,6 @@ def test_checkpoint_reload_changes_and_restores_outputs(policy, tmp_path):
 
 def test_replies_never_contain_image_or_turn_tokens(policy):
     """Sampled at high temperature, a random model would emit them; they are suppressed."""
-    from core.policy_io import NEVER_GENERATED, generate
-
     messages = [{"role": "user", "content": "Click the submit button."}]
     gens = generate(policy, [messages] * 4, max_new_tokens=60, temperature=3.0, seed=[1, 2, 3, 4])
     banned = {policy.token_id(t) for t in NEVER_GENERATED}

@@ -1,0 +1,239 @@
+"""Prompt and response encoding, shared by the rollout workers and the trainer so both
+tokenize alike.
+
+Messages use the OpenAI chat-completions format (content a string or a list of
+`{"type": "text", "text": ...}` / `{"type": "image_url", "image_url": {"url": "data:..."}}`).
+`to_qwen_messages` turns them into the Qwen2-VL chat-template form plus the ordered images.
+
+A prompt is `chat_template(messages, add_generation_prompt=True)` tokenized without extra
+special tokens, each `<|image_pad|>` expanded to the image's token count. A response is
+the sampled tokens, ending with `<|im_end|>` when the model stopped. `core.generation`'s
+`generate` (rollout) and `encode_prompt_response` with `sequence_logprobs` (training) share
+these functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from core.policy import Policy
+
+Message = dict[str, Any]
+
+
+@dataclass
+class EncodedBatch:
+    """Left-padded model inputs for B conversations (N images in total).
+
+    input_ids, attention_mask, mm_token_type_ids: [B, T] (mm type 1 = image token);
+    pixel_values: [P, C*2*14*14] flattened patches of all images or None;
+    image_grid_thw: [N, 3] or None; response_mask: [B, T] bool, True on response tokens
+    (all False for prompts only).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mm_token_type_ids: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    response_mask: torch.Tensor
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward / generate."""
+        out: dict[str, torch.Tensor] = {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "mm_token_type_ids": self.mm_token_type_ids,
+        }
+        if self.pixel_values is not None and self.image_grid_thw is not None:
+            out["pixel_values"] = self.pixel_values
+            out["image_grid_thw"] = self.image_grid_thw
+        return out
+
+    def to(self, device: torch.device | str) -> EncodedBatch:
+        def move(t: torch.Tensor | None) -> Any:
+            return None if t is None else t.to(device)
+
+        return EncodedBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+def to_qwen_messages(messages: list[Message]) -> tuple[list[Message], list[Image.Image]]:
+    """OpenAI chat messages -> (Qwen2-VL chat-template messages, images in prompt order).
+
+    Images must be inline data URLs (`data:image/png;base64,...`): workers never fetch URLs.
+    Raises ValueError naming the offending field.
+    """
+    out: list[Message] = []
+    images: list[Image.Image] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "user",
+            "assistant",
+        ):
+            raise ValueError(f"messages[{i}].role must be 'system', 'user' or 'assistant'")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        parts: list[dict[str, str]] = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = (part.get("image_url") or {}).get("url")
+                images.append(_decode_data_url(url, where=f"{where}.image_url.url"))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"{where} must be a text part or an image_url part")
+        out.append({"role": message["role"], "content": parts})
+    return out, images
+
+
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest image a request may carry (a 4K screen fits); checked on the header, before the
+pixels are decoded, so a small PNG declaring a huge canvas costs nothing."""
+
+
+def _decode_data_url(url: Any, *, where: str) -> Image.Image:
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+        raise ValueError(f"{where} must be a data:image/...;base64, URL")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1])))
+    except Exception as exc:
+        raise ValueError(f"{where} is not a decodable image: {exc}") from exc
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"{where} is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels per image"
+        )
+    try:
+        return image.convert("RGB")
+    except Exception as exc:
+        raise ValueError(f"{where} is not a decodable image: {exc}") from exc
+
+
+def prompt_token_count(
+    policy: Policy, qwen_messages: list[Message], images: list[Image.Image]
+) -> int:
+    """Tokens the prompt will take, images included, without running the image processor
+    (the geometry gives each image's token count)."""
+    ids = _template_ids(policy, qwen_messages)
+    geometry = policy.image_geometry
+    image_tokens = sum(geometry.tokens(width=im.width, height=im.height) for im in images)
+    return len(ids) - len(images) + image_tokens
+
+
+def _template_ids(policy: Policy, qwen_messages: list[Message]) -> list[int]:
+    """The chat template's token ids, one `<|image_pad|>` per image."""
+    text = policy.tokenizer.apply_chat_template(
+        qwen_messages,
+        chat_template=policy.chat_template,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return policy.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _prompt_ids(
+    policy: Policy, messages: list[Message]
+) -> tuple[list[int], list[Image.Image], torch.Tensor | None, torch.Tensor | None]:
+    """Token ids of one prompt with image pads expanded, plus its images' patches/grids."""
+    qwen_messages, images = to_qwen_messages(messages)
+    ids = _template_ids(policy, qwen_messages)
+    if not images:
+        return ids, images, None, None
+    processed = policy.image_processor(images=images, return_tensors="pt")
+    grid = processed["image_grid_thw"]
+    per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
+    pad = policy.token_id("<|image_pad|>")
+    if ids.count(pad) != len(images):
+        raise ValueError(f"prompt has {ids.count(pad)} image slots for {len(images)} images")
+    expanded: list[int] = []
+    counts = iter(per_image)
+    for tid in ids:
+        expanded.extend([pad] * next(counts) if tid == pad else [tid])
+    return expanded, images, processed["pixel_values"], grid
+
+
+def encode_batch(
+    policy: Policy,
+    conversations: list[list[Message]],
+    *,
+    responses: list[list[int]] | None = None,
+) -> EncodedBatch:
+    """Left-pad B prompts (each optionally followed by its response token ids) into a batch."""
+    pad_id = policy.tokenizer.pad_token_id
+    pad = policy.token_id("<|image_pad|>")
+    rows: list[list[int]] = []
+    resp_lens: list[int] = []
+    pixels: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
+    for b, messages in enumerate(conversations):
+        ids, _, pv, grid = _prompt_ids(policy, messages)
+        response = responses[b] if responses is not None else []
+        rows.append(ids + list(response))
+        resp_lens.append(len(response))
+        if pv is not None and grid is not None:
+            pixels.append(pv)
+            grids.append(grid)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[b, width - len(row) :] = 1
+        if resp_lens[b]:
+            response_mask[b, width - resp_lens[b] :] = True
+    mm_token_type_ids = ((input_ids == pad) & attention_mask.bool()).long()
+    return EncodedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mm_token_type_ids=mm_token_type_ids,
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        response_mask=response_mask,
+    )
+
+
+def encode_prompt(policy: Policy, messages: list[Message]) -> EncodedBatch:
+    """Model inputs for one conversation (B = 1), ending with `<|im_start|>assistant\\n`."""
+    return encode_batch(policy, [messages])
+
+
+def response_token_ids(policy: Policy, response_text: str) -> list[int]:
+    """The tokens of `response_text` followed by <|im_end|>, as training sees a response."""
+    ids = policy.tokenizer(response_text, add_special_tokens=False)["input_ids"]
+    return [*ids, policy.token_id("<|im_end|>")]
+
+
+def encode_prompt_response(
+    policy: Policy,
+    messages: list[Message],
+    response_text: str | None = None,
+    *,
+    token_ids: list[int] | None = None,
+) -> tuple[EncodedBatch, torch.Tensor]:
+    """Inputs for prompt + response (B = 1) and the response mask [1, T].
+
+    The response is `response_text` tokenized and followed by <|im_end|>, or, when given,
+    the rollout's exact `token_ids` (Generation.token_ids). Prefer the token ids: a sampled
+    sequence need not be the canonical BPE split of its text (random models rarely are).
+    """
+    if token_ids is None:
+        if response_text is None:
+            raise ValueError("encode_prompt_response needs response_text or token_ids")
+        token_ids = response_token_ids(policy, response_text)
+    batch = encode_batch(policy, [messages], responses=[list(token_ids)])
+    return batch, batch.response_mask

@@ -1,0 +1,264 @@
+"""Sampling a response (rollout) and scoring one (training) with a loaded policy.
+
+Log-probs and entropies are always those of the model's own distribution, softmax(logits)
+at temperature 1 with no top-p cut, whatever temperature/top_p sampled the token: the
+trainer recomputes exactly that quantity with `sequence_logprobs`, so the two can be
+compared token by token (truncated importance sampling).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from peft import PeftModel
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from core.encoding import EncodedBatch, Message, encode_batch
+from core.policy import Policy
+
+
+@dataclass
+class Generation:
+    """One sampled response.
+
+    token_ids include the stop token (<|im_end|>) when finish_reason == "stop"; `text` never
+    does. token_logprobs[i] = log p(token_ids[i]) under the model at temperature 1 (no top-p);
+    mean_entropy = mean over token_ids of the full next-token distribution's entropy (nats).
+    top_logprobs[i] = the k most likely (token_id, logprob) at step i when asked for.
+    """
+
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    mean_entropy: float
+    prompt_tokens: int
+    response_tokens: int
+    finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class _PerRowSampler(LogitsProcessor):
+    """Samples each row with its own temperature, top-p and seeded generator, then hands
+    generate() a one-hot score, so one batched greedy generate serves mixed requests."""
+
+    def __init__(
+        self,
+        *,
+        temperatures: list[float],
+        top_ps: list[float],
+        seeds: list[int | None],
+        suppressed: list[int] = (),  # type: ignore[assignment]
+    ):
+        self.suppressed = list(suppressed)
+        self.temperatures = temperatures
+        self.top_ps = top_ps
+        self.generators = []
+        for seed in seeds:
+            g = torch.Generator()
+            g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            self.generators.append(g)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        chosen = torch.empty(scores.shape[0], dtype=torch.long)
+        # A copy: `scores` may be the very tensor generate() returns as the raw logits that
+        # the recorded log-probs come from.
+        logits = scores.float().cpu().clone()
+        if self.suppressed:
+            logits[:, self.suppressed] = -math.inf
+        for b in range(scores.shape[0]):
+            t = self.temperatures[b]
+            if t <= 0:
+                chosen[b] = logits[b].argmax()
+                continue
+            probs = torch.softmax(logits[b] / t, dim=-1)
+            if self.top_ps[b] < 1.0:
+                sorted_p, order = probs.sort(descending=True)
+                # Keep the smallest prefix whose mass reaches top_p (at least one token).
+                drop = sorted_p.cumsum(0) - sorted_p >= self.top_ps[b]
+                sorted_p[drop] = 0.0
+                probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            chosen[b] = torch.multinomial(probs, 1, generator=self.generators[b])[0]
+        out = torch.full_like(scores, -math.inf)
+        out[torch.arange(scores.shape[0]), chosen.to(scores.device)] = 0.0
+        return out
+
+
+class _RowLimits(StoppingCriteria):
+    """Ends each row at its own max_new_tokens, so a short request's row stops early."""
+
+    def __init__(self, *, prompt_width: int, limits: list[int]):
+        self.prompt_width = prompt_width
+        self.limits = torch.tensor(limits)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_width
+        return (generated >= self.limits).to(input_ids.device)
+
+
+# Structural tokens a reply must never contain: sampled, they would turn into image slots
+# or new turns when the reply is fed back as history (and break the trainer's forward).
+NEVER_GENERATED = (
+    "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
+)  # fmt: skip
+
+
+def never_generated_ids(policy: Policy) -> list[int]:
+    ids = []
+    for token in NEVER_GENERATED:
+        tid = policy.tokenizer.convert_tokens_to_ids(token)
+        if tid is not None and tid != policy.tokenizer.unk_token_id:
+            ids.append(int(tid))
+    return ids
+
+
+@torch.no_grad()
+def generate(
+    policy: Policy,
+    batch_of_messages: list[list[Message]],
+    *,
+    max_new_tokens: int | list[int],
+    temperature: float | list[float] = 1.0,
+    top_p: float | list[float] = 1.0,
+    seed: int | list[int | None] | None = None,
+    greedy: bool = False,
+    top_logprobs: int = 0,
+) -> list[Generation]:
+    """Sample one response per conversation in one left-padded batched generate.
+
+    max_new_tokens / temperature / top_p / seed may be per row (lists of length B);
+    temperature 0 or greedy=True takes the argmax. A row stops at <|im_end|> (or
+    <|endoftext|>) or after its max_new_tokens (finish_reason "length"). The batch runs
+    until its last row stops (static batching: a long row delays its batch-mates).
+    """
+    n = len(batch_of_messages)
+    limits = [int(v) for v in _per_row(max_new_tokens, n, "max_new_tokens")]  # type: ignore[arg-type]
+    temps = _per_row(0.0 if greedy else temperature, n, "temperature")
+    top_ps = _per_row(top_p, n, "top_p")
+    seeds = seed if isinstance(seed, list) else [seed] * n
+    if len(seeds) != n:
+        raise ValueError(f"seed has {len(seeds)} entries for {n} conversations")
+    batch = encode_batch(policy, batch_of_messages).to(policy.device)
+    stop_ids = [policy.token_id("<|im_end|>"), policy.tokenizer.pad_token_id]
+    config = GenerationConfig(
+        max_new_tokens=max(limits),
+        do_sample=False,
+        eos_token_id=stop_ids,
+        pad_token_id=policy.tokenizer.pad_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    sampler = _PerRowSampler(
+        temperatures=temps, top_ps=top_ps, seeds=seeds, suppressed=never_generated_ids(policy)
+    )
+    out = policy.model.generate(  # type: ignore[operator]
+        **batch.model_inputs(),
+        generation_config=config,
+        logits_processor=LogitsProcessorList([sampler]),
+        stopping_criteria=StoppingCriteriaList(
+            [_RowLimits(prompt_width=batch.input_ids.shape[1], limits=limits)]
+        ),
+    )
+    width = batch.input_ids.shape[1]
+    return _generations(
+        policy,
+        batch,
+        new_tokens=out.sequences[:, width:].cpu(),  # [B, S]
+        logits=torch.stack(out.logits, dim=1).float().cpu(),  # [B, S, V] raw, temperature 1
+        limits=limits,
+        stop_ids=stop_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _generations(
+    policy: Policy,
+    batch: EncodedBatch,
+    *,
+    new_tokens: torch.Tensor,
+    logits: torch.Tensor,
+    limits: list[int],
+    stop_ids: list[int],
+    top_logprobs: int,
+) -> list[Generation]:
+    """Cut each row of new_tokens [B, S] at its stop token or its limit, with the
+    temperature-1 log-probs and entropies of the raw logits [B, S, V]."""
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, S]
+    picked = logp.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, S]
+    top = logp.topk(top_logprobs, dim=-1) if top_logprobs else None
+    results = []
+    for b in range(new_tokens.shape[0]):
+        ids = new_tokens[b, : limits[b]].tolist()
+        length, finish = len(ids), "length"
+        for i, tid in enumerate(ids):
+            if tid in stop_ids:
+                length, finish = i + 1, "stop"
+                break
+        ids = ids[:length]
+        text_ids = ids[:-1] if finish == "stop" else ids
+        results.append(
+            Generation(
+                text=policy.tokenizer.decode(text_ids, skip_special_tokens=False),
+                token_ids=ids,
+                token_logprobs=picked[b, :length].tolist(),
+                mean_entropy=float(entropy[b, :length].mean()) if length else 0.0,
+                prompt_tokens=int(batch.attention_mask[b].sum()),
+                response_tokens=length,
+                finish_reason=finish,
+                top_logprobs=None
+                if top is None
+                else [
+                    list(zip(top.indices[b, i].tolist(), top.values[b, i].tolist(), strict=True))
+                    for i in range(length)
+                ],
+            )
+        )
+    return results
+
+
+def _per_row(value: float | list[float], n: int, name: str) -> list[float]:
+    values = list(value) if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} conversations")
+    return [float(v) for v in values]
+
+
+# ---------------------------------------------------------------- training forward
+
+
+def sequence_logprobs(
+    model: PreTrainedModel | PeftModel | Policy, batch: EncodedBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward prompt + response; per-token log-probs and entropies, with gradients.
+
+    Returns (token_logprobs [B, T], token_entropy [B, T], mask [B, T] bool), aligned with
+    batch.input_ids: token_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at
+    temperature 1, token_entropy[b, t] the entropy of that distribution; both are 0 where
+    mask (= batch.response_mask) is False. Call under torch.no_grad() for reference models.
+    """
+    if isinstance(model, Policy):
+        model = model.model
+    batch = batch.to(next(model.parameters()).device)
+    mask = batch.response_mask
+    width = mask.shape[1]
+    # Responses end every (left-padded) row: only their K positions need logits. A real
+    # prompt is ~14,000 tokens and the vocabulary ~152,000: all logits would be 4 GB in bf16.
+    k = min(width - 1, max(1, int(mask.sum(1).max())))
+    logits = model(**batch.model_inputs(), use_cache=False, logits_to_keep=k + 1).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, K, V]: tokens T-K..T-1
+    targets = batch.input_ids[:, width - k :]
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, K]
+    before = torch.zeros_like(picked[:, :1]).expand(-1, width - k)
+    token_logprobs = torch.cat([before, picked], dim=1) * mask
+    token_entropy = torch.cat([before, entropy], dim=1) * mask
+    return token_logprobs, token_entropy, mask

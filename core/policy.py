@@ -1,0 +1,217 @@
+"""Loading and saving a policy: model, tokenizer, image processor and chat template.
+
+    policy = load_policy("policies/tiny-grounded")        # or a LoRA adapter directory
+    save_checkpoint(policy, "checkpoints/run-1/v3")
+    load_weights_into(policy, "checkpoints/run-1/v4")    # in place, same architecture
+
+Works for the tiny policy (Qwen3-VL architecture, patch 14) and for any local Qwen2-VL /
+Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B); nothing is downloaded. Released Qwen3-VL
+checkpoints use 16 px patches (32 px per image token); rollout maps coordinates with the
+geometry the processor reports (`Policy.image_geometry`, `core.imaging`), whatever its factor.
+The rollout workers and the trainer encode prompts with `core.encoding` and sample and score
+with `core.generation`, so both tokenize alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PreTrainedModel,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+
+from core.imaging import ImageGeometry
+from core.lora import adapter_base, attach_adapter, is_adapter_dir, swap_adapter
+
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_MODEL_CLASSES: dict[str, Any] = {
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+}
+
+
+@dataclass
+class Policy:
+    """A loaded policy: model, tokenizer, image processor and chat template."""
+
+    model: PreTrainedModel  # or a peft PeftModel around one (LoRA: `core.lora`)
+    tokenizer: Any
+    image_processor: Qwen2VLImageProcessorPil
+    chat_template: str
+    path: Path  # the directory loaded: a full checkpoint or an adapter
+    base: Path | None = None  # the base checkpoint under the weights (path itself when full)
+
+    def __post_init__(self) -> None:
+        if self.base is None:
+            self.base = self.path
+
+    @property
+    def has_adapter(self) -> bool:
+        return isinstance(self.model, PeftModel)
+
+    def token_id(self, token: str) -> int:
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == self.tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer at {self.path} has no token {token!r}")
+        return int(tid)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def image_geometry(self) -> ImageGeometry:
+        """The image processor's geometry: rollout maps coordinates with it."""
+        return ImageGeometry.from_processor_config(
+            self.image_processor.to_dict(), where=f"{self.path}/preprocessor_config.json"
+        )
+
+
+def load_policy(
+    path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None
+) -> Policy:
+    """Load a Qwen2-VL / Qwen2.5-VL directory (tiny policy or e.g. UI-TARS-1.5-7B), locally;
+    or a LoRA adapter directory (`core.lora`): its base, then the adapter attached.
+
+    dtype defaults to float32 on CPU and bfloat16 elsewhere.
+    """
+    path = Path(path)
+    if is_adapter_dir(path):
+        policy = load_policy(adapter_base(path), device=device, dtype=dtype)
+        policy.model = attach_adapter(policy.model, path)  # type: ignore[assignment]
+        policy.model.eval()
+        policy.path = path
+        return policy
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+    if model_type not in _MODEL_CLASSES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not one of {sorted(_MODEL_CLASSES)}"
+        )
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    # No device_map: weights go to one device here (sharding is the trainer's business).
+    model = _MODEL_CLASSES[model_type].from_pretrained(path, local_files_only=True, dtype=dtype)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    # The PIL image processor: the default one needs torchvision, which has no CPU build here.
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    return Policy(
+        model=model,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        chat_template=_find_chat_template(path, tokenizer),
+        path=path,
+    )
+
+
+def _find_chat_template(path: Path, tokenizer: Any) -> str:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        return json.loads((path / "chat_template.json").read_text())["chat_template"]
+    return tokenizer.chat_template or QWEN2_VL_CHAT_TEMPLATE
+
+
+def save_checkpoint(
+    policy: Policy, out_dir: str | Path, *, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write weights, tokenizer, image processor and chat template; loadable by load_policy.
+    `state_dict`: the weights to write when the model holds only a shard of them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(out, state_dict=state_dict)
+    policy.tokenizer.save_pretrained(out)
+    policy.image_processor.save_pretrained(out)
+    (out / "chat_template.json").write_text(
+        json.dumps({"chat_template": policy.chat_template}, indent=2) + "\n"
+    )
+    return out
+
+
+@torch.no_grad()
+def load_weights_into(policy: Policy, checkpoint_dir: str | Path) -> None:
+    """Copy the weights of `checkpoint_dir` (same architecture) into policy.model in place.
+    An adapter directory swaps only the adapter (`core.lora`); a full checkpoint after an
+    adapter drops the adapter first.
+
+    The checkpoint is loaded through from_pretrained (which maps saved key names to module
+    names) on the CPU, then copied into the live parameters (on whatever device they are);
+    peak host memory is one extra copy of the weights. Raises ValueError when the architectures differ.
+    """
+    if is_adapter_dir(checkpoint_dir):
+        _load_adapter_into(policy, Path(checkpoint_dir))
+        return
+    if isinstance(policy.model, PeftModel):  # a full checkpoint after adapters: plain again
+        policy.model = policy.model.unload()
+    model = policy.model
+    fresh = type(model).from_pretrained(  # type: ignore[attr-defined]
+        checkpoint_dir, local_files_only=True, dtype=next(model.parameters()).dtype
+    )
+    if fresh.config.to_dict() != model.config.to_dict():
+        diff = _config_diff(fresh.config.to_dict(), model.config.to_dict())
+        if diff:
+            raise ValueError(f"{checkpoint_dir} has another architecture: {diff}")
+    missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{checkpoint_dir}: weights do not match the model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    del fresh
+    policy.path = policy.base = Path(checkpoint_dir)
+
+
+def _load_adapter_into(policy: Policy, adapter_dir: Path) -> None:
+    """Swap the adapter in place (or attach it to the plain base); the base must be the one
+    the adapter was trained on."""
+    base = adapter_base(adapter_dir).resolve()
+    assert policy.base is not None
+    if base != policy.base.resolve():
+        raise ValueError(
+            f"{adapter_dir} adapts {base}, but this policy's base is {policy.base.resolve()}"
+        )
+    if policy.has_adapter:
+        swap_adapter(policy.model, adapter_dir)  # type: ignore[arg-type]
+    else:
+        policy.model = attach_adapter(policy.model, adapter_dir).eval()  # type: ignore[assignment]
+    policy.path = adapter_dir
+
+
+def _config_diff(a: dict, b: dict) -> list[str]:
+    ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+    return [k for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)]

@@ -2,11 +2,9 @@
 and the rolling, one-worker-at-a-time weight sync. `rollout.router` serves it over HTTP (its
 module doc lists the endpoints and how to run it); `rollout.client.RouterAdmin` drives it.
 
-Worker statuses (`rollout.client.WorkerStatus`): active (routed), stale (healthy but behind
-the target version, waiting for its reload), draining, loading, suspect (answered 503 or
-timed out), dead (refused the connection). A background prober polls every worker's /health
-and brings suspect and dead workers back. No Django here: the router runs on inference hosts
-without the database.
+A worker's status is a `rollout.client.WorkerStatus` (what each one means is said there). A
+background prober polls every worker's /health and brings suspect and dead workers back. No
+Django here: the router runs on inference hosts without the database.
 """
 
 from __future__ import annotations

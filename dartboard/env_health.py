@@ -22,7 +22,15 @@ from django.utils import timezone
 
 from dartboard.viewmodels import SERVING_STATUSES
 from datamanager.config import RunConfig
-from datamanager.models import EnvSlot, FailureKind, Run, TrainUpdate, Trajectory
+from datamanager.models import (
+    EnvSlot,
+    FailureKind,
+    Run,
+    TrainUpdate,
+    Trajectory,
+    TrajectorySource,
+    TrajectoryStatus,
+)
 from datamanager.selectors.aggregates import (
     LEFT_OUT,
     bucket_width,
@@ -38,13 +46,13 @@ MIN_ROLLOUTS = 5  # fewer rollouts in the window raise no alert: one error is no
 
 
 def _ended(run: Run) -> QuerySet[Trajectory]:
-    return Trajectory.objects.filter(run=run, source="online", finished_at__isnull=False).exclude(
-        status="running"
-    )
+    return Trajectory.objects.filter(
+        run=run, source=TrajectorySource.ONLINE, finished_at__isnull=False
+    ).exclude(status=TrajectoryStatus.RUNNING)
 
 
 def _online_ended(r: dict[str, Any]) -> bool:
-    return r["source"] == "online" and r["status"] != "running"
+    return r["source"] == TrajectorySource.ONLINE and r["status"] != TrajectoryStatus.RUNNING
 
 
 def _series(folded: list[dict[str, Any]], key: str, max_series: int = 40) -> dict[str, dict]:
@@ -72,7 +80,8 @@ def error_rates(*, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _left_out_row(r: dict[str, Any]) -> int:
-    return r["n"] if r["status"] in ("error", "aborted") or r["rejected"] else 0
+    never_scored = (TrajectoryStatus.ERROR, TrajectoryStatus.ABORTED)
+    return r["n"] if r["status"] in never_scored or r["rejected"] else 0
 
 
 def left_out(*, run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from dartboard.forms import (
     UploadForm,
 )
 from datamanager.archive import InvalidUpload
-from datamanager.models import EvalJob, FailureLabel, Run, Step, TaskStat, Trajectory
+from datamanager.models import EvalJob, FailureLabel, Run, RunStatus, Step, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors import charts, evaluations, groups, trajectories
 from datamanager.selectors import runs as run_reads
@@ -99,7 +99,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
 @permission_required(CAN_VIEW, raise_exception=True)
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    services = service_health.BOARD.services(run_id=run.pk, trainer=run.status == "running")
+    services = service_health.BOARD.services(run_id=run.pk, trainer=run.status == RunStatus.RUNNING)
     wall = _wall(request, run)
     task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
     return render(
@@ -131,7 +131,7 @@ def run_health(request: HttpRequest, run_id: int) -> JsonResponse:
     status = Run.objects.values_list("status", flat=True).filter(pk=run_id).first()
     if status is None:
         raise Http404(f"no run {run_id}")
-    services = service_health.BOARD.services(run_id=run_id, trainer=status == "running")
+    services = service_health.BOARD.services(run_id=run_id, trainer=status == RunStatus.RUNNING)
     return JsonResponse(
         {
             "services": [s.as_json() for s in services],

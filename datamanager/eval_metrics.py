@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from datamanager.models import SCORED_STATUSES, TrajectoryStatus
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c successes: 1 - C(n-c, k) / C(n, k)."""
@@ -32,7 +34,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 @dataclass(frozen=True)
 class Episode:
     task: str
-    status: str  # succeeded | failed | error
+    status: str  # a TrajectoryStatus value
     reward: float
     steps: int
     parse_errors: int
@@ -57,17 +59,13 @@ class TaskResult:
         return asdict(self)
 
 
-SCORED = ("succeeded", "failed")
-"""The outcomes a success rate counts; env errors, aborted and running episodes are not."""
-
-
 def task_result(task: str, episodes: Sequence[Episode], k: int) -> TaskResult:
     """Env errors are reported apart and never counted as policy failures."""
-    scored = [e for e in episodes if e.status in SCORED]
-    errors = sum(e.status == "error" for e in episodes)
-    n, c = len(scored), sum(e.status == "succeeded" for e in scored)
+    scored = [e for e in episodes if e.status in SCORED_STATUSES]
+    errors = sum(e.status == TrajectoryStatus.ERROR for e in episodes)
+    n, c = len(scored), sum(e.status == TrajectoryStatus.SUCCEEDED for e in scored)
     lo, hi = wilson_interval(c, n)
-    steps = [e.steps for e in scored if e.status == "succeeded"]
+    steps = [e.steps for e in scored if e.status == TrajectoryStatus.SUCCEEDED]
     total_steps = sum(e.steps for e in scored)
     return TaskResult(
         task=task,

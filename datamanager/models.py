@@ -9,6 +9,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from rollout.episode import Outcome
+
 
 class Split(models.TextChoices):
     TRAIN = "train"
@@ -166,10 +168,15 @@ class TaskStatHistory(models.Model):
 
 class TrajectoryStatus(models.TextChoices):
     RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
+    SUCCEEDED = Outcome.SUCCEEDED.value  # the runner's outcomes (rollout.episode.Outcome)
+    FAILED = Outcome.FAILED.value
     ERROR = "error"
     ABORTED = "aborted"
+
+
+# A trajectory that ran to its end and was scored by its environment: success rates and
+# training count these (an error or an abort never got a verdict).
+SCORED_STATUSES = (TrajectoryStatus.SUCCEEDED, TrajectoryStatus.FAILED)
 
 
 class TrajectorySource(models.TextChoices):

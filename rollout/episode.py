@@ -122,9 +122,17 @@ class EndReason(StrEnum):
     PARSE_ERRORS = "parse_errors"  # `max_parse_errors` unparsable outputs in a row
 
 
+class Outcome(StrEnum):
+    """How an episode that ran to its end scored: its trajectory's status. One home:
+    datamanager's TrajectoryStatus takes these two values from here."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
 @dataclass
 class EpisodeResult:
-    status: str  # succeeded | failed
+    status: Outcome
     reward: float
     end_reason: EndReason
     steps: int
@@ -264,7 +272,7 @@ def _run_episode(
     # overloaded before its episodes start failing).
     details = {**evaluation.details, "end_reason": end_reason, "reset_ms": round(reset_ms, 1)}
     return EpisodeResult(
-        status="succeeded" if evaluation.success else "failed",
+        status=Outcome.SUCCEEDED if evaluation.success else Outcome.FAILED,
         reward=evaluation.reward,
         end_reason=end_reason,
         steps=index + 1,

@@ -21,7 +21,15 @@ from django.db import transaction
 
 from datamanager.config import RunConfig
 from datamanager.events import publish_on_commit
-from datamanager.models import PolicyVersion, Run, RunStatus, TaskGroup, Trajectory
+from datamanager.models import (
+    GroupStatus,
+    PolicyVersion,
+    Run,
+    RunStatus,
+    TaskGroup,
+    Trajectory,
+    TrajectoryStatus,
+)
 from datamanager.policies import policy_path
 from datamanager.services import batches
 from datamanager.services.runs import run_set_message
@@ -95,8 +103,8 @@ def trainer_forget(*, run_id: int) -> None:
 
 
 def _waiting_message(run: Run, cfg: RunConfig) -> str:
-    ready = TaskGroup.objects.filter(run=run, status="ready").count()
-    running = Trajectory.objects.filter(run=run, status="running").count()
+    ready = TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count()
+    running = Trajectory.objects.filter(run=run, status=TrajectoryStatus.RUNNING).count()
     return (
         f"trainer waiting for {cfg.trainer.min_groups} ready groups: {ready} ready, "
         f"{running} trajectories running"

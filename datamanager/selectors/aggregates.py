@@ -33,8 +33,6 @@ from django.utils import timezone
 
 from datamanager.models import Run, Trajectory, TrajectoryStatus
 
-# Scored: the environment evaluated them (an error or an abort never got a verdict).
-FINISHED = (TrajectoryStatus.SUCCEEDED, TrajectoryStatus.FAILED)
 NOT_ENV = ("inference:", "storage:", "database:")
 
 _STEPS = {"minute": (1, 2, 5, 10, 15, 30), "hour": (1, 2, 3, 6, 12), "day": (1, 2, 7, 14, 30)}

@@ -19,6 +19,7 @@ from django.db.models.functions import Cast, Coalesce, Now
 from datamanager.config import RunConfig
 from datamanager.eval_metrics import wilson_interval
 from datamanager.models import (
+    SCORED_STATUSES,
     EnvSlot,
     EvalScope,
     EvalStatus,
@@ -31,7 +32,6 @@ from datamanager.models import (
     TrajectoryStatus,
 )
 from datamanager.selectors.aggregates import (
-    FINISHED,
     EpochSeconds,
     bucket_index,
     bucket_label,
@@ -153,7 +153,7 @@ def chart_data(*, run: Run, rows: list[Row] | None = None, max_tasks: int = 40) 
 
 
 def _finished(r: Row) -> bool:
-    return r["status"] in FINISHED
+    return r["status"] in SCORED_STATUSES
 
 
 def _n(r: Row) -> int:
@@ -232,7 +232,7 @@ def version_success(*, run: Run) -> dict[str, list[VersionPoint]]:
         .values("eval_job_id", "eval_job__scope", "eval_job__policy_version")
         .annotate(
             ok=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)),
-            scored=Count("pk", filter=Q(status__in=FINISHED)),
+            scored=Count("pk", filter=Q(status__in=SCORED_STATUSES)),
         )
         .order_by("eval_job__policy_version", "eval_job_id")
     )
@@ -257,7 +257,7 @@ def version_success(*, run: Run) -> dict[str, list[VersionPoint]]:
 def group_points(*, run: Run, limit: int = 300) -> list[GroupPoint]:
     """The run's latest `limit` groups with an ended member, oldest first (the groups chart;
     a point opens the group)."""
-    scored = Q(trajectories__status__in=FINISHED)
+    scored = Q(trajectories__status__in=SCORED_STATUSES)
     rows = (
         TaskGroup.objects.filter(run=run)
         .annotate(

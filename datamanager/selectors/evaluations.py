@@ -15,8 +15,14 @@ from typing import Any
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, F, Q, QuerySet
 
-from datamanager.eval_metrics import SCORED, Episode, TaskResult, summary, task_result
-from datamanager.models import EvalJob, EvalStatus, Trajectory
+from datamanager.eval_metrics import Episode, TaskResult, summary, task_result
+from datamanager.models import (
+    SCORED_STATUSES,
+    EvalJob,
+    EvalStatus,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 
 class EvalJobMissing(Exception):
@@ -48,9 +54,9 @@ def eval_cells(*, job_ids: list[int]) -> dict[tuple[int, str], EvalCell]:
         Trajectory.objects.filter(eval_job_id__in=job_ids)
         .values("eval_job_id", "task__name")
         .annotate(
-            ok=Count("pk", filter=Q(status="succeeded")),
-            scored=Count("pk", filter=Q(status__in=SCORED)),
-            errors=Count("pk", filter=Q(status="error")),
+            ok=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)),
+            scored=Count("pk", filter=Q(status__in=SCORED_STATUSES)),
+            errors=Count("pk", filter=Q(status=TrajectoryStatus.ERROR)),
         )
         .order_by()
     )
@@ -112,8 +118,10 @@ def eval_job_queryset(*, run_id: int | None = None) -> QuerySet[EvalJob]:
     if run_id is not None:
         qs = qs.filter(run_id=run_id)
     return qs.annotate(
-        n_scored=Count("trajectories", filter=Q(trajectories__status__in=SCORED)),
-        n_succeeded=Count("trajectories", filter=Q(trajectories__status="succeeded")),
+        n_scored=Count("trajectories", filter=Q(trajectories__status__in=SCORED_STATUSES)),
+        n_succeeded=Count(
+            "trajectories", filter=Q(trajectories__status=TrajectoryStatus.SUCCEEDED)
+        ),
         report_rate=F("report__summary__success_rate"),
         report_episodes=F("report__summary__episodes"),
     ).order_by("-created_at", "-pk")
@@ -159,7 +167,7 @@ def eval_job_task_results(job: EvalJob) -> list[TaskResult]:
     """Per-task results of the job's finished episodes (what `eval_report` stores)."""
     rows = (
         Trajectory.objects.filter(eval_job=job)
-        .exclude(status="running")
+        .exclude(status=TrajectoryStatus.RUNNING)
         .annotate(parse_errors=Count("steps", filter=~Q(steps__parse_error="")))
         .values("task__name", "status", "reward", "length", "parse_errors")
     )
@@ -275,7 +283,11 @@ def eval_compare(*, a_id: int, b_id: int) -> tuple[EvalJob, EvalJob, list[EvalCo
 
 def eval_job_done(*, job_id: int) -> int:
     """Episodes of the job that have ended (any status but running)."""
-    return Trajectory.objects.filter(eval_job_id=job_id).exclude(status="running").count()
+    return (
+        Trajectory.objects.filter(eval_job_id=job_id)
+        .exclude(status=TrajectoryStatus.RUNNING)
+        .count()
+    )
 
 
 def eval_report(*, job_id: int) -> dict:
@@ -305,7 +317,7 @@ def eval_shard_finished(*, job: EvalJob, shard: int) -> bool:
     names = eval_shard_tasks(job=job, shard=shard, shards=job.shards)
     ended = (
         Trajectory.objects.filter(eval_job=job, task__name__in=names)
-        .exclude(status="running")
+        .exclude(status=TrajectoryStatus.RUNNING)
         .count()
     )
     return ended >= len(names) * job.k
@@ -315,6 +327,6 @@ def eval_episode_ended(*, job_id: int, task_id: int, seed: int) -> bool:
     """Whether this episode of the job already ended (a resumed job skips it)."""
     return (
         Trajectory.objects.filter(eval_job_id=job_id, task_id=task_id, seed=seed)
-        .exclude(status="running")
+        .exclude(status=TrajectoryStatus.RUNNING)
         .exists()
     )

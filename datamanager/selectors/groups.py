@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from core.losses import group_advantages
-from datamanager.models import EvalJob, Step, TaskGroup, Trajectory, TrajectoryStatus
-
-TRAINABLE = (TrajectoryStatus.SUCCEEDED, TrajectoryStatus.FAILED)
+from datamanager.models import SCORED_STATUSES, EvalJob, Step, TaskGroup, Trajectory
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class Member:
     def end_reason(self) -> str:
         """How the episode ended: the rollout's own reason (finished, step_cap, ...), or the
         status when it never got to one (error, aborted, running)."""
-        if self.trajectory.status in TRAINABLE:
+        if self.trajectory.status in SCORED_STATUSES:
             return str(self.trajectory.details.get("end_reason") or self.trajectory.status)
         return str(self.trajectory.status)
 
@@ -52,7 +50,9 @@ class GroupView:
 
 def _expected_advantages(trajs: list[Trajectory]) -> dict[int, float]:
     """What the trainer would give each trainable member now (0 for a group without spread)."""
-    scored = [t for t in trajs if t.status in TRAINABLE and not t.rejected and t.reward is not None]
+    scored = [
+        t for t in trajs if t.status in SCORED_STATUSES and not t.rejected and t.reward is not None
+    ]
     if not scored:
         return {}
     rewards = torch.tensor([float(t.reward or 0.0) for t in scored])

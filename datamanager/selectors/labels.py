@@ -10,7 +10,7 @@ from typing import Any
 from django.db.models import Count, F, QuerySet
 from django.db.models.functions import Mod
 
-from datamanager.models import FailureLabel, Trajectory, TrajectoryStatus
+from datamanager.models import FailureLabel, Trajectory, TrajectorySource, TrajectoryStatus
 
 QUEUE_SCOPES = ("failed", "sampled")
 ENDED_BADLY = (TrajectoryStatus.FAILED, TrajectoryStatus.ERROR, TrajectoryStatus.ABORTED)
@@ -24,7 +24,10 @@ def _queue(*, run_id: int, scope: str) -> QuerySet[Trajectory]:
     if scope not in QUEUE_SCOPES:
         raise ValueError(f"unknown queue {scope!r}; queues: {', '.join(QUEUE_SCOPES)}")
     qs = Trajectory.objects.filter(
-        run_id=run_id, source="online", failure_label__isnull=True, finished_at__isnull=False
+        run_id=run_id,
+        source=TrajectorySource.ONLINE,
+        failure_label__isnull=True,
+        finished_at__isnull=False,
     )
     if scope == "failed":
         return qs.filter(status__in=ENDED_BADLY).order_by("-finished_at", "-pk")

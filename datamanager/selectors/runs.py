@@ -13,6 +13,7 @@ from django.db.models import Count, IntegerField, Max, OuterRef, Q, QuerySet, Su
 from django.db.models.functions import Coalesce
 
 from datamanager.models import (
+    SCORED_STATUSES,
     FailureKind,
     PolicyVersion,
     Run,
@@ -23,7 +24,6 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
-from datamanager.selectors.aggregates import FINISHED
 from datamanager.selectors.labels import label_counts_by_task
 
 
@@ -41,7 +41,7 @@ def runs_overview() -> QuerySet[Run]:
     """
     trajs = Trajectory.objects.filter(run=OuterRef("pk"))
     n_trajs = _count_subquery(trajs)
-    n_finished = _count_subquery(trajs.filter(status__in=FINISHED))
+    n_finished = _count_subquery(trajs.filter(status__in=SCORED_STATUSES))
     n_success = _count_subquery(trajs.filter(status=TrajectoryStatus.SUCCEEDED))
     version = Subquery(
         PolicyVersion.objects.filter(run=OuterRef("pk")).order_by("-version").values("version")[:1]
@@ -83,7 +83,7 @@ def run_summary(*, run: Run) -> RunSummary:
         total=Count("pk"),
         running=Count("pk", filter=Q(status=TrajectoryStatus.RUNNING)),
         succeeded=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)),
-        finished=Count("pk", filter=Q(status__in=FINISHED)),
+        finished=Count("pk", filter=Q(status__in=SCORED_STATUSES)),
         errors=Count("pk", filter=Q(status=TrajectoryStatus.ERROR)),
     )
     return RunSummary(

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from django.db.models import Count, Q, Sum
 
-from datamanager.models import EnvSlot, Run, Step, TaskStat, TrainUpdate, Trajectory
+from datamanager.models import (
+    EnvSlot,
+    Run,
+    Step,
+    TaskStat,
+    TrainUpdate,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 # Update metrics that are counts or settings of the batch rather than learning signals are
 # still scalars; the per-step maps and the staleness histogram are not (exported apart).
@@ -37,9 +45,9 @@ def run_scalars(*, update: TrainUpdate) -> dict[str, float]:
     scalars["curation/pool_size"] = float(sum(s.pool_size for s in stats))
     scalars["curation/retired_tasks"] = float(sum(1 for s in stats if s.retired))
     outcomes = Trajectory.objects.filter(run_id=run_id).aggregate(
-        succeeded=Count("pk", filter=Q(status="succeeded")),
-        failed=Count("pk", filter=Q(status="failed")),
-        error=Count("pk", filter=Q(status="error")),
+        succeeded=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)),
+        failed=Count("pk", filter=Q(status=TrajectoryStatus.FAILED)),
+        error=Count("pk", filter=Q(status=TrajectoryStatus.ERROR)),
     )
     for outcome, count in outcomes.items():
         scalars[f"env/trajectories_{outcome}"] = float(count)

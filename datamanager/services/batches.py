@@ -26,7 +26,16 @@ from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, image_to
 from core.samples import TrainSample, UpdateMetrics
 from datamanager import curation
 from datamanager.config import RunConfig
-from datamanager.models import GroupStatus, Run, Step, TaskGroup, TaskStat, TrainUpdate, Trajectory
+from datamanager.models import (
+    SCORED_STATUSES,
+    GroupStatus,
+    Run,
+    Step,
+    TaskGroup,
+    TaskStat,
+    TrainUpdate,
+    Trajectory,
+)
 from datamanager.policies import policy_geometry
 from datamanager.services.review import pool_sizes_refresh
 from datamanager.services.runs import run_set_message
@@ -133,7 +142,7 @@ def batch_collect(*, run: Run, current_version: int, min_groups: int | None = No
     for group in groups:
         trajs = list(
             Trajectory.objects.filter(
-                group=group, status__in=["succeeded", "failed"], rejected=False
+                group=group, status__in=SCORED_STATUSES, rejected=False
             ).order_by("pk")
         )
         steps_by_traj: dict[int, list[Step]] = defaultdict(list)

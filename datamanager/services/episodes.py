@@ -22,6 +22,7 @@ from datamanager import curation
 from datamanager.config import CurationConfig, RunConfig
 from datamanager.events import publish_on_commit
 from datamanager.models import (
+    SCORED_STATUSES,
     GroupStatus,
     Purpose,
     Run,
@@ -32,6 +33,7 @@ from datamanager.models import (
     TaskStat,
     TaskStatHistory,
     Trajectory,
+    TrajectorySource,
     TrajectoryStatus,
 )
 from datamanager.selectors.tasks import task_list
@@ -397,7 +399,7 @@ def trajectory_finish(
     traj.save(
         update_fields=["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
     )
-    if traj.run_id and traj.purpose == Purpose.TRAIN and status in ("succeeded", "failed"):
+    if traj.run_id and traj.purpose == Purpose.TRAIN and status in SCORED_STATUSES:
         _update_stat(traj)
     if traj.group_id:
         _maybe_ready(traj.group_id)
@@ -432,14 +434,14 @@ def _update_stat(traj: Trajectory) -> None:
             run_id=run.pk,
             task_id=traj.task_id,
             purpose=Purpose.TRAIN,
-            source="online",
-            status__in=["succeeded", "failed"],
+            source=TrajectorySource.ONLINE,
+            status__in=SCORED_STATUSES,
         )
         .order_by("-finished_at", "-pk")
         .values_list("status", flat=True)[: cfg.success_window]
     )
     rate = curation.rolling_success_rate(
-        [s == "succeeded" for s in reversed(recent)], cfg.success_window
+        [s == TrajectoryStatus.SUCCEEDED for s in reversed(recent)], cfg.success_window
     )
     stat.success_rate = rate or 0.0
     if success:
@@ -474,9 +476,7 @@ def _maybe_ready(group_id: int) -> None:
     if members.filter(status=TrajectoryStatus.RUNNING).exists():
         return
     cfg = RunConfig.from_dict(group.run.config).curation
-    scored = list(
-        members.filter(status__in=["succeeded", "failed"]).values_list("reward", flat=True)
-    )
+    scored = list(members.filter(status__in=SCORED_STATUSES).values_list("reward", flat=True))
     all_failed = bool(scored) and all((r or 0.0) <= 0.0 for r in scored)
     pool = list(
         Trajectory.objects.filter(task_id=group.task_id, in_pool=True)

@@ -11,7 +11,14 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from core.imaging import ImageGeometry
-from datamanager.models import Step, Task, TaskStat, Trajectory
+from datamanager.models import (
+    Step,
+    Task,
+    TaskStat,
+    Trajectory,
+    TrajectorySource,
+    TrajectoryStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ def demo_store(
     instruction: str,
     steps: list[DemoStep],
     reward: float,
-    source: str = "precollected",
+    source: str = TrajectorySource.PRECOLLECTED,
     in_pool: bool = True,
     geometry: ImageGeometry | None = None,
 ) -> Trajectory:
@@ -40,7 +47,7 @@ def demo_store(
     now = timezone.now()
     traj = Trajectory.objects.create(
         task=task,
-        status="succeeded" if reward > 0 else "failed",
+        status=TrajectoryStatus.SUCCEEDED if reward > 0 else TrajectoryStatus.FAILED,
         reward=reward,
         length=len(steps),
         source=source,
@@ -104,7 +111,9 @@ def pool_retire_other_geometry(*, task: Task, geometry: ImageGeometry) -> int:
     wanted = geometry.to_json()
     stale = [
         t.pk
-        for t in Trajectory.objects.filter(task=task, in_pool=True, source="precollected")
+        for t in Trajectory.objects.filter(
+            task=task, in_pool=True, source=TrajectorySource.PRECOLLECTED
+        )
         if t.details.get("image_geometry") != wanted
     ]
     Trajectory.objects.filter(pk__in=stale).update(in_pool=False)

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from datamanager.archive import archive_read
 from datamanager.models import (
+    SCORED_STATUSES,
     RewardOverride,
     RewardSource,
     Step,
@@ -180,7 +181,7 @@ def trajectory_override_reward(
     traj.reward_override_by = user
     traj.reward_override_reason = reason
     fields = ["reward", "reward_source", "reward_override_by", "reward_override_reason"]
-    if traj.status in (TrajectoryStatus.SUCCEEDED, TrajectoryStatus.FAILED):
+    if traj.status in SCORED_STATUSES:
         traj.status = TrajectoryStatus.SUCCEEDED if reward > 0 else TrajectoryStatus.FAILED
         fields.append("status")
         if traj.status == TrajectoryStatus.FAILED and traj.in_pool:

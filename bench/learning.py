@@ -223,12 +223,21 @@ def online_curve(run, *, buckets: int = 5) -> list[tuple[str, int, float]]:
     """Success of the training rollouts by policy version, in `buckets` consecutive ranges:
     (versions, trajectories, success rate). Sampled, not greedy: the learning curve as the
     dashboard shows it."""
-    from datamanager.models import Trajectory
+    from datamanager.models import (
+        SCORED_STATUSES,
+        Purpose,
+        Trajectory,
+        TrajectorySource,
+        TrajectoryStatus,
+    )
 
     rows = [
-        (versions[0], status == "succeeded")
+        (versions[0], status == TrajectoryStatus.SUCCEEDED)
         for versions, status in Trajectory.objects.filter(
-            run=run, purpose="train", source="online", status__in=["succeeded", "failed"]
+            run=run,
+            purpose=Purpose.TRAIN,
+            source=TrajectorySource.ONLINE,
+            status__in=SCORED_STATUSES,
         ).values_list("policy_versions", "status")
         if versions
     ]

@@ -37,19 +37,17 @@ def _greedy(run, scope: str, version: int | None = None, k: int | None = None) -
     from django.db.models import Count, Q
 
     from datamanager.eval_metrics import wilson_interval
-    from datamanager.models import EvalJob
+    from datamanager.models import SCORED_STATUSES, EvalJob, EvalStatus, TrajectoryStatus
 
-    jobs = EvalJob.objects.filter(run=run, scope=scope, status="finished")
+    jobs = EvalJob.objects.filter(run=run, scope=scope, status=EvalStatus.FINISHED)
     if version is not None:
         jobs = jobs.filter(policy_version=version)
     if k is not None:
         jobs = jobs.filter(k=k)
     job = (
         jobs.annotate(
-            ok=Count("trajectories", filter=Q(trajectories__status="succeeded")),
-            scored=Count(
-                "trajectories", filter=Q(trajectories__status__in=("succeeded", "failed"))
-            ),
+            ok=Count("trajectories", filter=Q(trajectories__status=TrajectoryStatus.SUCCEEDED)),
+            scored=Count("trajectories", filter=Q(trajectories__status__in=SCORED_STATUSES)),
         )
         .order_by("-policy_version", "-pk")
         .first()
@@ -58,9 +56,9 @@ def _greedy(run, scope: str, version: int | None = None, k: int | None = None) -
         return None
     low, high = wilson_interval(job.ok, job.scored)
     per_task = (
-        job.trajectories.filter(status__in=("succeeded", "failed"))
+        job.trajectories.filter(status__in=SCORED_STATUSES)
         .values("task__name")
-        .annotate(ok=Count("pk", filter=Q(status="succeeded")), n=Count("pk"))
+        .annotate(ok=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)), n=Count("pk"))
         .order_by("task__name")
     )
     return {"version": job.policy_version, "ok": job.ok, "scored": job.scored,
@@ -74,12 +72,19 @@ def snapshot(run, *, since, until, started) -> dict:
     from django.db.models.fields.json import KT
     from django.db.models.functions import Cast
 
-    from datamanager.models import PolicyVersion, TrainUpdate, Trajectory
+    from datamanager.models import (
+        SCORED_STATUSES,
+        PolicyVersion,
+        TrainUpdate,
+        Trajectory,
+        TrajectorySource,
+        TrajectoryStatus,
+    )
 
     window = Trajectory.objects.filter(
-        run=run, source="online", finished_at__gte=since, finished_at__lt=until
-    ).aggregate(n=Count("pk", filter=Q(status__in=("succeeded", "failed"))),
-                ok=Count("pk", filter=Q(status="succeeded")))  # fmt: skip
+        run=run, source=TrajectorySource.ONLINE, finished_at__gte=since, finished_at__lt=until
+    ).aggregate(n=Count("pk", filter=Q(status__in=SCORED_STATUSES)),
+                ok=Count("pk", filter=Q(status=TrajectoryStatus.SUCCEEDED)))  # fmt: skip
     rl = TrainUpdate.objects.filter(run=run, metrics__kind="rl")
     first_rl = rl.order_by("number").first()
     first_version = (

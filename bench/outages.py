@@ -55,13 +55,11 @@ class Probe:
         self.run_id = run_id
 
     def counts(self) -> tuple[int, int, int]:
-        from datamanager.models import Step, TrainUpdate, Trajectory
+        from datamanager.models import SCORED_STATUSES, Step, TrainUpdate, Trajectory
 
         return (
             Step.objects.filter(trajectory__run_id=self.run_id).count(),
-            Trajectory.objects.filter(
-                run_id=self.run_id, status__in=("succeeded", "failed")
-            ).count(),
+            Trajectory.objects.filter(run_id=self.run_id, status__in=SCORED_STATUSES).count(),
             TrainUpdate.objects.filter(run_id=self.run_id).count(),
         )
 

@@ -67,7 +67,7 @@ def child(steps: int) -> dict:
 
     from datamanager.config import RunConfig
     from datamanager.events import publish
-    from datamanager.models import Run, Step, Task, Trajectory
+    from datamanager.models import Run, RunStatus, Step, Task, Trajectory
     from datamanager.services import episodes
     from datamanager.services.runs import run_create
 
@@ -75,7 +75,7 @@ def child(steps: int) -> dict:
     png = _png()
     task, _ = Task.objects.get_or_create(name="bench/overhead", defaults={"env_kind": "miniwob"})
     run = run_create(name="overhead", config=RunConfig())
-    Run.objects.filter(pk=run.pk).update(status="running")
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
     traj = Trajectory.objects.create(run=run, task=task)
     kw = dict(
         width=160,

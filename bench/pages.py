@@ -93,9 +93,15 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     from datamanager.models import (
         EnvSlot,
         EvalJob,
+        EvalStatus,
+        FailureKind,
         FailureLabel,
+        GroupStatus,
         PolicyVersion,
+        Purpose,
         Run,
+        RunStatus,
+        SlotStatus,
         Step,
         Task,
         TaskGroup,
@@ -103,7 +109,9 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
         TaskStatHistory,
         TrainUpdate,
         Trajectory,
+        TrajectoryStatus,
     )  # fmt: skip
+    from rollout.episode import EndReason
 
     _without_auto_now([(Trajectory, "started_at"), (Step, "created_at"),
                        (TaskStatHistory, "at"), (TrainUpdate, "created_at")])  # fmt: skip
@@ -124,9 +132,9 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     start = now - timedelta(hours=5)
     cfg = RunConfig.from_dict({"env": {"miniwob_slots": 8}, "curation": {"n_max": 8}})
     with transaction.atomic():
-        run = Run.objects.create(name="miniwob-16 decoupled", config=cfg.to_dict(), status="running",
+        run = Run.objects.create(name="miniwob-16 decoupled", config=cfg.to_dict(), status=RunStatus.RUNNING,
                                  started_at=start)  # fmt: skip
-        Run.objects.create(name="miniwob-16 synchronous baseline", status="stopped",
+        Run.objects.create(name="miniwob-16 synchronous baseline", status=RunStatus.STOPPED,
                            config={**cfg.to_dict(), "mode": "synchronous"},
                            started_at=start, finished_at=now - timedelta(hours=2))  # fmt: skip
         slots = EnvSlot.objects.bulk_create(
@@ -136,7 +144,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     host=f"worker-{1 + i // 4}",
                     backend="miniwob",
                     run=run,
-                    status="busy",
+                    status=SlotStatus.BUSY,
                 )
                 for i in range(8)
             ]
@@ -157,7 +165,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
         # GRPO groups of 8 rollouts per task, in claim order.
         groups = TaskGroup.objects.bulk_create(
             [
-                TaskGroup(run=run, task=t, index=g, budget=8, claimed=8, status="trained")
+                TaskGroup(run=run, task=t, index=g, budget=8, claimed=8, status=GroupStatus.TRAINED)
                 for g in range(n_traj // len(tasks) // 8 + 1)
                 for t in tasks
             ]
@@ -171,8 +179,11 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
             running = i >= n_traj - len(slots)
             broken = not running and rnd.random() < 0.03  # an environment error
             status = (
-                "running" if running else "error" if broken else ("succeeded" if ok else "failed")
-            )
+                TrajectoryStatus.RUNNING if running
+                else TrajectoryStatus.ERROR if broken
+                else TrajectoryStatus.SUCCEEDED if ok
+                else TrajectoryStatus.FAILED
+            )  # fmt: skip
             length = steps_per
             trajs.append(Trajectory(
                 run=run, task=task, env_slot=slots[i % len(slots)], started_at=t0,
@@ -182,7 +193,8 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                 in_pool=ok and i % 97 == 0, group=group_of[(task.pk, i // len(tasks) // 8)],
                 error="EnvUnavailable: reset timed out after 30 s" if broken else "",
                 details={} if running or broken else {
-                    "end_reason": "finished" if ok else rnd.choice(["step_cap", "finished"]),
+                    "end_reason": EndReason.FINISHED if ok
+                                  else rnd.choice([EndReason.STEP_CAP, EndReason.FINISHED]),
                     "reset_ms": rnd.uniform(100, 400)},
             ))  # fmt: skip
         trajs = Trajectory.objects.bulk_create(trajs, batch_size=2000)
@@ -206,7 +218,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                 Step.objects.bulk_create(batch, batch_size=5000)
                 batch = []
         Step.objects.bulk_create(batch, batch_size=5000)
-        failed = [t for t in trajs if t.status in ("failed", "error")]
+        failed = [t for t in trajs if t.status in (TrajectoryStatus.FAILED, TrajectoryStatus.ERROR)]
         FailureLabel.objects.bulk_create(
             [
                 FailureLabel(
@@ -214,7 +226,9 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
                     run=run,
                     user=ada,
                     created_at=now,
-                    label=rnd.choice(["env_bug", "agent_mistake", "fine"]),
+                    label=rnd.choice(
+                        [FailureKind.ENV_BUG, FailureKind.AGENT_MISTAKE, FailureKind.FINE]
+                    ),
                 )
                 for t in failed[:300]
             ]
@@ -223,17 +237,17 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
         for version in (10, 50):
             job = EvalJob.objects.create(
                 name=f"v{version}", policy=f"run:{run.pk}:v{version}", run=run,
-                policy_version=version, task_names=TASKS, k=4, status="finished",
+                policy_version=version, task_names=TASKS, k=4, status=EvalStatus.FINISHED,
                 done=4 * len(tasks), total=4 * len(tasks),
             )  # fmt: skip
             episodes = Trajectory.objects.bulk_create(
                 [
                     Trajectory(
                         task=t,
-                        purpose="eval",
+                        purpose=Purpose.EVAL,
                         eval_job=job,
                         seed=k,
-                        status="failed",
+                        status=TrajectoryStatus.FAILED,
                         reward=0.0,
                         length=10,
                         finished_at=now,
@@ -293,11 +307,15 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
     from django.contrib.auth.models import User
     from django.test import Client
 
-    from datamanager.models import EvalJob, TaskGroup, Trajectory
+    from datamanager.models import EvalJob, TaskGroup, Trajectory, TrajectoryStatus
 
     client = Client()
     client.force_login(User.objects.get(username="ada"))
-    traj = Trajectory.objects.filter(run_id=run_id, status="succeeded").order_by("-pk").first()
+    traj = (
+        Trajectory.objects.filter(run_id=run_id, status=TrajectoryStatus.SUCCEEDED)
+        .order_by("-pk")
+        .first()
+    )
     group = TaskGroup.objects.filter(run_id=run_id).order_by("-pk")[20]
     a, b = EvalJob.objects.order_by("pk")[:2]
     window = Trajectory.objects.filter(run_id=run_id).order_by("finished_at")[5000].finished_at
@@ -357,10 +375,14 @@ def screenshots(*, run_id: int, out: Path) -> None:
     from bench.capture import capture_pages
     from core.procutil import terminate_pid
     from dartboard.embedded_redis import EmbeddedRedis
-    from datamanager.models import TaskStat, Trajectory
+    from datamanager.models import TaskStat, Trajectory, TrajectoryStatus
 
     out.mkdir(parents=True, exist_ok=True)
-    traj = Trajectory.objects.filter(run_id=run_id, status="succeeded").order_by("-pk").first()
+    traj = (
+        Trajectory.objects.filter(run_id=run_id, status=TrajectoryStatus.SUCCEEDED)
+        .order_by("-pk")
+        .first()
+    )
     stat = TaskStat.objects.filter(run_id=run_id).first()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

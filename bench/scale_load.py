@@ -175,7 +175,7 @@ def _check(run_id: int, recorded: int, finished: int) -> dict[str, Any]:
     """Nothing lost: every recorded step is a row, every trajectory ended, lengths agree."""
     from django.db import connection
 
-    from datamanager.models import Step, Trajectory
+    from datamanager.models import Step, Trajectory, TrajectoryStatus
 
     trajs = Trajectory.objects.filter(run_id=run_id)
     with connection.cursor() as cur:
@@ -191,12 +191,12 @@ def _check(run_id: int, recorded: int, finished: int) -> dict[str, Any]:
         "step_rows": rows,
         "trajectories_finished_by_slots": finished,
         "trajectories": trajs.count(),
-        "still_running": trajs.filter(status="running").count(),
-        "not_succeeded": trajs.exclude(status="succeeded").count(),
+        "still_running": trajs.filter(status=TrajectoryStatus.RUNNING).count(),
+        "not_succeeded": trajs.exclude(status=TrajectoryStatus.SUCCEEDED).count(),
         "length_mismatch": length_mismatch,
         "nothing_lost": rows == recorded
         and trajs.count() == finished
-        and not trajs.filter(status="running").exists()
+        and not trajs.filter(status=TrajectoryStatus.RUNNING).exists()
         and length_mismatch == 0,
     }
 

@@ -25,7 +25,7 @@ def _more_slots(run_id: int, slots: int) -> None:
     from django.db import transaction
 
     from datamanager.config import RunConfig
-    from datamanager.models import EnvSlot, Run, Trajectory
+    from datamanager.models import EnvSlot, Run, SlotStatus, Trajectory, TrajectoryStatus
 
     with transaction.atomic():
         run = Run.objects.get(pk=run_id)
@@ -36,8 +36,14 @@ def _more_slots(run_id: int, slots: int) -> None:
         current = list(
             Trajectory.objects.filter(run=run).order_by("-pk").values_list("pk", flat=True)[:slots]
         )
-        Trajectory.objects.filter(pk__in=current).update(status="running", finished_at=None)
-        statuses = ["busy"] * 17 + ["idle", "recovering", "quarantined"]
+        Trajectory.objects.filter(pk__in=current).update(
+            status=TrajectoryStatus.RUNNING, finished_at=None
+        )
+        statuses = [SlotStatus.BUSY] * 17 + [
+            SlotStatus.IDLE,
+            SlotStatus.RECOVERING,
+            SlotStatus.QUARANTINED,
+        ]
         EnvSlot.objects.bulk_create(
             [
                 EnvSlot(

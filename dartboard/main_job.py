@@ -12,7 +12,7 @@ from __future__ import annotations
 from django.core.management import call_command
 
 from datamanager.config import RunConfig
-from datamanager.models import Run, Task
+from datamanager.models import EnvKind, Run, Split, Task
 from datamanager.services.runs import run_create
 
 # The presets `run_dartboard --preset` starts: MiniWoB++ (`make run`) and the X desktops
@@ -39,7 +39,9 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(MAIN_RUN_NAMES)}")
     if preset == "desktop":
         desktop = list(
-            Task.objects.filter(env_kind="desktop", split="train").values_list("name", flat=True)
+            Task.objects.filter(env_kind=EnvKind.DESKTOP, split=Split.TRAIN).values_list(
+                "name", flat=True
+            )
         )
         # The shipped policy was not pretrained on desktops (0 of 176 successes in the
         # first main job): the warm start clones the oracle's demonstrations first.

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -75,7 +75,22 @@ class WorkerInfo:
         return cls(**{**body, "status": WorkerStatus(body["status"])})
 
 
-class PolicyClient:
+class _HttpClient:
+    """Closing and the `with` block, for a client over one httpx.Client."""
+
+    _http: httpx.Client
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PolicyClient(_HttpClient):
     """Thread-safe client over one or several inference base URLs (or one router URL)."""
 
     def __init__(
@@ -96,15 +111,6 @@ class PolicyClient:
         self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token)))
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._lock = threading.Lock()
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> PolicyClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def complete(
         self,
@@ -168,22 +174,13 @@ class PolicyClient:
         )
 
 
-class RouterAdmin:
+class RouterAdmin(_HttpClient):
     """The router's admin API from Python (launcher, trainer); usage in the module doc."""
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None):
         """`token`: the admin token (default: DARTBOARD_ADMIN_TOKEN)."""
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(timeout=timeout, headers=bearer(client_token(token, ADMIN_ENV)))
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> RouterAdmin:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._http.request(method, f"{self.base_url}{path}", **kwargs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
 from datamanager.curation import INSTANCE_SEED_BASE
+from datamanager.models import EnvKind
 from training.ranges import Aggregation, LossType, range_error
 
 
@@ -68,10 +69,8 @@ class TaskSelection:
     )
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.env_kinds) - {"miniwob", "desktop", "sim", "osworld"})
-        _check(
-            not bad, "env_kinds", f"unknown backend(s) {bad}; use miniwob, desktop, sim, osworld"
-        )
+        bad = sorted(set(self.env_kinds) - set(EnvKind.values))
+        _check(not bad, "env_kinds", f"unknown backend(s) {bad}; use {', '.join(EnvKind.values)}")
         _check(bool(self.env_kinds), "env_kinds", "name at least one backend")
         _check(0 <= self.instances <= 1000, "instances", "must be between 0 and 1000")
 

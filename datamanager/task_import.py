@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from datamanager.models import EnvKind, Split
 from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
 
-ENV_KINDS = ("miniwob", "desktop", "sim", "osworld")
-SPLITS = ("train", "eval")
+ENV_KINDS = tuple(EnvKind.values)
+SPLITS = tuple(Split.values)
 FIELDS = {"name", "env_kind", "env_config", "instruction", "split", "tags"}
 
 
@@ -84,7 +85,9 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
         raise InvalidTaskRecord(f"{where}: field 'instruction' must be a string")
     split = data.get("split", "train")
     if split not in SPLITS:
-        raise InvalidTaskRecord(f"{where}: field 'split' must be train or eval, got {split!r}")
+        raise InvalidTaskRecord(
+            f"{where}: field 'split' must be {' or '.join(SPLITS)}, got {split!r}"
+        )
     tags = data.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
         raise InvalidTaskRecord(f"{where}: field 'tags' must be a list of non-empty strings")
@@ -112,7 +115,7 @@ def osworld_record(spec: dict[str, Any], where: str) -> TaskRecord:
     apps = [a for a in spec.get("related_apps", []) if a]
     return TaskRecord(
         name=f"osworld/{spec['id'].strip()}"[:200],
-        env_kind="osworld",
+        env_kind=EnvKind.OSWORLD,
         env_config={"osworld": spec},
         instruction=spec["instruction"],
         tags=("osworld", *dict.fromkeys(apps)),

@@ -25,12 +25,11 @@ from django.utils import timezone
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.launcher import Supervisor, default_specs, wait_http
 from datamanager.config import RunConfig
-from datamanager.models import Run, Step, Task, TrainUpdate, Trajectory
+from datamanager.models import SCORED_STATUSES, Run, Step, Task, TrainUpdate, Trajectory
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control, run_create
 
 TASKS = ("click-test-2", "click-button", "click-dialog")
-FINISHED = ("succeeded", "failed")
 ROOT = Path(__file__).resolve().parent.parent
 
 # Short leases and a fast watchdog so a test sees a recovery in seconds; the defaults
@@ -154,13 +153,13 @@ def create_started_run(name: str) -> Run:
 
 def finished(run: Run) -> dict[int, tuple[str, float | None, int]]:
     """Every finished trajectory: (status, reward, steps)."""
-    rows = Trajectory.objects.filter(run=run, status__in=FINISHED)
+    rows = Trajectory.objects.filter(run=run, status__in=SCORED_STATUSES)
     return {t.pk: (t.status, t.reward, t.steps.count()) for t in rows}
 
 
 def finished_after(run: Run, moment: datetime, *, not_on_pid: int | None = None) -> list:
     rows = Trajectory.objects.filter(
-        run=run, status__in=FINISHED, started_at__gt=moment
+        run=run, status__in=SCORED_STATUSES, started_at__gt=moment
     ).select_related("env_slot")
     if not_on_pid is not None:
         rows = [t for t in rows if t.env_slot and f":{not_on_pid}:" not in t.env_slot.name]

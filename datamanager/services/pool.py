@@ -11,14 +11,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from core.imaging import ImageGeometry
-from datamanager.models import (
-    Step,
-    Task,
-    TaskStat,
-    Trajectory,
-    TrajectorySource,
-    TrajectoryStatus,
-)
+from datamanager.models import Step, Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,12 @@ class SlotOutcome:
     reason: str
 
 
-def slot_name(backend: str, index: int) -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{backend}:{index}"
+def slot_name(backend: str, index: int, cfg: RunConfig) -> str:
+    """host:pid:backend:index, and an osworld slot's VM (the env wall shows it)."""
+    name = f"{socket.gethostname()}:{os.getpid()}:{backend}:{index}"
+    if backend == "osworld" and cfg.env.osworld_addresses:
+        name += f"@{cfg.env.osworld_addresses[index % len(cfg.env.osworld_addresses)]}"
+    return name
 
 
 def inference_urls() -> list[str]:
@@ -147,9 +151,7 @@ def serve_slot(
     # only from the launcher: a desktop or a VM only for a run an admin gave them to.
     run_env_check(run=run, backend=backend, index=index)
     cfg = RunConfig.from_dict(run.config)
-    name = slot_name(backend, index)
-    if backend == "osworld" and cfg.env.osworld_addresses:  # the env wall shows the VM
-        name += f"@{cfg.env.osworld_addresses[index % len(cfg.env.osworld_addresses)]}"
+    name = slot_name(backend, index, cfg)
     # At most one live worker serves a slot: a duplicate slot task (the watchdog's, or one
     # re-enqueued by a worker that shut down while the launcher started the run again) finds
     # the lease held and ends.
@@ -179,25 +181,17 @@ def serve_slot(
     try:
         slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
         while time.monotonic() < deadline:
-            if shutdown_requested.is_set():
-                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
-                return SlotOutcome(True, "worker shutting down")
-            if heartbeat.lost.is_set():
-                return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
-                                   "worker while Redis was away")  # fmt: skip
-            refresh_connection()
-            claim = db_retry(
-                lambda _: episodes.task_claim(run_id=run_id, slot_id=slot.pk, env_kinds=(backend,)),
-                what=f"claiming a task for slot {backend}:{index}",
+            claim = _next_claim(
+                run_id=run_id,
+                slot_id=slot.pk,
+                backend=backend,
+                index=index,
+                paced=pacer is not None,
+                lost=heartbeat.lost,
             )
+            if isinstance(claim, SlotOutcome):
+                return claim
             if claim is None:
-                if pacer is not None:
-                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
-                    return SlotOutcome(False, "nothing to claim this round")
-                status = Run.objects.values_list("status", flat=True).get(pk=run_id)
-                if status != RunStatus.RUNNING:
-                    slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.STOPPED)
-                    return SlotOutcome(False, f"run is {status}")
                 time.sleep(1.0)
                 continue
             quarantined = _run_claim(
@@ -219,6 +213,35 @@ def serve_slot(
             slot_services.env_slot_heartbeat(slot_id=slot.pk, env_busy_s=busy.seconds())
         lease.release()
         client.close()
+
+
+def _next_claim(
+    *, run_id: int, slot_id: int, backend: str, index: int, paced: bool, lost: threading.Event
+) -> episodes.Claim | SlotOutcome | None:
+    """The slot's next claim; else its outcome when it stops (the worker shuts down, the slot
+    was taken over, the run stopped; a `paced` slot sits a round with nothing to claim out),
+    or None: wait, then try again."""
+    if shutdown_requested.is_set():
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.STOPPED)
+        return SlotOutcome(True, "worker shutting down")
+    if lost.is_set():
+        return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
+                           "worker while Redis was away")  # fmt: skip
+    refresh_connection()
+    claim = db_retry(
+        lambda _: episodes.task_claim(run_id=run_id, slot_id=slot_id, env_kinds=(backend,)),
+        what=f"claiming a task for slot {backend}:{index}",
+    )
+    if claim is not None:
+        return claim
+    if paced:
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        return SlotOutcome(False, "nothing to claim this round")
+    status = Run.objects.values_list("status", flat=True).get(pk=run_id)
+    if status != RunStatus.RUNNING:
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.STOPPED)
+        return SlotOutcome(False, f"run is {status}")
+    return None
 
 
 def _run_claim(

@@ -29,7 +29,7 @@ def test_flower_shows_the_brokers_queues_to_an_operator_who_logs_in(subprocess_e
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}/flower"
     try:
-        wait_answering(f"{url}/healthcheck", proc, what="flower", log=log.name, timeout=60)
+        wait_answering(f"{url}/healthcheck", proc, what="flower", log=log.name, timeout=180)
         assert httpx.get(f"{url}/", timeout=10).status_code == 401
         assert httpx.get(f"{url}/", auth=("ops", "wrong"), timeout=10).status_code == 401
         page = httpx.get(f"{url}/broker", auth=("ops", "a-long-test-password"), timeout=30)
@@ -55,7 +55,7 @@ def test_flower_is_served_by_the_dashboard_to_admins_only(
         )  # fmt: skip
     try:
         wait_answering(f"http://127.0.0.1:{port}/flower/healthcheck", proc, what="flower",
-                       log=log.name, timeout=60)  # fmt: skip
+                       log=log.name, timeout=180)  # fmt: skip
         assert Client().get("/flower/broker")["Location"].startswith("/accounts/login/?next=")
         apply = "/flower/api/task/async-apply/workers.tasks.ping"
         for someone in (viewer_client, ada_client):

@@ -39,13 +39,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 kinds |= getattr(fixturedef.func, "dartboard_needs", frozenset())
         for kind in sorted(kinds):
             item.add_marker(kind)
-        # Under `make test`'s two xdist workers (--dist loadgroup), the tests that start live
-        # stacks run one after another on one worker and those with screens (chromium, Xvfb)
-        # on the other; the rest fill in: two live stacks at once on 2 cores time out.
-        if item.get_closest_marker("live"):
-            item.add_marker(pytest.mark.xdist_group("live"))
-        elif item.get_closest_marker("desktop") or item.get_closest_marker("browser"):
-            item.add_marker(pytest.mark.xdist_group("screens"))
 
 
 _over_budget: list[str] = []

@@ -7,6 +7,7 @@ Backends either perform an action or raise `ActionNotSupported` naming the actio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -25,6 +26,26 @@ class EnvUnavailable(EnvError):
 
 class ActionNotSupported(EnvError):
     """A backend cannot perform this action (e.g. a hotkey it does not know)."""
+
+
+def hotkey_parts(
+    *, key: str, names: dict[str, str], single: Callable[[str], bool], known: str
+) -> list[str]:
+    """'ctrl shift t' -> each key in a backend's spelling: a name from `names` (lower case),
+    or one character that `single` accepts; ActionNotSupported names the unknown key and
+    what is `known` besides the names."""
+    parts = []
+    for raw in key.replace("+", " ").split():
+        if raw.lower() in names:
+            parts.append(names[raw.lower()])
+        elif len(raw) == 1 and single(raw):
+            parts.append(raw)
+        else:
+            raise ActionNotSupported(
+                f"hotkey {key!r}: unknown key {raw!r} (known: {known} and "
+                f"{', '.join(sorted(names))})"
+            )
+    return parts
 
 
 class ActionType(StrEnum):

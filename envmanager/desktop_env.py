@@ -36,11 +36,12 @@ from core.protocol import (
     Evaluation,
     Observation,
     TaskSpec,
+    hotkey_parts,
 )
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
 from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox
 from envmanager.sandbox_limits import SandboxLimits, SandboxUnavailable
-from envmanager.xserver import XServer, XServerError, _stop
+from envmanager.xserver import SandboxedDisplay, XServer, XServerError
 
 WIDTH, HEIGHT = 800, 600
 SCROLL_CLICKS = 3  # wheel clicks per UI-TARS scroll
@@ -94,22 +95,11 @@ XDOTOOL_KEYS: dict[str, str] = {
 
 def xdotool_hotkey(*, key: str) -> str:
     """'ctrl shift t' -> 'ctrl+shift+t'; ActionNotSupported for an unknown key name."""
-    parts = []
-    for raw in key.replace("+", " ").split():
-        name = raw.lower()
-        if name in XDOTOOL_KEYS:
-            parts.append(XDOTOOL_KEYS[name])
-        elif len(raw) == 1 and raw.isalnum():
-            parts.append(raw)
-        else:
-            raise ActionNotSupported(
-                f"hotkey {key!r}: unknown key {raw!r} (known: letters, digits and "
-                f"{', '.join(sorted(XDOTOOL_KEYS))})"
-            )
+    parts = hotkey_parts(key=key, names=XDOTOOL_KEYS, single=str.isalnum, known="letters, digits")
     return "+".join(parts)
 
 
-class DesktopEnv:
+class DesktopEnv(SandboxedDisplay):
     """One private X desktop; implements `Env`. Starts lazily at the first reset."""
 
     kind = "desktop"
@@ -157,20 +147,9 @@ class DesktopEnv:
             self.close()
             raise EnvUnavailable(f"desktop: cannot start Xvfb/openbox: {exc}") from exc
 
-    def _stop_apps(self) -> None:
-        for app in self._apps:
-            _stop(app, grace_s=1.0)
-        self._apps = []
-
     def close(self) -> None:
         """Stop the task's apps, openbox and Xvfb, then free the sandbox; safe to call twice."""
-        self._stop_apps()
-        if self._x is not None:
-            self._x.stop()
-            self._x = None
-        if self._jail is not None:
-            self._jail.close()
-            self._jail = None
+        self._stop_display()
         self._task_name = None
 
     def recreate(self) -> None:

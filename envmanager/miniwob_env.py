@@ -50,6 +50,7 @@ from core.protocol import (
     Evaluation,
     Observation,
     TaskSpec,
+    hotkey_parts,
 )
 from envmanager.sandboxed_browser import browser_launcher
 
@@ -160,18 +161,9 @@ def playwright_hotkey(*, key: str) -> str:
 
     Raises ActionNotSupported for a key name neither in PLAYWRIGHT_KEYS nor one character.
     """
-    parts = []
-    for raw in key.replace("+", " ").split():
-        name = raw.lower()
-        if name in PLAYWRIGHT_KEYS:
-            parts.append(PLAYWRIGHT_KEYS[name])
-        elif len(raw) == 1 and raw.isprintable():
-            parts.append(raw)
-        else:
-            raise ActionNotSupported(
-                f"hotkey {key!r}: unknown key {raw!r} (known: single characters and "
-                f"{', '.join(sorted(PLAYWRIGHT_KEYS))})"
-            )
+    parts = hotkey_parts(
+        key=key, names=PLAYWRIGHT_KEYS, single=str.isprintable, known="single characters"
+    )
     return "+".join(parts)
 
 

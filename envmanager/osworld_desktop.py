@@ -38,7 +38,7 @@ from pathlib import Path
 from envmanager.desktop_tasks import DARTAPP
 from envmanager.sandbox import Sandbox, SandboxResult
 from envmanager.sandbox_limits import SandboxLimits
-from envmanager.xserver import XServer, _stop
+from envmanager.xserver import SandboxedDisplay, XServer
 
 WIDTH, HEIGHT = 1024, 768
 VM_HOME = "/home/user"
@@ -144,7 +144,7 @@ def _expand_home(command: list[str]) -> list[str]:
     return [VM_HOME + arg[1:] if arg.startswith("~/") else arg for arg in command]
 
 
-class OSWorldDesktop:
+class OSWorldDesktop(SandboxedDisplay):
     """One desktop served by `osworld_server`: X server, sandbox, the apps it launched."""
 
     def __init__(
@@ -204,20 +204,9 @@ class OSWorldDesktop:
         os.chown(desktop, jail.uid, jail.uid)
 
     def close(self) -> None:
-        self._stop_apps()
-        if self._x is not None:
-            self._x.stop()
-            self._x = None
-        if self._jail is not None:
-            self._jail.close()
-            self._jail = None
+        self._stop_display()
         self._spawner.shutdown(wait=False)
         shutil.rmtree(self._root, ignore_errors=True)
-
-    def _stop_apps(self) -> None:
-        for app in self._apps:
-            _stop(app, grace_s=1.0)
-        self._apps = []
 
     def _sandbox(self) -> Sandbox:
         if self._jail is None or self._x is None or not self._x.alive:

@@ -246,3 +246,27 @@ def _stop(process: subprocess.Popen, *, grace_s: float = 2.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=grace_s)
+
+
+class SandboxedDisplay:
+    """What a desktop env and the OSWorld desktop both hold: an Xvfb, the sandbox its
+    programs run in, and the apps a task started. Stopped apps first, then the display."""
+
+    _x: XServer | None
+    _jail: Sandbox | None
+    _apps: list[subprocess.Popen]
+
+    def _stop_apps(self) -> None:
+        for app in self._apps:
+            _stop(app, grace_s=1.0)
+        self._apps = []
+
+    def _stop_display(self) -> None:
+        """Stop the task's apps, openbox and Xvfb, then free the sandbox; safe to call twice."""
+        self._stop_apps()
+        if self._x is not None:
+            self._x.stop()
+            self._x = None
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None

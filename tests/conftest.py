@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,27 @@ def _clear_live_work_keys() -> None:
                 client.delete(key)
     finally:
         client.close()
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What a test leaves in this process is put back after it, so the next test on the same
+    xdist worker starts clean: torch's thread count, the slot worker's cached envs, the
+    trainers and metric writers held per run; and, outside the live tests (whose stacks hold
+    them for the whole module), the env slot and trainer leases in Redis."""
+    import torch  # imported once per worker; nearly every test loads it anyway
+
+    threads = torch.get_num_threads()
+    yield
+    if "workers.env_cache" in sys.modules:
+        sys.modules["workers.env_cache"].env_cache_reset()
+    if "workers.training_loop" in sys.modules:
+        sys.modules["workers.training_loop"].trainers_forget_all()
+    if "workers.exports" in sys.modules:
+        sys.modules["workers.exports"].exports_close_all()
+    torch.set_num_threads(threads)
+    if request.node.get_closest_marker("django_db") and not request.node.get_closest_marker("live"):
+        _clear_live_work_keys()
 
 
 @pytest.fixture

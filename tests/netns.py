@@ -121,9 +121,13 @@ class VirtualHosts:
 
     def argv(self, host: str, argv: list[str]) -> list[str]:
         """`argv` on `host`: in its namespace, under its hostname. The command replaces each
-        wrapper in turn (exec), so its pid is the one the caller's Popen returns."""
+        wrapper in turn (exec), so its pid is the one the caller's Popen returns.
+
+        nsenter joins only the network namespace. `ip netns exec` would also remount /sys
+        for it, hiding the cgroup hierarchy: every sandboxed browser on the host would then
+        refuse to start without its memory/pids limits, as no real host's would."""
         return [
-            "ip", "netns", "exec", self.namespace(host),
+            "nsenter", f"--net=/run/netns/{self.namespace(host)}",
             "unshare", "--uts", "--",
             "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname(host), *argv,
         ]  # fmt: skip

@@ -113,3 +113,9 @@ def exports_close(run_id: int) -> None:
         writer.close()
     wandb_close(run_id)
     mlflow_close(run_id)
+
+
+def exports_close_all() -> None:
+    """Close every run's writers this process holds."""
+    for run_id in list(_WRITERS):
+        exports_close(run_id)

@@ -102,6 +102,22 @@ def trainer_forget(*, run_id: int) -> None:
         group.close()
 
 
+def trainer_held(*, run_id: int) -> PolicyTrainer | None:
+    """This process's trainer of a run, if it holds one."""
+    return _TRAINERS.get(run_id)
+
+
+def replica_group_held(*, run_id: int) -> ReplicaGroup | None:
+    """This process's trainer replicas of a run, if it started them."""
+    return _GROUPS.get(run_id)
+
+
+def trainers_forget_all() -> None:
+    """Drop every trainer this process holds (a test's end, a worker's shutdown)."""
+    for run_id in list(_TRAINERS) + list(_GROUPS):
+        trainer_forget(run_id=run_id)
+
+
 def _waiting_message(run: Run, cfg: RunConfig) -> str:
     ready = TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count()
     running = Trajectory.objects.filter(run=run, status=TrajectoryStatus.RUNNING).count()

@@ -7,8 +7,8 @@ from django.core.files.storage import default_storage
 from django.test import Client
 
 from dartboard.asgi import application
+from tests.dartboard.run_helpers import make_run
 from tests.dartboard.test_curation_views import finished
-from tests.dartboard.test_views import make_run
 
 pytestmark = pytest.mark.django_db
 

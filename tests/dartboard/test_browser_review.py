@@ -138,7 +138,7 @@ def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
     assert [lab.trajectory_id for lab in labels] == labelled
     assert labels[0].comment == "the page never loaded" and labels[0].user.username == "ada"
 
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert (
         in_thread(training_loop.train_for, run_id=run.pk, max_seconds=120) == "max_updates reached"
     )

@@ -215,10 +215,6 @@ def files_under(path: Path) -> list[Path]:
 
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
-@pytest.mark.xfail(
-    strict=False,
-    reason="failed in the session's final full run after the per-purpose tokens (issue 31); not yet diagnosed: see the session note",
-)
 def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
     with deployment(tmp_path) as deploy:
         run = deploy.run = deploy.ask(op="start", policy=deploy.policy)["run"]

@@ -18,7 +18,6 @@ from datamanager.services import review
 from rollout.local_server import LocalPolicyServer
 from tests.datamanager.factories import make_running_run
 from workers import slot_worker, training_loop
-from workers.env_cache import env_cache_reset
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 THRESHOLD = 0.1  # the default: measured here, honest 2e-7 nats per token, stale 0.36
@@ -52,7 +51,6 @@ def test_a_worker_serving_old_weights_as_the_new_version_raises_the_gap_alert(
 ):
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.001  # sim slots take an OSWorld VM's time, scaled
-    env_cache_reset()
     torch.set_num_threads(2)
     Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})
     run = make_running_run(
@@ -66,7 +64,7 @@ def test_a_worker_serving_old_weights_as_the_new_version_raises_the_gap_alert(
                         "logprob_gap_alert": THRESHOLD},
         }
     )  # fmt: skip
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
 
     with LocalPolicyServer(tiny_policy_dir, version=0) as honest:  # v0 weights, says v0
         _round(run, honest, settings, researcher)
@@ -87,4 +85,3 @@ def test_a_worker_serving_old_weights_as_the_new_version_raises_the_gap_alert(
     page = ada_client.get(f"/runs/{run.pk}/").content.decode()
     assert f'role="alert">Log-prob gap: update 2 measured {gap:.3f} nats per token' in page
     assert "sampled from version 1, over the alert threshold 0.1" in page
-    env_cache_reset()

@@ -31,8 +31,8 @@ from rollout.checkpoints import CheckpointSource
 from rollout.router import build_app
 from rollout.router_state import Router
 from tests.conftest import png_bytes, user_in_role
+from tests.dartboard.run_helpers import make_run
 from tests.dartboard.test_curation_views import GOOD, archive, finished, upload
-from tests.dartboard.test_views import make_run
 from workers.evaluation import eval_job_run
 from workers.slot_worker import serve_slot
 from workers.tasks import slot_serve

@@ -32,10 +32,10 @@ def _read(run_id: int) -> dict[str, list[tuple[int, float]]]:
 def test_each_update_is_written_to_tensorboard_as_the_database_has_it(run_on_tiny):  # noqa: F811
     run = run_on_tiny
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     # Writers are cached per run id in this process: an earlier test's run 1 (its directory
     # gone) must not take this one's scalars.
-    exports._WRITERS.clear()
+    exports.exports_close_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     exports.exports_close(run.pk)
     update = TrainUpdate.objects.get(run=run)
@@ -56,8 +56,8 @@ def test_an_export_that_fails_leaves_the_update_standing(run_on_tiny, settings, 
     blocker.write_text("a file where the event files should go")
     settings.CHECKPOINT_ROOT = blocker  # the writer cannot make its directory
     _fill(run)
-    training_loop._TRAINERS.clear()
-    exports._WRITERS.clear()
+    training_loop.trainers_forget_all()
+    exports.exports_close_all()
     update = TrainUpdate.objects.create(run=run, number=1, policy_version=0, metrics={"loss": 1.0})
     assert exports.export_update(update_id=update.pk).tensorboard == 0
     assert TrainUpdate.objects.filter(pk=update.pk).exists()
@@ -130,7 +130,7 @@ def test_updates_reach_wandb_and_mlflow_as_the_database_has_them_across_a_restar
 ):
     run = run_on_tiny
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     first = TrainUpdate.objects.get(run=run)
     at_first = run_scalars(update=first)
@@ -183,7 +183,7 @@ def test_an_unusable_mlflow_store_is_logged_and_the_update_stands(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     settings.DARTBOARD_MLFLOW_TRACKING_URI = f"file://{blocker / 'mlruns'}"
     _fill(run)
-    exports._WRITERS.clear()
+    exports.exports_close_all()
     update = TrainUpdate.objects.create(run=run, number=1, policy_version=0, metrics={"loss": 1.0})
     with caplog.at_level(logging.ERROR, logger="dartboard.exports"):
         result = exports.export_update(update_id=update.pk)

@@ -18,7 +18,6 @@ from datamanager.services import env_slots, episodes
 from rollout.local_server import LocalPolicyServer
 from tests.datamanager.factories import make_running_run
 from workers import slot_worker, training_loop
-from workers.env_cache import env_cache_reset
 
 pytestmark = [pytest.mark.desktop]
 
@@ -80,13 +79,11 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
             "trainer": {"min_groups": 1, "lr": 1e-3, "kl_coef": 0.0, "max_updates": 1},
         }
     )
-    env_cache_reset()
     with LocalPolicyServer(tiny_policy_dir) as url:  # the test settings' inference token
         settings.DARTBOARD_INFERENCE_URLS = [url]
         outcome = slot_worker.serve_slot(
             run_id=run.pk, backend="osworld", index=0, max_seconds=180, max_episodes=2
         )
-    env_cache_reset()
     assert outcome.reason == "2 episodes done"
     slot = EnvSlot.objects.get(run=run)
     assert slot.name.endswith(f":osworld:0@{osworld_desktop.address}")  # the env wall's tile
@@ -94,7 +91,7 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
     assert rollouts.count() == 2 and all(t.status in ("succeeded", "failed") for t in rollouts)
     assert all(t.steps.count() >= 1 for t in rollouts)
     assert not all(t.status == "succeeded" for t in rollouts)  # the untrained policy fails
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=180) == "max_updates reached"
     update = TrainUpdate.objects.get(run=run)
     assert update.metrics["n_samples"] > 0
@@ -125,7 +122,6 @@ def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
         name="t:1:osworld:0", host="t", backend="osworld", run_id=run.pk
     )
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("osworld",))
-    env_cache_reset()
     cfg = RunConfig.from_dict(run.config)
     slot_worker._run_claim(claim, slot.pk, "osworld", cfg, client=None, index=0)
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
@@ -133,4 +129,3 @@ def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
     assert "osworld evaluator: exact_match failed: KeyError" in traj.error
     slot.refresh_from_db()
     assert slot.consecutive_failures == 1 and "exact_match failed" in slot.last_error
-    env_cache_reset()

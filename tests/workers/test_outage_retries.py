@@ -28,7 +28,7 @@ from tests.helpers import needs
 from tests.private_services import PrivateS3
 from workers import slot_worker
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
-from workers.env_cache import TaskEnv, env_cache_reset, process_env
+from workers.env_cache import TaskEnv, process_env
 from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run, task_spec, trajectory_end
 from workers.evaluation import _episode_config, eval_job_run
 
@@ -287,7 +287,6 @@ def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("sim",))
     assert claim is not None
     s3_screenshots.client().delete_bucket(Bucket="shots")
-    env_cache_reset()
     env = process_env("sim")
     cfg = RunConfig.from_dict(run.config)
     assert slot_worker._run_claim(claim, slot.pk, "sim", cfg, client=None) is False
@@ -297,7 +296,6 @@ def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
     slot.refresh_from_db()
     assert slot.consecutive_failures == 0 and slot.status == "idle"
     assert process_env("sim") is env  # the environment was fine: kept
-    env_cache_reset()
 
 
 @pytest.mark.parametrize(
@@ -318,7 +316,6 @@ def test_an_evaluation_rides_out_a_storage_failure_as_a_slot_does(
         s3_screenshots.stop()
     else:
         s3_screenshots.client().delete_bucket(Bucket="shots")
-    env_cache_reset()
     envs = []  # the cached env after each episode: one and the same when it is kept
     job = eval_job_run(job_id=job.pk, on_episode=lambda: envs.append(process_env("sim")))
     assert job.status == EvalStatus.FINISHED and job.done == 2
@@ -338,7 +335,6 @@ def test_a_database_outage_ends_an_evaluation_episode_with_its_env_kept(settings
     config = _episode_config(job, seed=0)
     traj = evaluations.eval_trajectory_start(job=job, task=task, seed=0, step_cap=2)
     oracle = OracleEndpoint(geometry=config.image_geometry)
-    env_cache_reset()
     env = process_env("sim")
     with _short_lock_wait():
         release = threading.Event()

@@ -42,7 +42,7 @@ def test_one_update_trains_marks_steps_and_publishes_a_version(run_on_tiny):
     run = run_on_tiny
     _fill(run)
     assert TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count() == 2
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     before = {
         k: v.clone()
         for k, v in training_loop.get_trainer(run, _cfg(run)).policy.model.state_dict().items()
@@ -65,7 +65,7 @@ def test_one_update_trains_marks_steps_and_publishes_a_version(run_on_tiny):
         pv.version == 1
         and (settings.CHECKPOINT_ROOT / f"run-{run.pk}" / "v00001" / "config.json").exists()
     )
-    after = training_loop._TRAINERS[run.pk].policy.model.state_dict()
+    after = training_loop.trainer_held(run_id=run.pk).policy.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
 
 
@@ -76,7 +76,7 @@ def test_a_trajectory_whose_screenshot_is_lost_is_left_out_and_training_goes_on(
     _fill(run)
     lost = Step.objects.filter(trajectory__run=run).order_by("pk").first()
     default_storage.delete(lost.screenshot.name)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     update = TrainUpdate.objects.get(run=run)
     assert update.metrics["n_samples"] == 6  # 8 steps, less the 2 of the unreadable one
@@ -90,7 +90,7 @@ def test_a_trajectory_whose_screenshot_is_lost_is_left_out_and_training_goes_on(
 def test_trainer_waits_and_says_so(run_on_tiny):
     run = run_on_tiny
     play(run, success=True)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=1.5) == "time slice over"
     run.refresh_from_db()
     assert "waiting for 2 ready groups: 0 ready" in run.status_message
@@ -108,7 +108,7 @@ def test_groups_with_only_stale_steps_leave_the_queue_as_skipped(run_on_tiny, ca
     # must not sit at the head of the ready queue forever, collected and dropped on every try.
     run = run_on_tiny
     _fill(run, version=0)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     training_loop.get_trainer(run, _cfg(run)).state.version = 5
     with caplog.at_level("INFO", logger="dartboard.trainer"):
         assert training_loop.train_for(run_id=run.pk, max_seconds=1.5) == "time slice over"
@@ -130,12 +130,13 @@ def test_groups_with_only_stale_steps_leave_the_queue_as_skipped(run_on_tiny, ca
 def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
     run = run_on_tiny
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     training_loop.train_for(run_id=run.pk, max_seconds=120)
     weights = {
-        k: v.clone() for k, v in training_loop._TRAINERS[run.pk].policy.model.state_dict().items()
+        k: v.clone()
+        for k, v in training_loop.trainer_held(run_id=run.pk).policy.model.state_dict().items()
     }
-    training_loop._TRAINERS.clear()  # the worker process died
+    training_loop.trainers_forget_all()  # the worker process died
     Run.objects.filter(pk=run.pk).update(
         config={**run.config, "trainer": {**run.config["trainer"], "max_updates": 2}}
     )
@@ -146,7 +147,7 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
         assert torch.equal(value, weights[name]), f"{name} differs from the published version"
     _fill(run, version=1)
     training_loop.train_for(run_id=run.pk, max_seconds=120)
-    trainer = training_loop._TRAINERS[run.pk]
+    trainer = training_loop.trainer_held(run_id=run.pk)
     assert trainer.state.updates == 2 and trainer.state.version == 2
     assert TrainUpdate.objects.filter(run=run).count() == 2
     # No step was trained twice: each update used only the new groups' steps.
@@ -165,16 +166,17 @@ def test_versions_go_to_the_store_and_a_trainer_on_another_host_resumes_from_it(
     settings.DARTBOARD_ARTIFACTS = s3_artifacts
     run = run_on_tiny
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     training_loop.train_for(run_id=run.pk, max_seconds=120)
     published = PolicyVersion.objects.get(run=run, version=1)
     ref = ArtifactRef.parse(published.artifact)
     assert ref.key == f"runs/{run.pk}/v00001"
     weights = {
-        k: v.clone() for k, v in training_loop._TRAINERS[run.pk].policy.model.state_dict().items()
+        k: v.clone()
+        for k, v in training_loop.trainer_held(run_id=run.pk).policy.model.state_dict().items()
     }
 
-    training_loop._TRAINERS.clear()  # the trainer moves to another host: nothing on its disk
+    training_loop.trainers_forget_all()  # the trainer moves to another host: nothing on its disk
     settings.CHECKPOINT_ROOT = tmp_path / "host-b" / "checkpoints"
     settings.DARTBOARD_ARTIFACT_CACHE = tmp_path / "host-b" / "cache"
     run.refresh_from_db()
@@ -192,19 +194,19 @@ def test_a_lora_run_publishes_adapter_versions_and_resumes_from_them(run_on_tiny
     Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
     run.refresh_from_db()
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     base = {k: v.clone() for k, v in load_policy(run.config["policy"]).model.state_dict().items()}
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     published = settings.CHECKPOINT_ROOT / f"run-{run.pk}" / "v00001"
     assert PolicyVersion.objects.get(run=run).checkpoint == str(published)
     assert is_adapter_dir(published) and not (published / "model.safetensors").exists()
-    trained = training_loop._TRAINERS[run.pk].policy.model
+    trained = training_loop.trainer_held(run_id=run.pk).policy.model
     assert any("lora_B" in n and v.abs().sum() > 0 for n, v in trained.named_parameters())
     frozen = trained.get_base_model().state_dict()  # LoRA-wrapped layers keep theirs in base_layer
     for key, value in base.items():
         wrapped = key.rsplit(".", 1)[0] + ".base_layer." + key.rsplit(".", 1)[1]
         assert torch.equal(frozen.get(key, frozen.get(wrapped)), value), key
-    training_loop._TRAINERS.clear()  # the worker died: resume from the adapter version
+    training_loop.trainers_forget_all()  # the worker died: resume from the adapter version
     resumed = training_loop.get_trainer(run, _cfg(run))
     assert (resumed.state.updates, resumed.state.version) == (1, 1)
     for name, value in resumed.policy.model.named_parameters():
@@ -226,12 +228,12 @@ def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, mode):
         Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
         run.refresh_from_db()
         _fill(run)
-        training_loop._TRAINERS.clear()
+        training_loop.trainers_forget_all()
         torch.manual_seed(0)
         assert training_loop.train_for(run_id=run.pk, max_seconds=300) == "max_updates reached"
         losses.append(TrainUpdate.objects.get(run=run).metrics["loss"])
         assert PolicyVersion.objects.filter(run=run, version=1).exists()
-    followers = training_loop._GROUPS[runs[1].pk].followers
+    followers = training_loop.replica_group_held(run_id=runs[1].pk).followers
     assert len(followers) == 1 and followers[0].poll() is None
     training_loop.trainer_forget(run_id=runs[1].pk)
     assert followers[0].poll() == 0  # told to stop, and it did
@@ -282,7 +284,7 @@ def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
             "trainer": {"warm_start_bc_updates": 6, "lr": 3e-3, "kl_coef": 0.0, "max_updates": 6},
         }
     )
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=300) == "max_updates reached"
     updates = list(TrainUpdate.objects.filter(run=run).order_by("number"))
     assert [u.metrics["kind"] for u in updates] == ["warm_start"] * 6
@@ -308,7 +310,7 @@ def test_pool_demos_are_mixed_into_an_rl_update_and_behaviour_cloned(
         }
     )  # fmt: skip
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     update = TrainUpdate.objects.get(run=run)
     assert update.metrics["kind"] == "rl"
@@ -333,7 +335,7 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
         }
     )
     _fill(run)
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     training_loop.train_for(run_id=run.pk, max_seconds=120)
     baseline, job = EvalJob.objects.filter(run=run).order_by("policy_version")
     # The starting policy first (the baseline the versions are compared against), then v1.
@@ -363,7 +365,7 @@ def test_a_failing_trainer_says_why_on_the_run_and_retries(
     run = make_running_run({"policy": str(policy), "mode": mode, "trainer": {"kl_coef": 0.0}})
     for weights in policy.glob("*.safetensors"):
         weights.unlink()
-    training_loop._TRAINERS.clear()
+    training_loop.trainers_forget_all()
     with app.connection_for_write() as conn:
         redis = conn.default_channel.client
         queued = redis.llen("train")
@@ -374,4 +376,4 @@ def test_a_failing_trainer_says_why_on_the_run_and_retries(
     run.refresh_from_db()
     assert run.status_message.startswith("trainer failed: ")
     assert "Retrying in 30 s" in run.status_message
-    assert run.pk not in training_loop._TRAINERS
+    assert training_loop.trainer_held(run_id=run.pk) is None

@@ -1,0 +1,180 @@
+"""The run page's env wall as a researcher reads it: each slot's latest screenshot, task,
+step, status and how busy it has been; who holds the slots; a wall of hundreds, paged."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from datamanager.models import EnvSlot, Run, Step, Trajectory
+from tests.dartboard.run_helpers import episode, make_run
+
+pytestmark = pytest.mark.django_db
+
+
+def test_run_page_env_wall_shows_latest_screenshot_task_step_and_status(ada_client):
+    run = make_run()
+    busy = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)
+    sick = EnvSlot.objects.create(
+        name="h:1:1",
+        host="h",
+        backend="miniwob",
+        run=run,
+        status="quarantined",
+        last_error="chromium died 3 times",
+    )
+    traj = episode(run, busy, steps=3, success=None, version=2)
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    tile = re.search(rf'<a class="tile" data-slot="{busy.pk}".*?</a>', html, re.S).group(0)
+    last = Step.objects.get(trajectory=traj, index=2)
+    assert f'src="/media/{last.screenshot.name}"' in tile
+    assert f'href="/trajectories/{traj.pk}/"' in tile
+    assert traj.task.name in tile and '<span class="step">2</span>' in tile and "v2" in tile
+    tile2 = re.search(rf'<a class="tile" data-slot="{sick.pk}".*?</a>', html, re.S).group(0)
+    assert "quarantined" in tile2 and "chromium died 3 times" in tile2
+    assert ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"][0]["step"] == 2
+
+
+def test_a_slot_tile_shows_how_busy_its_environment_has_been(ada_client):
+    """A worker alive for 200 s whose env spent 150 s in reset/step/evaluate: 75%."""
+    from datetime import timedelta
+
+    run = make_run()
+    slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)
+    EnvSlot.objects.filter(pk=slot.pk).update(
+        env_busy_s=150.0, last_heartbeat=slot.created_at + timedelta(seconds=200)
+    )
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    tile = re.search(rf'<a class="tile" data-slot="{slot.pk}".*?</a>', html, re.S).group(0)
+    assert "env busy 75%" in tile
+    assert ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"][0]["env_busy"] == 0.75
+
+
+def test_a_slot_whose_worker_stopped_heart_beating_shows_as_lost(ada_client):
+    """A killed worker cannot say so itself: its tile turns `lost` once its heartbeat is
+    older than the bound that also ends its episode (3 x heartbeat_s + 10 s)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = make_run(env={"heartbeat_s": 2.0})
+    alive = EnvSlot.objects.create(name="h:1:miniwob:0", host="h", backend="miniwob", run=run)
+    dead = EnvSlot.objects.create(name="h:2:miniwob:1", host="h", backend="miniwob", run=run)
+    EnvSlot.objects.filter(pk__in=[alive.pk, dead.pk]).update(status="busy")
+    EnvSlot.objects.filter(pk=alive.pk).update(last_heartbeat=timezone.now())
+    EnvSlot.objects.filter(pk=dead.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=40))
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+
+    def tile(slot):
+        return re.search(rf'<a class="tile" data-slot="{slot.pk}".*?</a>', html, re.S).group(0)
+
+    assert ">busy<" in tile(alive) and "lost" not in tile(alive)
+    assert ">lost<" in tile(dead)
+    assert re.search(r"no heartbeat for 4\d s: its worker stopped", tile(dead))
+    statuses = {
+        s["name"]: s["status"] for s in ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"]
+    }
+    assert statuses == {"h:1:miniwob:0": "busy", "h:2:miniwob:1": "lost"}
+
+
+def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_work_keys_cleared):
+    from workers.leases import redis_client, slot_work
+
+    run = make_run(env={"miniwob_slots": 2})
+    client = redis_client()
+    client.set(slot_work(run_id=run.pk, backend="miniwob", index=0).lease_key, "h:42:miniwob:0")
+    client.set(slot_work(run_id=run.pk, backend="miniwob", index=1).pending_key, "1")
+    client.close()
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+
+    assert "slot miniwob:0: held by h:42:miniwob:0" in text
+    assert "slot miniwob:1: queued on env" in text
+    assert "trainer: no live worker; the watchdog enqueues it again after 20 s" in text
+
+
+def test_with_redis_down_the_run_page_says_who_holds_the_slots_is_unknown(
+    ada_client, settings, tmp_path
+):
+    settings.REDIS_URL = f"unix://{tmp_path / 'no-redis.sock'}"  # nothing listens there
+    run = make_run(env={"miniwob_slots": 2})
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "workers: Redis unreachable, live state unavailable:" in text
+    assert "slot miniwob:0" not in text
+
+
+def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
+    """1,000 tiles are neither readable nor cheap: the wall shows a page of 60, counts every
+    status, and filters by status (`lost` included) and by slot or task name."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = make_run(env={"miniwob_slots": 0, "sim_slots": 130})
+    EnvSlot.objects.bulk_create(
+        [
+            EnvSlot(name=f"w:{i:03d}", host="w", backend="sim", run=run,
+                    status="quarantined" if i % 10 == 3 else "busy",
+                    last_heartbeat=timezone.now())
+            for i in range(130)
+        ]
+    )  # fmt: skip
+    EnvSlot.objects.filter(name="w:007").update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    episode(run, EnvSlot.objects.get(name="w:120"), steps=2, success=None)
+
+    def tiles(html: str) -> list[str]:
+        return re.findall(
+            r'<a class="tile" data-slot="\d+".*?<span class="name">([^<]*)<', html, re.S
+        )
+
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert tiles(html) == [f"w:{i:03d}" for i in range(60)]
+    assert "116 busy" in html and "13 quarantined" in html and "1 lost" in html
+    assert "page 1 of 3" in html and 'data-complete="1"' not in html
+    page3 = ada_client.get(f"/runs/{run.pk}/?page=3").content.decode()
+    assert tiles(page3) == [f"w:{i:03d}" for i in range(120, 130)]
+    quarantined = ada_client.get(f"/runs/{run.pk}/?status=quarantined").content.decode()
+    assert tiles(quarantined) == [f"w:{i:03d}" for i in range(3, 130, 10)]
+    lost = ada_client.get(f"/runs/{run.pk}/slots.json?status=lost").json()
+    assert [s["name"] for s in lost["slots"]] == ["w:007"] and lost["total"] == 1
+    task = Trajectory.objects.get(env_slot__name="w:120").task.name
+    EnvSlot.objects.filter(name="w:120").update(
+        current_trajectory=Trajectory.objects.get(env_slot__name="w:120")
+    )
+    by_task = ada_client.get(f"/runs/{run.pk}/slots.json?q={task}").json()
+    assert [s["name"] for s in by_task["slots"]] == ["w:120"] and by_task["slots"][0]["step"] == 1
+    page2 = ada_client.get(f"/runs/{run.pk}/slots.json?page=2").json()
+    assert (len(page2["slots"]), page2["page"], page2["pages"], page2["total"]) == (60, 2, 3, 130)
+    assert page2["counts"] == {"busy": 116, "quarantined": 13, "lost": 1}
+
+
+def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
+    ada_client, live_work_keys_cleared, monkeypatch
+):
+    import redis as redis_py
+
+    from workers.leases import redis_client, slot_work
+
+    run = make_run(policy="oracle", env={"miniwob_slots": 0, "sim_slots": 500})
+    client = redis_client()
+    pipe = client.pipeline()
+    for i in range(499):  # slot 499 has no worker
+        pipe.set(slot_work(run_id=run.pk, backend="sim", index=i).lease_key, f"h:1:sim:{i}")
+    pipe.execute()
+    client.close()
+    sends = []
+    real = redis_py.connection.AbstractConnection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        sends.append(1)
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(redis_py.connection.AbstractConnection, "send_packed_command", counted)
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert len(sends) <= 20  # one round trip a lease: 1,000 for this page
+    assert "499 slots: held by live workers" in text
+    assert "slot sim:499: no live worker" in text and "slot sim:3:" not in text
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "env": {**run.config["env"], "sim_slots": 600}})  # fmt: skip
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "slot sim:518: no live worker" in text and "slot sim:519" not in text
+    assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed

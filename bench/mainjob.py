@@ -190,7 +190,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--every", type=float, default=5, help="minutes between rows")
-    ap.add_argument("--preset", default="miniwob", choices=["miniwob", "desktop"])
+    ap.add_argument("--preset", default="miniwob", choices=["miniwob", "vllm", "desktop"])
     ap.add_argument("--slots", type=int, default=3, help="env workers: the preset's slots")
     ap.add_argument("--no-final", action="store_true", help="skip the final evaluations")
     ap.add_argument("--final-heldout-k", type=int, default=None, metavar="K",

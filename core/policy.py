@@ -24,6 +24,7 @@ from peft import PeftModel
 from transformers import (
     AutoConfig,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
@@ -126,6 +127,15 @@ def load_policy(
     # No device_map: weights go to one device here (sharding is the trainer's business).
     model = _MODEL_CLASSES[model_type].from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
+    # Sampling is Dartboard's alone (core.generation): the checkpoint's generation_config.json
+    # (Qwen2.5-VL-7B-Instruct's top_k=1, repetition_penalty=1.05) would otherwise fill every
+    # field generate() leaves unset. Only its token ids are kept.
+    shipped = model.generation_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=shipped.bos_token_id,
+        eos_token_id=shipped.eos_token_id,
+        pad_token_id=shipped.pad_token_id,
+    )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer.padding_side = "left"
     # The PIL image processor: the default one needs torchvision, which has no CPU build here.

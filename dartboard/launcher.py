@@ -42,7 +42,12 @@ from rollout.auth import (
     service_environ,
 )
 from rollout.checkpoints import CACHE_ENV, STORE_ENV
-from rollout.vllm_command import vllm_environment, vllm_serve_args
+from rollout.vllm_command import (
+    checkpoint_dtype,
+    vllm_environment,
+    vllm_python,
+    vllm_serve_args,
+)
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -226,10 +231,12 @@ def default_specs(
     inference_workers: int = 1,
     router_port: int = 8100,
     backend: str = "transformers",
+    vllm_gpus: list[int] | None = None,
+    vllm_gpu_memory: float | None = None,
 ) -> list[ProcSpec]:
     """web (daphne), Celery workers (default, train, one solo worker per env slot), Celery
-    beat (the runs watchdog) and,
-    with a policy, the rollout service: inference workers behind the router."""
+    beat (the runs watchdog) and, with a policy, the rollout service: inference workers
+    behind the router (vLLM worker i on `vllm_gpus[i]`, `rollout.vllm_command.vllm_gpus`)."""
     celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
     tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
     specs = [
@@ -259,7 +266,9 @@ def default_specs(
             wport = router_port + 1 + i
             workers.append(f"http://127.0.0.1:{wport}")
             if backend == "vllm":
-                specs += vllm_specs(i, inference_policy, wport, tokens=tokens)
+                gpu = vllm_gpus[i] if vllm_gpus else None
+                specs += vllm_specs(i, inference_policy, wport, tokens=tokens, gpu=gpu,
+                                    gpu_memory=vllm_gpu_memory)  # fmt: skip
                 continue
             specs.append(
                 ProcSpec(
@@ -321,30 +330,41 @@ def vllm_socket(i: int) -> Path:
     return Path(settings.DARTBOARD_HOME) / "run" / f"vllm-{i}.sock"
 
 
-def vllm_specs(i: int, policy: str, port: int, *, tokens: ServiceTokens) -> list[ProcSpec]:
-    """vLLM on GPU i, on a unix socket only this user can reach (its dev mode reloads weights
-    from any path, with no key), and the adapter that puts it behind the inference-worker
-    contract on `port`. The API key is a fresh one that only these two hold, in their
-    environments. `policy` is the base checkpoint; the router's first sync loads the run's
-    current version (an adapter, or full weights)."""
+def vllm_specs(
+    i: int,
+    policy: str,
+    port: int,
+    *,
+    tokens: ServiceTokens,
+    gpu: int | None = None,
+    gpu_memory: float | None = None,
+) -> list[ProcSpec]:
+    """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
+    `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can reach (its dev mode reloads weights from any
+    path, with no key), and the adapter that puts it behind the inference-worker contract on
+    `port`. The API key is a fresh one that only these two hold, in their environments.
+    `policy` is the base checkpoint; the router's first sync loads the run's current version
+    (an adapter, or full weights)."""
     sock = vllm_socket(i)
     key = secrets.token_urlsafe(32)
-    args = vllm_serve_args(model_dir=policy, uds=str(sock))
+    args = vllm_serve_args(
+        model_dir=policy, uds=str(sock), gpu_memory=gpu_memory, dtype=checkpoint_dtype(policy)
+    )
     vllm_env = {
         **service_environ(os.environ),
         # vLLM's own settings (VLLM_CPU_KVCACHE_SPACE, ...); the key is set below, not taken.
         **{k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k != VLLM_KEY_ENV},
         **vllm_environment(api_key=key),
-        "CUDA_VISIBLE_DEVICES": str(i),
-        "PYTHONPATH": ROOT,  # rollout.vllm_ext, the worker extension
+        "CUDA_VISIBLE_DEVICES": str(i if gpu is None else gpu),
     }
+    vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on a CPU host (default 4)
     adapter = python_argv(
         "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
         "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
+    serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *args]
     return [
-        ProcSpec(f"vllm-{i}", python_argv("-m", "vllm.entrypoints.openai.api_server", *args),
-                 env=vllm_env, inherit=False, stale=(sock,)),
+        ProcSpec(f"vllm-{i}", serve, env=vllm_env, inherit=False, stale=(sock,)),
         ProcSpec(f"inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
                  inherit=False),
     ]  # fmt: skip

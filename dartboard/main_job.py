@@ -15,9 +15,14 @@ from datamanager.config import RunConfig
 from datamanager.models import EnvKind, Run, Split, Task
 from datamanager.services.runs import run_create
 
-# The presets `run_dartboard --preset` starts: MiniWoB++ (`make run`) and the X desktops
-# (`make run-desktop`), each its own run, found again by name on a restart.
-MAIN_RUN_NAMES = {"miniwob": "main (make run)", "desktop": "desktop (make run-desktop)"}
+# The presets `run_dartboard --preset` starts: MiniWoB++ (`make run`), the same served by
+# vLLM (`make run-vllm`) and the X desktops (`make run-desktop`), each its own run, found
+# again by name on a restart.
+MAIN_RUN_NAMES = {
+    "miniwob": "main (make run)",
+    "vllm": "main on vLLM (make run-vllm)",
+    "desktop": "desktop (make run-desktop)",
+}
 MAIN_RUN_NAME = MAIN_RUN_NAMES["miniwob"]
 # MiniWoB++ click tasks the shipped policy does not already solve: it clicks click-test
 # (100%) and focus-text (93%) greedily, which only dilute what RL adds (bench/learning.py's
@@ -59,6 +64,14 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
                 },
             }
         )
+    if preset == "vllm":
+        # The main job as a GPU user runs a 7B model: vLLM (its CPU build here) serves the
+        # rollouts and the trainer publishes LoRA adapters, each loaded into vLLM beside the
+        # serving one (no pause). A LoRA update moves less than a full one: a higher lr.
+        main = main_run_config("miniwob").to_dict()
+        main["rollout"]["backend"] = "vllm"
+        main["trainer"].update({"lora_rank": 16, "lora_alpha": 32, "lr": 5e-4})
+        return RunConfig.from_dict(main)
     return RunConfig.from_dict(
         {
             "policy": "shipped",

@@ -18,6 +18,11 @@ from datamanager.curation import INSTANCE_SEED_BASE
 from datamanager.models import EnvKind
 from training.ranges import Aggregation, LossType, range_error
 
+# UI-TARS-1.5's replies and screenshots (`rollout.prompt` ui-tars-1.5): a Thought and an
+# Action run to hundreds of tokens; a 1920x1080 screenshot is 2,691 prompt tokens.
+UI_TARS_MIN_NEW_TOKENS = 256
+UI_TARS_MIN_PROMPT_TOKENS = 16384
+
 
 class ConfigError(ValueError):
     """A config value is invalid. `path` is the dotted field name, e.g. 'trainer.lr'."""
@@ -196,6 +201,15 @@ class RolloutConfig:
         "Inference workers: Dartboard's transformers server (CPU or GPU) or vLLM behind its "
         "adapter (GPU hosts with requirements-gpu.txt).",
     )
+    vllm_gpus: Literal["after_trainer", "shared"] = knob(
+        "after_trainer",
+        "Where vLLM workers run on a GPU host: on the GPUs after the trainer's (worker i on "
+        "GPU trainer.replicas + i), or shared with the trainer (worker i on GPU i, with "
+        "vllm_gpu_memory at most 0.5 so both fit).",
+    )
+    vllm_gpu_memory: float = knob(
+        0.9, "Fraction of its GPU's memory vLLM takes for weights and KV cache (vLLM's own)."
+    )
     prompt: Literal["dartboard", "ui-tars-1.5"] = knob(
         "dartboard",
         "Prompt template: Dartboard's (the shipped tiny policy's) or UI-TARS-1.5's computer-use "
@@ -211,6 +225,20 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.prompt != "ui-tars-1.5":
             _unused_knob(self, "language", "outside the ui-tars-1.5 prompt")
+        else:  # sized for the tiny policy, these defaults would cut every UI-TARS turn short
+            _check(
+                self.max_new_tokens >= UI_TARS_MIN_NEW_TOKENS,
+                "max_new_tokens",
+                f"UI-TARS-1.5 writes a Thought before each Action, hundreds of tokens: give it "
+                f"at least {UI_TARS_MIN_NEW_TOKENS} (got {self.max_new_tokens})",
+            )
+            _check(
+                self.max_prompt_tokens >= UI_TARS_MIN_PROMPT_TOKENS,
+                "max_prompt_tokens",
+                f"one 1920x1080 screenshot is 2,691 tokens for UI-TARS-1.5: "
+                f"{self.max_images} of them and the history need at least "
+                f"{UI_TARS_MIN_PROMPT_TOKENS} (got {self.max_prompt_tokens})",
+            )
         _check(
             bool(self.language.strip()) and len(self.language) <= 40,
             "language",
@@ -226,6 +254,7 @@ class RolloutConfig:
         _check(self.max_parse_errors >= 1, "max_parse_errors", "must be >= 1")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(1 <= self.inference_workers <= 16, "inference_workers", "must be between 1 and 16")
+        _check(0 < self.vllm_gpu_memory <= 0.95, "vllm_gpu_memory", "must be in (0, 0.95]")
 
 
 @dataclass
@@ -492,6 +521,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.policy.strip()), "policy", "name a checkpoint")
+        _check(
+            self.rollout.backend != "vllm"
+            or self.rollout.vllm_gpus != "shared"
+            or self.rollout.vllm_gpu_memory <= 0.5,
+            "rollout.vllm_gpu_memory",
+            f"vLLM shares its GPU with the trainer (rollout.vllm_gpus shared) but would take "
+            f"{self.rollout.vllm_gpu_memory:.0%} of it: the trainer runs out of memory; give "
+            "vLLM 0.5 or less, or put it after the trainer's GPUs (vllm_gpus after_trainer)",
+        )
         _check(
             not self.evaluation.train_instances or self.tasks.instances > 0,
             "evaluation.train_instances",

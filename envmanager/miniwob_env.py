@@ -285,14 +285,18 @@ class MiniWoBEnv:
         return self._page is not None
 
     def browser_pid(self) -> int | None:
-        """PID of this env's chromium main process (found by its marker switch), or None."""
+        """PID of this env's chromium main process (found by its marker switch), or None.
+        The sandbox's bubblewrap processes carry the marker in their command lines too: the
+        browser is the one whose program is chromium itself."""
         for child in psutil.Process().children(recursive=True):
             try:
                 cmdline = child.cmdline()
             except psutil.Error:
                 continue
-            if f"--dartboard-env={self._marker}" in cmdline and not any(
-                arg.startswith("--type=") for arg in cmdline
+            if (
+                f"--dartboard-env={self._marker}" in cmdline
+                and Path(cmdline[0]).name == "chromium"
+                and not any(arg.startswith("--type=") for arg in cmdline)
             ):
                 return child.pid
         return None

@@ -13,9 +13,9 @@ through asking vLLM for per-token logprobs and top-5 alternatives (from which th
 estimates the entropy), and the reply gains `policy_version`; POST /v1/reload {"checkpoint",
 "version"} with a LoRA adapter directory loads it into vLLM beside the serving one
 (/v1/load_lora_adapter), sends new requests to it at once and unloads the old adapter when its
-last request ends: no pause. Full weights drain, reload in place through the worker extension
-(/collective_rpc), then reset vLLM's prefix and multimodal caches (entries computed by the old
-weights would otherwise mix into new generations silently). GET /v1/models is vLLM's list;
+last request ends: no pause. Full weights drain, reload in place
+(/collective_rpc, vLLM's `reload_weights`), then reset vLLM's prefix and multimodal caches
+(entries computed by the old weights would otherwise mix into new generations silently). GET /v1/models is vLLM's list;
 GET /health reports status, version, served name, image geometry (from the processor of
 --policy-dir, also in every reply) and in-flight requests. Requests name Dartboard's model;
 the adapter asks vLLM for what it serves now (the base's --served-model-name or the current
@@ -27,14 +27,14 @@ token; the admin token for /v1/reload) and a reload loads only from the checkpoi
 only its /v1/* routes: its dev-mode /collective_rpc, /reset_*_cache and the rest answer anyone
 who can connect. So vLLM is reachable only from this adapter: on a unix socket in a
 directory only this user can enter (the launcher), or on a network only the adapter joins
-(compose). vLLM itself is CUDA-only; the
-adapter's own checks are tested in CI with `rollout.server` standing in as the OpenAI backend.
+(compose). The suite runs it in front of vLLM's CPU build (`tests/rollout/test_vllm_cpu.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -46,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from core.artifacts import ArtifactError
+from core.generation import NEVER_GENERATED
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
 from rollout.asgi import (
@@ -97,14 +98,17 @@ class Adapter:
         token: str | None,
         geometry: ImageGeometry,
         max_tokens_limit: int = 1024,
+        never_generated: tuple[int, ...] = (),
     ) -> None:
         """`vllm_url`: http://HOST:PORT, or unix:/PATH for vLLM on a unix socket (`vllm serve
         --uds PATH`). `token`: vLLM's API key (its VLLM_API_KEY). `geometry` is the served
-        model's processor's (`--policy-dir`): clients map coordinates with it."""
+        model's processor's (`--policy-dir`): clients map coordinates with it. `never_generated`:
+        the token ids no reply may contain (`core.generation.NEVER_GENERATED`)."""
         self.vllm, transport = vllm_base(vllm_url)
         self.version = version
         self.geometry = geometry
         self.max_tokens_limit = max_tokens_limit
+        self.never_generated = never_generated
         self.model = ""  # vLLM's served name of the base model (--served-model-name)
         self.serving = ""  # what requests ask vLLM for: the base, or the current LoRA adapter
         self.status = "ok"
@@ -113,12 +117,27 @@ class Adapter:
         self.http = httpx.Client(timeout=600, headers=bearer(token), transport=transport)
 
     def start(self) -> None:
-        """Learn the served model's name (what every request asks vLLM for)."""
+        """Learn the served model's name (what every request asks vLLM for), if vLLM is up;
+        else the first request or reload learns it (`base_name`)."""
+        try:
+            self.base_name()
+        except ValueError as exc:
+            print(exc, file=sys.stderr, flush=True)
+
+    def base_name(self) -> str:
+        """vLLM's name of the base model (its --served-model-name), asked once it answers;
+        ValueError while it lists none (still starting)."""
+        if self.model:
+            return self.model
         try:
             listed = self.http.get(f"{self.vllm}/v1/models", timeout=10).json()
-            self.model = self.serving = listed["data"][0]["id"]
+            name = listed["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            print(f"vLLM at {self.vllm} lists no model yet: {exc}", file=sys.stderr, flush=True)
+            raise ValueError(f"vLLM at {self.vllm} lists no model yet: {exc}") from exc
+        with self.cond:
+            self.model = name
+            self.serving = self.serving or name
+        return name
 
     def stop(self) -> None:
         self.http.close()
@@ -126,6 +145,8 @@ class Adapter:
     def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Validate (RequestError naming the field), then forward to vLLM. The client's model
         name is Dartboard's; vLLM is asked for what this adapter serves now."""
+        with contextlib.suppress(ValueError):  # not yet: vLLM answers for itself below
+            self.base_name()
         request = parse_chat_request(
             body, default_model=self.model, max_tokens_limit=self.max_tokens_limit
         )
@@ -140,7 +161,16 @@ class Adapter:
                 "model": serving,
                 "logprobs": True,
                 "top_logprobs": max(5, request.top_logprobs),
+                # The text is what the policy wrote, special tokens (<|box_start|>) and all:
+                # it is the history of the next turn, as `rollout.server` returns it.
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": False,
             }
+            if self.never_generated:  # as `rollout.server` never samples them
+                forwarded["logit_bias"] = {
+                    **dict.fromkeys(map(str, self.never_generated), -100),
+                    **(body.get("logit_bias") or {}),
+                }
             forwarded.setdefault("return_tokens_as_token_ids", True)
             response = self.http.post(f"{self.vllm}/v1/chat/completions", json=forwarded)
             try:
@@ -171,15 +201,18 @@ class Adapter:
             return self._reload_full(checkpoint, version)
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # vLLM still starting: the router syncs again
+            return 503, error_body(503, f"version {version} not loaded: {exc}")
         finally:
             with self.cond:
                 self.status = "ok"
 
     def _switch_adapter(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
-        name = f"{self.model}-v{version}"
-        response = self.http.post(
-            f"{self.vllm}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": checkpoint}
-        )
+        name = f"{self.base_name()}-v{version}"
+        # In place: an adapter restarted while vLLM kept running finds the version it is
+        # asked for already loaded under this name, and loads it again rather than failing.
+        load = {"lora_name": name, "lora_path": checkpoint, "load_inplace": True}
+        response = self.http.post(f"{self.vllm}/v1/load_lora_adapter", json=load)
         if response.status_code != 200:
             message = f"vLLM could not load adapter v{version}, kept v{self.version}: "
             return 502, error_body(502, message + response.text[:300])
@@ -197,25 +230,33 @@ class Adapter:
         return 200, {"policy_version": version, "served_as": name}
 
     def _reload_full(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
+        self.base_name()
         with self.cond:
             self.cond.wait_for(lambda: sum(self.in_flight.values()) == 0)
             self.status = "loading"
+        # vLLM's own in-place reload: checkpoint names mapped through its LoRA wrappers
+        # (--enable-lora renames the base layers), LoRA, encoder and multimodal caches reset.
         response = self.http.post(
             f"{self.vllm}/collective_rpc",
-            json={"method": "reload_from_disk", "args": [checkpoint]},
+            json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
         )
         if response.status_code != 200:
             message = f"vLLM reload failed, kept v{self.version}: {response.text[:300]}"
             return 502, error_body(502, message)
-        # Cached prefixes (and image encodings) were computed by the old weights: a request
-        # reusing them would mix the two versions without any error.
-        for cache in ("/reset_prefix_cache", "/reset_mm_cache"):
+        # Cached prefixes and image encodings were computed by the old weights: a request
+        # reusing them would mix the two versions without any error. The encoder cache is
+        # reset on the scheduler's side too: the reload emptied the worker's, and a request
+        # for an image the scheduler still counts as encoded kills vLLM's engine ("Encoder
+        # cache miss", seen under load on vLLM 0.32).
+        for cache in ("/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache"):
             reset = self.http.post(f"{self.vllm}{cache}")
-            if reset.status_code != 200 and cache == "/reset_prefix_cache":
+            if reset.status_code != 200:
                 message = f"weights are v{version} but {cache} failed: {reset.text[:200]}"
                 return 502, error_body(502, message)
         with self.cond:
-            self.version, self.serving = version, self.model
+            adapter, self.version, self.serving = self.serving, version, self.model
+        if adapter != self.model:  # trained on the old base: never served again
+            self.http.post(f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": adapter})
         return 200, {"policy_version": version}
 
     def models(self) -> tuple[int, dict[str, Any]]:
@@ -237,6 +278,15 @@ class Adapter:
                 "image_geometry": self.geometry.to_json(),
                 "backend": "vllm",
             }
+
+
+def never_generated_tokens(policy_dir: str) -> tuple[int, ...]:
+    """The ids of `core.generation.NEVER_GENERATED` in the served model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    ids = (tokenizer.convert_tokens_to_ids(token) for token in NEVER_GENERATED)
+    return tuple(int(i) for i in ids if i is not None and i != tokenizer.unk_token_id)
 
 
 def build_app(adapter: Adapter, *, tokens: ServiceTokens, source: CheckpointSource) -> TokenGate:
@@ -302,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         token=os.environ.get(VLLM_KEY_ENV) or None,
         geometry=ImageGeometry.from_policy_dir(args.policy_dir),
         max_tokens_limit=args.max_tokens_limit,
+        never_generated=never_generated_tokens(args.policy_dir),
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)

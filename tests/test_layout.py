@@ -169,7 +169,7 @@ def test_the_readme_runs_vllm_exactly_as_compose_does():
         readme.pop(deployment_only, None)
         composed.pop(deployment_only, None)
     assert readme == composed
-    compose_env = {k: v for k, v in compose["vllm"]["environment"].items() if k != "PYTHONPATH"}
+    compose_env = dict(compose["vllm"]["environment"])
     assert "VLLM_API_KEY" in env and "VLLM_API_KEY" in compose_env  # the key, never --api-key
     assert "--api-key" not in readme and "--api-key" not in composed
     env.pop("VLLM_API_KEY"), compose_env.pop("VLLM_API_KEY")
@@ -188,9 +188,28 @@ def test_compose_runs_vllm_with_the_launchers_arguments():
     assert composed == launched and "--api-key" not in composed
     environment = service["environment"]
     assert "VLLM_API_KEY" in environment  # read by vLLM itself: no key on a command line
-    assert {
-        k: v for k, v in environment.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")
-    } == VLLM_ENV
+    assert {k: v for k, v in environment.items() if k != "VLLM_API_KEY"} == VLLM_ENV
+
+
+def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """A service's mounts: path inside -> (source, read-only)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, path, *mode = volume.split(":")
+        out[path] = (source, mode == ["ro"])
+    return out
+
+
+def test_vllm_reads_every_path_its_adapter_hands_it():
+    """The adapter reloads vLLM from checkpoints it names by path: the models it was started
+    with, and the versions it fetched into its artifact cache. vLLM's container must see the
+    same volume at the same path (read-only), or every version sync fails."""
+    services = _compose()["services"]
+    vllm, adapter = _mounts(services["vllm"]), _mounts(services["vllm-adapter"])
+    cache = services["vllm-adapter"]["environment"]["DARTBOARD_ARTIFACT_CACHE"]
+    for path in ("/models", cache):
+        assert path in adapter and path in vllm, path
+        assert vllm[path] == (adapter[path][0], True), path
 
 
 def _compose() -> dict:
@@ -283,16 +302,18 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
 
 def test_no_host_path_or_volume_is_shared_between_services():
     """Each service's disk is its own: nothing but PostgreSQL, Redis and the bucket is shared
-    (vLLM and its adapter read the one model volume of their GPU host)."""
+    (vLLM and its adapter read the one model volume of their GPU host, and the versions the
+    adapter fetched)."""
     users: dict[str, set[str]] = {}
     for name, svc in _compose()["services"].items():
         for volume in svc.get("volumes", []):
             users.setdefault(volume.split(":")[0], set()).add(name)
     shared = {k: v for k, v in users.items() if len(v) > 1}
-    assert shared == {"models": {"vllm", "vllm-adapter"}}
+    pair = {"vllm", "vllm-adapter"}
+    assert shared == {"models": pair, "vllm-artifacts": pair}
     host_paths = {k: users[k] for k in users if k.startswith((".", "/"))}
-    # The vLLM worker extension's code, and the proxy's configuration (read-only).
-    assert host_paths == {".": {"vllm"}, "./deploy/Caddyfile": {"proxy"}}, host_paths
+    # The proxy's configuration (read-only).
+    assert host_paths == {"./deploy/Caddyfile": {"proxy"}}, host_paths
     assert (ROOT / "deploy" / "Caddyfile").is_file()
 
 

@@ -67,12 +67,28 @@ class TrainerSpec:
         )
 
 
-def _device(rank: int) -> str:
-    return f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+@dataclass(frozen=True)
+class GroupSetup:
+    """How one replica process joins the group: the backend, and the device its trainer,
+    its FSDP mesh and its collectives use (NCCL takes the process's current CUDA device,
+    so a replica that never sets it works on GPU 0 whatever its rank)."""
+
+    backend: str
+    device: str
+
+    def apply(self) -> dict[str, Any]:
+        """Make `device` current; init_process_group's keyword arguments binding it."""
+        if not self.device.startswith("cuda"):
+            return {}
+        torch.cuda.set_device(torch.device(self.device))
+        return {"device_id": torch.device(self.device)}
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def group_setup(*, local_rank: int, cuda: bool) -> GroupSetup:
+    """Replica `local_rank` of this host: GPU `local_rank` on NCCL, or the CPU on gloo."""
+    if cuda:
+        return GroupSetup(backend="nccl", device=f"cuda:{local_rank}")
+    return GroupSetup(backend="gloo", device="cpu")
 
 
 class ReplicaGroup:
@@ -99,7 +115,8 @@ class ReplicaGroup:
             "WORLD_SIZE": str(world),
             "GLOO_SOCKET_IFNAME": "lo",
         }
-        if _backend() == "gloo":
+        setup = group_setup(local_rank=0, cuda=torch.cuda.is_available())
+        if setup.backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         followers = [
             subprocess.Popen(
@@ -111,14 +128,15 @@ class ReplicaGroup:
         ]
         try:
             dist.init_process_group(
-                _backend(),
+                setup.backend,
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=0,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
+                **setup.apply(),
             )
             trainer = spec.build(
-                Replicas(rank=0, world=world, sharded=spec.shard), device=_device(0)
+                Replicas(rank=0, world=world, sharded=spec.shard), device=setup.device
             )
         except BaseException:
             for proc in followers:
@@ -153,12 +171,12 @@ class ReplicaGroup:
 
 def follow(spec: TrainerSpec) -> None:
     """A follower's life: build the trainer, take every update the leader shares, stop."""
-    rank = int(os.environ["RANK"])
-    dist.init_process_group(_backend(), init_method="env://")
+    setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
+    dist.init_process_group(setup.backend, init_method="env://", **setup.apply())
     replicas = Replicas.from_environment(sharded=spec.shard)
     torch.set_num_threads(1)
     try:
-        trainer = spec.build(replicas, device=_device(rank))
+        trainer = spec.build(replicas, device=setup.device)
         while True:
             message: tuple[Any, ...] = replicas.share(STOP)  # the leader's value replaces it
             if message == STOP:

@@ -28,6 +28,14 @@ from torch import nn
 T = TypeVar("T")
 
 
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: NCCL moves only CUDA tensors (the process's
+    current device, `training.replica_group.GroupSetup`), gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class Replicas:
     """This process's place among `world` replicas; torch.distributed is initialised."""
@@ -86,9 +94,9 @@ class Replicas:
             offset += n
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
-        tensor = torch.tensor(list(values), dtype=torch.float64)
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device())
         dist.all_reduce(tensor)
-        return tensor.tolist()
+        return tensor.cpu().tolist()
 
     def merge(self, part: dict[Any, Any]) -> dict[Any, Any]:
         """Every replica's dict, merged (keys are disjoint: each replica filled its share)."""

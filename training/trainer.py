@@ -77,6 +77,14 @@ class TrainerState:
     version: int = 0  # policy version of the weights held now (0 = the start checkpoint)
 
 
+def trainer_precision(device: str, *, bf16: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """The dtype of the weights the optimizer updates, and the dtype forward passes run in
+    (None: the weights'). Mixed precision: fp32 weights and AdamW moments everywhere, with
+    bf16 autocast on GPUs. In pure bf16 (8 bits of mantissa) an update at lr 1e-5 rounds to
+    nothing on most weights, so a full fine-tuning run would barely move."""
+    return torch.float32, (torch.bfloat16 if bf16 and device.startswith("cuda") else None)
+
+
 class PolicyTrainer:
     """One run's trainer. Resume rule: the newest checkpoint whose version `accept(version)`
     confirms (the DB knows it was published); anything newer is an orphan of a crash."""
@@ -105,11 +113,13 @@ class PolicyTrainer:
         if self.sharded and lora is not None:
             raise ValueError("sharding is for full fine-tuning: LoRA adapters are replicated")
         self.device = device
-        self.use_bf16 = bf16 and device.startswith("cuda")
+        weights_dtype, self.autocast_dtype = trainer_precision(device, bf16=bf16)
         self.state = TrainerState()
         resume = self._resume_dir(published_versions)
         if lora is None:
-            self.policy: Policy = load_policy(resume or start_checkpoint, device=device)
+            self.policy: Policy = load_policy(
+                resume or start_checkpoint, device=device, dtype=weights_dtype
+            )
         else:
             self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
         self.policy.model.train()
@@ -194,8 +204,8 @@ class PolicyTrainer:
         ]
         batch = encode_batch(self.policy, [s.messages for s in samples], responses=responses)
         autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.use_bf16
+            torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
         with autocast:

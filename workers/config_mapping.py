@@ -27,6 +27,8 @@ READ_ELSEWHERE: dict[str, str] = {
     "rollout.request_timeout_s": "workers.slot_worker (the policy client's timeout)",
     "rollout.inference_workers": "dartboard.launcher (inference workers started)",
     "rollout.backend": "dartboard.launcher (which inference server it starts)",
+    "rollout.vllm_gpus": "dartboard.launcher (each vLLM worker's GPU, rollout.vllm_command)",
+    "rollout.vllm_gpu_memory": "dartboard.launcher (vLLM's --gpu-memory-utilization)",
     "trainer.lr_schedule": "scheduled_lr below (each update's learning rate)",
     "trainer.lr_warmup_updates": "scheduled_lr below",
     "trainer.lr_decay_updates": "scheduled_lr below",

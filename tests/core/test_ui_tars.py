@@ -100,3 +100,21 @@ def test_dartboards_template_is_unchanged_for_the_shipped_policy() -> None:
     assert messages[0]["content"] == PROMPT_TEMPLATES["dartboard"].system
     assert messages[0]["content"].startswith("You are a GUI agent.")
     assert messages[1] == {"role": "user", "content": "Click OK"}
+
+
+def test_the_ui_tars_prompt_refuses_the_tiny_policys_token_budgets() -> None:
+    """A Thought and an Action run to hundreds of tokens, and one 1920x1080 screenshot is
+    2,691 prompt tokens: the tiny policy's 64 and 4096 would cut every turn short."""
+    from datamanager.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError) as short:
+        RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5"}})
+    assert short.value.path == "rollout.max_new_tokens" and "at least 256 (got 64)" in str(
+        short.value
+    )
+    with pytest.raises(ConfigError) as small:
+        RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5", "max_new_tokens": 512}})
+    assert small.value.path == "rollout.max_prompt_tokens" and "2,691 tokens" in str(small.value)
+    RunConfig.from_dict(
+        {"rollout": {"prompt": "ui-tars-1.5", "max_new_tokens": 512, "max_prompt_tokens": 16384}}
+    )

@@ -12,7 +12,7 @@ import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
 from dartboard.launcher import default_specs
-from rollout.vllm_command import vllm_missing
+from rollout.vllm_command import vllm_missing, vllm_python
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +108,7 @@ def test_a_vllm_run_starts_vllm_behind_its_adapter_per_worker(settings) -> None:
     assert {"vllm-0", "vllm-1", "inference-0", "inference-1", "router"} <= by_name.keys()
     vllm = by_name["vllm-1"]
     assert vllm.env["CUDA_VISIBLE_DEVICES"] == "1" and vllm.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert vllm.argv[0] == str(vllm_python())  # vLLM's own environment, not the project's
     args = vllm.argv[vllm.argv.index("vllm.entrypoints.openai.api_server") + 1 :]
     # Dev mode: a unix socket in DARTBOARD_HOME/run (0700), never a TCP port.
     sock = args[args.index("--uds") + 1]
@@ -125,10 +126,12 @@ def test_a_vllm_run_starts_vllm_behind_its_adapter_per_worker(settings) -> None:
     assert f"http://127.0.0.1:{worker_port}" in router
 
 
-def test_vllm_missing_names_the_fix_on_a_host_without_vllm() -> None:
-    # This machine has no vLLM (its wheels are CUDA builds): what run_dartboard prints.
+def test_vllm_missing_names_the_fix_on_a_host_without_vllm(monkeypatch, tmp_path) -> None:
+    # What run_dartboard prints when vLLM's environment was never built.
+    monkeypatch.setenv("DARTBOARD_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
     message = vllm_missing()
-    assert message is not None and "pip install -r requirements-gpu.txt" in message
+    assert message is not None and "`make vllm-env` builds it" in message
+    assert str(tmp_path / "no-venv") in message and "requirements-gpu.txt" in message
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ def with_field(path: str, value: Any) -> RunConfig:
 
 
 MAPPED = [p for p in leaf_fields() if not read_elsewhere(p)]
+UI_TARS = {"prompt": "ui-tars-1.5", "max_new_tokens": 512, "max_prompt_tokens": 16384}
 
 
 def test_every_run_knob_is_mapped_or_says_where_it_is_read() -> None:
@@ -79,8 +80,10 @@ def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -
         )
         default = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
     elif path == "rollout.language":  # only the UI-TARS-1.5 template has a language line
-        changed = RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5", name: "Chinese"}})
-        default = RunConfig.from_dict({"rollout": {"prompt": "ui-tars-1.5"}})
+        changed = RunConfig.from_dict({"rollout": {**UI_TARS, name: "Chinese"}})
+        default = RunConfig.from_dict({"rollout": UI_TARS})
+    elif path == "rollout.prompt":
+        changed = RunConfig.from_dict({"rollout": UI_TARS})
     else:
         changed = with_field(path, other_value(hints[path], value))
     assert mapped_outputs(changed) != mapped_outputs(default), f"{path} reaches nothing"

@@ -24,8 +24,14 @@ from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control
-from rollout.vllm_command import vllm_missing
+from rollout.vllm_command import vllm_gpus, vllm_missing
 from workers.runs import run_current_policy, run_start_workers
+
+
+def _has_gpu() -> bool:
+    import torch  # the launcher itself needs torch only for this
+
+    return torch.cuda.is_available()
 
 
 class _Stop(Exception):
@@ -57,8 +63,8 @@ class Command(BaseCommand):
             "--preset",
             choices=sorted(MAIN_RUN_NAMES),
             default="miniwob",
-            help="The main job's task set: MiniWoB++ clicks (make run) or X desktops "
-            "(make run-desktop).",
+            help="The main job: MiniWoB++ clicks (make run), the same with vLLM serving LoRA "
+            "versions (make run-vllm) or X desktops (make run-desktop).",
         )
         parser.add_argument(
             "--exit-after",
@@ -106,6 +112,12 @@ class Command(BaseCommand):
                     inference_version=version,
                     inference_workers=cfg.rollout.inference_workers,
                     backend=cfg.rollout.backend,
+                    vllm_gpus=vllm_gpus(
+                        workers=cfg.rollout.inference_workers,
+                        placement=cfg.rollout.vllm_gpus,
+                        trainer_replicas=cfg.trainer.replicas,
+                    ),
+                    vllm_gpu_memory=cfg.rollout.vllm_gpu_memory if _has_gpu() else None,
                 )
             supervisor.start()
             if run is not None:

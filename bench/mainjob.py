@@ -10,7 +10,8 @@ mean time, sampled success of the rollouts finished in that window, and the late
 greedy evaluation (the run's own scheduled ones) on the training instances and on held-out
 seeds, with the 95% interval. At the end it stops the run and evaluates the last version on
 both (unless its scheduled evaluation exists), so the final row compares it with version 0.
-Writes bench/results/mainjob.json.
+Writes bench/results/mainjob.json (mainjob-PRESET.json for another preset; `--preset vllm`
+is `make run-vllm`'s: vLLM serving, LoRA versions).
 
 `--screenshot PATH` also serves the dashboard of the private stack (its URL and a login are
 printed, to watch the run live) and, at the end, saves the run page's success chart as PATH
@@ -101,6 +102,11 @@ def snapshot(run, *, since, until, started) -> dict:
         "update_s": rl.filter(created_at__gte=since, created_at__lt=until).aggregate(
             s=Avg(Cast(KT("metrics__duration_s"), FloatField()))
         )["s"],
+        # Rollout log-probs (the inference server's) against the trainer's on the same
+        # tokens and weights, nats per token: the updates of this window.
+        "logprob_gap": rl.filter(created_at__gte=since, created_at__lt=until).aggregate(
+            g=Avg(Cast(KT("metrics__logprob_gap_mean"), FloatField()))
+        )["g"],
         "sampled": (window["ok"] / window["n"]) if window["n"] else None,
         "sampled_n": window["n"],
         "train": _greedy(run, "train_instances"),
@@ -119,12 +125,13 @@ def _fmt(g: dict | None) -> str:
 
 def print_row(row: dict, *, header: bool) -> None:
     if header:
-        print("| minute | versions | RL updates | update (s) | sampled success | greedy, training "
-              "instances | greedy, held-out seeds |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---|---|")
+        print("| minute | versions | RL updates | update (s) | log-prob gap | sampled success | "
+              "greedy, training instances | greedy, held-out seeds |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---|---|")
     update = f"{row['update_s']:.0f}" if row["update_s"] else "—"
+    gap = f"{row['logprob_gap']:.4f}" if row.get("logprob_gap") is not None else "—"
     sampled = f"{row['sampled']:.0%} of {row['sampled_n']}" if row["sampled"] is not None else "—"
-    print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | "
+    print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | {gap} | "
           f"{sampled} | {_fmt(row['train'])} | {_fmt(row['heldout'])} |", flush=True)  # fmt: skip
 
 
@@ -208,7 +215,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     rows: list[dict] = []
-    with PrivateStack(slots=args.slots, policy="shipped", web=args.screenshot is not None) as stack:
+    backend = "vllm" if args.preset == "vllm" else "transformers"
+    web = args.screenshot is not None
+    with PrivateStack(slots=args.slots, policy="shipped", web=web, backend=backend) as stack:
         from django.utils import timezone
 
         from dartboard.main_job import main_run_config, prepare_main_run
@@ -263,7 +272,8 @@ def main() -> None:
         first = rows[-1]["first_rl_version_s"] if rows else None
         print(f"first RL version {first:.0f} s after the run started" if first else
               "no RL version was published")  # fmt: skip
-    out = ROOT / "bench" / "results" / "mainjob.json"
+    name = "mainjob.json" if args.preset == "miniwob" else f"mainjob-{args.preset}.json"
+    out = ROOT / "bench" / "results" / name
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "final": final}, indent=2,
                               default=str))  # fmt: skip
     print(f"\nwritten {out}")

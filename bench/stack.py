@@ -34,14 +34,17 @@ class PrivateStack:
         home: Path | None = None,
         database_url: str | None = None,
         web: bool = False,
+        backend: str = "transformers",
     ) -> None:
-        """`web`: also serve the dashboard at `self.web_url` (for screenshots)."""
+        """`web`: also serve the dashboard at `self.web_url` (for screenshots). `backend`:
+        the inference workers, Dartboard's transformers server or vLLM behind its adapter."""
         self.database_url = database_url  # None: SQLite under the private home
         self.web = web
         self.web_url = f"http://127.0.0.1:{self.WEB_PORT}"
         self.slots = slots
         self.policy_name = policy
         self.inference_workers = inference_workers
+        self.backend = backend
         self.home = home or Path(tempfile.mkdtemp(prefix="dartboard-bench-"))
         self.env = env or {}
         self.workers = [
@@ -82,6 +85,7 @@ class PrivateStack:
             inference_policy=self.policy,
             inference_workers=self.inference_workers,
             router_port=self.ROUTER_PORT,
+            backend=self.backend,
         )
         # The supervisor watches the embedded Redis as the launcher does.
         self.supervisor = Supervisor(

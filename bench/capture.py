@@ -64,6 +64,7 @@ def capture_pages(
     group_id: int | None = None,
     episode: tuple[int, int, str, int] | None = None,
 ) -> list[Path]:
+    """Long because it visits the pages one after another."""
     from playwright.sync_api import sync_playwright
 
     out.mkdir(parents=True, exist_ok=True)

@@ -194,6 +194,7 @@ def _dashboard_login() -> tuple[str, str]:
 
 
 def main() -> None:
+    """Long because it is the bench's steps in order."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--every", type=float, default=5, help="minutes between rows")

@@ -82,7 +82,9 @@ def _without_auto_now(models_fields):
 
 
 def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
-    """Create one big run (and a small one) with realistic shapes. Returns the run id."""
+    """Create one big run (and a small one) with realistic shapes. Returns the run id.
+
+    Long because it is the bench's data, made step by step."""
     from django.contrib.auth.models import User
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage

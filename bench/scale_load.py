@@ -202,6 +202,7 @@ def _check(run_id: int, recorded: int, finished: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Long because it is the bench's steps in order."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, required=True)
     ap.add_argument("--minutes", type=float, default=10.0, help="sustain window")

@@ -522,6 +522,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(bool(self.policy.strip()), "policy", "name a checkpoint")
         _check(
+            self.rollout.backend != "vllm" or not self.trainer.lora_vision,
+            "trainer.lora_vision",
+            "vLLM serves LoRA adapters on the language model only: its rollouts would ignore "
+            "the vision tower's adapters the trainer learns (use the transformers backend, or "
+            "keep the vision tower frozen)",
+        )
+        _check(
             self.rollout.backend != "vllm"
             or self.rollout.vllm_gpus != "shared"
             or self.rollout.vllm_gpu_memory <= 0.5,

@@ -179,6 +179,8 @@ def _run_episode(
     config: EpisodeConfig,
     pacer: Pacer | None,
 ) -> EpisodeResult:
+    """Long because it is the episode loop read top to bottom: observe, prompt, call,
+    parse, act, record, end."""
     obs, reset_ms = _env_call(env.reset, task)
     instruction = obs.instruction or task.instruction
     recorder.set_instruction(instruction)

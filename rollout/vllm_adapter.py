@@ -285,8 +285,8 @@ def never_generated_tokens(policy_dir: str) -> tuple[int, ...]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    ids = (tokenizer.convert_tokens_to_ids(token) for token in NEVER_GENERATED)
-    return tuple(int(i) for i in ids if i is not None and i != tokenizer.unk_token_id)
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in NEVER_GENERATED]
+    return tuple(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
 
 
 def build_app(adapter: Adapter, *, tokens: ServiceTokens, source: CheckpointSource) -> TokenGate:

@@ -189,6 +189,9 @@ def bc_batch_loss_cached(
     the point is written, those heads are taught to look at the target's image tokens. A training-time
     signal only; the checkpoint is the plain architecture. `parts`, when given, receives
     the two terms' values ("bc", "attention").
+
+    Long because it is one batched computation whose tensors feed each other; split, a
+    dozen of them would be passed between pieces.
     """
     from transformers import DynamicCache
 
@@ -390,6 +393,9 @@ def pretrain(
 
     Held out: 10% of `miniwob` (at most `eval_samples`) and `eval_samples` synthetic screens
     drawn from a seed no training batch uses.
+
+    Long because it is the pretraining's stages in order: build, data, loop, save,
+    manifest.
     """
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)

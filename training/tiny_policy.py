@@ -176,6 +176,9 @@ def build_tiny_policy(
     width the slowest): with the released rope_theta (1e6) and a tiny head_dim, the width
     rotations over a 6x8 image grid are ~1e-4 rad, so the text model cannot tell columns
     apart by position; a small `rope_theta` gives height and width usable frequencies.
+
+    Long because it spells out the tiny model's whole configuration (text, vision,
+    tokenizer) as one literal.
     """
     head_dim = hidden // heads
     if hidden % heads or head_dim % 8:

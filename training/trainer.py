@@ -144,7 +144,10 @@ class PolicyTrainer:
         )
         if resume is not None:
             # weights_only: a state file is data (tensors, numbers), never code to unpickle.
-            state = torch.load(resume / STATE_FILE, map_location=device, weights_only=True)
+            # Sharded replicas read the full state on the CPU and keep only their shards
+            # (`load_full_optimizer_state`): on the GPU, every replica would hold all of it.
+            where = "cpu" if self.sharded else device
+            state = torch.load(resume / STATE_FILE, map_location=where, weights_only=True)
             if self.sharded:
                 load_full_optimizer_state(self.policy.model, self.optimizer, state["optimizer"])
             else:

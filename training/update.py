@@ -330,7 +330,9 @@ def _optimizer_step(
 ) -> tuple[_StepTotals, float]:
     """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm.
     With `replicas`, each takes its share of the micro-batches and the gradients (and totals)
-    are summed before clipping, so every replica takes the same step."""
+    are summed before clipping, so every replica takes the same step.
+
+    Long because it is one accumulation pass whose running totals are its locals."""
     use_bc = config.bc_weight > 0
     pg_items = [i for i in part if plan.pg_keep[i]]
     token_norm = float(sum(stats[i].old.numel() for i in pg_items))
@@ -454,6 +456,10 @@ def policy_update(
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
     Raises:
         ValueError: no samples, kl_coef > 0 without ref_model, inconsistent trajectory rewards.
+
+    Long because it is the update algorithm read top to bottom (advantages, step
+    selection, old and reference log-probs, epochs); its stages share the samples' index
+    maps.
     """
     if not samples:
         raise ValueError("policy_update needs at least one sample")

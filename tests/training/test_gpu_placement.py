@@ -42,3 +42,12 @@ def test_the_launcher_puts_each_vllm_on_its_planned_gpu_with_its_share(settings)
     vllm = {s.name: s for s in specs}["vllm-1"]
     assert vllm.env["CUDA_VISIBLE_DEVICES"] == "3"
     assert vllm.argv[vllm.argv.index("--gpu-memory-utilization") + 1] == "0.45"
+
+
+def test_vision_adapters_are_refused_on_vllm_which_would_ignore_them() -> None:
+    lora = {"lora_rank": 8, "lora_vision": True}
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_dict({"rollout": {"backend": "vllm"}, "trainer": lora})
+    assert refused.value.path == "trainer.lora_vision"
+    assert "its rollouts would ignore the vision tower's adapters" in str(refused.value)
+    RunConfig.from_dict({"trainer": lora})  # the transformers server applies them

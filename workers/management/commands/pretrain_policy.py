@@ -45,6 +45,7 @@ class Command(BaseCommand):
     def handle(self, *args, out, minutes, per_task, seed, threads, **options):
         # Deferred: torch, transformers and playwright cost seconds to import, and every
         # other manage.py command loads this module.
+        """Long because it applies the command's options in order."""
         from envmanager.grounding_screens import (
             PRETRAIN_TASKS,
             TRAIN_SEED_BASE,

@@ -65,3 +65,19 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def redis_commands_counted(monkeypatch) -> list[int]:
+    """A list that grows by one per command (or pipeline) any Redis client of this process
+    sends from now on, for tests that bound the round trips a page or a pass takes."""
+    import redis
+
+    sends: list[int] = []
+    real = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        sends.append(1)
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    return sends

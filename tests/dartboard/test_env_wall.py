@@ -9,6 +9,7 @@ import pytest
 
 from datamanager.models import EnvSlot, Run, Step, Trajectory
 from tests.dartboard.run_helpers import episode, make_run
+from tests.helpers import redis_commands_counted
 
 pytestmark = pytest.mark.django_db
 
@@ -151,8 +152,6 @@ def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
 def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     ada_client, live_work_keys_cleared, monkeypatch
 ):
-    import redis as redis_py
-
     from workers.leases import redis_client, slot_work
 
     run = make_run(policy="oracle", env={"miniwob_slots": 0, "sim_slots": 500})
@@ -162,14 +161,7 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
         pipe.set(slot_work(run_id=run.pk, backend="sim", index=i).lease_key, f"h:1:sim:{i}")
     pipe.execute()
     client.close()
-    sends = []
-    real = redis_py.connection.AbstractConnection.send_packed_command
-
-    def counted(self, command, check_health=True):
-        sends.append(1)
-        return real(self, command, check_health)
-
-    monkeypatch.setattr(redis_py.connection.AbstractConnection, "send_packed_command", counted)
+    sends = redis_commands_counted(monkeypatch)
     text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
     assert len(sends) <= 20  # one round trip a lease: 1,000 for this page
     assert "499 slots: held by live workers" in text

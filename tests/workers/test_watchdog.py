@@ -10,6 +10,7 @@ import pytest
 
 from datamanager.models import Run
 from tests.datamanager.factories import make_running_run, make_tasks
+from tests.helpers import redis_commands_counted
 from workers.leases import redis_client, slot_work, trainer_work, work_enqueue
 from workers.watchdog import watchdog_pass
 
@@ -204,21 +205,12 @@ def test_a_slot_silent_only_in_the_database_keeps_its_episode(redis):
 def test_a_pass_over_500_live_slots_costs_a_few_redis_round_trips(redis, monkeypatch):
     """Leases are read in pipelines: one round trip a slot made a pass over 1,000 slots
     take seconds of Redis round trips (bench/scale.py)."""
-    import redis as redis_py
-
     make_tasks(1)
     run = make_running_run({"policy": "oracle", "env": {"miniwob_slots": 0, "sim_slots": 500}})
     pipe = redis.pipeline()
     for i in range(500):
         pipe.set(slot_work(run_id=run.pk, backend="sim", index=i).lease_key, f"h:1:sim:{i}", ex=60)
     pipe.execute()
-    sends = []
-    real = redis_py.connection.AbstractConnection.send_packed_command
-
-    def counted(self, command, check_health=True):
-        sends.append(1)
-        return real(self, command, check_health)
-
-    monkeypatch.setattr(redis_py.connection.AbstractConnection, "send_packed_command", counted)
+    sends = redis_commands_counted(monkeypatch)
     assert watchdog_pass(now=1000.0) == []
     assert len(sends) <= 20  # 11 here; one a slot was over 1,000

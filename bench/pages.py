@@ -143,6 +143,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
             [
                 EnvSlot(
                     name=f"worker-{1 + i // 4}:{4100 + i // 4}:{i % 4}",
+                    key=f"miniwob:{i}",
                     host=f"worker-{1 + i // 4}",
                     backend="miniwob",
                     run=run,

@@ -48,6 +48,7 @@ def _more_slots(run_id: int, slots: int) -> None:
             [
                 EnvSlot(
                     name=f"worker-{i // 250}:{4000 + i // 250}:sim:{i}",
+                    key=f"sim:{i}",
                     host=f"worker-{i // 250}",
                     backend="sim",
                     run=run,

@@ -23,7 +23,6 @@ from django.utils import timezone
 from dartboard.viewmodels import SERVING_STATUSES
 from datamanager.config import RunConfig
 from datamanager.models import (
-    EnvSlot,
     FailureKind,
     Run,
     TrainUpdate,
@@ -40,6 +39,7 @@ from datamanager.selectors.aggregates import (
     outcome_rows,
 )
 from datamanager.selectors.labels import label_counts_by_host
+from datamanager.selectors.runs import current_slots
 
 WINDOW = timedelta(minutes=15)  # the health map's and the alerts' recent window
 MIN_ROLLOUTS = 5  # fewer rollouts in the window raise no alert: one error is not a rate
@@ -137,11 +137,13 @@ class HostHealth:
 
     @property
     def state(self) -> str:
-        """down (no live slot), degraded (its error rate is past the alert threshold),
-        errors (some, under it) or ok."""
+        """down (its workers stopped heart-beating: lost slots, none live), waiting (no slot
+        served now, none lost: between time slices, or queued behind evaluation shards),
+        degraded (its error rate is past the alert threshold), errors (some, under it) or
+        ok."""
         live = sum(n for status, n in self.slots.items() if status in SERVING_STATUSES)
         if not live:
-            return "down"
+            return "down" if self.slots.get("lost") else "waiting"
         rate = self.error_rate or 0.0
         if self.alert_rate and self.rollouts >= MIN_ROLLOUTS and rate > self.alert_rate:
             return "degraded"
@@ -149,14 +151,17 @@ class HostHealth:
 
 
 def host_map(*, run: Run) -> list[HostHealth]:
-    """Every host that served the run: its slots, recent errors, env-bug labels, reset time."""
+    """Every host that served the run: the slots it serves now (each of the run's slots on
+    the host of the worker that served it last), recent errors, env-bug labels, reset time."""
     env_cfg = RunConfig.from_dict(run.config).env
     lost_after = env_cfg.silent_after_s
     cutoff = timezone.now() - timedelta(seconds=lost_after)
     slots: dict[str, dict[str, int]] = {}
     last_error: dict[str, str] = {}
     unlimited: dict[str, str] = {}
-    for host, status, heartbeat, error, note in EnvSlot.objects.filter(run=run).values_list(
+    exist = {f"{backend}:{index}" for backend, index in env_cfg.slots()}
+    rows = current_slots(run=run).filter(key__in=exist)  # slots the run has, as they are now
+    for host, status, heartbeat, error, note in rows.values_list(
         "host", "status", "last_heartbeat", "last_error", "sandbox_note"
     ):
         if note:

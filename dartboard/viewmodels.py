@@ -32,6 +32,7 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
+from datamanager.selectors.runs import current_slots
 from workers.leases import LiveWork, redis_client
 from workers.runs import run_live_work
 
@@ -63,7 +64,13 @@ def _busy_share(slot: EnvSlot) -> float | None:
 SERVING_STATUSES = (SlotStatus.STARTING, SlotStatus.IDLE, SlotStatus.BUSY, SlotStatus.RECOVERING)
 LOST = "lost"  # not a stored status: the wall's name for a silent serving slot
 
-WALL_STATUSES = (*SERVING_STATUSES, SlotStatus.QUARANTINED, SlotStatus.STOPPED, LOST)
+WALL_STATUSES = (
+    *SERVING_STATUSES,
+    SlotStatus.RELEASED,
+    SlotStatus.QUARANTINED,
+    SlotStatus.STOPPED,
+    LOST,
+)
 
 
 @dataclass(frozen=True)
@@ -97,12 +104,13 @@ def run_slots(
     task's name. Paged, because 1,000 tiles are neither readable nor cheap: the page holds
     `per_page` tiles and counts the rest by status.
 
-    A slot row whose worker stopped heart-beating while it was serving shows as `lost` with
-    how long ago: a killed worker cannot say so itself, and a restarted one serves the slot
-    under a new row (host:pid:backend:index)."""
+    One tile per slot: the row of the worker that served it last (`current_slots`). It shows
+    as `lost`, with how long ago, when that worker stopped heart-beating while serving (a
+    killed worker cannot say so itself); `released` when its time slice ended and the slot
+    waits for the next env worker (behind evaluation shards, say)."""
     lost_after = RunConfig.from_dict(run.config).env.silent_after_s
     lost = _lost(lost_after)
-    rows = EnvSlot.objects.filter(run=run)
+    rows = current_slots(run=run)
     counts = dict(
         rows.exclude(lost).values_list("status").annotate(n=Count("pk")).order_by("status")
     )
@@ -136,6 +144,8 @@ def run_slots(
         if shown in SERVING_STATUSES and silent is not None and silent > lost_after:
             shown = LOST
             error = f"no heartbeat for {silent:.0f} s: its worker stopped"
+        elif shown == SlotStatus.RELEASED:
+            error = "time slice over: waiting for the next env worker (evaluation shards first)"
         tiles.append(
             SlotTile(
                 id=s.pk,

@@ -326,10 +326,26 @@ class SlotStatus(models.TextChoices):
     RECOVERING = "recovering"
     QUARANTINED = "quarantined"
     STOPPED = "stopped"
+    # Its worker's time slice ended (or its lockstep round had nothing left): the slot's task
+    # is queued again and the next env worker that takes it serves it under a new row.
+    RELEASED = "released"
+
+
+def slot_key(name: str) -> str:
+    """A slot's identity across the workers that serve it in turn: "backend:index" of its
+    row's name (host:pid:backend:index, and an osworld slot's @VM)."""
+    parts = name.split("@", 1)[0].split(":")
+    return ":".join(parts[-2:]) if len(parts) >= 4 else name
 
 
 class EnvSlot(models.Model):
-    name = models.CharField(max_length=200, unique=True, help_text="host:pid:index")
+    """One worker process's turn at serving a slot of a run. A slot moves between workers
+    (time slices, restarts): its rows share `key`, and the newest heartbeat is the slot."""
+
+    name = models.CharField(max_length=200, unique=True, help_text="host:pid:backend:index")
+    key = models.CharField(
+        max_length=64, blank=True, db_index=True, help_text="backend:index, the slot itself"
+    )
     host = models.CharField(max_length=200)
     backend = models.CharField(max_length=32, choices=EnvKind.choices)
     status = models.CharField(
@@ -356,6 +372,11 @@ class EnvSlot(models.Model):
 
     class Meta:
         ordering = ["name"]
+
+    def save(self, *args, **kwargs) -> None:
+        if not self.key:
+            self.key = slot_key(self.name)
+        super().save(*args, **kwargs)
 
 
 class TrainUpdate(models.Model):

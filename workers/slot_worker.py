@@ -202,9 +202,10 @@ def serve_slot(
                 return SlotOutcome(False, "slot taken over" if taken else "slot quarantined")
             episodes_run += 1
             if max_episodes is not None and episodes_run >= max_episodes:
-                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.RELEASED)
                 return SlotOutcome(False, f"{episodes_run} episodes done")
-        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        # The slot's task is queued again: the wall shows the slot waiting, not this row lost.
+        slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.RELEASED)
         return SlotOutcome(True, "time slice over")
     finally:
         heartbeat.stop_event.set()
@@ -221,8 +222,8 @@ def _next_claim(
     """The slot's next claim; else its outcome when it stops (the worker shuts down, the slot
     was taken over, the run stopped; a `paced` slot sits a round with nothing to claim out),
     or None: wait, then try again."""
-    if shutdown_requested.is_set():
-        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.STOPPED)
+    if shutdown_requested.is_set():  # its task goes back to the queue
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.RELEASED)
         return SlotOutcome(True, "worker shutting down")
     if lost.is_set():
         return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
@@ -235,7 +236,7 @@ def _next_claim(
     if claim is not None:
         return claim
     if paced:
-        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.IDLE)
+        slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.RELEASED)
         return SlotOutcome(False, "nothing to claim this round")
     status = Run.objects.values_list("status", flat=True).get(pk=run_id)
     if status != RunStatus.RUNNING:

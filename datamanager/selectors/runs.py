@@ -14,6 +14,7 @@ from django.db.models.functions import Coalesce
 
 from datamanager.models import (
     SCORED_STATUSES,
+    EnvSlot,
     FailureKind,
     PolicyVersion,
     Run,
@@ -56,6 +57,18 @@ def runs_overview() -> QuerySet[Run]:
         )
         .order_by("-created_at")
     )
+
+
+def current_slots(*, run: Run) -> QuerySet[EnvSlot]:
+    """The run's env slots as they are now: per slot (`EnvSlot.key`), the row of the worker
+    that served it last (the newest heartbeat). Rows of workers it moved away from (a time
+    slice ended, a worker restarted) are its history, not slots of their own."""
+    newest = (
+        EnvSlot.objects.filter(run_id=run.pk, key=OuterRef("key"))
+        .order_by("-last_heartbeat", "-pk")
+        .values("pk")[:1]
+    )
+    return EnvSlot.objects.filter(run=run, pk=Subquery(newest))
 
 
 def success_rate(succeeded: int, finished: int) -> float | None:

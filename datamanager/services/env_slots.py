@@ -8,7 +8,7 @@ from django.db.models import Case, F, FloatField, Value, When
 from django.utils import timezone
 
 from datamanager.events import publish_on_commit
-from datamanager.models import EnvSlot, SlotStatus
+from datamanager.models import EnvSlot, SlotStatus, slot_key
 
 
 def env_slot_register(
@@ -19,6 +19,7 @@ def env_slot_register(
     slot, _ = EnvSlot.objects.update_or_create(
         name=name,
         defaults={
+            "key": slot_key(name),
             "host": host,
             "backend": backend,
             "run_id": run_id,

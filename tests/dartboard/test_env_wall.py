@@ -114,7 +114,7 @@ def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
     run = make_run(env={"miniwob_slots": 0, "sim_slots": 130})
     EnvSlot.objects.bulk_create(
         [
-            EnvSlot(name=f"w:{i:03d}", host="w", backend="sim", run=run,
+            EnvSlot(name=f"w:{i:03d}", key=f"sim:{i}", host="w", backend="sim", run=run,
                     status="quarantined" if i % 10 == 3 else "busy",
                     last_heartbeat=timezone.now())
             for i in range(130)
@@ -170,3 +170,61 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
     assert "slot sim:518: no live worker" in text and "slot sim:519" not in text
     assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed
+
+
+def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worker_dies(
+    ada_client, settings, live_work_keys_cleared
+):
+    """A run's two sim slots through a time-slice hand-over (a real `serve_slot` ends its
+    slice), the next worker taking the slot, and a worker killed: the wall keeps one tile
+    per slot and says `lost` only for the dead worker's slot; the host map counts the two
+    slots the run has and says `down` only when that host's last worker is gone."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dartboard.env_health import host_map
+    from datamanager.models import SlotStatus, Task
+    from datamanager.services import env_slots
+    from tests.datamanager.factories import make_running_run
+    from workers import slot_worker
+
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
+    Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})
+    run = make_running_run({"policy": "oracle", "tasks": {"env_kinds": ["sim"]},
+                            "env": {"miniwob_slots": 0, "sim_slots": 2}})  # fmt: skip
+    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=1.0)
+    assert outcome.reason == "time slice over"
+    first = EnvSlot.objects.get(run=run, key="sim:0")
+    assert first.status == SlotStatus.RELEASED
+
+    def wall() -> dict[str, str]:
+        tiles = ada_client.get(f"/runs/{run.pk}/slots.json").json()["slots"]
+        return {t["name"].removeprefix(f"{host}:"): t["status"] for t in tiles}
+
+    host = first.host
+    pid = first.name.split(":")[1]
+    silent = timezone.now() - timedelta(seconds=run_silent_after(run) + 5)
+    EnvSlot.objects.filter(pk=first.pk).update(last_heartbeat=silent)  # long ago: no worker
+    assert wall() == {f"{pid}:sim:0": "released"}  # waiting for a worker, not lost
+    assert [(h.host, h.state, sum(h.slots.values())) for h in host_map(run=run)] == [
+        (host, "waiting", 1)
+    ]
+    # The next worker takes slot 0 (its own row), another serves slot 1.
+    for name in (f"{host}:9001:sim:0", f"{host}:9002:sim:1"):
+        slot = env_slots.env_slot_register(name=name, host=host, backend="sim", run_id=run.pk)
+        env_slots.env_slot_set(slot_id=slot.pk, status=SlotStatus.BUSY)
+    assert wall() == {"9001:sim:0": "busy", "9002:sim:1": "busy"}
+    assert [(h.state, h.slots) for h in host_map(run=run)] == [("ok", {"busy": 2})]
+    # Slot 1's worker is killed: its tile is lost, the host still serves slot 0.
+    EnvSlot.objects.filter(name=f"{host}:9002:sim:1").update(last_heartbeat=silent)
+    assert wall() == {"9001:sim:0": "busy", "9002:sim:1": "lost"}
+    assert [(h.state, h.slots) for h in host_map(run=run)] == [("ok", {"busy": 1, "lost": 1})]
+    EnvSlot.objects.filter(name=f"{host}:9001:sim:0").update(last_heartbeat=silent)
+    assert [h.state for h in host_map(run=run)] == ["down"]
+
+
+def run_silent_after(run: Run) -> float:
+    from datamanager.config import RunConfig
+
+    return RunConfig.from_dict(run.config).env.silent_after_s

@@ -98,9 +98,10 @@ def test_env_errors_per_host_and_task_are_charted_mapped_and_alerted(ada_client)
     from datamanager.models import EnvSlot
 
     make_tasks(2)
-    run = make_running_run({"env": {"error_rate_alert": 0.3}, "curation": {"n_max": 8, "n_min": 8}})
+    run = make_running_run({"env": {"error_rate_alert": 0.3, "miniwob_slots": 2},
+                            "curation": {"n_max": 8, "n_min": 8}})  # fmt: skip
     sick = EnvSlot.objects.create(name="vm-7:1:miniwob:0", host="vm-7", backend="miniwob", run=run)
-    well = EnvSlot.objects.create(name="vm-2:1:miniwob:0", host="vm-2", backend="miniwob", run=run)
+    well = EnvSlot.objects.create(name="vm-2:1:miniwob:1", host="vm-2", backend="miniwob", run=run)
     for _ in range(3):
         _ended(run, well, status="succeeded", reset_ms=120.0)
         _ended(run, well, status="failed", reset_ms=140.0)

@@ -35,7 +35,10 @@ def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
     assert not main.evaluation.eval_split  # its 23 tasks would take the slots from training
     desktop = main_run_config("desktop")
     assert desktop.tasks.names == ["desktop/double-click"] and desktop.env.miniwob_slots == 0
-    with pytest.raises(ValueError, match="unknown preset 'osworld'; presets: miniwob, desktop"):
+    on_vllm = main_run_config("vllm")  # make run-vllm: the main job, LoRA served by vLLM
+    assert on_vllm.rollout.backend == "vllm" and on_vllm.trainer.lora_rank == 16
+    assert on_vllm.tasks == main.tasks and on_vllm.env == main.env
+    with pytest.raises(ValueError, match="unknown preset 'osworld'; presets: miniwob, vllm, desk"):
         main_run_config("osworld")
 
 

@@ -198,8 +198,24 @@ def live_work_rows(*, run: Run, fold_after: int = 20) -> list[LiveWorkRow]:
         return [
             LiveWorkRow("workers", "missing", f"Redis unreachable, live state unavailable: {exc}")
         ]
-    rows = [_work_row(work, holder, pending) for work, (holder, pending) in answers]
+    behind = _evaluating(run)
+    rows = [_work_row(work, holder, pending, behind) for work, (holder, pending) in answers]
     return _folded(rows, fold_after)
+
+
+def _evaluating(run: Run) -> str:
+    """What a queued slot task waits behind on the env workers: the run's evaluation under
+    way ("the evaluation of v48"), or "" when none is."""
+    running = list(
+        EvalJob.objects.filter(run=run, status=EvalStatus.RUNNING)
+        .order_by("pk")
+        .values_list("policy_version", flat=True)[:1]
+    )
+    if not running:
+        return ""
+    return "the evaluation of " + (
+        "the starting policy" if running[0] is None else f"v{running[0]}"
+    )
 
 
 def _lease_answers(works: list[LiveWork]) -> list[tuple[LiveWork, tuple[bytes | None, int]]]:
@@ -217,11 +233,12 @@ def _lease_answers(works: list[LiveWork]) -> list[tuple[LiveWork, tuple[bytes | 
     return list(zip(works, zip(answers[::2], answers[1::2], strict=True), strict=True))
 
 
-def _work_row(work: LiveWork, holder: bytes | None, pending: int) -> LiveWorkRow:
+def _work_row(work: LiveWork, holder: bytes | None, pending: int, behind: str) -> LiveWorkRow:
     if holder is not None:
         return LiveWorkRow(work.label, "live", f"held by {holder.decode()}")
     if pending:
-        return LiveWorkRow(work.label, "queued", f"queued on {work.queue}")
+        waits = f" behind {behind}" if behind and work.queue == "env" else ""
+        return LiveWorkRow(work.label, "queued", f"queued on {work.queue}{waits}")
     return LiveWorkRow(
         work.label,
         "missing",

@@ -90,8 +90,15 @@ def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_
     text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
 
     assert "slot miniwob:0: held by h:42:miniwob:0" in text
-    assert "slot miniwob:1: queued on env" in text
+    assert "slot miniwob:1: queued on env" in text and "queued on env behind" not in text
     assert "trainer: no live worker; the watchdog enqueues it again after 20 s" in text
+
+    # While the run evaluates a version, a queued slot says what it waits behind.
+    from datamanager.models import EvalJob, EvalStatus
+
+    EvalJob.objects.create(name="v4", run=run, policy_version=4, status=EvalStatus.RUNNING)
+    text = re.sub(r"\s+", " ", ada_client.get(f"/runs/{run.pk}/").content.decode())
+    assert "slot miniwob:1: queued on env behind the evaluation of v4" in text
 
 
 def test_with_redis_down_the_run_page_says_who_holds_the_slots_is_unknown(

@@ -179,6 +179,7 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     assert "81 more: queued or without a worker" in text  # 101 without one, 20 listed
 
 
+@pytest.mark.slow  # a real slot worker's time slice: ~5 s
 def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worker_dies(
     ada_client, settings, live_work_keys_cleared
 ):

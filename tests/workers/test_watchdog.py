@@ -88,6 +88,7 @@ def test_a_trainer_that_reached_max_updates_is_not_restarted(redis):
         assert watchdog_pass(now=now) == []
 
 
+@pytest.mark.slow  # the duplicate waits the lease's TTL + 5 s for a lapse: ~6 s
 def test_a_second_trainer_task_finds_the_lease_held_and_ends(redis, settings):
     from workers import tasks
 

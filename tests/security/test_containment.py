@@ -261,10 +261,10 @@ def test_the_host_map_says_when_a_host_runs_sandboxes_without_limits(ada_client)
     from tests.datamanager.factories import make_running_run, make_tasks
 
     make_tasks(1)
-    run = make_running_run({})
+    run = make_running_run({"env": {"desktop_slots": 2}})
     EnvSlot.objects.create(name="lab-3:1:desktop:0", host="lab-3", backend="desktop", run=run,
                            sandbox_note="cannot create the memory/pids cgroup /sys/fs/cgroup/x")  # fmt: skip
-    EnvSlot.objects.create(name="lab-4:1:desktop:0", host="lab-4", backend="desktop", run=run)
+    EnvSlot.objects.create(name="lab-4:1:desktop:1", host="lab-4", backend="desktop", run=run)
     page = ada_client.get(f"/runs/{run.pk}/").content.decode()
     tiles = {
         m.group(1): m.group(0)

@@ -166,7 +166,8 @@ def main() -> None:
         from training.trainer import PolicyTrainer
         from training.update import UpdateConfig
 
-        trainer = PolicyTrainer(start_checkpoint=model, run_dir=home / "run", lr=1e-4,
+        runs = Path(settings.CHECKPOINT_ROOT)  # where a reload may load from
+        trainer = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-lora", lr=1e-4,
                                 kl_coef=0.1, device=device, lora=LoraSpec(rank=16, alpha=32))  # fmt: skip
         sample = TrainSample(step_id=1, trajectory_id=1, group_id=0, messages=messages,
                              response_text="Action: click(start_box='(250,250)')", reward=1.0,
@@ -180,13 +181,15 @@ def main() -> None:
         started = time.monotonic()
         trainer.update([sample, failing], config)
         update_s = time.monotonic() - started
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-        rows.append(
-            ("LoRA update, 2 steps of 5 screenshots", f"{update_s:.1f} s, peak {peak:.1f} GiB")
+        peak = (
+            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated"
+            if device == "cuda"
+            else "(GPU memory: not on a CPU)"
         )
+        rows.append((f"LoRA update, 2 steps of {SCREENS} screenshots", f"{update_s:.1f} s, {peak}"))
         adapter = trainer.save_version(1)
         del trainer
-        full = PolicyTrainer(start_checkpoint=model, run_dir=home / "full", lr=1e-5, kl_coef=0.0,
+        full = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-full", lr=1e-5, kl_coef=0.0,
                              device=device).save_version(2)  # fmt: skip
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -220,8 +223,12 @@ def main() -> None:
                 with _Load(url, messages) as load:
                     time.sleep(3)
                     seconds, status = _reload(url, tokens.admin, checkpoint, version)
-                rows.append((f"{label} under 8 clients", f"{seconds:.1f} s, HTTP {status}, "
-                             f"{len(load.failed)} failed of {load.ok + len(load.failed)}"))  # fmt: skip
+                failed = f"{len(load.failed)} failed of {load.ok + len(load.failed)}"
+                rows.append(
+                    (f"{label} under 8 clients", f"{seconds:.1f} s, HTTP {status}, {failed}")
+                )
+                if status != 200:
+                    rows.append((f"{label} FAILED", f"see {home}/logs/inference-0.log"))
 
             # 4. The log-prob gap: vLLM's greedy tokens scored by the trainer (bf16 autocast).
             from core.encoding import encode_batch

@@ -40,20 +40,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 kinds |= getattr(fixturedef.func, "dartboard_needs", frozenset())
         for kind in sorted(kinds):
             item.add_marker(kind)
-    _heaviest_modules_first(items)
-
-
-def _heaviest_modules_first(items: list[pytest.Item]) -> None:
-    """Modules that start live stacks first, then those with screens, each module's tests
-    kept together in their order: under pytest-xdist the long tests then start early and
-    the run does not end with one worker on a two-minute test while the other idles."""
-    weight: dict[str, int] = {}
-    for item in items:
-        heavy = 2 if item.get_closest_marker("live") else 1 if (
-            item.get_closest_marker("desktop") or item.get_closest_marker("browser")
-        ) else 0  # fmt: skip
-        weight[item.module.__name__] = max(weight.get(item.module.__name__, 0), heavy)
-    items[:] = sorted(items, key=lambda item: -weight[item.module.__name__])
 
 
 _over_budget: list[str] = []

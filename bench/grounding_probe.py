@@ -13,7 +13,7 @@ on that one kind of screen, `--steps` steps of batch 16, AdamW at a constant lea
 Every `--every` steps it prints the loss, the share of greedy clicks inside the box on 48
 held-out screens and their mean L1 error in screen pixels (a random guess is ~100 px).
 
-What it showed (README, "Tiny policy grounding"): Qwen2.5-VL's rotary-only vision tower
+What it showed (docs/benchmarks.md, "Tiny policy grounding"): Qwen2.5-VL's rotary-only vision tower
 does not ground here with or without attention supervision (the head finds the box but the
 box's features do not say where it is); Qwen3-VL's absolute position table alone does not
 either within minutes; both together do.

@@ -121,7 +121,7 @@ def fill(*, n_traj: int, steps_per: int, seed: int = 0) -> int:
     from datamanager.roles import role_group
 
     ada = User.objects.create_user("ada", password="lovelace-pass-1")
-    # Every page needs a role (README, Security model); the annotation queue is an operator's.
+    # Every page needs a role (docs/security.md); the annotation queue is an operator's.
     ada.groups.add(role_group("operator"))
     shots = [
         default_storage.save(f"bench/{i:02d}.png", ContentFile(_gui_png(i))) for i in range(12)

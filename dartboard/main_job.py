@@ -33,13 +33,13 @@ MAIN_MINIWOB_TASKS = ["click-test-2", "click-button", "click-link", "click-dialo
 # machine's trainer update under a minute; every curation feature is on. The tiny policy was
 # pretrained on first steps only, so one unparsable output ends an episode. lr 5e-5 with
 # fixed instances: +22 points on the training instances in 30 minutes (bench/mainjob.py);
-# 1e-4 learned no faster (README, *What makes RL carry over to held-out seeds*).
+# 1e-4 learned no faster (docs/benchmarks.md, *What makes RL carry over to held-out seeds*).
 _ROLLOUT = {"max_new_tokens": 48, "inference_workers": 1, "max_images": 3, "max_parse_errors": 1}
 _TRAINER = {"lr": 5e-5, "micro_batch": 4, "kl_coef": 0.1}
 
 
 def main_run_config(preset: str = "miniwob") -> RunConfig:
-    """The run a preset starts (see README, *The main job observed*, for what it shows)."""
+    """The run a preset starts (see docs/benchmarks.md, *The main job observed*, for what it shows)."""
     if preset not in MAIN_RUN_NAMES:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(MAIN_RUN_NAMES)}")
     if preset == "desktop":

@@ -6,7 +6,7 @@ DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_W
 DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S, DARTBOARD_ARTIFACTS, DARTBOARD_ARTIFACT_CACHE,
 DARTBOARD_WANDB_PROJECT (+ W&B's own WANDB_MODE, WANDB_DIR, WANDB_API_KEY, WANDB_ENTITY),
 DARTBOARD_MLFLOW_TRACKING_URI, DARTBOARD_MLFLOW_EXPERIMENT.
-See README.md, "Configuration".
+See docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ LOGGING = {
 if PRODUCTION:
     SESSION_COOKIE_SECURE = config_env.env_bool("DARTBOARD_SECURE_COOKIES", default=True)
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
-# Behind a TLS-terminating proxy (README, Security model): the proxy sets X-Forwarded-Proto,
+# Behind a TLS-terminating proxy (docs/security.md): the proxy sets X-Forwarded-Proto,
 # the browser's origin is trusted for CSRF, and HSTS tells browsers to stay on https.
 DARTBOARD_TLS_PROXY = config_env.env_bool("DARTBOARD_TLS_PROXY", default=False)
 if DARTBOARD_TLS_PROXY:

@@ -1,6 +1,6 @@
 """Put a `vllm serve` process behind Dartboard's inference-worker contract.
 
-    (the command in the README's *Scaling out* and docker-compose.yml's `vllm` service)
+    (the command in docs/scaling-out.md and docker-compose.yml's `vllm` service)
     python -m rollout.vllm_adapter --vllm http://127.0.0.1:8200 --policy-dir /models/policy \\
         --port 8101 --version 0
     (the launcher's: vLLM on a unix socket in a 0700 directory, `vllm serve --uds PATH`)

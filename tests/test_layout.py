@@ -121,10 +121,11 @@ def test_compose_keeps_internal_services_off_the_public_network():
 
 
 def _readme_command(program: str) -> tuple[dict[str, str], list[str]]:
-    """The README's shell command running `program`: its environment and its arguments."""
+    """The documented shell command running `program` (docs/scaling-out.md): its
+    environment and its arguments."""
     import shlex
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "scaling-out.md").read_text()
     block = next(b for b in readme.split("```bash")[1:] if f"{program} " in b.split("```")[0])
     text = block.split("```")[0].replace("\\\n", " ")
     line = next(line for line in text.splitlines() if f"{program} " in line)

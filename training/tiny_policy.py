@@ -165,7 +165,7 @@ def build_tiny_policy(
     where an image token's position lives: Qwen2.5-VL's vision tower has only rotary
     positions, which shape attention scores but never reach the token's features, so the
     text model can find the target token but cannot read off where it is (measured: it does
-    not ground; README "Tiny policy grounding"). Qwen3-VL's vision tower adds a learned
+    not ground; docs/benchmarks.md "Tiny policy grounding"). Qwen3-VL's vision tower adds a learned
     absolute position table (`vision_positions` entries, a square grid resampled to each
     image) to the patches, and its text rope interleaves the time/height/width frequencies.
 

@@ -66,7 +66,7 @@ def test_tiny_policy_is_a_small_qwen3_vl_directory(tiny_dir, policy):
         "preprocessor_config.json",
     } <= names
     assert policy.model.config.model_type == "qwen3_vl"
-    # The learned absolute position table that lets it ground (README, "Tiny policy grounding").
+    # The learned absolute position table that lets it ground (docs/benchmarks.md, "Tiny policy grounding").
     assert policy.model.model.visual.pos_embed.weight.shape[0] == 576
     params = sum(p.numel() for p in policy.model.parameters())
     assert 2_000_000 < params < 40_000_000

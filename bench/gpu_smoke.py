@@ -270,17 +270,10 @@ def main() -> None:
 
 
 def _score(trainer, batch, sequence_logprobs) -> list[float]:
-    """The trainer's log-probs of a batch's response tokens, under its autocast."""
-    import contextlib
-
+    """The trainer's log-probs of a batch's response tokens, in its forward's precision."""
     import torch
 
-    autocast = (
-        torch.autocast(torch.device(trainer.device).type, dtype=trainer.autocast_dtype)
-        if trainer.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), trainer.autocast():
         values, _, mask = sequence_logprobs(trainer.policy.model, batch)
     return values[mask.bool()].tolist()
 

@@ -222,11 +222,7 @@ class Adapter:
             # New requests go to the new adapter now; the old one goes once its last ends.
             self.cond.wait_for(lambda: self.in_flight[old_version] == 0)
         if old != self.model:
-            unloaded = self.http.post(
-                f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": old}
-            )
-            if unloaded.status_code != 200:  # it still serves; it holds one adapter too many
-                log.warning("vLLM did not unload adapter %s: %s", old, unloaded.text[:200])
+            self._unload(old)
         return 200, {"policy_version": version, "served_as": name}
 
     def _reload_full(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
@@ -256,8 +252,15 @@ class Adapter:
         with self.cond:
             adapter, self.version, self.serving = self.serving, version, self.model
         if adapter != self.model:  # trained on the old base: never served again
-            self.http.post(f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": adapter})
+            self._unload(adapter)
         return 200, {"policy_version": version}
+
+    def _unload(self, name: str) -> None:
+        """Drop an adapter vLLM no longer serves; a refusal is logged (it holds one too many
+        until the next switch), never fatal to the version that is now served."""
+        unloaded = self.http.post(f"{self.vllm}/v1/unload_lora_adapter", json={"lora_name": name})
+        if unloaded.status_code != 200:
+            log.warning("vLLM did not unload adapter %s: %s", name, unloaded.text[:200])
 
     def models(self) -> tuple[int, dict[str, Any]]:
         try:

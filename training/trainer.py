@@ -206,13 +206,14 @@ class PolicyTrainer:
             for s in samples
         ]
         batch = encode_batch(self.policy, [s.messages for s in samples], responses=responses)
-        autocast = (
-            torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with self.autocast():
             return sequence_logprobs(model, batch)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward passes' precision (`trainer_precision`): bf16 autocast on GPUs."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype)
 
     def update(self, samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateMetrics:
         """One policy update. The leader of replicas hands the followers the same samples

@@ -117,7 +117,9 @@ class Command(BaseCommand):
                         placement=cfg.rollout.vllm_gpus,
                         trainer_replicas=cfg.trainer.replicas,
                     ),
-                    vllm_gpu_memory=cfg.rollout.vllm_gpu_memory if _has_gpu() else None,
+                    vllm_gpu_memory=cfg.rollout.vllm_gpu_memory
+                    if cfg.rollout.backend == "vllm" and _has_gpu()
+                    else None,
                 )
             supervisor.start()
             if run is not None:

@@ -16,6 +16,7 @@ requirements-gpu.txt). Everything runs under a temporary DARTBOARD_HOME.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -76,11 +77,18 @@ def _model(workdir: Path, *, cpu: bool) -> Path:
     if cpu:
         return ROOT / "policies" / "tiny-grounded"
     from bench.realsize import build_mid
+    from core.imaging import QWEN25_VL
     from core.policy import load_policy, save_checkpoint
 
     build_mid(workdir)
     policy = load_policy(workdir / "mid", dtype=torch.bfloat16)
     save_checkpoint(policy, workdir / "mid-bf16")
+    # The released model's image bounds (the tiny policy's processor keeps 256 tokens per
+    # image): a 1920x1080 screenshot becomes its ~2,600 tokens, as for UI-TARS.
+    config = workdir / "mid-bf16" / "preprocessor_config.json"
+    data = json.loads(config.read_text())
+    data["size"] = {"shortest_edge": QWEN25_VL.min_pixels, "longest_edge": QWEN25_VL.max_pixels}
+    config.write_text(json.dumps(data, indent=2))
     return workdir / "mid-bf16"
 
 
@@ -127,146 +135,236 @@ def _reload(url: str, admin: str, checkpoint: Path, version: int) -> tuple[float
 
 
 def main() -> None:
-    """Long because it is the smoke's checks in order, sharing one vLLM and one home."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="run the steps on this CPU (tiny policy)")
+    ap.add_argument("--trainer-only", action="store_true",
+                    help="the trainer's checks alone: for a GPU host without vLLM or Django")  # fmt: skip
     args = ap.parse_args()
-    rows: list[tuple[str, str]] = []
+    import torch
+    import transformers
+
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: run with --cpu for the CPU walk-through")
+    device = "cpu" if args.cpu else "cuda"
+    card = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    rows = [("device", card), ("torch", torch.__version__),
+            ("transformers", transformers.__version__)]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="dartboard-gpu-smoke-") as tmp:
         home = Path(tmp)
-        _setup(home)
-        import torch
-        import transformers
-        from django.conf import settings
-
-        from dartboard.launcher import Supervisor, vllm_specs
-        from rollout.auth import ServiceTokens
-        from rollout.client import PolicyClient
-        from rollout.vllm_command import vllm_missing, vllm_python
-
-        if missing := vllm_missing():
-            raise SystemExit(missing)
-        if not args.cpu and not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU here: run with --cpu for the CPU walk-through")
-        device = "cpu" if args.cpu else "cuda"
-        import subprocess
-
-        vllm_version = subprocess.run([str(vllm_python()), "-c", "import vllm; print(vllm.__version__)"],
-                                      capture_output=True, text=True).stdout.strip()  # fmt: skip
-        card = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-        rows += [("device", card), ("torch", torch.__version__),
-                 ("transformers", transformers.__version__), ("vLLM", vllm_version)]  # fmt: skip
-        model = _model(home, cpu=args.cpu)
-        screens = _screens(SCREENS, (640, 360) if args.cpu else SCREEN)
-        messages = _messages(screens)
-
-        # 1. A LoRA update on 5 full-size screenshots: peak memory against the plan.
-        from core.lora import LoraSpec
-        from core.samples import TrainSample
-        from training.trainer import PolicyTrainer
-        from training.update import UpdateConfig
-
-        runs = Path(settings.CHECKPOINT_ROOT)  # where a reload may load from
-        trainer = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-lora", lr=1e-4,
-                                kl_coef=0.1, device=device, lora=LoraSpec(rank=16, alpha=32))  # fmt: skip
-        sample = TrainSample(step_id=1, trajectory_id=1, group_id=0, messages=messages,
-                             response_text="Action: click(start_box='(250,250)')", reward=1.0,
-                             rollout_logprobs=[], mean_entropy=1.0, policy_version=0)  # fmt: skip
-        failing = TrainSample(
-            **{**sample.__dict__, "step_id": 2, "trajectory_id": 2, "reward": 0.0}
-        )
-        config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=1)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        started = time.monotonic()
-        trainer.update([sample, failing], config)
-        update_s = time.monotonic() - started
-        peak = (
-            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated"
-            if device == "cuda"
-            else "(GPU memory: not on a CPU)"
-        )
-        rows.append((f"LoRA update, 2 steps of {SCREENS} screenshots", f"{update_s:.1f} s, {peak}"))
-        adapter = trainer.save_version(1)
-        del trainer
-        full = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-full", lr=1e-5, kl_coef=0.0,
-                             device=device).save_version(2)  # fmt: skip
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
-        # 2. vLLM as the launcher starts it.
-        tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
-        port = 18601
-        gpu_memory = None if args.cpu else 0.5  # beside this process's trainer
-        specs = vllm_specs(0, str(model), port, tokens=tokens, gpu=0, gpu_memory=gpu_memory)
-        supervisor = Supervisor(home=home, specs=specs)
-        url = f"http://127.0.0.1:{port}"
-        started = time.monotonic()
-        supervisor.start()
-        try:
-            with PolicyClient(url, timeout=600) as client:
-                while True:
-                    try:
-                        client.complete(messages, max_tokens=4)
-                        break
-                    except Exception:
-                        if time.monotonic() - started > 600:
-                            raise SystemExit(f"vLLM did not answer in 600 s: {home}/logs") from None
-                        time.sleep(2)
-            rows.append(("vLLM start to first answer", f"{time.monotonic() - started:.0f} s"))
-
-            # 3. Adapter sync and full reload under load.
-            for label, checkpoint, version in (
-                ("adapter sync", adapter, 1),
-                ("full reload", full, 2),
-            ):
-                with _Load(url, messages) as load:
-                    time.sleep(3)
-                    seconds, status = _reload(url, tokens.admin, checkpoint, version)
-                failed = f"{len(load.failed)} failed of {load.ok + len(load.failed)}"
-                rows.append(
-                    (f"{label} under 8 clients", f"{seconds:.1f} s, HTTP {status}, {failed}")
-                )
-                if status != 200:
-                    rows.append((f"{label} FAILED", f"see {home}/logs/inference-0.log"))
-
-            # 4. The log-prob gap: vLLM's greedy tokens scored by the trainer (bf16 autocast).
-            from core.encoding import encode_batch
-            from core.generation import sequence_logprobs
-
-            scorer = PolicyTrainer(start_checkpoint=full, run_dir=home / "score", lr=1e-5,
-                                   kl_coef=0.0, device=device)  # fmt: skip
-            gaps = []
-            with PolicyClient(url, timeout=300) as client:
-                for i in range(4):
-                    prompt = _messages(screens[: i + 2])
-                    served = client.complete(prompt, max_tokens=24, temperature=0.0)
-                    batch = encode_batch(scorer.policy, [prompt], responses=[served.token_ids])
-                    values = _score(scorer, batch, sequence_logprobs)
-                    gaps += [abs(a - b) for a, b in zip(values, served.token_logprobs, strict=True)]
-            rows.append(("log-prob gap, trainer vs vLLM",
-                         f"mean {statistics.mean(gaps):.4f}, max {max(gaps):.4f} nats/token"))  # fmt: skip
-
-            # 5. Throughput: 32 requests of 64 tokens at once.
-            done: list[int] = []
-
-            def one() -> None:
-                with PolicyClient(url, timeout=600) as client:
-                    done.append(client.complete(messages, max_tokens=64).response_tokens)
-
-            threads = [threading.Thread(target=one) for _ in range(32)]
-            started = time.monotonic()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            rows.append(("generation, 32 concurrent requests",
-                         f"{sum(done) / (time.monotonic() - started):.0f} tokens/s"))  # fmt: skip
-        finally:
-            supervisor.stop()
+        if args.trainer_only:
+            rows.append(("vLLM", "not run (--trainer-only)"))
+            model = _model(home, cpu=args.cpu)
+            screens = _screens(SCREENS, (640, 360) if args.cpu else SCREEN)
+            _trainer_checks(rows, model=model, messages=_messages(screens), device=device,
+                            runs=home / "runs", full_update=True)  # fmt: skip
+        else:
+            _setup(home)
+            _with_vllm(rows, home=home, device=device, cpu=args.cpu)
     print("| check | result |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
+
+
+def _peak(device: str) -> str:
+    import torch
+
+    if device != "cuda":
+        return "(GPU memory: not on a CPU)"
+    return f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated"
+
+
+def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[dict],
+                    device: str, runs: Path, full_update: bool) -> tuple[Path, Path | None]:  # fmt: skip
+    """A LoRA update on SCREENS full-size screenshots (time, peak memory), then a full
+    fine-tuning update of the same steps (with full_update) and the trainer's own precision
+    gap: its bf16-autocast log-probs against fp32 on the same tokens. Returns the adapter
+    (version 1) and the full weights (version 2; None with full_update) a vLLM reload loads."""
+    import torch
+
+    from core.encoding import encode_batch, response_token_ids
+    from core.generation import sequence_logprobs
+    from core.lora import LoraSpec
+    from core.samples import TrainSample
+    from training.trainer import PolicyTrainer
+    from training.update import UpdateConfig
+
+    sample = TrainSample(step_id=1, trajectory_id=1, group_id=0, messages=messages,
+                         response_text="Action: click(start_box='(250,250)')", reward=1.0,
+                         rollout_logprobs=[], mean_entropy=1.0, policy_version=0)  # fmt: skip
+    failing = TrainSample(**{**sample.__dict__, "step_id": 2, "trajectory_id": 2, "reward": 0.0})
+    config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=1)
+    trainers = [("LoRA r16", LoraSpec(rank=16, alpha=32), 1e-4, False)]
+    if full_update:
+        trainers += [("full fine-tuning", None, 1e-5, False),
+                     ("full fine-tuning, gradient checkpointing", None, 1e-5, True)]  # fmt: skip
+    first = True
+    for label, lora, lr, checkpointing in trainers:
+        trainer = PolicyTrainer(start_checkpoint=model, run_dir=runs / f"smoke-{label[:4]}",
+                                lr=lr, kl_coef=0.1, device=device, lora=lora,
+                                gradient_checkpointing=checkpointing)  # fmt: skip
+        if first:
+            started = time.monotonic()
+            batch = encode_batch(trainer.policy, [messages],
+                                 responses=[response_token_ids(trainer.policy, sample.response_text)])  # fmt: skip
+            encode_s = time.monotonic() - started
+            tokens = int(batch.attention_mask.sum())
+            rows.append(("one step", f"{SCREENS} screenshots, {tokens} tokens; encoding them "
+                                     f"(CPU, every update) {encode_s:.1f} s"))  # fmt: skip
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        try:
+            for _ in range(2):  # the optimizer's moments exist from the first update on
+                started = time.monotonic()
+                trainer.update([sample, failing], config)
+                times.append(time.monotonic() - started)
+        except torch.OutOfMemoryError:
+            rows.append((f"{label} update", f"out of memory; {_peak(device)}"))
+        else:
+            rows.append((f"{label} update, 2 steps (second update)",
+                         f"{times[1]:.1f} s ({2 * tokens / times[1]:.0f} tokens/s), "
+                         f"{_peak(device)}"))  # fmt: skip
+        if first and device == "cuda":
+            rows.append(("LoRA peak as bench/realsize.py plans it", _planned(batch)))
+            rows.append(("trainer precision gap, bf16 autocast vs fp32",
+                         _precision_gap(trainer, batch, sequence_logprobs)))  # fmt: skip
+        if lora is not None:
+            adapter = trainer.save_version(1)
+        first = False
+        del trainer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if full_update:
+        return adapter, None
+    full = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-full", lr=1e-5,
+                         kl_coef=0.0, device=device).save_version(2)  # fmt: skip
+    return adapter, full
+
+
+def _planned(batch) -> str:
+    """bench/realsize.py's plan for this LoRA step of the mid-size model: fp32 weights and
+    moments, activations measured in bf16 (what autocast keeps)."""
+    import torch
+
+    from bench.realsize import MID, MID_VISION, config_of, counts, measure_activations, plan
+
+    c = counts(config_of(MID["text"], tie=MID["tie"], vision=MID_VISION))
+    act = measure_activations(MID, dtype=torch.bfloat16, lora=True)
+    p = plan(c, act, layers=MID["text"]["num_hidden_layers"], depth=MID_VISION["depth"],
+             lora=True, dtype_bytes=4, checkpointing=False, shards=1,
+             tokens=int(batch.attention_mask.sum()),
+             patches=int(batch.image_grid_thw.prod(-1).sum()), vocab=MID["text"]["vocab_size"],
+             response=int(batch.response_mask.sum(1).max()))  # fmt: skip
+    return (f"{p.total / 2**30:.1f} GiB (weights {p.weights / 2**30:.1f}, activations "
+            f"{p.activations / 2**30:.1f}); the autocast's bf16 weight copies are not planned")  # fmt: skip
+
+
+def _precision_gap(trainer, batch, sequence_logprobs) -> str:
+    """The trainer's log-probs of the same response tokens with and without bf16 autocast."""
+    import torch
+
+    batch = batch.to(trainer.device)
+    with torch.no_grad():
+        with trainer.autocast():
+            mixed, _, mask = sequence_logprobs(trainer.policy.model, batch)
+        full, _, _ = sequence_logprobs(trainer.policy.model, batch)
+    gaps = (mixed.float() - full.float()).abs()[mask.bool()]
+    return f"mean {gaps.mean():.4f}, max {gaps.max():.4f} nats/token"
+
+
+def _with_vllm(rows: list[tuple[str, str]], *, home: Path, device: str, cpu: bool) -> None:
+    """Long because it is the smoke's checks in order, sharing one vLLM and one home."""
+    from django.conf import settings
+
+    from dartboard.launcher import Supervisor, vllm_specs
+    from rollout.auth import ServiceTokens
+    from rollout.client import PolicyClient
+    from rollout.vllm_command import vllm_missing, vllm_python
+
+    if missing := vllm_missing():
+        raise SystemExit(missing)
+    import subprocess
+
+    vllm_version = subprocess.run([str(vllm_python()), "-c", "import vllm; print(vllm.__version__)"],
+                                  capture_output=True, text=True).stdout.strip()  # fmt: skip
+    rows.append(("vLLM", vllm_version))
+    model = _model(home, cpu=cpu)
+    screens = _screens(SCREENS, (640, 360) if cpu else SCREEN)
+    messages = _messages(screens)
+
+    # 1. The trainer: a LoRA update on 5 full-size screenshots; the versions vLLM reloads.
+    adapter, full = _trainer_checks(rows, model=model, messages=messages, device=device,
+                                    runs=Path(settings.CHECKPOINT_ROOT), full_update=False)  # fmt: skip
+
+    # 2. vLLM as the launcher starts it.
+    tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
+    port = 18601
+    gpu_memory = None if cpu else 0.5  # beside this process's trainer
+    specs = vllm_specs(0, str(model), port, tokens=tokens, gpu=0, gpu_memory=gpu_memory)
+    supervisor = Supervisor(home=home, specs=specs)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    supervisor.start()
+    try:
+        with PolicyClient(url, timeout=600) as client:
+            while True:
+                try:
+                    client.complete(messages, max_tokens=4)
+                    break
+                except Exception:
+                    if time.monotonic() - started > 600:
+                        raise SystemExit(f"vLLM did not answer in 600 s: {home}/logs") from None
+                    time.sleep(2)
+        rows.append(("vLLM start to first answer", f"{time.monotonic() - started:.0f} s"))
+
+        # 3. Adapter sync and full reload under load.
+        for label, checkpoint, version in (
+            ("adapter sync", adapter, 1),
+            ("full reload", full, 2),
+        ):
+            with _Load(url, messages) as load:
+                time.sleep(3)
+                seconds, status = _reload(url, tokens.admin, checkpoint, version)
+            failed = f"{len(load.failed)} failed of {load.ok + len(load.failed)}"
+            rows.append((f"{label} under 8 clients", f"{seconds:.1f} s, HTTP {status}, {failed}"))
+            if status != 200:
+                rows.append((f"{label} FAILED", f"see {home}/logs/inference-0.log"))
+
+        # 4. The log-prob gap: vLLM's greedy tokens scored by the trainer (bf16 autocast).
+        from core.encoding import encode_batch
+        from core.generation import sequence_logprobs
+        from training.trainer import PolicyTrainer
+
+        scorer = PolicyTrainer(start_checkpoint=full, run_dir=home / "score", lr=1e-5,
+                               kl_coef=0.0, device=device)  # fmt: skip
+        gaps = []
+        with PolicyClient(url, timeout=300) as client:
+            for i in range(4):
+                prompt = _messages(screens[: i + 2])
+                served = client.complete(prompt, max_tokens=24, temperature=0.0)
+                batch = encode_batch(scorer.policy, [prompt], responses=[served.token_ids])
+                values = _score(scorer, batch, sequence_logprobs)
+                gaps += [abs(a - b) for a, b in zip(values, served.token_logprobs, strict=True)]
+        rows.append(("log-prob gap, trainer vs vLLM",
+                     f"mean {statistics.mean(gaps):.4f}, max {max(gaps):.4f} nats/token"))  # fmt: skip
+
+        # 5. Throughput: 32 requests of 64 tokens at once.
+        done: list[int] = []
+
+        def one() -> None:
+            with PolicyClient(url, timeout=600) as client:
+                done.append(client.complete(messages, max_tokens=64).response_tokens)
+
+        threads = [threading.Thread(target=one) for _ in range(32)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows.append(("generation, 32 concurrent requests",
+                     f"{sum(done) / (time.monotonic() - started):.0f} tokens/s"))  # fmt: skip
+    finally:
+        supervisor.stop()
 
 
 def _score(trainer, batch, sequence_logprobs) -> list[float]:

@@ -90,12 +90,14 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
             # in the first main job). Two ready groups and 48 steps make an update.
             "trainer": {**_TRAINER, "min_groups": 2, "max_steps_per_update": 48},
             # Greedy success per version on the training instances and on held-out seeds
-            # (the run page's first chart), every 4th version and the starting policy; not
-            # the 23 tasks of the eval split, whose episodes would take the slots' time.
-            # 10 held-out seeds per task: 50 episodes, as many as the training instances
-            # (with 25, one standard error of a change was ~14 points).
+            # (the run page's first chart): the starting policy, then the newest version
+            # whenever the evaluation slot (one of three) is free; not the 23 tasks of the
+            # eval split, whose episodes would take the slots' time. 10 held-out seeds per
+            # task: 50 episodes, as many as the training instances (with 25, one standard
+            # error of a change was ~14 points).
             "evaluation": {
-                "every_n_versions": 4,
+                "every_n_versions": 1,
+                "slot_share": 1 / 3,
                 "eval_split": False,
                 "train_instances": True,
                 "heldout_k": 10,

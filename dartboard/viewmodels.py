@@ -213,9 +213,7 @@ def _evaluating(run: Run) -> str:
     )
     if not running:
         return ""
-    return "the evaluation of " + (
-        "the starting policy" if running[0] is None else f"v{running[0]}"
-    )
+    return "the evaluation of " + ("the starting policy" if not running[0] else f"v{running[0]}")
 
 
 def _lease_answers(works: list[LiveWork]) -> list[tuple[LiveWork, tuple[bytes | None, int]]]:

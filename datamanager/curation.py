@@ -1,7 +1,7 @@
 """DART's curation policies as small pure functions (the services in `datamanager.services.episodes`
 and `datamanager.services.batches` apply them to the database).
 
-1. rollout-wise sampling: `pick_task` — the task with the largest outstanding budget;
+1. rollout-wise sampling: `pick_task` — the task whose open group is closest to full;
 2. dynamic rollout number: `rollout_budget` — n_max below a threshold, else
    max(n_min, floor(9/s - 7)) (s=0.7 -> 5, 0.8 -> 4, 0.9 -> 3, 1.0 -> 2);
 3. dynamic trajectory length: `step_cap` — the longest success plus a margin;
@@ -52,11 +52,15 @@ class Candidate:
 
 
 def pick_task(candidates: Sequence[Candidate]) -> int | None:
-    """The task with the largest (boosted) outstanding budget; ties go to the lowest id."""
+    """The task whose open group has the fewest claims left (divided by its boost); ties go
+    to the lowest id. Groups fill one after another: a group is ready for the trainer within
+    a few episodes of its first. Filling every task's group side by side (the largest
+    outstanding budget first, as this did) finished each group only at the end of the round,
+    two versions later on 3 slots, and the trainer left half of the rollouts out as stale."""
     live = [c for c in candidates if c.outstanding > 0 and c.boost > 0]
     if not live:
         return None
-    best = max(live, key=lambda c: (c.outstanding * c.boost, -c.task_id))
+    best = min(live, key=lambda c: (c.outstanding / c.boost, c.task_id))
     return best.task_id
 
 

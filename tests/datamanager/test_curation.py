@@ -41,10 +41,16 @@ def test_rolling_success_rate_uses_the_window():
     assert rolling_success_rate([], window=4) is None
 
 
-def test_pick_task_takes_largest_outstanding_and_respects_boost_and_retire():
-    cands = [Candidate(1, 2), Candidate(2, 5), Candidate(3, 5)]
-    assert pick_task(cands) == 2  # tie on 5 -> lowest id
-    assert pick_task([Candidate(1, 2, boost=3.0), Candidate(2, 5)]) == 1
+def test_pick_task_fills_one_group_after_another_and_respects_boost_and_retire():
+    """Slots claiming in turn finish a task's group before starting the next, so each group
+    is ready for the trainer within its own few episodes."""
+    left = {1: 4, 2: 4, 3: 2}
+    order = []
+    while (task := pick_task([Candidate(t, n) for t, n in left.items()])) is not None:
+        order.append(task)
+        left[task] -= 1
+    assert order == [3, 3, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert pick_task([Candidate(1, 2), Candidate(2, 5, boost=4.0)]) == 2  # 5 / 4 < 2
     assert pick_task([Candidate(1, 0), Candidate(2, 3, boost=0.0)]) is None
 
 

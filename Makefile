@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 ARGS ?=
 
-.PHONY: help run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -124,6 +124,10 @@ policy: install ## rebuild the shipped tiny policy (~50 minutes)
 bench: install ## the environment and inference benchmarks
 	$(PY) bench/envs.py
 	$(PY) -m bench.inference
+
+docs: install ## the docs site in strict mode (site/); docs/reference/ regenerated first
+	$(PY) manage.py docs_reference
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean: ## delete .venv and var/ (the database, checkpoints, logs)
 	rm -rf $(VENV) var

@@ -515,7 +515,10 @@ class RunConfig:
         "or run freely with only the round's end as the barrier.",
     )
     policy: str = knob(
-        "shipped", "Starting checkpoint: 'shipped', 'untrained' or a local HF directory."
+        "shipped",
+        "Starting checkpoint: 'shipped', 'untrained', a local HF directory, or an artifact "
+        "reference (artifact:policies/...@sha256, from manage.py publish_policy) that every "
+        "host fetches.",
     )
     seed: int = knob(0, "Seed of task sampling and decoding.")
     tasks: TaskSelection = field(default_factory=TaskSelection)

@@ -1,0 +1,172 @@
+"""The docs tell the truth: the site builds in strict mode (a dead link or a page missing
+from the nav fails), the generated reference matches the code, every command, script and
+flag the README and docs name exists, the documented apt list is what make installs, and
+the environment table lists exactly the variables the code reads."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.management import get_commands, load_command_class
+
+from dartboard.docs_reference import make_targets, pages
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CODE = ["core", "envmanager", "rollout", "training", "datamanager", "workers", "dartboard"]
+
+
+def test_the_docs_site_builds_in_strict_mode(tmp_path):
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--site-dir",
+         str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Before you start" in (tmp_path / "site" / "index.html").read_text()  # the README's
+
+
+def test_the_reference_pages_are_what_the_code_gives():
+    for path, text in pages().items():
+        assert path.exists() and path.read_text() == text, (
+            f"{path.relative_to(ROOT)} is out of date: run `.venv/bin/python manage.py "
+            "docs_reference`"
+        )
+
+
+def _code_spans() -> list[tuple[str, str]]:
+    """(file, text) of every inline code span and fenced code line in the README and docs."""
+    spans = []
+    for path in DOCS:
+        text = path.read_text()
+        fences = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+        spans += [(path.name, line) for block in fences for line in block.splitlines()]
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        spans += [(path.name, s) for s in re.findall(r"`([^`\n]+)`", text)]
+        indented = re.findall(r"^    (\S.*)$", text, re.M)  # indented code blocks
+        spans += [(path.name, line) for line in indented]
+    return spans
+
+
+def _flags_after(text: str, start: int) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text[start:]))
+
+
+def _command_flags(name: str) -> set[str]:
+    command = load_command_class(get_commands()[name], name)
+    parser = command.create_parser("manage.py", name)
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def test_every_command_script_and_flag_the_docs_name_exists():
+    targets = {t for t, _ in make_targets()}
+    commands = get_commands()
+    wrong = []
+    for where, span in _code_spans():
+        for m in re.finditer(r"(?<![\w/.-])make ([a-z][a-z-]*)(?![\w=-])", span):
+            if m.group(1) not in targets:
+                wrong.append(f"{where}: `make {m.group(1)}` is no make target")
+        for m in re.finditer(r"ARGS='([^']*)'", span):
+            unknown = _flags_after(m.group(1), 0) - _command_flags("run_dartboard")
+            wrong += [f"{where}: run_dartboard has no {flag}" for flag in sorted(unknown)]
+        for m in re.finditer(r"manage\.py ([a-z_]+)", span):
+            name = m.group(1)
+            if name not in commands:
+                wrong.append(f"{where}: `manage.py {name}` is no command")
+                continue
+            end = span.find(";", m.end())
+            rest = span[: end if end > 0 else len(span)]
+            unknown = _flags_after(rest, m.end()) - _command_flags(name)
+            wrong += [f"{where}: manage.py {name} has no {flag}" for flag in sorted(unknown)]
+        for m in re.finditer(r"(?<![\w.-])bench/([a-z_]+)\.py|-m bench\.([a-z_]+)", span):
+            name = m.group(1) or m.group(2)
+            script = ROOT / "bench" / f"{name}.py"
+            if not script.exists():
+                wrong.append(f"{where}: bench/{name}.py does not exist")
+                continue
+            source = script.read_text()
+            end = span.find(";", m.end())
+            rest = span[: end if end > 0 else len(span)]
+            for flag in sorted(_flags_after(rest, m.end())):
+                if f'"{flag}"' not in source:
+                    wrong.append(f"{where}: bench/{name}.py has no {flag}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_documented_apt_list_is_what_make_installs():
+    readme = (ROOT / "README.md").read_text()
+    listed = re.search(r"install what they need with\s+apt \(sudo when not root\):(.*?)\.\n",
+                       readme, re.S)  # fmt: skip
+    assert listed, "README: the apt sentence moved"
+    documented = {p.strip() for p in listed.group(1).replace("\n", " ").split(",")}
+    makefile = (ROOT / "Makefile").read_text()
+    installed = set(re.search(r"^APT_PACKAGES := (.*)$", makefile, re.M).group(1).split())
+    assert documented == installed
+
+
+def _constants() -> dict[str, str]:
+    """Module-level NAME = "STRING" assignments across the code (env variable names)."""
+    out = {}
+    for pkg in CODE:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                        and isinstance(node.value.value, str)):  # fmt: skip
+                    for target in node.targets:
+                        if isinstance(target, ast.Name):
+                            out[target.id] = node.value.value
+    return out
+
+
+READERS = {"os.environ.get", "os.getenv", "environ.get", "os.environ.setdefault", "env.get"}
+HELPERS = {"_home_secret"}  # config_env's readers that take the variable as name=
+
+
+def variables_read() -> dict[str, str]:
+    """Every environment variable the code reads by name, and one file that reads it."""
+    constants = _constants()
+    found: dict[str, str] = {}
+    for pkg in CODE:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                key = None
+                if isinstance(node, ast.Call) and ast.unparse(node.func) in HELPERS:
+                    key = next((k.value for k in node.keywords if k.arg == "name"), None)
+                elif isinstance(node, ast.Call) and node.args:
+                    func = ast.unparse(node.func)
+                    if func in READERS or func.split(".")[-1].startswith("env_"):
+                        key = node.args[0]
+                    elif func.endswith(".get") and isinstance(node.args[0], ast.Name):
+                        key = node.args[0]  # a mapping of the environment, by a constant
+                        key = key if key.id.endswith("_ENV") else None
+                elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                      and ast.unparse(node.value) == "os.environ"):  # fmt: skip
+                    key = node.slice
+                name = (
+                    key.value if isinstance(key, ast.Constant)
+                    else constants.get(key.id) if isinstance(key, ast.Name)
+                    else None
+                )  # fmt: skip
+                if isinstance(name, str) and re.fullmatch(r"[A-Z][A-Z0-9_]+", name):
+                    found.setdefault(name, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_the_environment_tables_list_exactly_the_variables_the_code_reads():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    first_cells = re.findall(r"^\| ([^|]+) \|", page, re.M)
+    documented = {v for cell in first_cells for v in re.findall(r"`([A-Z][A-Z0-9_]+)`", cell)}
+    read = variables_read()
+    undocumented = {f"{v} (read in {read[v]})" for v in set(read) - documented}
+    assert not undocumented, f"read by the code, not in docs/configuration.md: {undocumented}"
+    assert not documented - set(read), "documented, read nowhere: " + str(documented - set(read))
+
+
+@pytest.mark.parametrize("variable", ["DARTBOARD_HOME", "DARTBOARD_VLLM_PYTHON", "LOCAL_RANK"])
+def test_the_scan_finds_reads_through_constants_and_helpers(variable):
+    assert variable in variables_read()

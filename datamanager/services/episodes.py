@@ -114,13 +114,43 @@ def _open_next_groups(run: Run, stats: list[TaskStat]) -> None:
         )
 
 
+def _claim_budget(run: Run, env_kinds: tuple[str, ...]) -> TaskStat | None:
+    """Take one claim of a task's open group: the candidates in `pick_task`'s order, each
+    row locked with SKIP LOCKED, so concurrent claimers pass each other instead of queueing
+    on one row. None: no task has a claim left, or every one that has is being claimed."""
+    rows = TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds, outstanding__gt=0)
+    left = {
+        pk: curation.Candidate(task_id, outstanding, 0.0 if retired else boost)
+        for pk, task_id, outstanding, boost, retired in rows.values_list(
+            "pk", "task_id", "outstanding", "boost", "retired"
+        )
+    }
+    by_task = {c.task_id: pk for pk, c in left.items()}
+    while (task_id := curation.pick_task(list(left.values()))) is not None:
+        pk = by_task[task_id]
+        locked = (
+            TaskStat.objects.select_for_update(of=("self",), no_key=True, skip_locked=True)
+            .select_related("task")
+            .filter(pk=pk, outstanding__gt=0)
+            .first()
+        )
+        if locked is not None:
+            TaskStat.objects.filter(pk=pk).update(outstanding=F("outstanding") - 1)
+            return locked
+        del left[pk]
+    return None
+
+
 @transaction.atomic
 def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) -> Claim | None:
     """Rollout-wise sampling: the next task for a free slot, with its trajectory started.
 
-    Returns None when the run is not running. Runs in one transaction; on PostgreSQL the
-    run row is locked so two slots never take the same claim, on SQLite the IMMEDIATE
-    transaction mode serializes writers.
+    Returns None when the run is not running, or has nothing to claim right now. Runs in one
+    transaction. A claim locks only the task row it takes (`_claim_budget`: SKIP LOCKED on
+    PostgreSQL; on SQLite the IMMEDIATE transaction mode serializes writers). The run row is
+    locked only to open the next round of groups, once no task has a claim left: before,
+    every claim locked it, and at 1,000 slots claims queued on it for seconds
+    (bench/scale.py).
 
     The row locks here and in `trajectory_finish` are FOR NO KEY UPDATE: a plain FOR UPDATE
     also blocks the foreign-key checks of rows that point at the locked one (a finish's
@@ -128,30 +158,21 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     waiting for a TaskStat row deadlocked against a finish holding that TaskStat row and
     waiting to insert its history row (bench/scale.py: 68 deadlocks in 90 s).
     """
-    run = Run.objects.select_for_update(of=("self",), no_key=True).get(pk=run_id)
+    run = Run.objects.get(pk=run_id)
     if run.status != RunStatus.RUNNING:
         return None
-    stats = list(
-        TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds).select_related("task")
-    )
-    if not stats:
-        return None
-    cands = [
-        curation.Candidate(s.task_id, s.outstanding, 0.0 if s.retired else s.boost) for s in stats
-    ]
-    task_id = curation.pick_task(cands)
-    if task_id is None:
-        _open_next_groups(run, stats)
-        cands = [
-            curation.Candidate(s.task_id, s.outstanding, 0.0 if s.retired else s.boost)
-            for s in stats
-        ]
-        task_id = curation.pick_task(cands)
-        if task_id is None:
-            return None  # every task retired
-    stat = next(s for s in stats if s.task_id == task_id)
-    group = TaskGroup.objects.get(run=run, task_id=task_id, index=stat.group_index)
-    TaskStat.objects.filter(pk=stat.pk).update(outstanding=F("outstanding") - 1)
+    stat = _claim_budget(run, env_kinds)
+    if stat is None:
+        run = Run.objects.select_for_update(of=("self",), no_key=True).get(pk=run_id)
+        stats = list(TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds))
+        if run.status != RunStatus.RUNNING or not stats:
+            return None
+        if not any(s.outstanding > 0 and not s.retired for s in stats):
+            _open_next_groups(run, stats)  # no other claimer got here first
+        stat = _claim_budget(run, env_kinds)
+        if stat is None:
+            return None  # every task retired, or the claims left are being taken
+    group = TaskGroup.objects.get(run=run, task_id=stat.task_id, index=stat.group_index)
     TaskGroup.objects.filter(pk=group.pk).update(claimed=F("claimed") + 1)
     cfg = RunConfig.from_dict(run.config)
     seed = curation.group_seed(
@@ -174,7 +195,7 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     decode_seed = cfg.seed * 1_000_003 + traj.pk
     return Claim(
         trajectory_id=traj.pk,
-        task_id=task_id,
+        task_id=stat.task_id,
         task_name=stat.task.name,
         env_kind=stat.task.env_kind,
         env_config=stat.task.env_config,

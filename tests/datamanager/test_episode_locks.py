@@ -53,3 +53,70 @@ def test_a_finish_completes_while_a_claim_holds_the_run(monkeypatch) -> None:
         other.join(20)
         with connection.cursor() as cur:
             cur.execute("SET lock_timeout = 0")
+
+
+def _pg_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks are PostgreSQL's (TEST_DATABASE_URL)")
+
+
+def test_a_claim_does_not_wait_for_the_run_row() -> None:
+    """Claims lock only the task row they take: while another transaction holds the run
+    row (a claim opening the next round of groups), a claim of a task with budget left goes
+    through. Before, every claim locked the run row, and 1,000 slots queued on it."""
+    from django.db import connections
+
+    _pg_only()
+    make_tasks(2)
+    run = make_running_run({"curation": {"n_max": 4, "n_min": 4}})
+    assert task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) is not None
+    holder = connections.create_connection("default")
+    try:
+        with holder.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute("SELECT id FROM datamanager_run WHERE id = %s FOR NO KEY UPDATE", [run.pk])
+            with connection.cursor() as mine:
+                mine.execute("SET lock_timeout = '2s'")  # a wait on the run row fails the test
+            assert task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) is not None
+            cur.execute("ROLLBACK")
+    finally:
+        holder.close()
+        with connection.cursor() as mine:
+            mine.execute("SET lock_timeout = 0")
+
+
+def test_racing_claimers_never_over_claim_a_group_or_open_a_round_twice() -> None:
+    """8 threads take 48 claims of 3 tasks with 4 rollouts a group: exactly 4 rounds of
+    groups, each group claimed exactly 4 times, every claim a trajectory in its group."""
+    from datamanager.models import Trajectory
+
+    _pg_only()
+    make_tasks(3)
+    run = make_running_run({"curation": {"n_max": 4, "dynamic_budget": False}})
+    claims: list = []
+    errors: list[str] = []
+
+    def claimer() -> None:
+        try:
+            taken = 0
+            while taken < 6:
+                claim = task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+                if claim is not None:
+                    claims.append(claim)
+                    taken += 1
+        except Exception as exc:  # the test's finding
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claimer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(claims) == 48
+    groups = TaskGroup.objects.filter(run=run)
+    assert groups.count() == 12  # 4 rounds of 3 tasks: no round opened twice
+    for group in groups:
+        members = Trajectory.objects.filter(group=group).count()
+        assert (group.claimed, members, group.budget) == (4, 4, 4), group.pk

@@ -431,6 +431,12 @@ class CurationConfig:
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
     success_window: int = knob(16, "Trajectories in a task's rolling success rate.")
+    error_retries: int = knob(
+        2,
+        "A group member that ends in an environment error is replaced by a new rollout on a "
+        "fresh environment, up to this many times per group; a group still missing a member "
+        "is dropped (skipped, with the error), never trained without it.",
+    )
 
     def __post_init__(self) -> None:
         _check(1 <= self.n_min <= self.n_max, "n_min", "must satisfy 1 <= n_min <= n_max")
@@ -444,6 +450,7 @@ class CurationConfig:
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
         _check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
         _check(self.success_window >= 1, "success_window", "must be >= 1")
+        _check(0 <= self.error_retries <= 8, "error_retries", "must be between 0 and 8")
         if not self.truncated_is:
             _unused_knob(self, "is_cap", "with truncated_is off")
         if not self.high_entropy:

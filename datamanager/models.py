@@ -136,6 +136,8 @@ class TaskGroup(models.Model):
     index = models.PositiveIntegerField()
     budget = models.PositiveIntegerField()
     claimed = models.PositiveIntegerField(default=0)
+    # Members that ended in an environment error and got a replacement claim (budget grew).
+    retries = models.PositiveIntegerField(default=0)
     status = models.CharField(max_length=8, choices=GroupStatus.choices, default=GroupStatus.OPEN)
     pool_members = models.JSONField(
         default=list, blank=True, help_text="Experience-pool trajectory ids joined to the group."

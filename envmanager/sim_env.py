@@ -62,6 +62,11 @@ def _screen_png(seed: int, count: int, done: int) -> bytes:
     return buf.getvalue()
 
 
+# A flaky environment for tests of the group rules: with env_config {"crash_first": n}, the
+# first n resets of each (task, seed) in this process raise, as a VM that fails to boot.
+_CRASHED: dict[tuple[str, int], int] = {}
+
+
 class SimEnv:
     """One simulated screen; `reset` needs a task with env_config {"targets": k}."""
 
@@ -77,6 +82,13 @@ class SimEnv:
     def reset(self, task: TaskSpec) -> Observation:
         count = int(task.env_config.get("targets", 1))
         self._seed = task.seed if task.seed is not None else 0
+        crashes = int(task.env_config.get("crash_first", 0))
+        if crashes and _CRASHED.setdefault((task.name, self._seed), 0) < crashes:
+            _CRASHED[(task.name, self._seed)] += 1
+            raise RuntimeError(
+                f"sim: simulated crash {_CRASHED[(task.name, self._seed)]} of {crashes} at "
+                f"seed {self._seed} (env_config crash_first)"
+            )
         self._boxes = target_boxes(seed=self._seed, count=count)
         self._next = self._misses = self._steps = 0
         return self._observe(task.instruction or f"Click the boxes 1 to {count} in order.")

@@ -58,6 +58,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "curation.default_step_cap": "datamanager.services.episodes (step caps)",
     "curation.step_cap_margin": "datamanager.services.episodes (step caps)",
     "curation.experience_pool": "datamanager.services.episodes and batches (pool joins)",
+    "curation.error_retries": "datamanager.services.episodes (a crashed member replaced)",
     "curation.pool_ratio": "datamanager.services.episodes (pool joins)",
     "curation.staleness_k": "datamanager.services.batches (stale steps left out)",
     "curation.max_uses_per_step": "datamanager.services.batches",

@@ -422,6 +422,8 @@ def trajectory_finish(
     )
     if traj.run_id and traj.purpose == Purpose.TRAIN and status in SCORED_STATUSES:
         _update_stat(traj)
+    if traj.group_id and status == TrajectoryStatus.ERROR:
+        _replace_member(traj)
     if traj.group_id:
         _maybe_ready(traj.group_id)
     if traj.run_id:
@@ -484,6 +486,25 @@ def _update_stat(traj: Trajectory) -> None:
     stat.save()
 
 
+def _replace_member(traj: Trajectory) -> None:
+    """A member ended in an environment error: while its group is still its task's open one
+    and has retries left (`curation.error_retries`), the group gets one more claim, a new
+    rollout on a fresh environment (the slot recreates its environment after an error).
+    Locks the task row before the group's, as a claim does."""
+    assert traj.run is not None  # only group members get here
+    allowed = RunConfig.from_dict(traj.run.config).curation.error_retries
+    stat = TaskStat.objects.select_for_update(of=("self",), no_key=True).get(
+        run_id=traj.run_id, task_id=traj.task_id
+    )
+    group = TaskGroup.objects.select_for_update(of=("self",), no_key=True).get(pk=traj.group_id)
+    if group.status != GroupStatus.OPEN or group.retries >= allowed:
+        return
+    if stat.group_index != group.index:
+        return  # the next round opened: nothing claims this group again
+    TaskGroup.objects.filter(pk=group.pk).update(budget=F("budget") + 1, retries=F("retries") + 1)
+    TaskStat.objects.filter(pk=stat.pk).update(outstanding=F("outstanding") + 1)
+
+
 def _maybe_ready(group_id: int) -> None:
     """A group is ready when all its claims are taken and none of them is still running."""
     group = (
@@ -495,6 +516,17 @@ def _maybe_ready(group_id: int) -> None:
         return
     members = Trajectory.objects.filter(group=group)
     if members.filter(status=TrajectoryStatus.RUNNING).exists():
+        return
+    errors = members.filter(status=TrajectoryStatus.ERROR).order_by("-pk")
+    if errors.count() > group.retries:  # a member is missing and was not replaced
+        last = errors.values_list("pk", "error").first()
+        group.status = GroupStatus.SKIPPED
+        group.note = storable(
+            f"dropped: {errors.count()} members ended in an environment error and "
+            f"{group.retries} were replaced (curation.error_retries); trajectory #{last[0]}: "
+            f"{last[1]}"
+        )
+        group.save(update_fields=["status", "note"])
         return
     cfg = RunConfig.from_dict(group.run.config).curation
     scored = list(members.filter(status__in=SCORED_STATUSES).values_list("reward", flat=True))

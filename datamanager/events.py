@@ -24,7 +24,19 @@ log = logging.getLogger(__name__)
 
 
 def run_group(run_id: int) -> str:
+    """The run's own events (versions, groups, updates): every page of the run gets them."""
     return f"run-{run_id}"
+
+
+def slot_group(run_id: int, slot: int | str | None) -> str:
+    """One slot's events (`SLOT_KINDS`); `slot` None: every slot's (an unpaged wall)."""
+    return f"run-{run_id}-slots" if slot is None else f"run-{run_id}-slot-{slot}"
+
+
+# Events about one env slot go to that slot's group and to the every-slot group, not to the
+# run's: a browser on page 1 of a 1,000-slot wall subscribes to its 100 slots and gets only
+# their events (dartboard/consumers.py).
+SLOT_KINDS = frozenset({"step", "slot", "trajectory"})
 
 
 # Sends in flight at once per process; the rest wait their turn on the loop. Unbounded, a
@@ -41,11 +53,12 @@ class _Publisher:
         self._lock = threading.Lock()
         self._in_flight: asyncio.Semaphore | None = None
 
-    async def _send(self, layer: Any, group: str, message: dict[str, Any]) -> None:
+    async def _send(self, layer: Any, groups: list[str], message: dict[str, Any]) -> None:
         if self._in_flight is None:  # created on the loop's thread, where it is used
             self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         async with self._in_flight:
-            await layer.group_send(group, message)
+            for group in groups:
+                await layer.group_send(group, message)
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -63,14 +76,14 @@ class _Publisher:
                 self._loop, self._in_flight = loop, None
             return self._loop
 
-    def send(self, group: str, message: dict[str, Any]) -> Future:
+    def send(self, groups: list[str], message: dict[str, Any]) -> Future:
         layer = get_channel_layer()
         if layer is None:
             done: Future = Future()
             done.set_result(None)
             return done
         future = asyncio.run_coroutine_threadsafe(
-            self._send(layer, group, message), self._ensure_loop()
+            self._send(layer, groups, message), self._ensure_loop()
         )
         future.add_done_callback(_log_failure)
         return future
@@ -87,7 +100,12 @@ _publisher = _Publisher()
 
 def publish(*, run_id: int, kind: str, data: dict[str, Any]) -> Future:
     """Queue one event for the run's watchers now; returns a future (tests may wait on it)."""
-    return _publisher.send(run_group(run_id), {"type": "run.event", "kind": kind, "data": data})
+    slot = data.get("slot")
+    if kind in SLOT_KINDS and slot is not None:
+        groups = [slot_group(run_id, slot), slot_group(run_id, None)]
+    else:
+        groups = [run_group(run_id)]
+    return _publisher.send(groups, {"type": "run.event", "kind": kind, "data": data})
 
 
 def publish_on_commit(*, run_id: int, kind: str, data: dict[str, Any]) -> None:

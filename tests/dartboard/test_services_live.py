@@ -56,7 +56,7 @@ def test_published_event_reaches_a_logged_in_socket(client, researcher):
     ]
 
     async def go():
-        comm = WebsocketCommunicator(application, "/ws/runs/7/", headers=headers)
+        comm = WebsocketCommunicator(application, "/ws/runs/7/?slots=all", headers=headers)
         connected, _ = await comm.connect()
         assert connected
         await sync_to_async(publish)(run_id=7, kind="step", data={"slot": "s0", "step": 3})
@@ -66,3 +66,34 @@ def test_published_event_reaches_a_logged_in_socket(client, researcher):
 
     msg = async_to_sync(go)()
     assert msg == {"kind": "step", "data": {"slot": "s0", "step": 3}}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wall_page_gets_only_its_own_slots_events_and_the_runs(client, researcher):
+    """A browser on one page of a large wall subscribes to that page's slots: it gets their
+    steps and the run's own events (a version, a group), never another page's steps."""
+    client.force_login(researcher)
+    headers = [
+        (b"origin", b"http://127.0.0.1"),
+        (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()),
+    ]
+
+    async def go():
+        page = WebsocketCommunicator(application, "/ws/runs/8/?slots=11,12", headers=headers)
+        everything = WebsocketCommunicator(application, "/ws/runs/8/?slots=all", headers=headers)
+        assert (await page.connect())[0] and (await everything.connect())[0]
+        for slot in (11, 500, 12, 999):
+            await sync_to_async(publish)(run_id=8, kind="step", data={"slot": slot, "step": 1})
+        await sync_to_async(publish)(run_id=8, kind="group", data={"task": 1, "index": 2})
+        got = [await page.receive_json_from(timeout=5) for _ in range(3)]
+        assert await page.receive_nothing(timeout=0.5)
+        seen = [await everything.receive_json_from(timeout=5) for _ in range(5)]
+        await page.disconnect()
+        await everything.disconnect()
+        return got, seen
+
+    got, seen = async_to_sync(go)()
+    assert [(m["kind"], m["data"].get("slot")) for m in got] == [
+        ("step", 11), ("step", 12), ("group", None)
+    ]  # fmt: skip
+    assert sorted(m["data"].get("slot") or 0 for m in seen) == [0, 11, 12, 500, 999]

@@ -31,6 +31,6 @@
       const atEnd = current === steps.length - 1;
       if (atEnd) history.replaceState(null, "", ev.kind === "step" ? `#step-${d.step}` : location.hash);
       location.reload();
-    });
+    }, null, meta.dataset.slot ? [meta.dataset.slot] : "all");
   }
 })();

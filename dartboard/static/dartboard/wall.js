@@ -1,6 +1,6 @@
 // The environment wall: one tile per env slot on the page, updated from the run's WebSocket
-// events. A paged or filtered wall (data-complete absent) only updates the tiles it shows:
-// events of other slots are dropped here, so 1,000 slots do not grow 1,000 tiles.
+// events. A paged or filtered wall (data-complete absent) subscribes to the slots of the tiles
+// it shows and updates only those, so 1,000 slots do not grow 1,000 tiles.
 (function () {
   const wall = document.getElementById("wall");
   if (!wall) return;
@@ -80,8 +80,11 @@
       el.title = `last trajectory ${d.trajectory}: ${d.status} (reward ${d.reward})`;
     }
   }
+  // The whole wall listens to every slot; a page of it only to its own tiles' slots.
+  const slots = wall.dataset.complete ? "all"
+    : Array.from(wall.querySelectorAll(".tile[data-slot]"), (el) => el.dataset.slot);
   window.dartboardLive(runId, (ev) => {
     onEvent(ev);
     document.dispatchEvent(new CustomEvent("dartboard:event", { detail: ev }));
-  }, (s) => { if (state) state.textContent = s; });
+  }, (s) => { if (state) state.textContent = s; }, slots);
 })();

@@ -47,13 +47,18 @@ def test_celery_task_round_trips_through_a_worker_process(subprocess_env):
         worker.wait()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_published_event_reaches_a_logged_in_socket(client, researcher):
-    client.force_login(researcher)
-    headers = [
+def _logged_in_socket(client, user) -> list[tuple[bytes, bytes]]:
+    """The headers of a browser socket with `user`'s session."""
+    client.force_login(user)
+    return [
         (b"origin", b"http://127.0.0.1"),
         (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_published_event_reaches_a_logged_in_socket(client, researcher):
+    headers = _logged_in_socket(client, researcher)
 
     async def go():
         comm = WebsocketCommunicator(application, "/ws/runs/7/?slots=all", headers=headers)
@@ -72,11 +77,7 @@ def test_published_event_reaches_a_logged_in_socket(client, researcher):
 def test_a_wall_page_gets_only_its_own_slots_events_and_the_runs(client, researcher):
     """A browser on one page of a large wall subscribes to that page's slots: it gets their
     steps and the run's own events (a version, a group), never another page's steps."""
-    client.force_login(researcher)
-    headers = [
-        (b"origin", b"http://127.0.0.1"),
-        (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()),
-    ]
+    headers = _logged_in_socket(client, researcher)
 
     async def go():
         page = WebsocketCommunicator(application, "/ws/runs/8/?slots=11,12", headers=headers)

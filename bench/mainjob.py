@@ -183,6 +183,48 @@ def final_evaluation(run, *, heldout_k: int | None = None) -> dict:
     return out
 
 
+def seeds_table(paths: list[Path]) -> str:
+    """The per-seed rows of `--seed N` runs (their JSON files) and the mean change with its
+    spread: what the docs show for the main job."""
+    import statistics
+
+    rows, train_gain, heldout_gain = [], [], []
+    for path in paths:
+        data = json.loads(path.read_text())
+        final, last = data["final"], data["rows"][-1]
+        v0t, v0h = final["v0 train_instances"], final["v0 heldout"]
+        (lt,) = [
+            v
+            for k, v in final.items()
+            if k.endswith("train_instances") and k != "v0 train_instances"
+        ]
+        (lh,) = [v for k, v in final.items() if k.endswith("heldout") and k != "v0 heldout"]
+        train_gain.append(100 * (lt["rate"] - v0t["rate"]))
+        heldout_gain.append(100 * (lh["rate"] - v0h["rate"]))
+        per_min = statistics.mean(r["sampled_n"] for r in data["rows"]) / data["args"]["every"]
+        rows.append(
+            f"| {data['args']['seed']} | {last['versions']} | {_fmt(v0t)} | {_fmt(lt)} | "
+            f"{train_gain[-1]:+.0f} | {_fmt(v0h)} | {_fmt(lh)} | {heldout_gain[-1]:+.0f} | "
+            f"{per_min:.0f} | {statistics.mean(r['eval_share'] for r in data['rows']):.0%} | "
+            f"{max(r['chart_lag_min'] or 0 for r in data['rows']):.1f} | "
+            f"{last['first_rl_version_s']:.0f} |"
+        )
+
+    def spread(xs: list[float]) -> str:
+        sd = f" (sd {statistics.stdev(xs):.1f})" if len(xs) > 1 else ""
+        return f"{statistics.mean(xs):+.1f}{sd}"
+
+    return "\n".join([
+        "| seed | versions | training instances, v0 | last version | change | held-out, v0 | "
+        "last version | change | training rollouts / min | evaluation's slot time | "
+        "chart lag, max (min) | first RL version (s) |",
+        "|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|",
+        *rows,
+        f"\nMean change over {len(paths)} seed(s): training instances {spread(train_gain)} points, "
+        f"held-out seeds {spread(heldout_gain)} points.",
+    ])  # fmt: skip
+
+
 def _with_settings(run, changes: list[str]):
     """The run with `changes` (KEY=JSON, dotted keys) applied and validated (an experiment
     against make run's configuration)."""
@@ -237,7 +279,12 @@ def main() -> None:
         metavar="KEY=JSON",
         help="an experiment: change one setting of the preset's run, e.g. tasks.instances=50",
     )
+    ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="print the per-seed table of finished --seed runs and exit")  # fmt: skip
     args = ap.parse_args()
+    if args.summarize:
+        print(seeds_table(args.summarize))
+        return
     rows: list[dict] = []
     backend = "vllm" if args.preset == "vllm" else "transformers"
     web = args.screenshot is not None

@@ -27,13 +27,14 @@ def dashboard(subprocess_env, researcher, page):  # noqa: F811
 
 
 def _groups_of_three(config: dict | None = None):
-    """Two tasks, groups of three: each a success and two failures (six episodes)."""
+    """Two tasks, groups of three: each a success and two failures (six episodes; the
+    groups fill one after another). `ids`: the two successes first, then the failures."""
     make_tasks(2)
     run = make_running_run(
         {"curation": {"n_max": 3, "n_min": 3, "entropy_top_q": 1.0}, **(config or {})}
     )
-    ids = [play(run, success=s, steps=2) for s in (True, True, False, False, False, False)]
-    return run, ids
+    played = [(s, play(run, success=s, steps=2)) for s in (True, False, False, True, False, False)]
+    return run, [i for s, i in played if s] + [i for s, i in played if not s]
 
 
 def test_a_point_of_the_groups_chart_opens_the_group(dashboard):

@@ -119,7 +119,11 @@ def test_environment_errors_do_not_count_as_policy_failures():
     assert stat.attempts == 1 and stat.successes == 1
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
     assert traj.status == "error" and "chromium died" in traj.error
-    assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
+    # The errored member was replaced: the group is ready once two rollouts were scored.
+    assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.OPEN
+    play(run, success=False)
+    group = TaskGroup.objects.get(run=run, index=1)
+    assert (group.status, group.budget, group.retries) == (GroupStatus.READY, 3, 1)
 
 
 def test_steps_record_version_screenshot_and_trajectory_versions():

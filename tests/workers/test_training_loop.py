@@ -33,8 +33,8 @@ def run_on_tiny(tiny_policy_dir, tmp_path, settings):
 
 def _fill(run, version=0):
     # Two tasks, two rollouts each, one success per task: both groups have reward variance.
-    # Claims alternate t0, t1, t0, t1.
-    for success in (True, True, False, False):
+    # Groups fill one after another: claims go t0, t0, t1, t1.
+    for success in (True, False, True, False):
         play(run, success=success, steps=2, version=version)
 
 

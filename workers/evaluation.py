@@ -230,10 +230,10 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
         job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
     finally:
         keeper.finish()
-        ended = EvalJob.objects.filter(pk=job_id).exclude(status__in=UNDER_WAY)
-        run_id = ended.values_list("run_id", flat=True).first()
-        if run_id is not None:  # the job ended (finished or failed): the next one
-            eval_schedule_next(run_id=run_id)
+    # The job's last shard ended it: the next one. (A failed job raised above with its own
+    # error; the next version's publication schedules after it.)
+    if job.run_id is not None and job.status not in UNDER_WAY:
+        eval_schedule_next(run_id=job.run_id)
     return f"{work.label}: {job.done}/{job.total}"
 
 

@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 ARGS ?=
 
-.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy system-deps install clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps install clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -120,6 +120,12 @@ policy: install ## rebuild the shipped tiny policy (~50 minutes)
 	$(PY) manage.py pretrain_policy --out policies/tiny-grounded --minutes 35
 	$(PY) manage.py pretrain_policy --init policies/tiny-grounded --out policies/tiny-grounded \
 	  --minutes 12 --miniwob-fraction 0.75 --lr 5e-4
+
+# The desktop preset's policy: the shipped one, further pretrained on synthetic 800x600
+# desktops (training/synthetic_desktop.py) mixed with MiniWoB-style screens.
+policy-desktop: install ## rebuild policies/tiny-desktop from the shipped policy (~40 minutes)
+	$(PY) manage.py pretrain_policy --init policies/tiny-grounded --out policies/tiny-desktop \
+	  --minutes 40 --miniwob-fraction 0 --desktop-fraction 0.75 --lr 5e-4
 
 bench: install ## the environment and inference benchmarks
 	$(PY) bench/envs.py

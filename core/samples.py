@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from core.protocol import Action
+
 
 @dataclass(frozen=True)
 class TrainSample:
@@ -118,3 +120,27 @@ class GroundingSample:
     y: int
     box: Box
     source: str
+
+
+@dataclass(frozen=True)
+class DesktopStep:
+    """One step of a multi-step desktop episode: the screen, the actions taken before it,
+    and the action to take now (any type, screen pixels of the `width` x `height` PNG).
+
+    `boxes` holds one box per point of `action` (a drag: the thing dragged, then where it
+    goes); a correct point lies inside its box. `source` is "desktop/<scene>".
+    """
+
+    png: bytes
+    width: int
+    height: int
+    instruction: str
+    history: tuple[Action, ...]  # the earlier steps' actions, in order
+    action: Action
+    boxes: tuple[Box, ...]
+    source: str
+
+    @property
+    def box(self) -> Box | None:
+        """The box of the response's last point (the attention supervision's target)."""
+        return self.boxes[-1] if self.boxes else None

@@ -523,7 +523,8 @@ class RunConfig:
     )
     policy: str = knob(
         "shipped",
-        "Starting checkpoint: 'shipped', 'untrained', a local HF directory, or an artifact "
+        "Starting checkpoint: 'shipped', 'shipped-desktop' (pretrained on desktops too), "
+        "'untrained', a local HF directory, or an artifact "
         "reference (artifact:policies/...@sha256, from manage.py publish_policy) that every "
         "host fetches.",
     )

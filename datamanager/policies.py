@@ -1,6 +1,6 @@
 """Resolving a run's policy name to its checkpoint directory and its image geometry.
 
-A policy is a name (`shipped`, `untrained`, `oracle`), a local checkpoint directory, or an
+A policy is a name (`shipped`, `shipped-desktop`, `untrained`, `oracle`), a local checkpoint directory, or an
 artifact reference (`artifact:policies/...@sha256`, made by `manage.py publish_policy DIR`):
 a base model an admin brought, stored once in the artifact store, that every host (trainer,
 inference, env workers reading its image geometry) fetches and verifies into its own cache.
@@ -28,9 +28,12 @@ from core.imaging import GEOMETRY_FILE, QWEN25_VL, ImageGeometry
 from datamanager.models import PolicyVersion
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
-NAMED_POLICIES = ("shipped", "untrained", ORACLE_POLICY)  # every other name is a path
+NAMED_POLICIES = ("shipped", "shipped-desktop", "untrained", ORACLE_POLICY)  # else a path
 
 SHIPPED_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-grounded"
+# The same tiny policy, further pretrained on synthetic 800x600 desktops (`make
+# policy-desktop`): `make run-desktop` starts from it.
+SHIPPED_DESKTOP_POLICY = Path(settings.BASE_DIR) / "policies" / "tiny-desktop"
 
 
 class EvalSetupError(Exception):
@@ -42,7 +45,8 @@ class PolicyNotFound(Exception):
 
 
 def policy_path(name: str) -> Path:
-    """'shipped' (the repository's pretrained tiny policy), 'untrained' (built by
+    """'shipped' (the repository's pretrained tiny policy), 'shipped-desktop' (its desktop
+    pretraining), 'untrained' (built by
     `manage.py make_tiny_policy`), an artifact reference (fetched and verified into this
     host's cache) or a local Hugging Face checkpoint directory."""
     if is_ref(name):
@@ -52,6 +56,8 @@ def policy_path(name: str) -> Path:
         if not (path / "config.json").exists():
             # Until a grounded policy ships, fall back to the locally built untrained one.
             path = settings.DARTBOARD_HOME / "policies" / "untrained"
+    elif name == "shipped-desktop":
+        path = SHIPPED_DESKTOP_POLICY
     elif name == "untrained":
         path = settings.DARTBOARD_HOME / "policies" / "untrained"
     else:

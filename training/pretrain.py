@@ -36,9 +36,9 @@ import torch
 from core.actions import (
     ActionParseError,
     CoordSpace,
-    format_action,
-    from_screen,
+    format_screen_action,
     parse_output,
+    split_output,
     to_screen,
 )
 from core.encoding import encode_batch, response_token_ids
@@ -46,63 +46,124 @@ from core.generation import generate, sequence_logprobs
 from core.imaging import ImageGeometry
 from core.losses import bc_loss
 from core.policy import Policy, load_policy, save_checkpoint
-from core.prompts import build_messages
+from core.prompts import HistoryTurn, build_messages
 from core.protocol import Action, ActionType
-from core.samples import GroundingSample
+from core.samples import Box, DesktopStep, GroundingSample
 from training.synthetic import make_sample
+from training.synthetic_desktop import make_step
 from training.tiny_policy import build_tiny_policy
 
 # ------------------------------------------------------------------ samples -> model I/O
 
 
-def sample_messages(sample: GroundingSample) -> list[dict]:
-    """The prompt rollout builds for this screen: first turn, one screenshot."""
-    return build_messages(instruction=sample.instruction, history=[], screenshots=[sample.png])
+Sample = GroundingSample | DesktopStep
 
 
-def sample_response(sample: GroundingSample, *, coords: CoordSpace, geometry: ImageGeometry) -> str:
-    """``Action: click(start_box='<|box_start|>(x,y)<|box_end|>')`` in model coordinates."""
-    model_size = geometry.model_size(width=sample.width, height=sample.height)
-    click = Action(type=ActionType.CLICK, x=sample.x, y=sample.y)
-    mapped = from_screen(
-        click, screen_size=(sample.width, sample.height), model_size=model_size, coords=coords
+def sample_messages(sample: Sample, *, geometry: ImageGeometry | None = None) -> list[dict]:
+    """The prompt rollout builds for this screen: the earlier actions as history turns (a
+    desktop step's, in the model coordinates of `geometry`), one screenshot (the current)."""
+    history = []
+    if isinstance(sample, DesktopStep) and sample.history:
+        if geometry is None:
+            raise ValueError("a desktop step with history needs the policy's geometry")
+        history = [
+            HistoryTurn(
+                thought="",
+                action_text=split_output(
+                    format_screen_action(
+                        a, screen_size=(sample.width, sample.height), geometry=geometry
+                    )
+                )[1]
+                or "",
+            )
+            for a in sample.history
+        ]
+    return build_messages(
+        instruction=sample.instruction, history=history, screenshots=[sample.png], max_images=1
     )
-    return format_action(mapped, coords=coords)
 
 
-def predicted_click(
-    text: str, *, sample: GroundingSample, coords: CoordSpace, geometry: ImageGeometry
-) -> tuple[int, int] | None:
-    """The screen pixel a model output clicks, or None (unparsable / not a click)."""
+def sample_response(sample: Sample, *, coords: CoordSpace, geometry: ImageGeometry) -> str:
+    """``Action: <call>`` in model coordinates (a grounding sample: a click on its point)."""
+    if isinstance(sample, DesktopStep):
+        action = sample.action
+    else:
+        action = Action(type=ActionType.CLICK, x=sample.x, y=sample.y)
+    return format_screen_action(
+        action, screen_size=(sample.width, sample.height), geometry=geometry, coords=coords
+    )
+
+
+def predicted_action(
+    text: str, *, sample: Sample, coords: CoordSpace, geometry: ImageGeometry
+) -> Action | None:
+    """The screen-space action a model output takes, or None (unparsable)."""
     try:
         action = parse_output(text, coords=coords).action
     except ActionParseError:
         return None
-    if action.type != ActionType.CLICK or action.x is None or action.y is None:
-        return None
     model_size = geometry.model_size(width=sample.width, height=sample.height)
-    screen = to_screen(
+    return to_screen(
         action, screen_size=(sample.width, sample.height), model_size=model_size, coords=coords
     )
-    return int(screen.x or 0), int(screen.y or 0)
+
+
+def predicted_click(
+    text: str, *, sample: Sample, coords: CoordSpace, geometry: ImageGeometry
+) -> tuple[int, int] | None:
+    """The screen pixel a model output clicks, or None (unparsable / not a click)."""
+    action = predicted_action(text, sample=sample, coords=coords, geometry=geometry)
+    if action is None or action.type != ActionType.CLICK or action.x is None or action.y is None:
+        return None
+    return int(action.x), int(action.y)
+
+
+def _inside(point: tuple[int | None, int | None], box: Box) -> bool:
+    x, y = point
+    return x is not None and y is not None and box[0] <= x < box[2] and box[1] <= y < box[3]
+
+
+def action_correct(predicted: Action | None, sample: Sample) -> bool:
+    """The output does what the sample asks: same action type, each point inside its box,
+    the same text, key or direction (a grounding sample: a click inside its box)."""
+    if isinstance(sample, GroundingSample):
+        target = Action(type=ActionType.CLICK, x=sample.x, y=sample.y)
+        boxes: tuple[Box, ...] = (sample.box,)
+    else:
+        target, boxes = sample.action, sample.boxes
+    if predicted is None or predicted.type != target.type:
+        return False
+    points = [(predicted.x, predicted.y), (predicted.x2, predicted.y2)][: len(boxes)]
+    if not all(_inside(p, b) for p, b in zip(points, boxes, strict=True)):
+        return False
+    if target.type == ActionType.FINISHED:
+        return True
+    return (predicted.text, predicted.key, predicted.direction) == (
+        target.text,
+        target.key,
+        target.direction,
+    )
 
 
 def bc_batch_loss(
-    policy: Policy, samples: list[GroundingSample], *, coords: CoordSpace, geometry: ImageGeometry
+    policy: Policy, samples: list[Sample], *, coords: CoordSpace, geometry: ImageGeometry
 ) -> torch.Tensor:
     """Mean negative log-likelihood of the target responses (scalar, with gradient)."""
     responses = [
         response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
-    batch = encode_batch(policy, [sample_messages(s) for s in samples], responses=responses)
+    messages = [sample_messages(s, geometry=geometry) for s in samples]
+    batch = encode_batch(policy, messages, responses=responses)
     logprobs, _, mask = sequence_logprobs(policy, batch)
     return bc_loss(logprobs, mask)
 
 
-def target_image_tokens(sample: GroundingSample, *, geometry: ImageGeometry) -> list[int]:
+def target_image_tokens(sample: Sample, *, geometry: ImageGeometry) -> list[int]:
     """Raster indices of the image tokens (factor x factor px cells of the model image) that overlap
-    the sample's target box."""
+    the sample's target box (none when the response has no point)."""
+    if sample.box is None:
+        return []
     mw, mh = geometry.model_size(width=sample.width, height=sample.height)
     sx, sy = mw / sample.width, mh / sample.height
     x0, y0, x1, y1 = (
@@ -169,7 +230,7 @@ def attention_supervision_loss(
 
 def bc_batch_loss_cached(
     policy: Policy,
-    samples: list[GroundingSample],
+    samples: list[Sample],
     *,
     coords: CoordSpace,
     geometry: ImageGeometry,
@@ -199,7 +260,8 @@ def bc_batch_loss_cached(
         response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
-    enc = encode_batch(policy, [sample_messages(s) for s in samples], responses=responses)
+    messages = [sample_messages(s, geometry=geometry) for s in samples]
+    enc = encode_batch(policy, messages, responses=responses)
     rows = [enc.input_ids[b][enc.attention_mask[b].bool()] for b in range(len(samples))]
     resp_lens = [len(r) for r in responses]
     first = rows[0]
@@ -279,29 +341,26 @@ def bc_batch_loss_cached(
 @torch.no_grad()
 def grounding_accuracy(
     policy: Policy,
-    samples: list[GroundingSample],
+    samples: list[Sample],
     *,
     coords: CoordSpace,
     geometry: ImageGeometry,
     batch_size: int = 16,
 ) -> dict[str, float]:
-    """Greedy outputs on `samples`: fraction clicking inside the target box, overall and
-    per source, plus the parse rate."""
+    """Greedy outputs on `samples`: fraction doing what the sample asks (`action_correct`:
+    a click inside the target box, a desktop step's action), overall and per source, plus
+    the parse rate."""
     policy.model.eval()
     hits: dict[str, list[bool]] = {}
     parsed = 0
     for i in range(0, len(samples), batch_size):
         chunk = samples[i : i + batch_size]
-        outs = generate(policy, [sample_messages(s) for s in chunk], max_new_tokens=40, greedy=True)
+        prompts = [sample_messages(s, geometry=geometry) for s in chunk]
+        outs = generate(policy, prompts, max_new_tokens=40, greedy=True)
         for s, out in zip(chunk, outs, strict=True):
-            point = predicted_click(out.text, sample=s, coords=coords, geometry=geometry)
-            parsed += point is not None
-            hit = (
-                point is not None
-                and s.box[0] <= point[0] < s.box[2]
-                and s.box[1] <= point[1] < s.box[3]
-            )
-            hits.setdefault(s.source, []).append(hit)
+            action = predicted_action(out.text, sample=s, coords=coords, geometry=geometry)
+            parsed += action is not None
+            hits.setdefault(s.source, []).append(action_correct(action, s))
     flat = [h for v in hits.values() for h in v]
     result = {"accuracy": sum(flat) / max(1, len(flat)), "parse_rate": parsed / max(1, len(flat))}
     result.update({src: sum(v) / len(v) for src, v in sorted(hits.items())})
@@ -324,6 +383,7 @@ class PretrainConfig:
     weight_decay: float = 0.0
     coords: str = "pixel"
     miniwob_fraction: float = 0.5  # share of each batch drawn from the MiniWoB demos
+    desktop_fraction: float = 0.0  # share drawn from synthetic desktop steps (800x600)
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -391,8 +451,8 @@ def pretrain(
     """Build a fresh tiny policy, behaviour-clone it on grounding samples, save it to
     `out_dir` (a checkpoint `load_policy` reads); return losses and held-out accuracy.
 
-    Held out: 10% of `miniwob` (at most `eval_samples`) and `eval_samples` synthetic screens
-    drawn from a seed no training batch uses.
+    Held out: 10% of `miniwob` (at most `eval_samples`), and `eval_samples` synthetic screens
+    and (with `desktop_fraction`) desktop steps drawn from a seed no training batch uses.
 
     Long because it is the pretraining's stages in order: build, data, loop, save,
     manifest.
@@ -406,14 +466,21 @@ def pretrain(
     n_held = min(config.eval_samples, len(miniwob) // 10)
     held_miniwob, train_miniwob = miniwob[:n_held], miniwob[n_held:]
     eval_rng = random.Random(10_000_019 + config.seed)
-    held = held_miniwob + [make_sample(eval_rng) for _ in range(config.eval_samples)]
+    held: list[Sample] = [*held_miniwob]
+    if config.desktop_fraction < 1:
+        held += [make_sample(eval_rng) for _ in range(config.eval_samples)]
+    if config.desktop_fraction > 0:
+        held += [make_step(eval_rng) for _ in range(config.eval_samples)]
 
     if config.init:
         policy = load_policy(config.init)
     else:
         policy = _fresh_policy(config)
     if config.attention_supervision > 0:
-        policy.model.set_attn_implementation("eager")  # the loss reads attention weights
+        # The loss reads the language model's attention weights: eager there, while the
+        # vision tower keeps sdpa (eager over an 800x600 screen's 1,008 patches doubled a
+        # step's time).
+        policy.model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
     geometry = policy.image_geometry  # the processor the policy ships with: one source
     optimizer = torch.optim.AdamW(
         policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -431,8 +498,12 @@ def pretrain(
         if config.max_steps is not None:
             progress = max(progress, step / config.max_steps)
         n_demo = round(config.batch_size * config.miniwob_fraction) if train_miniwob else 0
-        batch = [rng.choice(train_miniwob) for _ in range(n_demo)]
-        batch += [make_sample(rng) for _ in range(config.batch_size - n_demo)]
+        n_desktop = min(
+            config.batch_size - n_demo, round(config.batch_size * config.desktop_fraction)
+        )
+        batch: list[Sample] = [rng.choice(train_miniwob) for _ in range(n_demo)]
+        batch += [make_step(rng) for _ in range(n_desktop)]
+        batch += [make_sample(rng) for _ in range(config.batch_size - n_demo - n_desktop)]
         policy.model.train()
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(config, step, progress)

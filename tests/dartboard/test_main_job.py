@@ -36,6 +36,11 @@ def test_the_presets_are_valid_runs_and_make_run_trains_no_desktop():
     assert eval_lanes(main) == 1 and len(main.env.slots()) == 3  # a third of the slots' time
     desktop = main_run_config("desktop")
     assert desktop.tasks.names == ["desktop/double-click"] and desktop.env.miniwob_slots == 0
+    # make run-desktop starts from the policy pretrained on desktops, charts greedy success on
+    # its own (fixed) tasks on one of its two slots, and sends one screenshot per step.
+    assert desktop.policy == "shipped-desktop" and desktop.rollout.max_images == 1
+    assert desktop.evaluation.train_instances and desktop.tasks.instances == 1
+    assert eval_lanes(desktop) == 1 and len(desktop.env.slots()) == 2
     on_vllm = main_run_config("vllm")  # make run-vllm: the main job, LoRA served by vLLM
     assert on_vllm.rollout.backend == "vllm" and on_vllm.trainer.lora_rank == 16
     assert on_vllm.tasks == main.tasks and on_vllm.env == main.env

@@ -37,6 +37,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--miniwob-fraction", type=float, default=0.5, help="Share of MiniWoB clicks per batch."
         )
+        parser.add_argument(
+            "--desktop-fraction",
+            type=float,
+            default=0.0,
+            help="Share of synthetic 800x600 desktop steps per batch (the desktop policy).",
+        )
         parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen2_5_vl"])
         parser.add_argument(
             "--init", default="", help="Continue from this checkpoint (its MANIFEST is kept)."
@@ -55,11 +61,19 @@ class Command(BaseCommand):
 
         if minutes <= 0 or per_task < 0:
             raise CommandError("--minutes must be > 0 and --per-task >= 0")
+        shares = options["miniwob_fraction"], options["desktop_fraction"]
+        if min(shares) < 0 or sum(shares) > 1:
+            raise CommandError(
+                f"--miniwob-fraction {shares[0]} and --desktop-fraction {shares[1]}: each must "
+                "be >= 0 and together at most 1 (the rest of a batch is synthetic MiniWoB screens)"
+            )
         # Keyed by everything that decides the clicks, so another task list or seed range
         # never reuses a stale cache.
         key = hashlib.sha1(f"{','.join(PRETRAIN_TASKS)}|{TRAIN_SEED_BASE}".encode()).hexdigest()
         cache = Path(settings.DARTBOARD_HOME) / "pretrain" / f"miniwob-{per_task}-{key[:10]}.pkl"
-        if cache.is_file():
+        if not options["miniwob_fraction"]:
+            demos = []  # no batch draws them: nothing to collect
+        elif cache.is_file():
             demos = load_samples(cache)
             self.stdout.write(f"{len(demos)} MiniWoB clicks from {cache}")
         else:
@@ -78,6 +92,7 @@ class Command(BaseCommand):
             lr=options["lr"],
             attention_supervision=options["attention_supervision"],
             miniwob_fraction=options["miniwob_fraction"],
+            desktop_fraction=options["desktop_fraction"],
             arch=options["arch"],
             init=str(options["init"]),
         )
@@ -112,6 +127,8 @@ class Command(BaseCommand):
                 "miniwob_clicks": len(demos),
                 "synthetic": "training.synthetic.make_sample, a fresh screen per draw",
                 "miniwob_fraction": config.miniwob_fraction,
+                "desktop": "training.synthetic_desktop.make_step, a fresh 800x600 episode per draw",
+                "desktop_fraction": config.desktop_fraction,
             },
             "config": asdict(config),
             "steps": result.steps,

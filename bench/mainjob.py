@@ -192,25 +192,32 @@ def seeds_table(paths: list[Path]) -> str:
     for path in paths:
         data = json.loads(path.read_text())
         final, last = data["final"], data["rows"][-1]
-        v0t, v0h = final["v0 train_instances"], final["v0 heldout"]
+        v0t, v0h = final["v0 train_instances"], final.get("v0 heldout")
         (lt,) = [
             v
             for k, v in final.items()
             if k.endswith("train_instances") and k != "v0 train_instances"
         ]
-        (lh,) = [v for k, v in final.items() if k.endswith("heldout") and k != "v0 heldout"]
+        # The desktop preset has no held-out side: its tasks are fixed, one instance each.
+        lh = next(
+            (v for k, v in final.items() if k.endswith("heldout") and k != "v0 heldout"), None
+        )
         train_gain.append(100 * (lt["rate"] - v0t["rate"]))
-        heldout_gain.append(100 * (lh["rate"] - v0h["rate"]))
+        if v0h and lh:
+            heldout_gain.append(100 * (lh["rate"] - v0h["rate"]))
+        held_change = f"{100 * (lh['rate'] - v0h['rate']):+.0f}" if v0h and lh else "—"
         per_min = statistics.mean(r["sampled_n"] for r in data["rows"]) / data["args"]["every"]
         rows.append(
             f"| {data['args']['seed']} | {last['versions']} | {_fmt(v0t)} | {_fmt(lt)} | "
-            f"{train_gain[-1]:+.0f} | {_fmt(v0h)} | {_fmt(lh)} | {heldout_gain[-1]:+.0f} | "
+            f"{train_gain[-1]:+.0f} | {_fmt(v0h)} | {_fmt(lh)} | {held_change} | "
             f"{per_min:.0f} | {statistics.mean(r['eval_share'] for r in data['rows']):.0%} | "
             f"{max(r['chart_lag_min'] or 0 for r in data['rows']):.1f} | "
             f"{last['first_rl_version_s']:.0f} |"
         )
 
     def spread(xs: list[float]) -> str:
+        if not xs:
+            return "—"
         sd = f" (sd {statistics.stdev(xs):.1f})" if len(xs) > 1 else ""
         return f"{statistics.mean(xs):+.1f}{sd}"
 
@@ -288,15 +295,22 @@ def main() -> None:
     rows: list[dict] = []
     backend = "vllm" if args.preset == "vllm" else "transformers"
     web = args.screenshot is not None
-    with PrivateStack(slots=args.slots, policy="shipped", web=web, backend=backend) as stack:
+    # The policy version 0's rollouts are served with: the preset's (main_run_config's).
+    policy = "shipped-desktop" if args.preset == "desktop" else "shipped"
+    with PrivateStack(slots=args.slots, policy=policy, web=web, backend=backend) as stack:
         from django.utils import timezone
 
         from dartboard.main_job import main_run_config, prepare_main_run
         from workers.runs import run_apply
 
-        wanted = len(main_run_config(args.preset).env.slots())
+        preset = main_run_config(args.preset)
+        wanted = len(preset.env.slots())
         if wanted != args.slots:  # make run starts one env worker per slot
             raise SystemExit(f"the {args.preset} preset has {wanted} slots: use --slots {wanted}")
+        if preset.policy != policy:
+            raise SystemExit(
+                f"the {args.preset} preset starts from {preset.policy!r}, not {policy!r}"
+            )
         demos = {} if args.demos is None else {"demos_per_task": args.demos}
         run = prepare_main_run(write=print, preset=args.preset, **demos)
         changes = args.set + ([f"seed={args.seed}"] if args.seed is not None else [])

@@ -28,6 +28,7 @@ from datamanager.models import (
     RunStatus,
     SlotStatus,
     Step,
+    TaskStat,
     TrainUpdate,
     Trajectory,
     TrajectoryStatus,
@@ -264,6 +265,27 @@ def _folded(rows: list[LiveWorkRow], fold_after: int) -> list[LiveWorkRow]:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+UNSOLVED_MIN_ATTEMPTS = 8  # rollouts before the run page says a task has never succeeded
+
+
+def unsolved_tasks_note(*, run: Run, min_attempts: int = UNSOLVED_MIN_ATTEMPTS) -> str:
+    """The run page's line for the tasks still at 0% after `min_attempts` rollouts, with
+    their rollout counts (RL cannot lift a task it never sees solved), or ""."""
+    stuck = list(
+        TaskStat.objects.filter(run=run, successes=0, attempts__gte=min_attempts, retired=False)
+        .order_by("task__name")
+        .values_list("task__name", "attempts")
+    )
+    if not stuck:
+        return ""
+    tasks = ", ".join(f"{name} (0 of {n})" for name, n in stuck)
+    return (
+        f"No success yet on {len(stuck)} task{'s' if len(stuck) != 1 else ''} after "
+        f"{min_attempts} or more rollouts: {tasks}. Without a success RL has nothing to "
+        "reinforce there; the task board has each task's rollouts and failure labels."
+    )
 
 
 def dead_time_notes(*, run: Run) -> list[str]:

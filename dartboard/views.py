@@ -119,6 +119,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "alerts": viewmodels.run_alerts(run=run) + env_health.health_alerts(run=run),
             "hosts": env_health.host_map(run=run),
             "dead_time": viewmodels.dead_time_notes(run=run),
+            "unsolved": viewmodels.unsolved_tasks_note(run=run),
         },
     )
 

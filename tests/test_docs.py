@@ -6,6 +6,7 @@ the environment table lists exactly the variables the code reads."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -96,6 +97,21 @@ def test_every_command_script_and_flag_the_docs_name_exists():
                 if f'"{flag}"' not in source:
                     wrong.append(f"{where}: bench/{name}.py has no {flag}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_run_config_the_docs_show_is_a_valid_run():
+    """A JSON block in the docs with a `policy` or a `trainer` is a run config: it must pass
+    the run form's validation (a renamed or removed setting fails here)."""
+    from datamanager.config import RunConfig
+
+    shown = 0
+    for doc in DOCS:
+        for block in re.findall(r"```json\n(.*?)```", doc.read_text(), flags=re.S):
+            data = json.loads(block)
+            if "policy" in data or "trainer" in data:
+                RunConfig.from_dict(data)
+                shown += 1
+    assert shown >= 1  # the UI-TARS recipe's
 
 
 def test_the_documented_apt_list_is_what_make_installs():

@@ -11,7 +11,7 @@ from django.utils import timezone
 from dartboard.main_job import MAIN_MINIWOB_TASKS, main_run_config
 from datamanager.config import ConfigError, RunConfig
 from datamanager.curation import group_seed
-from datamanager.models import EvalJob, PolicyVersion, Task, TrainUpdate, Trajectory
+from datamanager.models import EvalJob, PolicyVersion, Task, TaskStat, TrainUpdate, Trajectory
 from tests.datamanager.factories import make_running_run
 from workers.evaluation import eval_lanes, eval_schedule_next
 
@@ -182,6 +182,21 @@ def test_the_run_page_says_what_the_dead_time_is_and_how_long_it_takes(ada_clien
     )
     page = ada_client.get(f"/runs/{run.pk}/").content.decode()
     assert "Evaluating v4 greedily on held-out seeds: 5 of 20 episodes, about 3 min left" in page
+
+
+def test_the_run_page_names_the_tasks_still_at_zero_with_their_rollouts(ada_client):
+    tasks = _miniwob_tasks()[:3]
+    run = make_running_run({"tasks": {"names": [t.name for t in tasks]}})
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'id="unsolved-tasks"' not in page  # nothing tried yet: nothing to say
+    stats = {s.task.name: s for s in TaskStat.objects.filter(run=run).select_related("task")}
+    for name, attempts, successes in ((tasks[0].name, 12, 0), (tasks[1].name, 12, 3),
+                                      (tasks[2].name, 5, 0)):  # fmt: skip
+        TaskStat.objects.filter(pk=stats[name].pk).update(attempts=attempts, successes=successes)
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    # Only the task at 0% after enough rollouts (5 rollouts may just be bad luck).
+    assert f"No success yet on 1 task after 8 or more rollouts: {tasks[0].name} (0 of 12)" in page
+    assert f"{tasks[2].name} (0 of" not in page
 
 
 def test_evaluating_training_instances_needs_instances_and_held_out_seeds_must_differ():

@@ -54,3 +54,42 @@ def test_make_run_starts_from_it(settings):
     from datamanager.policies import policy_path
 
     assert policy_path("shipped") == SHIPPED
+
+
+# ------------------------------------------------------------------ the desktop policy
+
+SHIPPED_DESKTOP = SHIPPED.parent / "tiny-desktop"
+
+
+def test_the_desktop_policy_is_small_and_says_it_continued_the_shipped_one_on_desktops():
+    weights = sum(p.stat().st_size for p in SHIPPED_DESKTOP.glob("*.safetensors"))
+    assert 0 < weights <= 25 * 1024 * 1024
+    manifest = json.loads((SHIPPED_DESKTOP / "MANIFEST.json").read_text())
+    assert manifest["command"].startswith(
+        "python manage.py pretrain_policy --init policies/tiny-grounded"
+    )
+    assert manifest["data"]["desktop_fraction"] > 0 and manifest["config"]["desktop_fraction"] > 0
+    assert manifest["continued_from"]["command"].startswith("python manage.py pretrain_policy")
+    assert manifest["seconds"] <= 60 * 60  # within about an hour on 2 cores
+
+
+def test_the_desktop_policy_acts_on_unseen_synthetic_desktops(settings):
+    from datamanager.policies import policy_path
+    from training.synthetic_desktop import make_episode
+
+    assert policy_path("shipped-desktop") == SHIPPED_DESKTOP  # make run-desktop starts here
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = load_policy(SHIPPED_DESKTOP)
+        # Episodes from seeds the pretraining never drew (its stream is seed 0's).
+        steps = [s for i in range(12) for s in make_episode(random.Random(525_252 + i))]
+        figures = grounding_accuracy(policy, steps, coords="pixel", geometry=policy.image_geometry)
+        shipped = grounding_accuracy(
+            load_policy(SHIPPED), steps, coords="pixel", geometry=policy.image_geometry
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert figures["parse_rate"] >= 0.9, figures
+    # The MiniWoB-only policy gets almost none of these steps right (it only ever clicks).
+    assert figures["accuracy"] >= shipped["accuracy"] + 0.3, (figures, shipped)

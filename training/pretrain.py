@@ -38,7 +38,6 @@ from core.actions import (
     CoordSpace,
     format_screen_action,
     parse_output,
-    split_output,
     to_screen,
 )
 from core.encoding import encode_batch, response_token_ids
@@ -59,22 +58,20 @@ from training.tiny_policy import build_tiny_policy
 Sample = GroundingSample | DesktopStep
 
 
-def sample_messages(sample: Sample, *, geometry: ImageGeometry | None = None) -> list[dict]:
+def sample_messages(
+    sample: Sample, *, geometry: ImageGeometry | None = None, coords: CoordSpace = "pixel"
+) -> list[dict]:
     """The prompt rollout builds for this screen: the earlier actions as history turns (a
-    desktop step's, in the model coordinates of `geometry`), one screenshot (the current)."""
+    desktop step's, as the policy writes them: in the model coordinates of `geometry`), one
+    screenshot (the current)."""
     history = []
     if isinstance(sample, DesktopStep) and sample.history:
         if geometry is None:
             raise ValueError("a desktop step with history needs the policy's geometry")
+        screen = (sample.width, sample.height)
         history = [
-            HistoryTurn(
-                thought="",
-                action_text=split_output(
-                    format_screen_action(
-                        a, screen_size=(sample.width, sample.height), geometry=geometry
-                    )
-                )[1]
-                or "",
+            HistoryTurn.from_output(
+                format_screen_action(a, screen_size=screen, geometry=geometry, coords=coords)
             )
             for a in sample.history
         ]
@@ -153,7 +150,7 @@ def bc_batch_loss(
         response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
-    messages = [sample_messages(s, geometry=geometry) for s in samples]
+    messages = [sample_messages(s, geometry=geometry, coords=coords) for s in samples]
     batch = encode_batch(policy, messages, responses=responses)
     logprobs, _, mask = sequence_logprobs(policy, batch)
     return bc_loss(logprobs, mask)
@@ -260,7 +257,7 @@ def bc_batch_loss_cached(
         response_token_ids(policy, sample_response(s, coords=coords, geometry=geometry))
         for s in samples
     ]
-    messages = [sample_messages(s, geometry=geometry) for s in samples]
+    messages = [sample_messages(s, geometry=geometry, coords=coords) for s in samples]
     enc = encode_batch(policy, messages, responses=responses)
     rows = [enc.input_ids[b][enc.attention_mask[b].bool()] for b in range(len(samples))]
     resp_lens = [len(r) for r in responses]
@@ -355,7 +352,7 @@ def grounding_accuracy(
     parsed = 0
     for i in range(0, len(samples), batch_size):
         chunk = samples[i : i + batch_size]
-        prompts = [sample_messages(s, geometry=geometry) for s in chunk]
+        prompts = [sample_messages(s, geometry=geometry, coords=coords) for s in chunk]
         outs = generate(policy, prompts, max_new_tokens=40, greedy=True)
         for s, out in zip(chunk, outs, strict=True):
             action = predicted_action(out.text, sample=s, coords=coords, geometry=geometry)

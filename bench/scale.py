@@ -9,7 +9,10 @@ oracle) in a few driver processes run against the real services for a sustain wi
 --minutes (bench/scale_load.py, bench/scale_slots.py). Printed per N: steps per second
 sustained; p50 and p99 of a step record and of a claim as the slot waits for them; database
 rows and bytes per hour (and the screenshots' bytes); Redis commands per second; the
-watchdog's pass time; the trainer's batch collection; whether anything was lost.
+watchdog's pass time; the trainer's batch collection; whether anything was lost; and per
+step the CPU time of PostgreSQL's processes, of the Redis, and of the platform's own code in
+the driver (its database pool, step writer and heartbeat threads) apart from the stand-in
+slots' (the rest of the driver's CPU).
 
 Then the dashboard pages on a database of --pages-steps recorded steps and 1,000 env slots,
 filled with bulk inserts (bench/scale_pages.py).
@@ -104,9 +107,10 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| slots | driver processes x DB pool | steps a transaction | "
         "step record on the DB thread p50 / p99 (ms) | "
-        "finish p99 (ms) | driver CPU per step (ms) | machine CPU busy | heartbeat batch "
-        "max (ms) | batch collect p50 (ms) | trajectories | drain (s) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "finish p99 (ms) | driver CPU per step (ms) | of it the platform's code (ms) | "
+        "PostgreSQL CPU per step (ms) | Redis CPU per step (ms) | machine CPU busy | "
+        "heartbeat batch max (ms) | batch collect p50 (ms) | trajectories | drain (s) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         svc = r["step_record_service_ms"]
@@ -115,7 +119,9 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['slots']} | {r['processes']} x {r['pool']}, switch "
             f"{r.get('switch_ms', 5.0):g} ms | {batching} | {_ms(svc['p50'])} / "
             f"{_ms(svc['p99'])} | {_ms(r['finish_ms_p99'])} | "
-            f"{r['driver_cpu_ms_per_step']:.1f} | {r['machine_cpu_busy']:.0%} | "
+            f"{r['driver_cpu_ms_per_step']:.1f} | {_ms(r.get('platform_code_cpu_ms_per_step'))} | "
+            f"{_ms(r.get('postgres_cpu_ms_per_step'))} | {_ms(r.get('redis_cpu_ms_per_step'))} | "
+            f"{r['machine_cpu_busy']:.0%} | "
             f"{_ms(r['heartbeat_ms_max'])} | {_ms(r['batch_collect']['p50_ms'])} | "
             f"{r['check']['trajectories']:,} | {r['drain_s']:.0f} |"
         )

@@ -47,9 +47,20 @@ class DbPool:
     def __init__(self, size: int) -> None:
         self.size = size
         self.executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="db")
+        self.cpu_s = 0.0  # CPU time the calls took on their pool threads: the platform's code
+        self._lock = threading.Lock()
 
     def call(self, fn: Callable[[], T]) -> T:
-        return self.executor.submit(fn).result()
+        return self.executor.submit(self._timed, fn).result()
+
+    def _timed(self, fn: Callable[[], T]) -> T:
+        started = time.thread_time()
+        try:
+            return fn()
+        finally:
+            spent = time.thread_time() - started
+            with self._lock:
+                self.cpu_s += spent
 
     def close(self) -> None:
         from django.db import connection
@@ -92,6 +103,7 @@ class StepWriter(threading.Thread):
         self.timings = timings
         self.max_batch = max_batch
         self.batches: list[int] = []
+        self.cpu_s = 0.0  # this thread's CPU time: the platform's step writes
 
     def record(self, write: Any) -> None:
         done: Future[None] = Future()
@@ -132,6 +144,7 @@ class StepWriter(threading.Thread):
             for _, done in items:
                 done.set_result(None)
         connection.close()
+        self.cpu_s = time.thread_time()
 
 
 class PooledRecorder:
@@ -190,6 +203,7 @@ class Fleet:
         self.clocks: dict[int, Any] = {}  # slot id -> BusyClock
         self.lock = threading.Lock()
         self.stop_beats = threading.Event()
+        self.beats_cpu_s = 0.0
         self.counts: dict[str, int] = {"steps": 0, "claims": 0, "finished": 0, "errors": 0}
         self.errors: list[str] = []
         self.beat_ms: list[float] = []
@@ -313,6 +327,7 @@ class Fleet:
             self.lost_leases += len(leases_renew(self.redis, leases, ttl_s=60))
             self.pool.call(partial(env_slots.env_slots_heartbeat, busy_s=busy))
             self.beat_ms.append((time.perf_counter() - started) * 1000)
+        self.beats_cpu_s = time.thread_time()  # lease renewals (Redis client) and batching
 
     def run(self) -> dict[str, Any]:
         beats = threading.Thread(target=self.beats, name="beats", daemon=True)
@@ -337,8 +352,13 @@ class Fleet:
                 self.redis.delete(key)
         self.pool.close()
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        writer_cpu = self.writer.cpu_s if self.writer is not None else 0.0
         return {
             "cpu_s": usage.ru_utime + usage.ru_stime,
+            # The platform's own code on the step path (claims, step records, finishes,
+            # heartbeats: Django and the services, on the pool and writer threads) apart from
+            # the stand-in env slots' threads.
+            "platform_cpu_s": self.pool.cpu_s + writer_cpu + self.beats_cpu_s,
             "counts": self.counts,
             "errors": self.errors[:5],
             "timings": self.timings.rows,

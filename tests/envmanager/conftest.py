@@ -52,3 +52,17 @@ def run_oracle_episode(env, spec: TaskSpec, *, max_steps: int = 20) -> tuple[Eva
         obs = env.step(action)
         steps += 1
     return env.evaluate(), steps
+
+
+@pytest.fixture(scope="session")
+def desktop_policy():
+    """policies/tiny-desktop decoding greedily in this process (bench/desktop.py's endpoint)."""
+    import torch
+
+    from bench.desktop import POLICIES
+    from bench.grounding import ModelEndpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield ModelEndpoint(POLICIES["desktop"], max_new_tokens=48)
+    torch.set_num_threads(threads)

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/scale.py [--slots 100 300 1000] [--minutes 10] [--latency-scale 0.45]
         [--pages-steps 1000000] [--skip-pages] [--pg postgres://postgres@127.0.0.1:5432]
+        [--json bench/results/scale.json]
 
 For each N, a fresh PostgreSQL database and a private embedded Redis (a unix socket): N
 simulated slots (the `sim` backend at OSWorld latency times --latency-scale, the scripted
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--skip-pages", action="store_true")
     ap.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
     ap.add_argument("--keep", action="store_true", help="keep the databases")
+    ap.add_argument("--json", type=Path, help="also write every N's measurements here")
     args = ap.parse_args()
     tag = f"dartboard_scale_{os.getpid()}"
     results = []
@@ -174,6 +176,8 @@ def main() -> None:
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
         if results:
             print(
                 f"\n## Load ({args.minutes:g} min sustained, latency scale {args.latency_scale})\n"

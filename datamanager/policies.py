@@ -1,9 +1,10 @@
 """Resolving a run's policy name to its checkpoint directory and its image geometry.
 
-A policy is a name (`shipped`, `shipped-desktop`, `untrained`, `oracle`), a local checkpoint directory, or an
-artifact reference (`artifact:policies/...@sha256`, made by `manage.py publish_policy DIR`):
-a base model an admin brought, stored once in the artifact store, that every host (trainer,
-inference, env workers reading its image geometry) fetches and verifies into its own cache.
+A policy is a name (`shipped`, `shipped-desktop`, `untrained`, `oracle`), a local checkpoint
+directory, or an artifact reference (`artifact:policies/...@sha256`, made by `manage.py
+publish_policy DIR`): a base model an admin brought, stored once in the artifact store, that
+every host (trainer, inference, env workers reading its image geometry) fetches and verifies
+into its own cache.
 On more than one host, give a run a reference, not a path: no host reads another's disk.
 """
 
@@ -46,8 +47,7 @@ class PolicyNotFound(Exception):
 
 def policy_path(name: str) -> Path:
     """'shipped' (the repository's pretrained tiny policy), 'shipped-desktop' (its desktop
-    pretraining), 'untrained' (built by
-    `manage.py make_tiny_policy`), an artifact reference (fetched and verified into this
+    pretraining), 'untrained' (built by `manage.py make_tiny_policy`), an artifact reference (fetched and verified into this
     host's cache) or a local Hugging Face checkpoint directory."""
     if is_ref(name):
         return _fetch_policy(name)

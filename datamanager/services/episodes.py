@@ -420,12 +420,15 @@ def trajectory_finish(
     traj.save(
         update_fields=["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
     )
-    if traj.run_id and traj.purpose == Purpose.TRAIN and status in SCORED_STATUSES:
-        _update_stat(traj)
-    if traj.group_id and status == TrajectoryStatus.ERROR:
-        _replace_member(traj)
-    if traj.group_id:
-        _maybe_ready(traj.group_id)
+    # The run's curation settings, parsed once for the rules below (a group's run is its
+    # members' run).
+    cfg = RunConfig.from_dict(traj.run.config).curation if traj.run is not None else None
+    if cfg is not None and traj.purpose == Purpose.TRAIN and status in SCORED_STATUSES:
+        _update_stat(traj, cfg)
+    if cfg is not None and traj.group_id:
+        if status == TrajectoryStatus.ERROR:
+            _replace_member(traj, cfg)
+        _maybe_ready(traj.group_id, cfg)
     if traj.run_id:
         publish_on_commit(
             run_id=traj.run_id,
@@ -442,10 +445,9 @@ def trajectory_finish(
     return traj
 
 
-def _update_stat(traj: Trajectory) -> None:
+def _update_stat(traj: Trajectory, cfg: CurationConfig) -> None:
     run = traj.run
-    assert run is not None  # the caller checks traj.run_id
-    cfg = RunConfig.from_dict(run.config).curation
+    assert run is not None  # the caller checks traj.run
     stat = TaskStat.objects.select_for_update(of=("self",), no_key=True).get(
         run_id=run.pk, task_id=traj.task_id
     )
@@ -486,13 +488,12 @@ def _update_stat(traj: Trajectory) -> None:
     stat.save()
 
 
-def _replace_member(traj: Trajectory) -> None:
+def _replace_member(traj: Trajectory, cfg: CurationConfig) -> None:
     """A member ended in an environment error: while its group is still its task's open one
     and has retries left (`curation.error_retries`), the group gets one more claim, a new
     rollout on a fresh environment (the slot recreates its environment after an error).
     Locks the task row before the group's, as a claim does."""
-    assert traj.run is not None  # only group members get here
-    allowed = RunConfig.from_dict(traj.run.config).curation.error_retries
+    allowed = cfg.error_retries
     stat = TaskStat.objects.select_for_update(of=("self",), no_key=True).get(
         run_id=traj.run_id, task_id=traj.task_id
     )
@@ -505,13 +506,9 @@ def _replace_member(traj: Trajectory) -> None:
     TaskStat.objects.filter(pk=stat.pk).update(outstanding=F("outstanding") + 1)
 
 
-def _maybe_ready(group_id: int) -> None:
+def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
     """A group is ready when all its claims are taken and none of them is still running."""
-    group = (
-        TaskGroup.objects.select_for_update(of=("self",), no_key=True)
-        .select_related("run")
-        .get(pk=group_id)
-    )
+    group = TaskGroup.objects.select_for_update(of=("self",), no_key=True).get(pk=group_id)
     if group.status != GroupStatus.OPEN or group.claimed < group.budget:
         return
     members = Trajectory.objects.filter(group=group)
@@ -528,7 +525,6 @@ def _maybe_ready(group_id: int) -> None:
         )
         group.save(update_fields=["status", "note"])
         return
-    cfg = RunConfig.from_dict(group.run.config).curation
     scored = list(members.filter(status__in=SCORED_STATUSES).values_list("reward", flat=True))
     all_failed = bool(scored) and all((r or 0.0) <= 0.0 for r in scored)
     pool = list(

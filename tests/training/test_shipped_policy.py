@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.imaging import ImageGeometry
 from core.policy import load_policy
 from training.pretrain import grounding_accuracy
 from training.synthetic import make_sample
@@ -48,6 +49,14 @@ def test_it_loads_as_qwen3_vl_and_clicks_on_unseen_screens(shipped):
     # A random click lands in a synthetic target ~3% of the time (their mean share of the
     # screen); the untrained policy never produces a click at all.
     assert figures["accuracy"] >= 0.25, figures
+
+
+@pytest.mark.parametrize("name", ["tiny-grounded", "tiny-desktop"])
+def test_the_shipped_processors_geometry_is_the_one_tests_and_synthetic_screens_use(name):
+    # Tests and the pretraining's synthetic screens take TINY_GEOMETRY; the policies read
+    # theirs from preprocessor_config.json. They must be one geometry, or a target "inside
+    # its box" in a test is not inside it for the shipped policy.
+    assert ImageGeometry.from_policy_dir(SHIPPED.parent / name) == TINY_GEOMETRY
 
 
 def test_make_run_starts_from_it(settings):

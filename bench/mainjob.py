@@ -10,8 +10,8 @@ mean time, sampled success of the rollouts finished in that window, and the late
 greedy evaluation (the run's own scheduled ones) on the training instances and on held-out
 seeds, with the 95% interval. At the end it stops the run and evaluates the last version on
 both (unless its scheduled evaluation exists), so the final row compares it with version 0.
-Writes bench/results/mainjob.json (mainjob-PRESET.json for another preset; `--preset vllm`
-is `make run-vllm`'s: vLLM serving, LoRA versions).
+Writes bench/results/mainjob.json (mainjob-PRESET.json for another preset, -seedN with
+--seed, or --out; `--preset vllm` is `make run-vllm`'s: vLLM serving, LoRA versions).
 
 `--screenshot PATH` also serves the dashboard of the private stack (its URL and a login are
 printed, to watch the run live) and, at the end, saves the run page's success chart as PATH
@@ -286,6 +286,9 @@ def main() -> None:
         metavar="KEY=JSON",
         help="an experiment: change one setting of the preset's run, e.g. tasks.instances=50",
     )
+    ap.add_argument("--out", type=Path, default=None, metavar="JSON",
+                    help="write the results here (an experiment with --set: not over the "
+                         "preset's own file)")  # fmt: skip
     ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
                     help="print the per-seed table of finished --seed runs and exit")  # fmt: skip
     args = ap.parse_args()
@@ -361,7 +364,7 @@ def main() -> None:
     name = "mainjob.json" if args.preset == "miniwob" else f"mainjob-{args.preset}.json"
     if args.seed is not None:
         name = name.replace(".json", f"-seed{args.seed}.json")
-    out = ROOT / "bench" / "results" / name
+    out = args.out or ROOT / "bench" / "results" / name
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "final": final}, indent=2,
                               default=str))  # fmt: skip
     print(f"\nwritten {out}")

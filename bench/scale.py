@@ -13,7 +13,8 @@ rows and bytes per hour (and the screenshots' bytes); Redis commands per second;
 watchdog's pass time; the trainer's batch collection; whether anything was lost; and per
 step the CPU time of PostgreSQL's processes, of the Redis, and of the platform's own code in
 the driver (its database pool, step writer and heartbeat threads) apart from the stand-in
-slots' (the rest of the driver's CPU).
+slots' (the rest of the driver's CPU); and how many live events per second one browser's
+socket is sent on page 1 of the env wall and on an unpaged wall.
 
 Then the dashboard pages on a database of --pages-steps recorded steps and 1,000 env slots,
 filled with bulk inserts (bench/scale_pages.py).
@@ -129,6 +130,24 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def events_table(rows: list[dict[str, Any]]) -> str:
+    """Events per second the live socket sends one browser, on a page of the wall and on
+    an unpaged one (rows from runs before the measurement have none)."""
+    out = [
+        "| slots | steps/s | events/s to a browser on wall page 1 (its slots) | "
+        "events/s to a browser on an unpaged wall |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ev = r.get("browser_events_per_s") or {}
+        if ev:
+            out.append(
+                f"| {r['slots']} | {r['steps_per_s']:.1f} | {ev['wall_page']:.1f} "
+                f"({ev['page_slots']}) | {ev['unpaged_wall']:.1f} |"
+            )
+    return "\n".join(out)
+
+
 def pages_table(result: dict[str, Any]) -> str:
     out = [
         f"{result['steps']:,} steps, {result['trajectories']:,} trajectories, "
@@ -185,6 +204,8 @@ def main() -> None:
             print(load_table(results))
             print()
             print(detail_table(results))
+            print()
+            print(events_table(results))
         if not args.skip_pages:
             pages = _one(
                 args,

@@ -11,7 +11,10 @@ oracle on `sim/click-8` .. `sim/click-12`), starts `--processes` driver processe
   (datamanager.services.batches.batch_collect; the gradient step is left out) and marks
   them trained;
 - samples the database (rows, pg_database_size), Redis (commands processed) and the media
-  folder at the start and end of the sustain window (after `--warmup-s`).
+  folder at the start and end of the sustain window (after `--warmup-s`);
+- holds two viewer sockets on the real consumer (dartboard/consumers.py) through the
+  window, one on page 1 of the env wall and one on an unpaged wall, and counts the events
+  each is sent per second.
 
 After the window the slots finish the episodes under way; then it checks that nothing was
 lost (every step a slot recorded is a row, every trajectory ended, each trajectory's length
@@ -71,7 +74,8 @@ def _setup(n: int) -> int:
 
 
 def _process_cpu_jiffies(match: Callable[[str, str], bool]) -> float:
-    """utime + stime, in clock ticks, of every process whose (comm, cmdline) `match` accepts."""
+    """utime + stime (+ its ended children's), in clock ticks, of every process whose (comm,
+    cmdline) `match` accepts."""
     total = 0.0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -84,7 +88,9 @@ def _process_cpu_jiffies(match: Callable[[str, str], bool]) -> float:
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         if match(comm, cmdline):
             fields = stat[stat.rindex(")") + 2 :].split()
-            total += float(fields[11]) + float(fields[12])  # utime, stime
+            # utime, stime, and cutime, cstime: the CPU of its children that ended (the
+            # postmaster's: backends and autovacuum workers that exited in the window)
+            total += sum(float(f) for f in fields[11:15])
     return total
 
 
@@ -142,6 +148,7 @@ class Background:
         self.collect_ms: list[float] = []
         self.groups_consumed = 0
         self.samples_built = 0
+        self.browser_events_per_s: dict[str, float] = {}
         self.errors: list[str] = []
 
     def watchdog(self) -> None:
@@ -187,10 +194,68 @@ class Background:
         finally:
             connection.close()
 
-    def start(self) -> list[threading.Thread]:
+    def browsers(self, window_start: float, until: float) -> None:
+        """Two live sockets of a logged-in viewer on the real consumer and channel layer
+        during the window: one on page 1 of the env wall (its tiles' slots), one on an
+        unpaged wall (`?slots=all`); counts the events each is sent."""
+        import asyncio
+
+        from channels.testing import WebsocketCommunicator
+        from django.contrib.auth import get_user_model
+        from django.db import connection
+
+        from dartboard.consumers import RunEventsConsumer
+        from dartboard.viewmodels import run_slots
+        from datamanager.models import Run
+        from datamanager.roles import role_group
+
+        user, _ = get_user_model().objects.get_or_create(username="bench-viewer")
+        user.groups.add(role_group("viewer"))
+        time.sleep(max(0.0, window_start - time.time()))
+        wall = run_slots(run=Run.objects.get(pk=self.run_id))  # the wall's page 1, as shown
+        page = [tile.id for tile in wall.tiles]
+        connection.close()
+
+        async def listen(query: str) -> int:
+            comm = WebsocketCommunicator(
+                RunEventsConsumer.as_asgi(), f"/ws/runs/{self.run_id}/?{query}"
+            )
+            comm.scope["user"] = user
+            comm.scope["url_route"] = {"kwargs": {"run_id": self.run_id}}
+            connected, _ = await comm.connect()
+            if not connected:
+                raise RuntimeError(f"the consumer refused the bench's viewer socket ?{query}")
+            received = 0
+            while (left := until - time.time()) > 0:
+                try:  # the queue, not receive_from: its timeout would cancel the consumer
+                    await asyncio.wait_for(comm.output_queue.get(), timeout=left)
+                    received += 1
+                except TimeoutError:
+                    break
+            await comm.disconnect()
+            return received
+
+        async def both() -> list[int]:
+            slots = ",".join(map(str, page))
+            return list(await asyncio.gather(listen(f"slots={slots}"), listen("slots=all")))
+
+        try:
+            started = time.time()
+            page_events, all_events = asyncio.run(both())
+            secs = max(1.0, time.time() - started)
+            self.browser_events_per_s = {
+                "wall_page": page_events / secs,
+                "page_slots": len(page),
+                "unpaged_wall": all_events / secs,
+            }
+        except Exception as exc:
+            self.errors.append(f"browsers: {type(exc).__name__}: {exc}")
+
+    def start(self, window_start: float, until: float) -> list[threading.Thread]:
         threads = [
             threading.Thread(target=self.watchdog, daemon=True),
             threading.Thread(target=self.trainer, daemon=True),
+            threading.Thread(target=self.browsers, args=(window_start, until), daemon=True),
         ]
         for t in threads:
             t.start()
@@ -274,7 +339,7 @@ def main() -> None:
         procs.append(subprocess.Popen(cmd, cwd=ROOT))
         first += count
     background = Background(run_id)
-    threads = background.start()
+    threads = background.start(window_start, until)
     media = Path(settings.MEDIA_ROOT)
     time.sleep(max(0.0, window_start - time.time()))
     start = _sample(media)
@@ -354,6 +419,7 @@ def main() -> None:
         "heartbeat_ms_max": max((ms for r in results for ms in r["beat_ms"]), default=None),
         "lost_leases": sum(r["lost_leases"] for r in results),
         "slot_errors": counts["errors"],
+        "browser_events_per_s": background.browser_events_per_s,
         "errors": [e for r in results for e in r["errors"]][:3] + background.errors,
         "check": _check(run_id, counts["steps"], counts["finished"]),
     }

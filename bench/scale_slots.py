@@ -197,7 +197,11 @@ class Fleet:
         self.args = args
         self.pool = DbPool(args.pool)
         self.timings = Timings()
-        self.redis = redis_client()
+        # One client for the process's slot threads: a pool they wait on. redis-py's
+        # default pool refuses a connection past 100 (MaxConnectionsError), and 167 slots
+        # taking their leases at once lost some slots at start (an env worker process
+        # serves one slot and has its own client).
+        self.redis = redis_client(blocking_pool=64)
         self.cfg = RunConfig.from_dict(self.pool.call(lambda: Run.objects.get(pk=args.run)).config)
         self.leases: dict[str, str] = {}  # key -> holder
         self.clocks: dict[int, Any] = {}  # slot id -> BusyClock

@@ -45,17 +45,25 @@ REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
               KombuOperationalError)  # fmt: skip
 
 
-def redis_client() -> Any:
+def redis_client(*, blocking_pool: int = 0) -> Any:
     """A client that retries a command on a dropped connection (3 times, backoff up to 1 s):
-    enough for a restart on the same socket; longer outages reach the caller."""
-    return redis.Redis.from_url(
-        settings.REDIS_URL,
-        socket_connect_timeout=3,
-        socket_timeout=10,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=3),
-        retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
-        health_check_interval=10,
-    )
+    enough for a restart on the same socket; longer outages reach the caller.
+
+    blocking_pool: for a client many threads share, at most this many connections, and a
+    thread waits (up to 30 s) for a free one instead of failing; 0: redis-py's own pool."""
+    options: dict[str, Any] = {
+        "socket_connect_timeout": 3,
+        "socket_timeout": 10,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=3),
+        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        "health_check_interval": 10,
+    }
+    if blocking_pool:
+        pool = redis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, max_connections=blocking_pool, timeout=30, **options
+        )
+        return redis.Redis(connection_pool=pool)
+    return redis.Redis.from_url(settings.REDIS_URL, **options)
 
 
 def redis_retry(fn: Callable[[], T], *, what: str, budget_s: float | None = None) -> T:

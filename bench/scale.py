@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
     ap.add_argument("--keep", action="store_true", help="keep the databases")
     ap.add_argument("--json", type=Path, help="also write every N's measurements here")
+    ap.add_argument("--no-browsers", action="store_true", help="without the two viewer sockets")
     args = ap.parse_args()
     tag = f"dartboard_scale_{os.getpid()}"
     results = []
@@ -191,7 +192,8 @@ def main() -> None:
             what = ["bench.scale_load", "--slots", str(n), "--minutes", str(args.minutes),
                     "--latency-scale", str(args.latency_scale),
                     "--processes", str(processes), "--pool", str(args.pool),
-                    "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms)]  # fmt: skip
+                    "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms),
+                    *(["--no-browsers"] if args.no_browsers else [])]  # fmt: skip
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)

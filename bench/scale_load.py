@@ -251,12 +251,15 @@ class Background:
         except Exception as exc:
             self.errors.append(f"browsers: {type(exc).__name__}: {exc}")
 
-    def start(self, window_start: float, until: float) -> list[threading.Thread]:
+    def start(self, window_start: float, until: float, browsers: bool) -> list[threading.Thread]:
         threads = [
             threading.Thread(target=self.watchdog, daemon=True),
             threading.Thread(target=self.trainer, daemon=True),
-            threading.Thread(target=self.browsers, args=(window_start, until), daemon=True),
         ]
+        if browsers:
+            threads.append(
+                threading.Thread(target=self.browsers, args=(window_start, until), daemon=True)
+            )
         for t in threads:
             t.start()
         return threads
@@ -311,6 +314,7 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=6, help="database connections per process")
     ap.add_argument("--batch-steps", type=int, default=0, help="0: one transaction a step")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="driver thread switch interval")
+    ap.add_argument("--no-browsers", action="store_true", help="no viewer sockets")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -339,7 +343,7 @@ def main() -> None:
         procs.append(subprocess.Popen(cmd, cwd=ROOT))
         first += count
     background = Background(run_id)
-    threads = background.start(window_start, until)
+    threads = background.start(window_start, until, browsers=not args.no_browsers)
     media = Path(settings.MEDIA_ROOT)
     time.sleep(max(0.0, window_start - time.time()))
     start = _sample(media)

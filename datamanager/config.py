@@ -115,7 +115,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.miniwob_slots <= 64, "miniwob_slots", "must be between 0 and 64")
         _check(0 <= self.desktop_slots <= 16, "desktop_slots", "must be between 0 and 16")
-        _check(0 <= self.sim_slots <= 2000, "sim_slots", "must be between 0 and 2000")
+        _check(0 <= self.sim_slots <= 10_000, "sim_slots", "must be between 0 and 10000")
         _check(
             self.miniwob_slots + self.desktop_slots + self.sim_slots + len(self.osworld_addresses)
             > 0,

@@ -130,6 +130,19 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _print_errors(result: dict[str, Any]) -> None:
+    """Slots that died or episodes that ended early, and the load's own errors: a row with
+    them measured fewer slots than it says (the JSON keeps the first tracebacks)."""
+    if result["slot_errors"] or result["errors"]:
+        last = [e.strip().splitlines()[-1] for e in result["errors"]]
+        print(
+            f"N={result['slots']}: {result['slot_errors']} slot or episode errors; "
+            f"last lines: {last[:3]}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def events_table(rows: list[dict[str, Any]]) -> str:
     """Events per second the live socket sends one browser, on a page of the wall and on
     an unpaged one (rows from runs before the measurement have none)."""
@@ -197,6 +210,7 @@ def main() -> None:
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)
+            _print_errors(results[-1])
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
         if results:

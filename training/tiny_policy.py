@@ -229,6 +229,9 @@ def build_tiny_policy(
         "intermediate_size": 2 * vision_hidden,
         "num_heads": vision_heads,
         "out_hidden_size": hidden,
+        # The processor's geometry (TINY_GEOMETRY's factor) is this patch times this merge.
+        "patch_size": QWEN_PATCH,
+        "spatial_merge_size": QWEN_MERGE,
     }
     special: dict[str, Any] = {
         "image_token_id": ids["<|image_pad|>"],
@@ -241,9 +244,7 @@ def build_tiny_policy(
         text["head_dim"] = head_dim
         text["tie_word_embeddings"] = False
         text["rope_parameters"]["mrope_interleaved"] = True
-        vision.update(
-            patch_size=14, num_position_embeddings=vision_positions, deepstack_visual_indexes=[0]
-        )
+        vision.update(num_position_embeddings=vision_positions, deepstack_visual_indexes=[0])
         model = Qwen3VLForConditionalGeneration(
             Qwen3VLConfig(
                 text_config=text, vision_config=vision, tie_word_embeddings=False, **special

@@ -207,11 +207,10 @@ def test_only_transient_errors_are_retried():
 @needs("live")  # a moto S3 server of its own, stopped and restarted
 def s3_screenshots(settings, monkeypatch) -> Iterator[PrivateS3]:
     """Screenshots go to a private S3 server of this test's own (which it stops and starts)."""
-    server = PrivateS3()
+    server = PrivateS3(buckets=("shots",))  # the bucket is there before the server answers
     server.start()
     for name, value in server.env().items():
         monkeypatch.setenv(name, value)
-    server.client().create_bucket(Bucket="shots")
     settings.STORAGES = {
         **settings.STORAGES,
         "default": {
@@ -239,8 +238,7 @@ def test_an_object_storage_restart_is_waited_out_and_the_step_is_stored(settings
     writer.start()
     time.sleep(3)
     assert not done.is_set()  # it is waiting for the store, not failing
-    s3_screenshots.start()  # a new, empty store on the same address
-    s3_screenshots.client().create_bucket(Bucket="shots")
+    s3_screenshots.start()  # a new store on the same address, its bucket made before it answers
     writer.join(60)
     assert done.is_set()
     steps = Step.objects.filter(trajectory_id=trajectory_id).order_by("index")

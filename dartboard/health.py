@@ -4,7 +4,8 @@ The web process probes, at most every PROBE_EVERY_S, the services a run needs: R
 the database (SELECT 1), the router (GET /health with the service token) and, from the
 router's answer, the inference workers; for a running run also its trainer (its Redis lease).
 Each service's state is kept with the moment this process first saw it so ("since"), and its
-last error. An outage is also written to the database (datamanager.models.ServiceOutage) when
+last error; until the state changes, that moment is only the first probe ("up at every check
+since"), not when the service came up. An outage is also written to the database (datamanager.models.ServiceOutage) when
 it starts and when it ends (the database's own once it is back), so the page can list them
 and their durations after a web restart.
 
@@ -64,6 +65,9 @@ class ServiceHealth:
     detail: str
     last_error: str
     last_error_at: datetime | None
+    # This process saw the state change (it went down, or came back). If not, `since` is
+    # only this web process's first probe, not when the service came up.
+    changed: bool = False
 
     @property
     def label(self) -> str:
@@ -78,6 +82,7 @@ class ServiceHealth:
             "detail": self.detail,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at.isoformat() if self.last_error_at else None,
+            "changed": self.changed,
         }
 
 
@@ -160,6 +165,7 @@ class HealthBoard:
         self._lock = threading.Lock()
         self._state: dict[str, tuple[str, datetime, str]] = {}  # key -> (state, since, detail)
         self._errors: dict[str, tuple[str, datetime]] = {}
+        self._changed: set[str] = set()  # keys seen in more than one state
         self._unwritten: list[tuple[str, datetime, datetime, str]] = []  # closed, not stored
         self._probed_at = 0.0
         self._cache: dict[str, Probe] = {}
@@ -172,13 +178,16 @@ class HealthBoard:
             if probe.error:
                 self._errors[key] = (probe.error, now)
             if before is None or before[0] != probe.state:
+                if before is not None:
+                    self._changed.add(key)
                 self._state[key] = (probe.state, now, probe.detail)
                 self._transition(key, before, probe, now, db_up=db_up)
             else:
                 self._state[key] = (before[0], before[1], probe.detail)
             state, since, detail = self._state[key]
             error, error_at = self._errors.get(key, ("", None))
-        return ServiceHealth(key.split(":")[0], state, since, detail, error, error_at)
+        return ServiceHealth(key.split(":")[0], state, since, detail, error, error_at,
+                             changed=key in self._changed)  # fmt: skip
 
     def _transition(
         self, key: str, before: tuple[str, datetime, str] | None, probe: Probe, now: datetime,

@@ -46,6 +46,10 @@ def test_a_stopped_redis_is_shown_down_with_its_error_then_up_and_kept_as_an_out
     run = make_running_run()
     services, _ = _services(ada_client, run.pk)
     assert services["redis"]["state"] == "up" and services["database"]["state"] == "up"
+    # Nothing changed yet: "since" is only the web's first probe, and the page says so.
+    assert not services["redis"]["changed"]
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Redis up at every check since" in page and "Redis up since" not in page
 
     private_redis.stop()
     services, banner = _services(ada_client, run.pk)
@@ -60,6 +64,8 @@ def test_a_stopped_redis_is_shown_down_with_its_error_then_up_and_kept_as_an_out
     private_redis.start()
     services, banner = _services(ada_client, run.pk)
     assert services["redis"]["state"] == "up" and "Redis" not in banner
+    assert services["redis"]["changed"] and not services["database"]["changed"]
+    assert "Redis up since" in ada_client.get(f"/runs/{run.pk}/").content.decode()
     assert services["redis"]["last_error"]  # still reachable from the page
     outage = ServiceOutage.objects.get(service="redis")
     assert outage.ended_at is not None and outage.duration_s >= 0

@@ -20,7 +20,9 @@
       span.className = `svc ${s.state}`;
       span.dataset.service = s.service;
       span.title = s.last_error ? `last error (${time(s.last_error_at)}): ${s.last_error}` : "no error seen";
-      span.textContent = `${s.label} ${s.state} since ${time(s.since)}${s.detail ? ` (${s.detail})` : ""}`;
+      // Until this web process saw the state change, "since" is only its first probe.
+      const since = s.changed ? "since" : "at every check since";
+      span.textContent = `${s.label} ${s.state} ${since} ${time(s.since)}${s.detail ? ` (${s.detail})` : ""}`;
       if (i) line.appendChild(document.createTextNode(" · "));
       line.appendChild(span);
     });

@@ -5,8 +5,8 @@ the database (SELECT 1), the router (GET /health with the service token) and, fr
 router's answer, the inference workers; for a running run also its trainer (its Redis lease).
 Each service's state is kept with the moment this process first saw it so ("since"), and its
 last error; until the state changes, that moment is only the first probe ("up at every check
-since"), not when the service came up. An outage is also written to the database (datamanager.models.ServiceOutage) when
-it starts and when it ends (the database's own once it is back), so the page can list them
+since"), not when the service came up. An outage is also written to the database
+(datamanager.models.ServiceOutage) when it starts and when it ends (the database's own once it is back), so the page can list them
 and their durations after a web restart.
 
 The page polls `/runs/<id>/health.json` (static/dartboard/health.js): the live feed rides on
@@ -73,6 +73,11 @@ class ServiceHealth:
     def label(self) -> str:
         return LABELS[self.service]
 
+    @property
+    def since_word(self) -> str:
+        """What `since` is, for the health line: "Redis up {since_word} 10:59:02"."""
+        return "since" if self.changed else "at every check since"
+
     def as_json(self) -> dict[str, Any]:
         return {
             "service": self.service,
@@ -83,6 +88,7 @@ class ServiceHealth:
             "last_error": self.last_error,
             "last_error_at": self.last_error_at.isoformat() if self.last_error_at else None,
             "changed": self.changed,
+            "since_word": self.since_word,
         }
 
 

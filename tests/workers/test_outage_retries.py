@@ -234,13 +234,22 @@ def test_an_object_storage_restart_is_waited_out_and_the_step_is_stored(settings
     recorder.record_step(_record(0))
     s3_screenshots.stop()
     done = threading.Event()
-    writer = threading.Thread(target=lambda: (recorder.record_step(_record(1)), done.set()))
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            recorder.record_step(_record(1))
+            done.set()
+        except BaseException as exc:  # shown by the assertion below, not lost in the thread
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
     writer.start()
     time.sleep(3)
-    assert not done.is_set()  # it is waiting for the store, not failing
+    assert not done.is_set() and not errors  # it is waiting for the store, not failing
     s3_screenshots.start()  # a new store on the same address, its bucket made before it answers
     writer.join(60)
-    assert done.is_set()
+    assert done.is_set(), errors
     steps = Step.objects.filter(trajectory_id=trajectory_id).order_by("index")
     assert [s.index for s in steps] == [0, 1]
     assert steps[1].screenshot.read().startswith(b"\x89PNG")

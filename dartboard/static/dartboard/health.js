@@ -20,9 +20,7 @@
       span.className = `svc ${s.state}`;
       span.dataset.service = s.service;
       span.title = s.last_error ? `last error (${time(s.last_error_at)}): ${s.last_error}` : "no error seen";
-      // Until this web process saw the state change, "since" is only its first probe.
-      const since = s.changed ? "since" : "at every check since";
-      span.textContent = `${s.label} ${s.state} ${since} ${time(s.since)}${s.detail ? ` (${s.detail})` : ""}`;
+      span.textContent = `${s.label} ${s.state} ${s.since_word} ${time(s.since)}${s.detail ? ` (${s.detail})` : ""}`;
       if (i) line.appendChild(document.createTextNode(" · "));
       line.appendChild(span);
     });

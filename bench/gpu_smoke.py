@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run the steps on this CPU (tiny policy)")
     ap.add_argument("--trainer-only", action="store_true",
                     help="the trainer's checks alone: for a GPU host without vLLM or Django")  # fmt: skip
+    ap.add_argument("--profile", action="store_true",
+                    help="with --trainer-only: print the LoRA update's 15 costliest operators")  # fmt: skip
     args = ap.parse_args()
     import torch
     import transformers
@@ -156,7 +158,8 @@ def main() -> None:
             model = _model(home, cpu=args.cpu)
             screens = _screens(SCREENS, (640, 360) if args.cpu else SCREEN)
             _trainer_checks(rows, model=model, messages=_messages(screens), device=device,
-                            runs=home / "runs", full_update=True)  # fmt: skip
+                            runs=home / "runs", full_update=not args.profile,
+                            profile=args.profile)  # fmt: skip
         else:
             _setup(home)
             _with_vllm(rows, home=home, device=device, cpu=args.cpu)
@@ -174,7 +177,8 @@ def _peak(device: str) -> str:
 
 
 def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[dict],
-                    device: str, runs: Path, full_update: bool) -> tuple[Path, Path | None]:  # fmt: skip
+                    device: str, runs: Path, full_update: bool,
+                    profile: bool = False) -> tuple[Path, Path | None]:  # fmt: skip
     """A LoRA update on SCREENS full-size screenshots (time, peak memory), then a full
     fine-tuning update of the same steps (with full_update) and the trainer's own precision
     gap: its bf16-autocast log-probs against fp32 on the same tokens. Returns the adapter
@@ -214,9 +218,12 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             torch.cuda.reset_peak_memory_stats()
         times = []
         try:
-            for _ in range(2):  # the optimizer's moments exist from the first update on
+            for i in range(2):  # the optimizer's moments exist from the first update on
                 started = time.monotonic()
-                trainer.update([sample, failing], config)
+                if profile and i == 1:
+                    _profiled(lambda: trainer.update([sample, failing], config), device=device)
+                else:
+                    trainer.update([sample, failing], config)
                 times.append(time.monotonic() - started)
         except torch.OutOfMemoryError:
             rows.append((f"{label} update", f"out of memory; {_peak(device)}"))
@@ -239,6 +246,18 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
     full = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-full", lr=1e-5,
                          kl_coef=0.0, device=device).save_version(2)  # fmt: skip
     return adapter, full
+
+
+def _profiled(step, *, device: str) -> None:
+    """Runs step under torch's profiler and prints the 15 operators with the most time on the
+    device (on a CPU: on the CPU), so a slow update says where its time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 def _planned(batch) -> str:

@@ -130,6 +130,28 @@ def detail_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def split_table(rows: list[dict[str, Any]]) -> str:
+    """Where a call's time goes: the driver's pool queue (the stand-in's) and the call on a
+    pool thread (the platform's, with the driver's GIL waits in it)."""
+    out = [
+        "| slots | claim as the slot waits p50 / p99 (ms) | pool queue p50 / p99 (ms) | "
+        "claim on the pool thread p50 / p99 (ms) | finish as waited / on the pool thread "
+        "p99 (ms) | heartbeat batch / its statement on the pool thread, max (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "pool_wait_ms" not in r:
+            continue  # measured before the split
+        wait, svc = r["pool_wait_ms"], r["claim_service_ms"]
+        out.append(
+            f"| {r['slots']} | {_ms(r['claim_ms']['p50'])} / {_ms(r['claim_ms']['p99'])} | "
+            f"{_ms(wait['p50'])} / {_ms(wait['p99'])} | {_ms(svc['p50'])} / {_ms(svc['p99'])} | "
+            f"{_ms(r['finish_ms_p99'])} / {_ms(r['finish_service_ms_p99'])} | "
+            f"{_ms(r['heartbeat_ms_max'])} / {_ms(r['heartbeat_service_ms_max'])} |"
+        )
+    return "\n".join(out)
+
+
 def _print_errors(result: dict[str, Any]) -> None:
     """Slots that died or episodes that ended early, and the load's own errors: a row with
     them measured fewer slots than it says (the JSON keeps the first tracebacks)."""
@@ -220,6 +242,8 @@ def main() -> None:
             print(load_table(results))
             print()
             print(detail_table(results))
+            print()
+            print(split_table(results))
             print()
             print(events_table(results))
         if not args.skip_pages:

@@ -404,6 +404,15 @@ def main() -> None:
         "machine_cpu_busy": (end["cpu_busy"] - start["cpu_busy"])
         / max(1.0, end["cpu_all"] - start["cpu_all"]),
         "finish_ms_p99": _pct(window("finish"), 99),
+        # The same calls apart: the driver's pool queue (the stand-in's) and the time on a
+        # pool thread (the platform's call, with the driver's GIL waits in it).
+        "pool_wait_ms": {"p50": _pct(wait := window("pool_wait"), 50), "p99": _pct(wait, 99)},
+        "claim_service_ms": {
+            "p50": _pct(claim_svc := window("claim_service"), 50),
+            "p99": _pct(claim_svc, 99),
+        },
+        "finish_service_ms_p99": _pct(window("finish_service"), 99),
+        "heartbeat_service_ms_max": max(window("heartbeat_service"), default=None),
         "db_rows_per_hour": (end["rows_inserted"] - start["rows_inserted"]) * hour,
         "db_bytes_per_hour": (end["db_bytes"] - start["db_bytes"]) * hour,
         "media_bytes_per_hour": (end["media_bytes"] - start["media_bytes"]) * hour,

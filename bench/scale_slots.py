@@ -42,25 +42,36 @@ T = TypeVar("T")
 
 
 class DbPool:
-    """A few threads that own database connections; slot threads hand them calls."""
+    """A few threads that own database connections; slot threads hand them calls.
 
-    def __init__(self, size: int) -> None:
+    A call's time as its slot waits for it is the pool's queue (the stand-in's: a real env
+    worker does not share 6 connections among hundreds of slots) plus its time on a pool
+    thread (the platform's call: its Python, the round trips, PostgreSQL; in a driver of
+    hundreds of threads also its waits for the GIL). A call given `what` adds both to the
+    timings: `pool_wait` and `<what>_service`."""
+
+    def __init__(self, size: int, timings: Timings) -> None:
         self.size = size
+        self.timings = timings
         self.executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="db")
         self.cpu_s = 0.0  # CPU time the calls took on their pool threads: the platform's code
         self._lock = threading.Lock()
 
-    def call(self, fn: Callable[[], T]) -> T:
-        return self.executor.submit(self._timed, fn).result()
+    def call(self, fn: Callable[[], T], what: str | None = None) -> T:
+        return self.executor.submit(self._timed, fn, what, time.perf_counter()).result()
 
-    def _timed(self, fn: Callable[[], T]) -> T:
-        started = time.thread_time()
+    def _timed(self, fn: Callable[[], T], what: str | None, submitted: float) -> T:
+        if what is not None:
+            self.timings.add("pool_wait", submitted)
+        started, on_thread = time.thread_time(), time.perf_counter()
         try:
             return fn()
         finally:
             spent = time.thread_time() - started
             with self._lock:
                 self.cpu_s += spent
+            if what is not None:
+                self.timings.add(f"{what}_service", on_thread)
 
     def close(self) -> None:
         from django.db import connection
@@ -195,8 +206,8 @@ class Fleet:
         from workers.leases import redis_client
 
         self.args = args
-        self.pool = DbPool(args.pool)
         self.timings = Timings()
+        self.pool = DbPool(args.pool, self.timings)
         # One client for the process's slot threads: a pool they wait on. redis-py's
         # default pool refuses a connection past 100 (MaxConnectionsError), and 167 slots
         # taking their leases at once lost some slots at start (an env worker process
@@ -236,7 +247,7 @@ class Fleet:
         """A trajectory's end, on a database thread, timed as the slot waits for it."""
         started = time.perf_counter()
         try:
-            return self.pool.call(finish)
+            return self.pool.call(finish, "finish")
         finally:
             self.timings.add("finish", started)
 
@@ -284,7 +295,8 @@ class Fleet:
                         run_id=args.run, slot_id=slot.pk, env_kinds=("sim",)
                     ),
                     what="claiming",
-                )
+                ),
+                "claim",
             )
             self.timings.add("claim", started)
             if claim is None:
@@ -329,7 +341,7 @@ class Fleet:
                 leases = dict(self.leases)
                 busy = {pk: c.seconds() for pk, c in self.clocks.items()}
             self.lost_leases += len(leases_renew(self.redis, leases, ttl_s=60))
-            self.pool.call(partial(env_slots.env_slots_heartbeat, busy_s=busy))
+            self.pool.call(partial(env_slots.env_slots_heartbeat, busy_s=busy), "heartbeat")
             self.beat_ms.append((time.perf_counter() - started) * 1000)
         self.beats_cpu_s = time.thread_time()  # lease renewals (Redis client) and batching
 

@@ -5,6 +5,7 @@ slots deadlocked (bench/scale.py). Skipped on SQLite (no row locks)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -120,3 +121,76 @@ def test_racing_claimers_never_over_claim_a_group_or_open_a_round_twice() -> Non
     for group in groups:
         members = Trajectory.objects.filter(group=group).count()
         assert (group.claimed, members, group.budget) == (4, 4, 4), group.pk
+
+
+def test_a_claim_that_finds_its_task_just_taken_holds_no_task_row_while_it_waits() -> None:
+    """PostgreSQL keeps the lock of a row that a locking statement locked and then left out
+    on its recheck: a claim's SKIP LOCKED statement that meets a task whose last claim was
+    taken while the statement ran returns nothing but holds that task's row. The claim then
+    waited for the run row, held by the claim opening the next round, which waited for that
+    task row: at 3,000 slots, 32 deadlocks in 10 minutes (bench/scale.py). Here the other
+    claim commits during the statement (made slow by a pg_sleep in its FROM), a transaction
+    holds the run row and then writes the task row, as the round's opener does."""
+    from django.db import connections
+
+    from datamanager.models import TaskStat
+
+    _pg_only()
+    make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 2, "n_min": 2, "dynamic_budget": False}})
+    assert task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) is not None
+    stat = TaskStat.objects.get(run=run)
+    assert stat.outstanding == 1
+    started, outcome = threading.Event(), {}
+
+    def slow_lock(execute, sql, params, many, context):
+        if "SKIP LOCKED" in sql and not started.is_set():
+            table = 'FROM "datamanager_taskstat"'
+            sql = sql.replace(table, f"{table} CROSS JOIN (SELECT pg_sleep(1)) AS slow", 1)
+            started.set()
+        return execute(sql, params, many, context)
+
+    def claimer() -> None:
+        try:
+            with connection.execute_wrapper(slow_lock):
+                outcome["claim"] = task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
+        except Exception as exc:  # the test's finding: the deadlock
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            connection.close()
+
+    other, opener = connections.create_connection("default"), connections.create_connection("default")
+    thread = threading.Thread(target=claimer)
+    thread.start()
+    try:
+        assert started.wait(10)
+        time.sleep(0.2)  # inside the claim's statement, after its snapshot
+        with other.cursor() as cur:  # another claim takes the task's last claim, and commits
+            cur.execute("UPDATE datamanager_taskstat SET outstanding = 0 WHERE id = %s", [stat.pk])
+        with opener.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute("SELECT id FROM datamanager_run WHERE id = %s FOR NO KEY UPDATE", [run.pk])
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not _waits_for_a_lock(cur):
+                time.sleep(0.05)  # until the claim waits for the run row
+            cur.execute("SET lock_timeout = '5s'")
+            # As the round's opener does, it writes the task row, which the claim must not
+            # hold (one claim back, so the claim can then take it).
+            cur.execute("UPDATE datamanager_taskstat SET outstanding = 1 WHERE id = %s", [stat.pk])
+            cur.execute("COMMIT")
+        thread.join(20)
+        assert "error" not in outcome, outcome["error"]
+        assert outcome["claim"] is not None  # the claim then takes one of the new round's
+    finally:
+        thread.join(20)
+        other.close()
+        opener.close()
+
+
+def _waits_for_a_lock(cur) -> bool:
+    cur.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query LIKE %s",
+        ["%datamanager_run%FOR NO KEY UPDATE%"],
+    )
+    return cur.fetchone()[0] > 0

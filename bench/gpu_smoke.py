@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +222,7 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             for i in range(2):  # the optimizer's moments exist from the first update on
                 started = time.monotonic()
                 if profile and i == 1:
-                    _profiled(lambda: trainer.update([sample, failing], config), device=device)
+                    _profiled(partial(trainer.update, [sample, failing], config), device=device)
                 else:
                     trainer.update([sample, failing], config)
                 times.append(time.monotonic() - started)

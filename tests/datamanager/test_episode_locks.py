@@ -159,7 +159,10 @@ def test_a_claim_that_finds_its_task_just_taken_holds_no_task_row_while_it_waits
         finally:
             connection.close()
 
-    other, opener = connections.create_connection("default"), connections.create_connection("default")
+    other, opener = (
+        connections.create_connection("default"),
+        connections.create_connection("default"),
+    )
     thread = threading.Thread(target=claimer)
     thread.start()
     try:
@@ -189,8 +192,7 @@ def test_a_claim_that_finds_its_task_just_taken_holds_no_task_row_while_it_waits
 
 def _waits_for_a_lock(cur) -> bool:
     cur.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-        "AND query LIKE %s",
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
         ["%datamanager_run%FOR NO KEY UPDATE%"],
     )
     return cur.fetchone()[0] > 0

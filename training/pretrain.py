@@ -49,7 +49,7 @@ from core.prompts import HistoryTurn, build_messages
 from core.protocol import Action, ActionType
 from core.samples import Box, DesktopStep, GroundingSample
 from training.synthetic import make_sample
-from training.synthetic_desktop import make_step
+from training.synthetic_desktop import SCENES, make_step
 from training.tiny_policy import build_tiny_policy
 
 # ------------------------------------------------------------------ samples -> model I/O
@@ -381,6 +381,7 @@ class PretrainConfig:
     coords: str = "pixel"
     miniwob_fraction: float = 0.5  # share of each batch drawn from the MiniWoB demos
     desktop_fraction: float = 0.0  # share drawn from synthetic desktop steps (800x600)
+    desktop_scenes: str = ""  # "pad:3,drag:2,...": weights of the desktop scenes; "": equal
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -408,6 +409,34 @@ class PretrainResult:
     final_loss: float
     history: list[dict] = field(default_factory=list)  # loss and eval figures over time
     final_eval: dict[str, float] = field(default_factory=dict)
+
+
+def scene_weights(spec: str) -> dict[str, float]:
+    """`"pad:3,drag:2"` -> each desktop scene's weight (a scene not named: 0; `""`: all 1).
+
+    Raises ValueError naming the part that is wrong: an unknown scene, a weight that is not
+    a number >= 0, or weights that are all 0."""
+    if not spec.strip():
+        return {name: 1.0 for name in sorted(SCENES)}
+    weights: dict[str, float] = {}
+    for part in spec.split(","):
+        name, _, value = part.strip().partition(":")
+        if name not in SCENES:
+            raise ValueError(
+                f"desktop scene {name!r} in {spec!r} is unknown; expected one of {sorted(SCENES)}"
+            )
+        try:
+            weight = float(value) if value else 1.0
+        except ValueError:
+            weight = -1.0
+        if not weight >= 0:  # also NaN
+            raise ValueError(
+                f"desktop scene weight {part.strip()!r} in {spec!r}: need a number >= 0"
+            )
+        weights[name] = weight
+    if not sum(weights.values()) > 0:
+        raise ValueError(f"desktop scene weights {spec!r} are all 0")
+    return weights
 
 
 def _lr_at(config: PretrainConfig, step: int, progress: float) -> float:
@@ -469,6 +498,15 @@ def pretrain(
     if config.desktop_fraction > 0:
         held += [make_step(eval_rng) for _ in range(config.eval_samples)]
 
+    weights = scene_weights(config.desktop_scenes)
+    names, shares = list(weights), list(weights.values())
+
+    def draw_scene(rng: random.Random) -> str | None:
+        # None: make_step's own uniform draw, so runs without weights draw as they always did
+        if not config.desktop_scenes.strip():
+            return None
+        return rng.choices(names, weights=shares)[0]
+
     if config.init:
         policy = load_policy(config.init)
     else:
@@ -499,7 +537,7 @@ def pretrain(
             config.batch_size - n_demo, round(config.batch_size * config.desktop_fraction)
         )
         batch: list[Sample] = [rng.choice(train_miniwob) for _ in range(n_demo)]
-        batch += [make_step(rng) for _ in range(n_desktop)]
+        batch += [make_step(rng, scene=draw_scene(rng)) for _ in range(n_desktop)]
         batch += [make_sample(rng) for _ in range(config.batch_size - n_demo - n_desktop)]
         policy.model.train()
         for group in optimizer.param_groups:

@@ -123,3 +123,53 @@ def test_cached_loss_equals_the_plain_loss_even_when_every_row_shares_the_instru
             plain = bc_batch_loss(policy, batch, **kw)
             cached = bc_batch_loss_cached(policy, batch, **kw)
         assert cached.item() == pytest.approx(plain.item(), rel=1e-4)
+
+
+def test_scene_weights_steer_which_desktop_screens_a_batch_draws(tmp_path, monkeypatch):
+    import training.pretrain as module
+    from training.pretrain import PretrainConfig, pretrain
+
+    drawn: list[str] = []
+    real = module.make_step
+
+    def recording(rng, *, scene=None):
+        step = real(rng, scene=scene)
+        drawn.append(step.source)
+        return step
+
+    monkeypatch.setattr(module, "make_step", recording)
+    small = {"hidden": 64, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate": 128}
+    config = PretrainConfig(
+        max_steps=2, minutes=5, batch_size=4, miniwob_fraction=0, desktop_fraction=1,
+        desktop_scenes="drag:1,terminal:0", eval_samples=1, eval_every=1000, threads=1,
+        vision_hidden=32, vision_depth=1, **small,
+    )  # fmt: skip
+    pretrain(config=config, out_dir=tmp_path / "out", log=lambda line: None)
+    held_out, trained = drawn[:1], drawn[1:]
+    assert len(trained) == 8 and set(trained) == {"desktop/drag"}, drawn
+    assert held_out[0].startswith("desktop/")  # the held-out draw is unweighted
+
+
+def test_bad_scene_weights_say_which_part_is_wrong():
+    from training.pretrain import scene_weights
+
+    assert scene_weights("") == {name: 1.0 for name in scene_weights("")}
+    assert scene_weights("pad:3, drag") == {"pad": 3.0, "drag": 1.0}
+    with pytest.raises(ValueError, match=r"scene 'pads' in 'pads:2' is unknown; expected one of"):
+        scene_weights("pads:2")
+    with pytest.raises(ValueError, match=r"weight 'pad:-1' in 'drag:1,pad:-1': need a number >= 0"):
+        scene_weights("drag:1,pad:-1")
+    with pytest.raises(ValueError, match=r"weight 'pad:x'"):
+        scene_weights("pad:x")
+    with pytest.raises(ValueError, match=r"weights 'pad:0' are all 0"):
+        scene_weights("pad:0")
+
+
+def test_the_pretrain_command_refuses_bad_scene_weights_before_training(tmp_path):
+    from django.core.management import CommandError, call_command
+
+    out = tmp_path / "policy"
+    with pytest.raises(CommandError, match=r"--desktop-scenes: desktop scene 'pads' in 'pads:2'"):
+        call_command("pretrain_policy", "--out", str(out), "--desktop-scenes", "pads:2",
+                     "--desktop-fraction", "1", "--miniwob-fraction", "0")  # fmt: skip
+    assert not out.exists()

@@ -43,6 +43,11 @@ class Command(BaseCommand):
             default=0.0,
             help="Share of synthetic 800x600 desktop steps per batch (the desktop policy).",
         )
+        parser.add_argument(
+            "--desktop-scenes",
+            default="",
+            help="Weights of the desktop scenes, e.g. 'pad:3,drag:2,terminal:3' (default: equal).",
+        )
         parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen2_5_vl"])
         parser.add_argument(
             "--init", default="", help="Continue from this checkpoint (its MANIFEST is kept)."
@@ -57,7 +62,7 @@ class Command(BaseCommand):
             TRAIN_SEED_BASE,
             collect_miniwob_samples,
         )
-        from training.pretrain import PretrainConfig, load_samples, pretrain
+        from training.pretrain import PretrainConfig, load_samples, pretrain, scene_weights
 
         if minutes <= 0 or per_task < 0:
             raise CommandError("--minutes must be > 0 and --per-task >= 0")
@@ -67,6 +72,10 @@ class Command(BaseCommand):
                 f"--miniwob-fraction {shares[0]} and --desktop-fraction {shares[1]}: each must "
                 "be >= 0 and together at most 1 (the rest of a batch is synthetic MiniWoB screens)"
             )
+        try:
+            scenes = scene_weights(options["desktop_scenes"])
+        except ValueError as error:
+            raise CommandError(f"--desktop-scenes: {error}") from error
         # Keyed by everything that decides the clicks, so another task list or seed range
         # never reuses a stale cache.
         key = hashlib.sha1(f"{','.join(PRETRAIN_TASKS)}|{TRAIN_SEED_BASE}".encode()).hexdigest()
@@ -93,6 +102,7 @@ class Command(BaseCommand):
             attention_supervision=options["attention_supervision"],
             miniwob_fraction=options["miniwob_fraction"],
             desktop_fraction=options["desktop_fraction"],
+            desktop_scenes=options["desktop_scenes"],
             arch=options["arch"],
             init=str(options["init"]),
         )
@@ -129,6 +139,7 @@ class Command(BaseCommand):
                 "miniwob_fraction": config.miniwob_fraction,
                 "desktop": "training.synthetic_desktop.make_step, a fresh 800x600 episode per draw",
                 "desktop_fraction": config.desktop_fraction,
+                "desktop_scene_weights": scenes,
             },
             "config": asdict(config),
             "steps": result.steps,

@@ -498,14 +498,11 @@ def pretrain(
     if config.desktop_fraction > 0:
         held += [make_step(eval_rng) for _ in range(config.eval_samples)]
 
-    weights = scene_weights(config.desktop_scenes)
-    names, shares = list(weights), list(weights.values())
+    # Without weights, make_step's own uniform draw (scene None): such runs draw as they always did.
+    weights = scene_weights(config.desktop_scenes) if config.desktop_scenes.strip() else {}
 
     def draw_scene(rng: random.Random) -> str | None:
-        # None: make_step's own uniform draw, so runs without weights draw as they always did
-        if not config.desktop_scenes.strip():
-            return None
-        return rng.choices(names, weights=shares)[0]
+        return rng.choices(list(weights), weights=list(weights.values()))[0] if weights else None
 
     if config.init:
         policy = load_policy(config.init)

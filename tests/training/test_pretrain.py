@@ -152,8 +152,9 @@ def test_scene_weights_steer_which_desktop_screens_a_batch_draws(tmp_path, monke
 
 def test_bad_scene_weights_say_which_part_is_wrong():
     from training.pretrain import scene_weights
+    from training.synthetic_desktop import SCENES
 
-    assert scene_weights("") == {name: 1.0 for name in scene_weights("")}
+    assert scene_weights("") == {name: 1.0 for name in SCENES}
     assert scene_weights("pad:3, drag") == {"pad": 3.0, "drag": 1.0}
     with pytest.raises(ValueError, match=r"scene 'pads' in 'pads:2' is unknown; expected one of"):
         scene_weights("pads:2")

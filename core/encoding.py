@@ -145,14 +145,28 @@ def _template_ids(policy: Policy, qwen_messages: list[Message]) -> list[int]:
     return policy.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _prompt_ids(
-    policy: Policy, messages: list[Message]
-) -> tuple[list[int], list[Image.Image], torch.Tensor | None, torch.Tensor | None]:
+@dataclass
+class PromptParts:
+    """One prompt, encoded: token ids with image pads expanded, and its images' patches.
+    What `encode_batch` pads into a batch; the trainer keeps these to encode a step once per
+    update (`training.trainer`)."""
+
+    ids: list[int]
+    pixel_values: torch.Tensor | None  # [P, C*2*14*14] or None
+    image_grid_thw: torch.Tensor | None  # [N, 3] or None
+
+    @property
+    def nbytes(self) -> int:
+        pixels = self.pixel_values
+        return 8 * len(self.ids) + (0 if pixels is None else pixels.numel() * pixels.element_size())
+
+
+def prompt_parts(policy: Policy, messages: list[Message]) -> PromptParts:
     """Token ids of one prompt with image pads expanded, plus its images' patches/grids."""
     qwen_messages, images = to_qwen_messages(messages)
     ids = _template_ids(policy, qwen_messages)
     if not images:
-        return ids, images, None, None
+        return PromptParts(ids=ids, pixel_values=None, image_grid_thw=None)
     processed = policy.image_processor(images=images, return_tensors="pt")
     grid = processed["image_grid_thw"]
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
@@ -163,7 +177,7 @@ def _prompt_ids(
     counts = iter(per_image)
     for tid in ids:
         expanded.extend([pad] * next(counts) if tid == pad else [tid])
-    return expanded, images, processed["pixel_values"], grid
+    return PromptParts(ids=expanded, pixel_values=processed["pixel_values"], image_grid_thw=grid)
 
 
 def encode_batch(
@@ -173,20 +187,30 @@ def encode_batch(
     responses: list[list[int]] | None = None,
 ) -> EncodedBatch:
     """Left-pad B prompts (each optionally followed by its response token ids) into a batch."""
+    parts = [prompt_parts(policy, messages) for messages in conversations]
+    return batch_from_parts(policy, parts, responses=responses)
+
+
+def batch_from_parts(
+    policy: Policy,
+    prompts: list[PromptParts],
+    *,
+    responses: list[list[int]] | None = None,
+) -> EncodedBatch:
+    """Left-pad B encoded prompts (each optionally followed by its response token ids)."""
     pad_id = policy.tokenizer.pad_token_id
     pad = policy.token_id("<|image_pad|>")
     rows: list[list[int]] = []
     resp_lens: list[int] = []
     pixels: list[torch.Tensor] = []
     grids: list[torch.Tensor] = []
-    for b, messages in enumerate(conversations):
-        ids, _, pv, grid = _prompt_ids(policy, messages)
+    for b, prompt in enumerate(prompts):
         response = responses[b] if responses is not None else []
-        rows.append(ids + list(response))
+        rows.append(prompt.ids + list(response))
         resp_lens.append(len(response))
-        if pv is not None and grid is not None:
-            pixels.append(pv)
-            grids.append(grid)
+        if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
+            pixels.append(prompt.pixel_values)
+            grids.append(prompt.image_grid_thw)
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -36,6 +36,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from core.imaging import ImageGeometry
 from core.lora import adapter_base, attach_adapter, is_adapter_dir, swap_adapter
+from core.vision_attention import use_packed_vision_attention
 
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -127,6 +128,9 @@ def load_policy(
     # No device_map: weights go to one device here (sharding is the trainer's business).
     model = _MODEL_CLASSES[model_type].from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
+    # The vision tower's windows in one attention call per block (`core.vision_attention`):
+    # the same outputs as transformers' per-window loop, for the trainer and the server alike.
+    use_packed_vision_attention(model)
     # Sampling is Dartboard's alone (core.generation): the checkpoint's generation_config.json
     # (Qwen2.5-VL-7B-Instruct's top_k=1, repetition_penalty=1.05) would otherwise fill every
     # field generate() leaves unset. Only its token ids are kept.
@@ -164,7 +168,7 @@ def save_checkpoint(
     `state_dict`: the weights to write when the model holds only a shard of them."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    policy.model.save_pretrained(out, state_dict=state_dict)
+    policy.model.save_pretrained(out, state_dict=state_dict)  # config.json names no attention
     policy.tokenizer.save_pretrained(out)
     policy.image_processor.save_pretrained(out)
     (out / "chat_template.json").write_text(

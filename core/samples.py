@@ -85,6 +85,15 @@ class UpdateMetrics:
     advantage_min: float = 0.0
     advantage_max: float = 0.0
     duration_s: float = 0.0  # Wall time of the update.
+    # The forward passes that ran over each micro-batch: "old+ref+grad", or "ref+grad" when
+    # the gradient pass's own log-probs are pi_old's (one epoch, one optimizer step).
+    passes: str = ""
+    old_pass_s: float = 0.0  # Seconds in the separate pi_old pass (0 when it was skipped).
+    ref_pass_s: float = 0.0  # Seconds in the reference model's passes.
+    grad_pass_s: float = 0.0  # Seconds in the gradient passes (forward and backward).
+    optimizer_s: float = 0.0  # Seconds in gradient clipping and the optimizer steps.
+    encode_s: float = 0.0  # Seconds encoding prompts (the image processor), inside the passes.
+    encode_reused: int = 0  # Prompt encodings reused from an earlier pass of this update.
     samples_per_s: float = 0.0  # Forwarded samples / duration_s.
     staleness: dict[int, int] = field(default_factory=dict)  # versions behind -> online steps.
     step_kept: dict[int, bool] = field(default_factory=dict)  # step_id -> got pg signal.

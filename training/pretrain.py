@@ -510,9 +510,9 @@ def pretrain(
         policy = _fresh_policy(config)
     if config.attention_supervision > 0:
         # The loss reads the language model's attention weights: eager there, while the
-        # vision tower keeps sdpa (eager over an 800x600 screen's 1,008 patches doubled a
-        # step's time).
-        policy.model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+        # vision tower keeps its packed attention from load_policy (`core.vision_attention`;
+        # eager over an 800x600 screen's 1,008 patches doubled a step's time).
+        policy.model.set_attn_implementation({"text_config": "eager"})
     geometry = policy.image_geometry  # the processor the policy ships with: one source
     optimizer = torch.optim.AdamW(
         policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -570,7 +570,7 @@ def pretrain(
     final = grounding_accuracy(policy, held, coords=coords, geometry=geometry)
     log(f"final after {step} steps, {seconds:.0f}s: " + json.dumps(final))
     policy.model.eval()
-    policy.model.set_attn_implementation("sdpa")  # saved as the architecture's default
+    policy.model.set_attn_implementation({"text_config": "sdpa"})  # back from eager
     out = save_checkpoint(policy, out_dir)
     return PretrainResult(
         out_dir=out,

@@ -234,6 +234,44 @@ def _scatter(rows: Sequence[Tensor], mask: Tensor) -> Tensor:
     return out
 
 
+def _sample_stats(
+    sample: TrainSample, *, old: Tensor, ref: Tensor | None, entropy: Tensor, config: UpdateConfig
+) -> tuple[_TokenStats, bool]:
+    """One sample's pi_old statistics from its response tokens' log-probs (1-D, no gradient):
+    the IS weights against the rollout's log-probs and the trainer-vs-rollout gap. Also
+    whether its rollout log-probs fail to line up (then its IS weight is 1)."""
+    weight = gap = rollout_t = None
+    misaligned = False
+    rollout = sample.rollout_logprobs
+    if len(rollout) == old.numel():
+        rollout_t = torch.tensor(rollout, dtype=torch.float32, device=old.device)
+        if not sample.is_demo:
+            gap = (old - rollout_t).abs()
+    if config.truncated_is:
+        if rollout_t is not None:
+            ones = torch.ones_like(old)
+            weight = truncated_is_weights(
+                old[None], rollout_t[None], ones[None], cap=config.is_cap
+            )[0]
+        else:
+            # Demos from the pool often have no rollout log-probs: nothing to correct.
+            if not (sample.is_demo and not rollout):
+                misaligned = True
+                logger.warning(
+                    "step %s: %d rollout logprobs for %d response tokens; IS weight set to 1",
+                    sample.step_id, len(rollout), old.numel(),
+                )  # fmt: skip
+            weight = torch.ones_like(old)
+    stats = _TokenStats(
+        old=old,
+        ref=ref,
+        is_weight=weight,
+        entropy_sum=float(entropy.float().sum().item()),
+        gap=gap,
+    )
+    return stats, misaligned
+
+
 def _pi_old_pass(
     *,
     model: nn.Module,
@@ -242,10 +280,12 @@ def _pi_old_pass(
     order: Sequence[int],
     logprob_fn: LogprobFn,
     config: UpdateConfig,
+    seconds: dict[str, float],
     replicas: Replicas | None = None,
 ) -> tuple[dict[int, _TokenStats], int]:
     """Log-probs of pi_old (and pi_ref) for the samples in `order`, no gradient, plus IS weights.
     With `replicas`, each computes its share of the micro-batches and all get every result.
+    Adds the seconds of its policy and reference forward passes to `seconds` ("old", "ref").
 
     Returns per-sample stats (keyed by sample index) and the count of steps whose
     `rollout_logprobs` do not line up with their response tokens (their IS weight is 1).
@@ -256,52 +296,39 @@ def _pi_old_pass(
     with torch.no_grad():
         for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
             micro_samples = [samples[i] for i in micro]
+            started = time.perf_counter()
             logprobs, entropy, mask = logprob_fn(model, micro_samples)
             mask = mask.bool()
+            seconds["old"] += time.perf_counter() - started
             ref_logprobs = None
             if ref_model is not None and config.kl_coef > 0:
+                started = time.perf_counter()
                 ref_logprobs, _, _ = logprob_fn(ref_model, micro_samples)
+                seconds["ref"] += time.perf_counter() - started
             if not counts:  # a sharded replica's lockstep pass
                 continue
             for b, i in enumerate(micro):
                 row = mask[b]
-                old = logprobs[b][row].float()
-                sample = samples[i]
-                weight = gap = rollout_t = None
-                rollout = sample.rollout_logprobs
-                if len(rollout) == old.numel():
-                    rollout_t = torch.tensor(rollout, dtype=torch.float32, device=old.device)
-                    if not sample.is_demo:
-                        gap = (old - rollout_t).abs()
-                if config.truncated_is:
-                    if rollout_t is not None:
-                        ones = torch.ones_like(old)
-                        weight = truncated_is_weights(
-                            old[None], rollout_t[None], ones[None], cap=config.is_cap
-                        )[0]
-                    else:
-                        # Demos from the pool often have no rollout log-probs: nothing to correct.
-                        if not (sample.is_demo and not rollout):
-                            misaligned += 1
-                            logger.warning(
-                                "step %s: %d rollout logprobs for %d response tokens; "
-                                "IS weight set to 1",
-                                sample.step_id, len(rollout), old.numel(),
-                            )  # fmt: skip
-                        weight = torch.ones_like(old)
-                stats[i] = _TokenStats(
-                    old=old,
+                stats[i], off = _sample_stats(
+                    samples[i],
+                    old=logprobs[b][row].float(),
                     ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
-                    is_weight=weight,
-                    entropy_sum=float(entropy[b][row].float().sum().item()),
-                    gap=gap,
+                    entropy=entropy[b][row],
+                    config=config,
                 )
+                misaligned += off
     if replicas is not None:
-        device = next(model.parameters()).device
-        gathered = replicas.merge({i: s.to("cpu") for i, s in stats.items()})
-        stats = {i: s.to(device) for i, s in gathered.items()}
-        misaligned = int(replicas.sum_floats([misaligned])[0])
+        stats, misaligned = _merged(model, stats, misaligned, replicas)
     return stats, misaligned
+
+
+def _merged(
+    model: nn.Module, stats: dict[int, _TokenStats], misaligned: int, replicas: Replicas
+) -> tuple[dict[int, _TokenStats], int]:
+    """Every replica's share of the per-sample stats, on every replica."""
+    device = next(model.parameters()).device
+    gathered = replicas.merge({i: s.to("cpu") for i, s in stats.items()})
+    return {i: s.to(device) for i, s in gathered.items()}, int(replicas.sum_floats([misaligned])[0])
 
 
 @dataclass
@@ -314,6 +341,29 @@ class _StepTotals:
     bc_loss: float = 0.0
     clipped: float = 0.0  # Clipped tokens (PPO) or sequences (GSPO).
     clip_units: float = 0.0  # Their denominator.
+    grad_s: float = 0.0  # Seconds in the gradient passes (forward and backward).
+    optimizer_s: float = 0.0  # Seconds in the gradient sum, clipping and optimizer step.
+
+
+@dataclass
+class _FusedRef:
+    """The reference pass run micro-batch by micro-batch inside the gradient pass, when the
+    separate pi_old pass is skipped; counts what `_pi_old_pass` would have returned."""
+
+    ref_model: nn.Module | None
+    logprob_fn: LogprobFn
+    config: UpdateConfig
+    misaligned: int = 0
+    ref_s: float = 0.0
+
+    def logprobs(self, micro_samples: Sequence[TrainSample]) -> Tensor | None:
+        if self.ref_model is None or self.config.kl_coef <= 0:
+            return None
+        started = time.perf_counter()
+        with torch.no_grad():
+            ref, _, _ = self.logprob_fn(self.ref_model, micro_samples)
+        self.ref_s += time.perf_counter() - started
+        return ref
 
 
 def _optimizer_step(
@@ -324,20 +374,27 @@ def _optimizer_step(
     part: Sequence[int],
     plan: UpdatePlan,
     stats: dict[int, _TokenStats],
+    n_tokens: dict[int, int],
     logprob_fn: LogprobFn,
     config: UpdateConfig,
+    fused_ref: _FusedRef | None = None,
     replicas: Replicas | None = None,
 ) -> tuple[_StepTotals, float]:
     """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm.
     With `replicas`, each takes its share of the micro-batches and the gradients (and totals)
     are summed before clipping, so every replica takes the same step.
 
+    `n_tokens`: each sample's response tokens. With `fused_ref` the pi_old pass did not run:
+    each micro-batch's reference pass runs just before its gradient pass (the trainer then
+    encodes the micro-batch once for both), and the gradient pass's own log-probs, detached,
+    are pi_old's, filling `stats` (and `fused_ref.misaligned`) as it goes.
+
     Long because it is one accumulation pass whose running totals are its locals."""
     use_bc = config.bc_weight > 0
     pg_items = [i for i in part if plan.pg_keep[i]]
-    token_norm = float(sum(stats[i].old.numel() for i in pg_items))
-    seq_norm = float(sum(1 for i in pg_items if stats[i].old.numel() > 0))
-    bc_norm = float(sum(stats[i].old.numel() for i in part if use_bc and samples[i].is_demo))
+    token_norm = float(sum(n_tokens[i] for i in pg_items))
+    seq_norm = float(sum(1 for i in pg_items if n_tokens[i] > 0))
+    bc_norm = float(sum(n_tokens[i] for i in part if use_bc and samples[i].is_demo))
     clip_low, clip_high = config.pg_clip
     weight_of: dict[int, float] = {}
     pg_norm = None
@@ -345,7 +402,7 @@ def _optimizer_step(
         # Each step a token mean (PPO) and each trajectory the mean of its steps; the sum of
         # the part's step weights is its number of trajectories (when no part splits one).
         for i in pg_items:
-            n_tok = stats[i].old.numel()
+            n_tok = n_tokens[i]
             if n_tok:
                 weight_of[i] = plan.step_weight[i] / (n_tok if config.loss_type == "ppo" else 1)
         pg_norm = sum(plan.step_weight[i] for i in weight_of)
@@ -354,18 +411,32 @@ def _optimizer_step(
     micros = _batches(part, config.micro_batch)
     for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
         micro_samples = [samples[i] for i in micro]
-        logprobs, _, mask = logprob_fn(model, micro_samples)
+        ref_logprobs = fused_ref.logprobs(micro_samples) if fused_ref is not None else None
+        started = time.perf_counter()
+        logprobs, entropy, mask = logprob_fn(model, micro_samples)
         if not counts:  # a sharded replica's lockstep pass: gradients of zero
             (logprobs.sum() * 0.0).backward()
             continue
         mask = mask.bool()
         for b, i in enumerate(micro):
-            if int(mask[b].sum().item()) != stats[i].old.numel():
+            if int(mask[b].sum().item()) != n_tokens[i]:
                 raise RuntimeError(
                     f"logprob_fn gave step {samples[i].step_id} {int(mask[b].sum().item())} "
-                    f"response tokens in the training pass but {stats[i].old.numel()} in the "
+                    f"response tokens in the training pass but {n_tokens[i]} in the "
                     "pi_old pass: it must tokenize a sample the same way every time"
                 )
+        if fused_ref is not None:
+            detached = logprobs.detach()
+            for b, i in enumerate(micro):
+                row = mask[b]
+                stats[i], off = _sample_stats(
+                    samples[i],
+                    old=detached[b][row].float(),
+                    ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
+                    entropy=entropy[b][row],
+                    config=config,
+                )
+                fused_ref.misaligned += off
         device = logprobs.device
         pg_rows = torch.tensor([plan.pg_keep[i] for i in micro], device=device)
         pg_mask = mask & pg_rows[:, None]
@@ -410,6 +481,7 @@ def _optimizer_step(
         )
         if out.loss.requires_grad:
             out.loss.backward()
+        totals.grad_s += time.perf_counter() - started
         totals.loss += float(out.loss.item())
         totals.pg_loss += float(out.pg_loss.item())
         totals.kl += float(out.kl.item())
@@ -417,6 +489,7 @@ def _optimizer_step(
         units = out.n_pg_tokens if config.loss_type == "ppo" else int(pg_mask.any(dim=1).sum())
         totals.clipped += out.clip_fraction * units
         totals.clip_units += units
+    started = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     if replicas is not None:
         replicas.sum_gradients(params)
@@ -424,7 +497,40 @@ def _optimizer_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    totals.optimizer_s += time.perf_counter() - started
     return totals, float(grad_norm)
+
+
+def _pi_old_metrics(
+    metrics: UpdateMetrics,
+    *,
+    samples: Sequence[TrainSample],
+    order: Sequence[int],
+    plan: UpdatePlan,
+    stats: dict[int, _TokenStats],
+    config: UpdateConfig,
+    policy_version: int,
+) -> None:
+    """Tokens trained, pi_old's entropy, the trainer-vs-rollout gap and the IS weights."""
+    pg_items = [i for i in order if plan.pg_keep[i]]
+    metrics.n_tokens = sum(stats[i].old.numel() for i in pg_items)
+    if metrics.n_tokens:
+        metrics.mean_entropy = sum(stats[i].entropy_sum for i in pg_items) / metrics.n_tokens
+    _logprob_gap(
+        metrics, [stats[i].gap for i in order if samples[i].policy_version == policy_version]
+    )
+    if not config.truncated_is:
+        return
+    for i in order:
+        w = stats[i].is_weight
+        if w is not None and w.numel():
+            metrics.step_is_weight[samples[i].step_id] = float(w.mean())
+    pg_w = [stats[i].is_weight for i in pg_items]
+    all_w = torch.cat([w for w in pg_w if w is not None] or [torch.ones(0)])
+    if all_w.numel():
+        metrics.is_weight_mean = float(all_w.mean())
+        metrics.is_weight_min = float(all_w.min())
+        metrics.is_weight_max = float(all_w.max())
 
 
 def policy_update(
@@ -497,38 +603,35 @@ def policy_update(
         metrics.duration_s = time.perf_counter() - started
         return metrics
 
-    stats, metrics.is_misaligned_steps = _pi_old_pass(
-        model=model,
-        ref_model=ref_model,
-        samples=samples,
-        order=order,
-        logprob_fn=logprob_fn,
-        config=config,
-        replicas=replicas,
-    )
-    pg_items = [i for i in order if plan.pg_keep[i]]
-    metrics.n_tokens = sum(stats[i].old.numel() for i in pg_items)
-    if metrics.n_tokens:
-        metrics.mean_entropy = sum(stats[i].entropy_sum for i in pg_items) / metrics.n_tokens
-    _logprob_gap(
-        metrics, [stats[i].gap for i in order if samples[i].policy_version == policy_version]
-    )
-    if config.truncated_is:
-        for i in order:
-            w = stats[i].is_weight
-            if w is not None and w.numel():
-                metrics.step_is_weight[samples[i].step_id] = float(w.mean())
-        pg_w = [stats[i].is_weight for i in pg_items]
-        all_w = torch.cat([w for w in pg_w if w is not None] or [torch.ones(0)])
-        if all_w.numel():
-            metrics.is_weight_mean = float(all_w.mean())
-            metrics.is_weight_min = float(all_w.min())
-            metrics.is_weight_max = float(all_w.max())
-
     if config.lr is not None:
         for param_group in optimizer.param_groups:
             param_group["lr"] = config.lr
     metrics.lr = float(optimizer.param_groups[0]["lr"])
+    # One epoch in one optimizer step: the policy has not moved when the gradient pass runs,
+    # so its log-probs are pi_old's and a separate pass would compute them again.
+    fused = (
+        config.ppo_epochs == 1
+        and config.mini_batches == 1
+        and all(samples[i].response_token_ids for i in order)
+    )
+    seconds = {"old": 0.0, "ref": 0.0}
+    fused_ref = None
+    if fused:
+        stats: dict[int, _TokenStats] = {}
+        n_tokens = {i: len(samples[i].response_token_ids or ()) for i in order}
+        fused_ref = _FusedRef(ref_model=ref_model, logprob_fn=logprob_fn, config=config)
+    else:
+        stats, metrics.is_misaligned_steps = _pi_old_pass(
+            model=model,
+            ref_model=ref_model,
+            samples=samples,
+            order=order,
+            logprob_fn=logprob_fn,
+            config=config,
+            seconds=seconds,
+            replicas=replicas,
+        )
+        n_tokens = {i: stats[i].old.numel() for i in order}
     sums = _StepTotals()
     for _epoch in range(config.ppo_epochs):
         for part in _chunks(order, config.mini_batches):
@@ -539,17 +642,32 @@ def policy_update(
                 part=part,
                 plan=plan,
                 stats=stats,
+                n_tokens=n_tokens,
                 logprob_fn=logprob_fn,
                 config=config,
+                fused_ref=fused_ref,
                 replicas=replicas,
             )
             metrics.optimizer_steps += 1
-            sums.loss += totals.loss
-            sums.pg_loss += totals.pg_loss
-            sums.kl += totals.kl
-            sums.bc_loss += totals.bc_loss
-            sums.clipped += totals.clipped
-            sums.clip_units += totals.clip_units
+            for name in ("loss", "pg_loss", "kl", "bc_loss", "clipped", "clip_units"):
+                setattr(sums, name, getattr(sums, name) + getattr(totals, name))
+            sums.grad_s += totals.grad_s
+            sums.optimizer_s += totals.optimizer_s
+    if fused_ref is not None:
+        seconds["ref"] = fused_ref.ref_s
+        metrics.is_misaligned_steps = fused_ref.misaligned
+        if replicas is not None:
+            stats, metrics.is_misaligned_steps = _merged(
+                model, stats, fused_ref.misaligned, replicas
+            )
+    ref_ran = ref_model is not None and config.kl_coef > 0
+    metrics.passes = ("" if fused else "old+") + ("ref+" if ref_ran else "") + "grad"
+    metrics.old_pass_s = seconds["old"]
+    metrics.ref_pass_s = seconds["ref"]
+    metrics.grad_pass_s = sums.grad_s
+    metrics.optimizer_s = sums.optimizer_s
+    _pi_old_metrics(metrics, samples=samples, order=order, plan=plan, stats=stats,
+                    config=config, policy_version=policy_version)  # fmt: skip
     steps = metrics.optimizer_steps
     metrics.loss = sums.loss / steps
     metrics.pg_loss = sums.pg_loss / steps

@@ -416,3 +416,43 @@ def test_the_logprob_gap_is_numerics_when_weights_match_and_large_when_the_serve
         config=config, policy_version=0,
     )  # fmt: skip
     assert metrics.logprob_gap_tokens == 0
+
+
+def test_one_epoch_one_step_skips_the_pi_old_pass_and_takes_the_same_step() -> None:
+    """With one epoch in one optimizer step the gradient pass's own log-probs are pi_old's:
+    the update skips the separate pass and still takes exactly the step that pass gives."""
+    calls: list[str] = []
+
+    def counting_logprob_fn(model, samples):
+        calls.append("ref" if model is ref else "policy")
+        return toy_logprob_fn(model, samples)
+
+    start = tiny_lm()
+    ref = copy.deepcopy(start).requires_grad_(False)
+    rollout = with_rollout_logprobs(tiny_lm(seed=1), bandit_batch())  # an older policy's
+    with_ids = [dataclasses.replace(s, response_token_ids=encode(s.response_text)) for s in rollout]
+    config = UpdateConfig(kl_coef=0.05, entropy_top_q=1.0, micro_batch=3)
+    results = {}
+    for name, batch in (("separate", rollout), ("fused", with_ids)):
+        model = copy.deepcopy(start)
+        calls.clear()
+        metrics = policy_update(
+            model=model, ref_model=ref, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            samples=batch, logprob_fn=counting_logprob_fn, config=config,
+        )  # fmt: skip
+        results[name] = (model, metrics, calls.count("policy"), calls.count("ref"))
+    (separate, m_sep, policy_sep, ref_sep), (fused, m_fused, policy_fused, ref_fused) = (
+        results["separate"], results["fused"],
+    )  # fmt: skip
+    micro_batches = math.ceil(len(rollout) / config.micro_batch)
+    assert (m_sep.passes, policy_sep, ref_sep) == ("old+ref+grad", 2 * micro_batches, micro_batches)
+    assert (m_fused.passes, policy_fused, ref_fused) == ("ref+grad", micro_batches, micro_batches)
+    assert m_fused.old_pass_s == 0.0 < m_sep.old_pass_s
+    for a, b in zip(separate.parameters(), fused.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    for field in ("loss", "pg_loss", "kl", "is_weight_mean", "is_weight_min", "mean_entropy",
+                  "logprob_gap_mean", "grad_norm"):  # fmt: skip
+        assert getattr(m_fused, field) == pytest.approx(getattr(m_sep, field), rel=1e-5, abs=1e-7)
+    assert m_fused.is_weight_min < 1.0  # the rollout was another policy's: IS weights acted
+    assert m_fused.n_tokens == m_sep.n_tokens > 0
+    assert m_fused.step_is_weight == pytest.approx(m_sep.step_is_weight)

@@ -153,12 +153,15 @@ def build_tiny_policy(
     arch: str = "qwen3_vl",
     vision_positions: int = 576,
     model_vocab: int | None = None,
+    fullatt_blocks: tuple[int, ...] | None = None,
 ) -> Path:
     """Write a random-weight vision-language model (~6M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
 
     `model_vocab` sizes the embedding and output layers past the tokenizer's vocabulary (a
     real model's 152k, for memory benchmarks); by default they match the tokenizer.
+    `fullatt_blocks` (Qwen2.5-VL): the vision blocks that attend over whole images, the
+    others within 112 px windows; by default the last block (the released 7B: 7, 15, 23, 31).
 
     `arch` is "qwen3_vl" (default) or "qwen2_5_vl". Both keep patch 14 and a 2x2 merge (one
     image token = 28x28 px, so rollout's coordinate mapping is the same). What differs is
@@ -252,7 +255,7 @@ def build_tiny_policy(
         )
     else:
         text["max_window_layers"] = layers
-        vision["fullatt_block_indexes"] = [vision_depth - 1]
+        vision["fullatt_block_indexes"] = list(fullatt_blocks or (vision_depth - 1,))
         model = Qwen2_5_VLForConditionalGeneration(
             Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
         )

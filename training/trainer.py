@@ -259,9 +259,16 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype)
 
-    def update(self, samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateMetrics:
+    def update(
+        self,
+        samples: Sequence[TrainSample],
+        config: UpdateConfig,
+        *,
+        separate_old_pass: bool = False,
+    ) -> UpdateMetrics:
         """One policy update. The leader of replicas hands the followers the same samples
-        and config first (`training.replica_group`), so every replica takes this step."""
+        and config first (`training.replica_group`), so every replica takes this step.
+        `separate_old_pass`: see `policy_update` (a benchmark's baseline)."""
         if self.replicas is not None and self.replicas.leader:
             self.replicas.share(("update", list(samples), config))
         # A demo's response as the tokens training sees, so every sample knows its length
@@ -285,6 +292,7 @@ class PolicyTrainer:
                 config=config,
                 policy_version=self.state.version,
                 replicas=self.replicas,
+                separate_old_pass=separate_old_pass,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
         finally:

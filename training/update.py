@@ -543,6 +543,7 @@ def policy_update(
     config: UpdateConfig,
     policy_version: int | None = None,
     replicas: Replicas | None = None,
+    separate_old_pass: bool = False,
 ) -> UpdateMetrics:
     """Run one policy update on `samples` and return what it did.
 
@@ -557,6 +558,9 @@ def policy_update(
             default: the newest version among the online samples.
         replicas: data-parallel replicas (`training.replicas`): every replica calls this with
             the same samples and config, and all take the same optimizer steps.
+        separate_old_pass: compute pi_old in a pass of its own even where the gradient pass
+            gives it (one epoch, one optimizer step, every sample's response tokens known):
+            the baseline `bench/update_cost.py` compares against; the step is the same.
     Returns:
         UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
@@ -610,7 +614,8 @@ def policy_update(
     # One epoch in one optimizer step: the policy has not moved when the gradient pass runs,
     # so its log-probs are pi_old's and a separate pass would compute them again.
     fused = (
-        config.ppo_epochs == 1
+        not separate_old_pass
+        and config.ppo_epochs == 1
         and config.mini_batches == 1
         and all(samples[i].response_token_ids for i in order)
     )

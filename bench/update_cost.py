@@ -1,0 +1,256 @@
+"""Where one trainer update's time goes: per phase (encode, old-policy, reference, gradient,
+optimizer, save, sync), attention calls and peak memory, before and after, in one run.
+
+    .venv/bin/python bench/update_cost.py                          # tiny and narrow, CPU
+    .venv/bin/python bench/update_cost.py --shapes narrow --samples 2 --repeats 2
+    .venv/bin/python bench/update_cost.py --device cuda --shapes mid   # on a GPU host
+
+A step is SCREENS screenshots at 1920x1080 (the UI-TARS prompt's context) and a 30-token
+reply; an update is `--samples` such steps of one task (half rewarded), LoRA r16 on the
+language model, KL to the base (adapters off), micro-batch 1, repeated `--repeats` times on
+one trainer (the last is reported: the first pays one-time costs).
+
+Shapes:
+- tiny: the shipped policy (policies/tiny-grounded, Qwen3-VL, 256 image tokens a screen);
+- narrow: Qwen2.5-VL-7B's layout at widths 2 cores can run: 32 vision blocks (full attention
+  in 7, 15, 23, 31, 112 px windows elsewhere), the merger, M-RoPE, 28 text layers, and the
+  released processor bounds (10,764 patches, 2,691 tokens a 1920x1080 screen);
+- mid: bench/realsize.py's mid-size Qwen2.5-VL (GPU only).
+
+Modes:
+- before: transformers' per-window vision attention, every pass encodes its prompts, pi_old in
+  a separate pass (what the trainer did before `core.vision_attention` and `PromptCache`);
+- after: the trainer as it runs now.
+
+Each (shape, mode) runs in a child process, so its peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SCREENS, SCREEN = 5, (1920, 1080)
+MODES = ("before", "after")
+PHASES = (
+    ("encode_s", "encode (inside the passes)"),
+    ("old_pass_s", "old-policy pass"),
+    ("ref_pass_s", "reference pass"),
+    ("grad_pass_s", "gradient pass (forward + backward)"),
+    ("optimizer_s", "optimizer"),
+    ("duration_s", "update, in all"),
+    ("save_s", "save the version"),
+    ("sync_s", "sync it into a serving policy"),
+)
+NARROW = {"hidden": 64, "layers": 28, "heads": 4, "kv_heads": 2, "intermediate": 128,
+          "vision_hidden": 64, "vision_depth": 32, "vision_heads": 2,
+          "fullatt_blocks": (7, 15, 23, 31)}  # fmt: skip
+
+
+def build(shape: str, workdir: Path) -> Path:
+    """The checkpoint directory of `shape` (built under workdir, except the shipped tiny)."""
+    if shape == "tiny":
+        return ROOT / "policies" / "tiny-grounded"
+    if shape == "mid":
+        from bench.realsize import build_mid
+
+        build_mid(workdir)
+        out = workdir / "mid"
+    else:
+        from training.tiny_policy import build_tiny_policy
+
+        out = build_tiny_policy(workdir / "narrow", arch="qwen2_5_vl", **NARROW)  # type: ignore[arg-type]
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from core.imaging import QWEN25_VL
+
+    # The released processor's bounds: a 1920x1080 screen is 10,764 patches, not 256 tokens.
+    Qwen2VLImageProcessorPil(
+        min_pixels=QWEN25_VL.min_pixels, max_pixels=QWEN25_VL.max_pixels
+    ).save_pretrained(out)
+    return out
+
+
+def _screens() -> list[bytes]:
+    from PIL import Image, ImageDraw
+
+    out = []
+    for i in range(SCREENS):
+        image = Image.new("RGB", SCREEN, (235, 235, 240))
+        draw = ImageDraw.Draw(image)
+        draw.rectangle((100 + 40 * i, 200, 400 + 40 * i, 300), fill=(40, 90, 200))
+        draw.text((120 + 40 * i, 230), f"Submit {i}", fill=(255, 255, 255))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def _samples(policy, n: int) -> list:
+    from core.encoding import response_token_ids
+    from core.prompts import HistoryTurn, build_messages
+    from core.samples import TrainSample
+
+    history = [HistoryTurn(thought=f"step {i}", action_text="click(start_box='(10,10)')")
+               for i in range(SCREENS - 1)]  # fmt: skip
+    messages = build_messages(instruction="Click the Submit button.", history=history,
+                              screenshots=_screens(), max_images=SCREENS)  # fmt: skip
+    reply = "Thought: the Submit button.\nAction: click(start_box='(250,250)')"
+    ids = response_token_ids(policy, reply)
+    return [
+        TrainSample(step_id=i + 1, trajectory_id=i + 1, group_id=0, messages=messages,
+                    response_text=reply, reward=float(i % 2 == 0),
+                    rollout_logprobs=[-1.0] * len(ids), mean_entropy=1.0, policy_version=0,
+                    response_token_ids=ids)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _attention_calls(update) -> tuple[object, int]:
+    """Run `update()` counting scaled_dot_product_attention calls (one per kernel launch)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        result = update()
+    return result, Count.calls
+
+
+def child(checkpoint: Path, mode: str, *, samples: int, repeats: int, device: str) -> dict:
+    """One (shape, mode): `repeats` updates on one trainer; the last one's phases."""
+    import torch
+
+    from core.lora import LoraSpec
+    from core.policy import load_policy, load_weights_into
+    from core.vision_attention import use_reference_vision_attention
+    from training.trainer import PolicyTrainer
+    from training.update import UpdateConfig
+
+    torch.manual_seed(0)
+    before = mode == "before"
+    with tempfile.TemporaryDirectory() as runs:
+        trainer = PolicyTrainer(start_checkpoint=checkpoint, run_dir=Path(runs), lr=1e-4,
+                                kl_coef=0.1, device=device, lora=LoraSpec(rank=16, alpha=32),
+                                prompt_cache_bytes=0 if before else 2 * 1024**3)  # fmt: skip
+        if before:
+            use_reference_vision_attention(trainer.policy.model.get_base_model())
+        batch = _samples(trainer.policy, samples)
+        config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, micro_batch=1)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+        def update():
+            return trainer.update(batch, config, separate_old_pass=before)
+
+        _, calls = _attention_calls(update)  # the first update: counted, not timed
+        for _ in range(repeats - 1):
+            metrics = update()
+        if repeats == 1:
+            metrics = update()
+        out = {k: getattr(metrics, k) for k, _ in PHASES if hasattr(metrics, k)}
+        out["passes"] = metrics.passes
+        out["attention_calls"] = calls
+        if device == "cuda":
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        else:  # the updates' peak, before the serving copy below is loaded
+            out["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        started = time.perf_counter()
+        saved = trainer.save_version(1)
+        out["save_s"] = time.perf_counter() - started
+        serving = load_policy(checkpoint, device=device)
+        started = time.perf_counter()
+        load_weights_into(serving, saved)
+        out["sync_s"] = time.perf_counter() - started
+        text = trainer.policy.model.get_base_model().config.text_config
+        vision = trainer.policy.model.get_base_model().config.vision_config
+        out["blocks_layers"] = [vision.depth, text.num_hidden_layers]
+        out["tokens"] = sum(len(p.ids) for p in [_prompt(trainer.policy, batch[0])])
+        return out
+
+
+def _prompt(policy, sample):
+    from core.encoding import prompt_parts
+
+    return prompt_parts(policy, sample.messages)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="tiny,narrow", help="tiny, narrow, mid (comma list)")
+    ap.add_argument("--samples", type=int, default=2, help="steps in an update")
+    ap.add_argument("--repeats", type=int, default=2, help="updates on one trainer")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        checkpoint, mode = args.child
+        result = child(Path(checkpoint), mode, samples=args.samples, repeats=args.repeats,
+                       device=args.device)  # fmt: skip
+        print("RESULT " + json.dumps(result))
+        return
+    results: dict[str, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes.split(","):
+            checkpoint = build(shape, Path(tmp))
+            results[shape] = {}
+            for mode in MODES:
+                command = [sys.executable, __file__, "--child", str(checkpoint), mode,
+                           "--samples", str(args.samples), "--repeats", str(args.repeats),
+                           "--device", args.device]  # fmt: skip
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+                if done.returncode or not line:
+                    sys.exit(f"{shape} {mode} failed:\n{done.stderr[-3000:]}")
+                results[shape][mode] = json.loads(line[-1][len("RESULT ") :])
+                print(f"{shape} {mode}: {results[shape][mode]['duration_s']:.1f} s", flush=True)
+    print_table(results, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def print_table(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
+    print(f"\nOne update of {args.samples} steps ({SCREENS} screenshots at "
+          f"{SCREEN[0]}x{SCREEN[1]} each), LoRA r16, micro-batch 1, device {args.device}; "
+          f"update {args.repeats} of {args.repeats} on one trainer\n")  # fmt: skip
+    for shape, modes in results.items():
+        b, a = modes["before"], modes["after"]
+        blocks, layers = a["blocks_layers"]
+        print(f"### {shape}: {blocks} vision blocks, {layers} text layers, "
+              f"{a['tokens']:,} prompt tokens a step\n")  # fmt: skip
+        print("| phase | before | after | before / after |")
+        print("|---|---:|---:|---:|")
+        for key, label in PHASES:
+            ratio = f"{b[key] / a[key]:.2f}x" if a[key] > 0 else "skipped"
+            print(f"| {label} | {b[key]:.2f} s | {a[key]:.2f} s | {ratio} |")
+        print(f"| passes over each micro-batch | {b['passes']} | {a['passes']} | |")
+        print(f"| attention calls in the update | {b['attention_calls']:,} | "
+              f"{a['attention_calls']:,} | {b['attention_calls'] / a['attention_calls']:.0f}x |")
+        unit = "GPU memory, GiB" if args.device == "cuda" else "process RSS, GiB"
+        print(f"| peak {unit} | {b['peak_gib']:.2f} | {a['peak_gib']:.2f} | |\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

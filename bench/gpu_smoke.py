@@ -262,8 +262,9 @@ def _profiled(step, *, device: str) -> None:
 
 
 def _planned(batch) -> str:
-    """bench/realsize.py's plan for this LoRA step of the mid-size model: fp32 weights and
-    moments, activations measured in bf16 (what autocast keeps)."""
+    """bench/realsize.py's plan for this LoRA step of the mid-size model: the base in bf16 (as
+    load_policy loads it on a GPU), the adapters and their moments in fp32, activations
+    measured in bf16 (what autocast keeps)."""
     import torch
 
     from bench.realsize import MID, MID_VISION, config_of, counts, measure_activations, plan
@@ -271,7 +272,7 @@ def _planned(batch) -> str:
     c = counts(config_of(MID["text"], tie=MID["tie"], vision=MID_VISION))
     act = measure_activations(MID, dtype=torch.bfloat16, lora=True)
     p = plan(c, act, layers=MID["text"]["num_hidden_layers"], depth=MID_VISION["depth"],
-             lora=True, dtype_bytes=4, checkpointing=False, shards=1,
+             lora=True, frozen_bytes=2, checkpointing=False, shards=1,
              tokens=int(batch.attention_mask.sum()),
              patches=int(batch.image_grid_thw.prod(-1).sum()), vocab=MID["text"]["vocab_size"],
              response=int(batch.response_mask.sum(1).max()))  # fmt: skip

@@ -216,15 +216,20 @@ class Plan:
         return self.weights + self.grads + self.optimizer + self.reference + self.activations
 
 
-def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool, dtype_bytes: int,
-         checkpointing: bool, shards: int, tokens: int, patches: int, vocab: int,
-         sequences: int = 1, response: int = RESPONSE_TOKENS,
-         kl: bool = True) -> Plan:  # fmt: skip
+def plan(c: Counts, act: Activations, *, layers: int, depth: int, lora: bool,
+         frozen_bytes: int, checkpointing: bool, shards: int, tokens: int, patches: int,
+         vocab: int, sequences: int = 1, response: int = RESPONSE_TOKENS,
+         kl: bool = True, master_bytes: int = 4) -> Plan:  # fmt: skip
+    """What the trainer keeps (training.trainer.trainer_precision): the trained weights, their
+    gradients and AdamW's two moments in fp32 (`master_bytes`), whatever the compute dtype;
+    frozen weights (LoRA's base) and the full fine-tuning's KL reference in `frozen_bytes`
+    (bf16 on GPUs, as load_policy loads them; fp32 on the CPU)."""
     trainable = c.lora if lora else c.params
-    weights = (c.params + (c.lora if lora else 0)) * dtype_bytes / shards
-    grads = trainable * dtype_bytes / shards
-    optimizer = 2 * trainable * dtype_bytes / shards
-    reference = 0.0 if lora or not kl else c.params * dtype_bytes / shards
+    frozen = c.params if lora else 0
+    weights = (frozen * frozen_bytes + trainable * master_bytes) / shards
+    grads = trainable * master_bytes / shards
+    optimizer = 2 * trainable * master_bytes / shards
+    reference = 0.0 if lora or not kl else c.params * frozen_bytes / shards
     per_layer = act.lm_per_token_layer * tokens
     per_block = act.vision_per_patch_block * patches
     if checkpointing:
@@ -253,7 +258,7 @@ def plan_table() -> None:
     tokens, patches = step_size(QWEN25_VL)
     print(f"one step: {SCREENS} screenshots at {SCREEN[0]}x{SCREEN[1]} = {tokens} tokens, "
           f"{patches} vision patches\n")  # fmt: skip
-    print("| model | mode | dtype | checkpointing | shards | weights | grads | optimizer | "
+    print("| model | mode | precision | checkpointing | shards | weights | grads | optimizer | "
           "reference | activations | total GB | fits 80 GB |")  # fmt: skip
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, shape in SHAPES.items():
@@ -267,14 +272,14 @@ def plan_table() -> None:
                     for shards in (1, 2, 4, 8):
                         if lora and shards > 1:
                             continue  # LoRA on one GPU (replicas, not shards, add GPUs)
-                        p = plan(c, act, layers=layers, depth=depth, lora=lora, dtype_bytes=size,
+                        p = plan(c, act, layers=layers, depth=depth, lora=lora, frozen_bytes=size,
                                  checkpointing=checkpointing, shards=shards, tokens=tokens,
                                  patches=patches,
                                  vocab=shape["text"]["vocab_size"])  # fmt: skip
                         print(
                             f"| {name} ({c.params / 1e9:.2f}B) | "
                             f"{'LoRA r16' if lora else 'full'} | "
-                            f"{'bf16' if size == 2 else 'fp32'} | "
+                            f"{'bf16 compute, fp32 master' if size == 2 else 'fp32'} | "
                             f"{'on' if checkpointing else 'off'} | {shards} | "
                             f"{p.weights / GB:.1f} | {p.grads / GB:.1f} | "
                             f"{p.optimizer / GB:.1f} | {p.reference / GB:.1f} | "
@@ -351,7 +356,7 @@ def validate_child(workdir: Path) -> None:
     c = counts(trainer.policy.model.get_base_model().config)
     act = measure_activations({**MID, "text": MID["text"]}, dtype=torch.float32, lora=True)
     p = plan(c, act, layers=MID["text"]["num_hidden_layers"], depth=MID_VISION["depth"],
-             lora=True, dtype_bytes=4, checkpointing=False, shards=1, tokens=tokens,
+             lora=True, frozen_bytes=4, checkpointing=False, shards=1, tokens=tokens,
              patches=patches, vocab=MID["text"]["vocab_size"], sequences=4,
              response=int(batch.response_mask.sum(1).max()))  # fmt: skip
     print(

@@ -28,7 +28,6 @@ Each (shape, mode) runs in a child process, so its peak memory is its own.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import resource
@@ -84,30 +83,12 @@ def build(shape: str, workdir: Path) -> Path:
     return out
 
 
-def _screens() -> list[bytes]:
-    from PIL import Image, ImageDraw
-
-    out = []
-    for i in range(SCREENS):
-        image = Image.new("RGB", SCREEN, (235, 235, 240))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle((100 + 40 * i, 200, 400 + 40 * i, 300), fill=(40, 90, 200))
-        draw.text((120 + 40 * i, 230), f"Submit {i}", fill=(255, 255, 255))
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        out.append(buffer.getvalue())
-    return out
-
-
 def _samples(policy, n: int) -> list:
+    from bench.gpu_smoke import _messages, _screens
     from core.encoding import response_token_ids
-    from core.prompts import HistoryTurn, build_messages
     from core.samples import TrainSample
 
-    history = [HistoryTurn(thought=f"step {i}", action_text="click(start_box='(10,10)')")
-               for i in range(SCREENS - 1)]  # fmt: skip
-    messages = build_messages(instruction="Click the Submit button.", history=history,
-                              screenshots=_screens(), max_images=SCREENS)  # fmt: skip
+    messages = _messages(_screens(SCREENS, SCREEN))
     reply = "Thought: the Submit button.\nAction: click(start_box='(250,250)')"
     ids = response_token_ids(policy, reply)
     return [
@@ -204,6 +185,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.samples < 2:
+        ap.error("--samples must be at least 2: a task group of one trajectory has no advantage")
     if args.child:
         checkpoint, mode = args.child
         result = child(Path(checkpoint), mode, samples=args.samples, repeats=args.repeats,
@@ -246,8 +229,10 @@ def print_table(results: dict[str, dict[str, dict]], args: argparse.Namespace) -
             ratio = f"{b[key] / a[key]:.2f}x" if a[key] > 0 else "skipped"
             print(f"| {label} | {b[key]:.2f} s | {a[key]:.2f} s | {ratio} |")
         print(f"| passes over each micro-batch | {b['passes']} | {a['passes']} | |")
-        print(f"| attention calls in the update | {b['attention_calls']:,} | "
-              f"{a['attention_calls']:,} | {b['attention_calls'] / a['attention_calls']:.0f}x |")
+        print(
+            f"| attention calls in the update | {b['attention_calls']:,} | "
+            f"{a['attention_calls']:,} | {b['attention_calls'] / a['attention_calls']:.0f}x |"
+        )
         unit = "GPU memory, GiB" if args.device == "cuda" else "process RSS, GiB"
         print(f"| peak {unit} | {b['peak_gib']:.2f} | {a['peak_gib']:.2f} | |\n")  # fmt: skip
 

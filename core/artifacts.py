@@ -117,6 +117,8 @@ class Store(Protocol):
 
     def get_bytes(self, name: str) -> bytes: ...
 
+    def delete(self, name: str) -> None: ...
+
 
 class FileStore:
     """A directory. Files are hard-linked in when the store is on the same filesystem (a
@@ -169,6 +171,10 @@ class FileStore:
             return self._path(name).read_bytes()
         except FileNotFoundError:
             raise ArtifactError(f"{self.url}: no object {name}") from None
+
+    def delete(self, name: str) -> None:
+        """Remove the object; one already gone is not an error."""
+        self._path(name).unlink(missing_ok=True)
 
 
 def s3_client_config() -> Any:
@@ -225,6 +231,10 @@ class S3Store:
     def get(self, name: str, target: IO[bytes]) -> None:
         with self._reading(name):
             self.client.download_fileobj(self.bucket, self._name(name), target)
+
+    def delete(self, name: str) -> None:
+        """Remove the object; one already gone is not an error (S3's own rule)."""
+        self.client.delete_object(Bucket=self.bucket, Key=self._name(name))
 
     def get_bytes(self, name: str) -> bytes:
         with self._reading(name):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -236,7 +237,10 @@ def _per_row(value: float | list[float], n: int, name: str) -> list[float]:
 
 
 def sequence_logprobs(
-    model: PreTrainedModel | PeftModel | Policy, batch: EncodedBatch
+    model: PreTrainedModel | PeftModel | Policy,
+    batch: EncodedBatch,
+    *,
+    image_features: Any | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward prompt + response; per-token log-probs and entropies, with gradients.
 
@@ -244,16 +248,22 @@ def sequence_logprobs(
     batch.input_ids: token_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at
     temperature 1, token_entropy[b, t] the entropy of that distribution; both are 0 where
     mask (= batch.response_mask) is False. Call under torch.no_grad() for reference models.
+    `image_features`: the vision tower's output for batch.pixel_values, computed before
+    (`get_image_features(..., return_dict=True)`): the images are not encoded again.
     """
     if isinstance(model, Policy):
         model = model.model
     batch = batch.to(next(model.parameters()).device)
     mask = batch.response_mask
     width = mask.shape[1]
+    inputs = batch.model_inputs()
+    if image_features is not None:
+        inputs.pop("pixel_values")
+        inputs["mm_encoder_outputs"] = {"image": image_features}
     # Responses end every (left-padded) row: only their K positions need logits. A real
     # prompt is ~14,000 tokens and the vocabulary ~152,000: all logits would be 4 GB in bf16.
     k = min(width - 1, max(1, int(mask.sum(1).max())))
-    logits = model(**batch.model_inputs(), use_cache=False, logits_to_keep=k + 1).logits
+    logits = model(**inputs, use_cache=False, logits_to_keep=k + 1).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, K, V]: tokens T-K..T-1
     targets = batch.input_ids[:, width - k :]
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, K]

@@ -117,6 +117,7 @@ def run_figures(charts: ChartData, health: dict[str, Any]) -> dict[str, dict[str
         "throughput": _throughput_figure(charts),
         "utilisation": _utilisation_figure(charts),
         "training": _training_figure(charts),
+        "update_phases": _update_phases_figure(charts),
         "logprob_gap": _logprob_gap_figure(charts),
         "staleness": _staleness_figure(charts),
     }
@@ -219,6 +220,32 @@ def _training_figure(charts: ChartData) -> dict[str, Any]:
         for k in names
     ]
     return _fig("Training metrics per update", traces, xaxis={"title": {"text": "update"}})
+
+
+# Where an update's time goes (training.update, training.trainer): seconds per phase.
+_UPDATE_PHASES = (
+    ("encode_s", "encoding prompts (inside the passes)"),
+    ("old_pass_s", "old-policy pass"),
+    ("ref_pass_s", "reference pass"),
+    ("grad_pass_s", "gradient pass"),
+    ("optimizer_s", "optimizer step"),
+)
+
+
+def _update_phases_figure(charts: ChartData) -> dict[str, Any]:
+    """Each update's seconds by phase, and which forward passes the latest one ran (the
+    old-policy pass is skipped when the gradient pass's own log-probs are pi_old's)."""
+    upd = charts.updates
+    links = _update_links(charts, upd.number)
+    traces = [
+        _line(label, upd.number, upd.series[key], customdata=links)
+        for key, label in _UPDATE_PHASES
+        if key in upd.series
+    ]
+    title = "Update time by phase (seconds)"
+    if upd.latest_passes:
+        title += f"; latest update's passes: {upd.latest_passes}"
+    return _fig(title, traces, xaxis={"title": {"text": "update"}})
 
 
 def _logprob_gap_figure(charts: ChartData) -> dict[str, Any]:

@@ -319,6 +319,12 @@ class TrainerConfig:
     )
     warm_start_bc_updates: int = knob(0, "Behaviour-cloning updates on the pool before RL.")
     checkpoint_every: int = knob(1, "Publish a PolicyVersion every N updates.")
+    optimizer_states_kept: int = knob(
+        2,
+        "Published versions that keep their optimizer state (what a trainer resumes from; "
+        "several times the weights under full fine-tuning); older versions keep only their "
+        "weights.",
+    )
     max_updates: int = knob(0, "Stop after N updates (0: until stopped).")
     bf16: bool = knob(True, "bf16 autocast on GPU (ignored on CPU).")
     lora_rank: int = knob(
@@ -405,6 +411,12 @@ class TrainerConfig:
             _unused_knob(self, "gspo_clip_high", "under loss_type ppo (set clip_high)")
         _check(self.warm_start_bc_updates >= 0, "warm_start_bc_updates", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        _check(
+            self.optimizer_states_kept >= 1,
+            "optimizer_states_kept",
+            f"must be >= 1 (the newest version's state is what a restarted trainer resumes "
+            f"from), got {self.optimizer_states_kept}",
+        )
         _check(self.max_updates >= 0, "max_updates", "must be >= 0")
 
 

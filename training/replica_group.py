@@ -100,7 +100,10 @@ class ReplicaGroup:
 
     @classmethod
     def start(cls, spec: TrainerSpec, *, world: int, timeout_s: float = 600.0) -> ReplicaGroup:
-        """Start world-1 followers, join them as rank 0 and build the leader's trainer."""
+        """Start world-1 followers, join them as rank 0 and build the leader's trainer.
+        `timeout_s` bounds each collective once every replica is in it; between updates the
+        followers wait outside any collective, however long the leader takes to have a
+        batch (`MessageBoard`)."""
         if world < 2:
             raise ValueError(f"a replica group needs at least 2 processes, got {world}")
         if dist.is_initialized():
@@ -114,6 +117,7 @@ class ReplicaGroup:
             "MASTER_PORT": str(port),
             "WORLD_SIZE": str(world),
             "GLOO_SOCKET_IFNAME": "lo",
+            "DARTBOARD_REPLICA_TIMEOUT_S": str(timeout_s),
         }
         setup = group_setup(local_rank=0, cuda=torch.cuda.is_available())
         if setup.backend == "gloo":
@@ -172,12 +176,14 @@ class ReplicaGroup:
 def follow(spec: TrainerSpec) -> None:
     """A follower's life: build the trainer, take every update the leader shares, stop."""
     setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
-    dist.init_process_group(setup.backend, init_method="env://", **setup.apply())
+    timeout = timedelta(seconds=float(os.environ["DARTBOARD_REPLICA_TIMEOUT_S"]))
+    dist.init_process_group(setup.backend, init_method="env://", timeout=timeout, **setup.apply())
     replicas = Replicas.from_environment(sharded=spec.shard)
     torch.set_num_threads(1)
     try:
         trainer = spec.build(replicas, device=setup.device)
         while True:
+            replicas.await_leader()  # outside any collective: the first batch may take hours
             message: tuple[Any, ...] = replicas.share(STOP)  # the leader's value replaces it
             if message == STOP:
                 return

@@ -18,7 +18,8 @@ Pure torch.distributed: no Django, no model code.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -43,6 +44,8 @@ class Replicas:
     rank: int
     world: int
     sharded: bool = False  # FSDP2 (`training.sharding`): replicas run forward passes in lockstep
+    # Messages shared so far (a one-item list: the dataclass is frozen, the count is not).
+    _shared: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @classmethod
     def from_environment(cls, *, sharded: bool = False) -> Replicas:
@@ -108,7 +111,34 @@ class Replicas:
         return merged
 
     def share(self, value: T) -> T:
-        """The leader's `value` on every replica (what to train on, and with which config)."""
+        """The leader's `value` on every replica (what to train on, and with which config).
+        The leader first posts that a message is coming (`await_leader`)."""
+        number = self._shared[0] = self._shared[0] + 1
+        if self.leader:
+            _store().set(f"{_MESSAGE}{number}", "1")
         box = [value if self.leader else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
+
+    def await_leader(self, poll_s: float = 30.0) -> None:
+        """A follower's wait for the leader's next `share`, on the group's key-value store
+        rather than in a collective: a collective waiting for the first batch of a run (an
+        hour of OSWorld episodes and the version-0 evaluation) would outlast its timeout
+        (NCCL's 10 minutes) and abort the follower. Returns when the message is posted; the
+        follower dies with the leader's process meanwhile (`replica_group`)."""
+        key = f"{_MESSAGE}{self._shared[0] + 1}"
+        store = _store()
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=poll_s))
+                return
+            except (RuntimeError, dist.DistStoreError):  # not posted yet: wait on
+                continue
+
+
+_MESSAGE = "dartboard/replica-message/"
+
+
+def _store() -> dist.Store:
+    """The process group's key-value store (the rendezvous's TCPStore)."""
+    return dist.distributed_c10d._get_default_store()

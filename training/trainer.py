@@ -24,9 +24,10 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -34,7 +35,13 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from core.artifacts import STATE_FILE
-from core.encoding import PromptParts, batch_from_parts, prompt_parts, response_token_ids
+from core.encoding import (
+    EncodedBatch,
+    PromptParts,
+    batch_from_parts,
+    prompt_parts,
+    response_token_ids,
+)
 from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy import Policy, load_policy, save_checkpoint
@@ -61,11 +68,17 @@ class _AdaptersOff(nn.Module):
         object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters
 
 
+def _hf_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    assert isinstance(base, PreTrainedModel)
+    return base
+
+
 def _enable_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass. Non-reentrant, so
     frozen inputs (LoRA's frozen embeddings) still get gradients through the adapters."""
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    assert isinstance(base, PreTrainedModel)
+    base = _hf_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
 
@@ -74,7 +87,11 @@ class PromptCache:
     """The prompts of the update in progress, encoded once (the image processor is the costly
     part: 0.7-2.0 s for five 1920x1080 screenshots on 2 CPU cores) and reused by its other
     passes; the least recently used are dropped past `max_bytes`, and everything when the
-    update ends. Keyed by step id: a step's prompt never changes."""
+    update ends. Keyed by step id: a step's prompt never changes.
+
+    It also keeps the last micro-batch's image features, for a frozen vision tower (LoRA on
+    the language model): the reference pass and the gradient pass of one micro-batch see the
+    same images through the same weights. `max_bytes` 0 keeps nothing."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -82,6 +99,19 @@ class PromptCache:
         self._bytes = 0
         self.seconds = 0.0  # spent encoding since the last clear
         self.reused = 0  # encodings served from the cache since the last clear
+        self.images_reused = 0  # micro-batches whose image features were reused
+        self._images: tuple[tuple[int, ...], Any] | None = None
+
+    def image_features(self, key: tuple[int, ...], compute: Callable[[], Any]) -> Any:
+        """The image features of the micro-batch of these step ids: `compute()`d, or the last
+        ones when the key is the same."""
+        if self._images is not None and self._images[0] == key:
+            self.images_reused += 1
+            return self._images[1]
+        features = compute()
+        if self.max_bytes > 0:
+            self._images = (key, features)
+        return features
 
     def get(self, policy: Policy, sample: TrainSample) -> PromptParts:
         parts = self._parts.get(sample.step_id)
@@ -104,6 +134,8 @@ class PromptCache:
         self._bytes = 0
         self.seconds = 0.0
         self.reused = 0
+        self.images_reused = 0
+        self._images = None
 
 
 def version_dir(run_dir: Path, version: int) -> Path:
@@ -170,7 +202,7 @@ class PolicyTrainer:
         if gradient_checkpointing:
             _enable_checkpointing(self.policy.model)
         if self.sharded:
-            shard_model(self.policy.model)
+            shard_model(self.policy.model, compute_dtype=self.autocast_dtype)
         self.ref_model: nn.Module | None = None
         if kl_coef > 0 and lora is not None:
             self.ref_model = _AdaptersOff(self.policy.model)
@@ -179,9 +211,13 @@ class PolicyTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
             if self.sharded:
-                shard_model(self.ref_model)
+                shard_model(self.ref_model, compute_dtype=self.autocast_dtype)
         if replicas is not None and not self.sharded:
             replicas.align(self.trainable_parameters())
+        # LoRA on the language model only: the vision tower's output is the same in every
+        # pass of a micro-batch (`PromptCache.image_features`).
+        visual = _hf_model(self.policy.model).model.visual
+        self.vision_frozen = not any(p.requires_grad for p in visual.parameters())
         self.optimizer = torch.optim.AdamW(
             self.trainable_parameters(), lr=lr, weight_decay=weight_decay
         )
@@ -250,8 +286,23 @@ class PolicyTrainer:
         ]
         prompts = [self.prompts.get(self.policy, s) for s in samples]
         batch = batch_from_parts(self.policy, prompts, responses=responses)
+        features = None
+        if self.vision_frozen and batch.pixel_values is not None:
+            key = tuple(s.step_id for s in samples)
+            features = self.prompts.image_features(key, lambda: self._image_features(batch))
         with self.autocast():
-            return sequence_logprobs(model, batch)
+            return sequence_logprobs(model, batch, image_features=features)
+
+    def _image_features(self, batch: EncodedBatch) -> Any:
+        """The frozen vision tower's output for the batch's images (no gradient flows into
+        it), as the model's forward takes it back (`mm_encoder_outputs`)."""
+        assert batch.pixel_values is not None and batch.image_grid_thw is not None
+        inner = _hf_model(self.policy.model).model
+        device = self.policy.device
+        with torch.no_grad(), self.autocast():
+            return inner.get_image_features(
+                batch.pixel_values.to(device), batch.image_grid_thw.to(device), return_dict=True
+            )
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward passes' precision (`trainer_precision`): bf16 autocast on GPUs."""
@@ -295,6 +346,7 @@ class PolicyTrainer:
                 separate_old_pass=separate_old_pass,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
+            metrics.image_features_reused = self.prompts.images_reused
         finally:
             self.prompts.clear()
         self.state.updates += 1

@@ -272,6 +272,32 @@ def _sample_stats(
     return stats, misaligned
 
 
+def _micro_stats(
+    stats: dict[int, _TokenStats],
+    samples: Sequence[TrainSample],
+    micro: Sequence[int],
+    logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    entropy: Tensor,
+    mask: Tensor,
+    config: UpdateConfig,
+) -> int:
+    """Fill `stats` for a micro-batch's samples from its pi_old log-probs [B, T] (no
+    gradient); returns how many of them have misaligned rollout log-probs."""
+    misaligned = 0
+    for b, i in enumerate(micro):
+        row = mask[b]
+        stats[i], off = _sample_stats(
+            samples[i],
+            old=logprobs[b][row].float(),
+            ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
+            entropy=entropy[b][row],
+            config=config,
+        )
+        misaligned += off
+    return misaligned
+
+
 def _pi_old_pass(
     *,
     model: nn.Module,
@@ -307,16 +333,8 @@ def _pi_old_pass(
                 seconds["ref"] += time.perf_counter() - started
             if not counts:  # a sharded replica's lockstep pass
                 continue
-            for b, i in enumerate(micro):
-                row = mask[b]
-                stats[i], off = _sample_stats(
-                    samples[i],
-                    old=logprobs[b][row].float(),
-                    ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
-                    entropy=entropy[b][row],
-                    config=config,
-                )
-                misaligned += off
+            misaligned += _micro_stats(stats, samples, micro, logprobs, ref_logprobs, entropy,
+                                       mask, config)  # fmt: skip
     if replicas is not None:
         stats, misaligned = _merged(model, stats, misaligned, replicas)
     return stats, misaligned
@@ -426,17 +444,8 @@ def _optimizer_step(
                     "pi_old pass: it must tokenize a sample the same way every time"
                 )
         if fused_ref is not None:
-            detached = logprobs.detach()
-            for b, i in enumerate(micro):
-                row = mask[b]
-                stats[i], off = _sample_stats(
-                    samples[i],
-                    old=detached[b][row].float(),
-                    ref=None if ref_logprobs is None else ref_logprobs[b][row].float(),
-                    entropy=entropy[b][row],
-                    config=config,
-                )
-                fused_ref.misaligned += off
+            fused_ref.misaligned += _micro_stats(stats, samples, micro, logprobs.detach(),
+                                                 ref_logprobs, entropy, mask, config)  # fmt: skip
         device = logprobs.device
         pg_rows = torch.tensor([plan.pg_keep[i] for i in micro], device=device)
         pg_mask = mask & pg_rows[:, None]

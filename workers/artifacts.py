@@ -58,6 +58,46 @@ def checkpoint_restore(*, run: Run, run_dir: Path) -> Path | None:
     return target
 
 
+PRUNE_WINDOW = 8
+
+
+def optimizer_states_prune(*, run_id: int, run_dir: Path, keep: int) -> list[int]:
+    """Delete the optimizer state of every published version of the run but the newest
+    `keep`, on this host's disk and in the store; their weights stay. Call after the newest
+    version's publish committed: until then the previous state is what a restart resumes
+    from. Returns the versions pruned now.
+
+    Inference hosts fetch versions without their state (rollout.checkpoints), so a pruned
+    version still serves; only a trainer resuming from it would miss it, and a trainer
+    resumes from the newest. Each publish pushes one version out of the kept ones; the
+    `PRUNE_WINDOW` versions past them are tried again, so a prune that failed (the store
+    down) is made good by a later one without each publish touching every old version."""
+    versions = list(
+        PolicyVersion.objects.filter(run_id=run_id)
+        .order_by("-version")
+        .values_list("version", "artifact")[: keep + PRUNE_WINDOW]
+    )
+    store = None
+    pruned = []
+    for version, artifact in versions[keep:]:
+        local = version_dir(run_dir, version) / STATE_FILE
+        had_local = local.exists()
+        local.unlink(missing_ok=True)
+        if artifact:
+            store = store or open_store(settings.DARTBOARD_ARTIFACTS)
+            ref = ArtifactRef.parse(artifact)
+            db_retry(
+                lambda _, key=ref.key: store.delete(f"{key}/{STATE_FILE}"),
+                what=f"pruning version {version}'s optimizer state in {store.url}",
+            )
+        if had_local or artifact:
+            pruned.append(version)
+    if pruned:
+        log.info("run %s: optimizer state of versions %s pruned (kept the newest %s)",
+                 run_id, pruned, keep)  # fmt: skip
+    return pruned
+
+
 def _link_or_copy(source: str, target: str) -> None:
     try:
         os.link(source, target)

@@ -87,6 +87,7 @@ class TrainingMetrics:
     staleness: dict[str, int]  # the latest update's steps per "versions behind"
     latest_version: int | None  # the latest update's policy version
     gap_alert: float  # the run's trainer.logprob_gap_alert (0: off)
+    latest_passes: str = ""  # the latest update's forward passes, e.g. "ref+grad"
 
 
 @dataclass(frozen=True)
@@ -350,4 +351,5 @@ def training_metrics(*, run: Run, limit: int = 2000) -> TrainingMetrics:
         staleness=staleness,
         latest_version=rows[-1][1] if rows else None,
         gap_alert=RunConfig.from_dict(run.config).trainer.logprob_gap_alert,
+        latest_passes=str((rows[-1][2] or {}).get("passes") or "") if rows else "",
     )

@@ -221,8 +221,10 @@ def test_charts_json_has_every_chart_with_data(ada_client):
         run=run,
         number=1,
         policy_version=0,
-        metrics={"loss": 0.5, "kl": 0.01, "duration_s": 3.0, "staleness": {"0": 10, "1": 4}},
-    )
+        metrics={"loss": 0.5, "kl": 0.01, "duration_s": 3.0, "staleness": {"0": 10, "1": 4},
+                 "passes": "ref+grad", "encode_s": 0.4, "old_pass_s": 0.0, "ref_pass_s": 0.7,
+                 "grad_pass_s": 1.8, "optimizer_s": 0.1},
+    )  # fmt: skip
     figs = ada_client.get(f"/runs/{run.pk}/charts.json").json()
     assert set(figs) == {
         "success",
@@ -231,6 +233,7 @@ def test_charts_json_has_every_chart_with_data(ada_client):
         "throughput",
         "utilisation",
         "training",
+        "update_phases",
         "logprob_gap",
         "staleness",
         "groups",
@@ -248,6 +251,9 @@ def test_charts_json_has_every_chart_with_data(ada_client):
     assert 0 < env_share <= 1
     assert figs["utilisation"]["data"][1]["y"] == [pytest.approx(3.0 / 60)]
     assert [t["name"] for t in figs["training"]["data"]][:2] == ["loss", "kl"]
+    phases = figs["update_phases"]
+    assert "latest update's passes: ref+grad" in phases["layout"]["title"]["text"]
+    assert {t["name"]: t["y"] for t in phases["data"]}["gradient pass"] == [1.8]
     assert figs["staleness"]["data"][0]["x"] == ["0", "1"] and figs["staleness"]["data"][0][
         "y"
     ] == [10, 4]

@@ -5,6 +5,7 @@ gradient checkpointing (the same update), and resume in each mode (continues exa
 from __future__ import annotations
 
 import base64
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -173,3 +174,33 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, tmp_path,
     a = dict(plain.policy.model.named_parameters())
     b = dict(recomputed.policy.model.named_parameters())
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
+
+
+def test_an_update_encodes_each_step_once_and_takes_the_step_it_took_encoding_every_pass(
+    tiny_policy_dir, tmp_path
+):
+    """The trainer encodes a step's prompt once per update, runs the frozen vision tower once
+    per micro-batch and skips the separate pi_old pass; the adapters come out as they do
+    when every pass encodes everything again (the baseline bench/update_cost.py measures)."""
+    other = "data:image/png;base64," + base64.b64encode(png_bytes(96, 64, (30, 90, 200))).decode()
+    second = [  # another screen in the second micro-batch: its features are its own
+        dataclasses.replace(s, messages=[{**s.messages[0], "content": [
+            s.messages[0]["content"][0], {"type": "image_url", "image_url": {"url": other}}]}])
+        for s in samples(1)
+    ]  # fmt: skip
+    batch = [*samples(0), *second]
+    again = trainer(tiny_policy_dir, tmp_path / "again", lora=LORA, prompt_cache_bytes=0)
+    once = trainer(tiny_policy_dir, tmp_path / "once", lora=LORA)
+    assert once.vision_frozen
+    for _ in range(2):
+        slow = again.update(batch, CONFIG, separate_old_pass=True)
+        fast = once.update(batch, CONFIG)
+    assert (slow.passes, fast.passes) == ("old+ref+grad", "ref+grad")
+    assert (slow.encode_reused, slow.image_features_reused) == (0, 0)
+    # 8 steps in 2 micro-batches of 4: each step encoded for the reference pass, reused by
+    # the gradient pass; each micro-batch's images through the tower once.
+    assert (fast.encode_reused, fast.image_features_reused) == (8, 2)
+    assert fast.loss == pytest.approx(slow.loss, rel=1e-5)
+    trained = dict(once.policy.model.named_parameters())
+    for name, value in again.policy.model.named_parameters():
+        assert torch.allclose(value, trained[name], atol=1e-6), name

@@ -383,3 +383,42 @@ def test_a_failing_trainer_says_why_on_the_run_and_retries(
     assert run.status_message.startswith("trainer failed: ")
     assert "Retrying in 30 s" in run.status_message
     assert training_loop.trainer_held(run_id=run.pk) is None
+
+
+def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_store(
+    run_on_tiny, s3_artifacts, settings
+):
+    """Three versions published with optimizer_states_kept = 2: version 1's state is gone from
+    the trainer's disk and from the store, its weights stay (and still serve); a restarted
+    trainer resumes from the newest."""
+    from core.artifacts import STATE_FILE, ArtifactRef, fetch, open_store
+    from rollout.checkpoints import SERVING_SKIPS
+
+    settings.DARTBOARD_ARTIFACTS = s3_artifacts
+    run = run_on_tiny
+    trainer_cfg = {**run.config["trainer"], "max_updates": 3, "optimizer_states_kept": 2}
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": trainer_cfg})
+    run.refresh_from_db()
+    training_loop.trainers_forget_all()
+    for version in range(3):
+        _fill(run, version=version)
+        training_loop.train_for(run_id=run.pk, max_seconds=120)
+    run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
+    store = open_store(s3_artifacts)
+    kept = {}
+    for pv in PolicyVersion.objects.filter(run=run).order_by("version"):
+        key = ArtifactRef.parse(pv.artifact).key
+        local = (run_dir / f"v{pv.version:05d}" / STATE_FILE).exists()
+        try:
+            store.get_bytes(f"{key}/{STATE_FILE}")
+            stored = True
+        except Exception:
+            stored = False
+        kept[pv.version] = (local, stored)
+        # Every version's weights still serve (inference fetches them without the state).
+        fetch(store, ArtifactRef.parse(pv.artifact), settings.DARTBOARD_ARTIFACT_CACHE,
+              skip=SERVING_SKIPS)  # fmt: skip
+    assert kept == {1: (False, False), 2: (True, True), 3: (True, True)}
+    training_loop.trainers_forget_all()
+    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    assert (resumed.state.updates, resumed.state.version) == (3, 3)

@@ -9,6 +9,7 @@ it itself. A trainer started on a host that lacks the run's newest version fetch
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -16,7 +17,15 @@ from pathlib import Path
 
 from django.conf import settings
 
-from core.artifacts import STATE_FILE, ArtifactRef, fetch, open_store, upload_dir
+from core.artifacts import (
+    STATE_FILE,
+    ArtifactRef,
+    FileStore,
+    S3Store,
+    fetch,
+    open_store,
+    upload_dir,
+)
 from datamanager.models import PolicyVersion, Run
 from training.trainer import version_dir
 from workers.dbutil import db_retry
@@ -77,17 +86,16 @@ def optimizer_states_prune(*, run_id: int, run_dir: Path, keep: int) -> list[int
         .order_by("-version")
         .values_list("version", "artifact")[: keep + PRUNE_WINDOW]
     )
-    store = None
+    store = open_store(settings.DARTBOARD_ARTIFACTS) if any(a for _, a in versions[keep:]) else None
     pruned = []
     for version, artifact in versions[keep:]:
         local = version_dir(run_dir, version) / STATE_FILE
         had_local = local.exists()
         local.unlink(missing_ok=True)
-        if artifact:
-            store = store or open_store(settings.DARTBOARD_ARTIFACTS)
-            ref = ArtifactRef.parse(artifact)
+        if artifact and store is not None:
+            name = f"{ArtifactRef.parse(artifact).key}/{STATE_FILE}"
             db_retry(
-                lambda _, key=ref.key: store.delete(f"{key}/{STATE_FILE}"),
+                functools.partial(_delete, store, name),
                 what=f"pruning version {version}'s optimizer state in {store.url}",
             )
         if had_local or artifact:
@@ -96,6 +104,10 @@ def optimizer_states_prune(*, run_id: int, run_dir: Path, keep: int) -> list[int
         log.info("run %s: optimizer state of versions %s pruned (kept the newest %s)",
                  run_id, pruned, keep)  # fmt: skip
     return pruned
+
+
+def _delete(store: FileStore | S3Store, name: str, _attempt: object) -> None:
+    store.delete(name)
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -34,6 +34,7 @@ from training.trainer import PolicyTrainer
 
 log = logging.getLogger("dartboard.trainer")
 STOP = ("stop",)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # followers starting: imports and a model load
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,13 @@ class ReplicaGroup:
             for rank in range(1, world)
         ]
         try:
+            # The rendezvous waits as long as followers take to start (importing torch and
+            # loading a model); `timeout_s` bounds the collectives once all are in.
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=True,
+                                  timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
             dist.init_process_group(
                 setup.backend,
-                init_method=f"tcp://127.0.0.1:{port}",
+                store=store,
                 rank=0,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
@@ -177,7 +182,11 @@ def follow(spec: TrainerSpec) -> None:
     """A follower's life: build the trainer, take every update the leader shares, stop."""
     setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
     timeout = timedelta(seconds=float(os.environ["DARTBOARD_REPLICA_TIMEOUT_S"]))
-    dist.init_process_group(setup.backend, init_method="env://", timeout=timeout, **setup.apply())
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
+    dist.init_process_group(setup.backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=timeout, **setup.apply())  # fmt: skip
     replicas = Replicas.from_environment(sharded=spec.shard)
     torch.set_num_threads(1)
     try:

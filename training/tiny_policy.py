@@ -154,6 +154,8 @@ def build_tiny_policy(
     vision_positions: int = 576,
     model_vocab: int | None = None,
     fullatt_blocks: tuple[int, ...] | None = None,
+    init_device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a random-weight vision-language model (~6M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
@@ -162,6 +164,8 @@ def build_tiny_policy(
     real model's 152k, for memory benchmarks); by default they match the tokenizer.
     `fullatt_blocks` (Qwen2.5-VL): the vision blocks that attend over whole images, the
     others within 112 px windows; by default the last block (the released 7B: 7, 15, 23, 31).
+    `init_device` and `dtype`: where the random weights are drawn and how they are saved (a
+    7B-shaped model is drawn on a GPU in bf16 in seconds; on the CPU in fp32, minutes).
 
     `arch` is "qwen3_vl" (default) or "qwen2_5_vl". Both keep patch 14 and a 2x2 merge (one
     image token = 28x28 px, so rollout's coordinate mapping is the same). What differs is
@@ -248,17 +252,20 @@ def build_tiny_policy(
         text["tie_word_embeddings"] = False
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(num_position_embeddings=vision_positions, deepstack_visual_indexes=[0])
-        model = Qwen3VLForConditionalGeneration(
-            Qwen3VLConfig(
-                text_config=text, vision_config=vision, tie_word_embeddings=False, **special
+        with torch.device(init_device):
+            model = Qwen3VLForConditionalGeneration._from_config(
+                Qwen3VLConfig(
+                    text_config=text, vision_config=vision, tie_word_embeddings=False, **special
+                ),
+                dtype=dtype,
             )
-        )
     else:
         text["max_window_layers"] = layers
         vision["fullatt_block_indexes"] = list(fullatt_blocks or (vision_depth - 1,))
-        model = Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
-        )
+        with torch.device(init_device):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(
+                Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special), dtype=dtype
+            )
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],

@@ -222,7 +222,7 @@ def _loop(
             torch.cuda.reset_peak_memory_stats()
         metrics = trainer.update(batch, UpdateConfig(kl_coef=0.1, entropy_top_q=1.0,
                                                      micro_batch=1))  # fmt: skip
-        peak = (f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if not cpu else "")
+        peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if not cpu else ""
         rows.append(("LoRA r16 update, gradient checkpointing",
                      f"{metrics.duration_s:.1f} s for {len(batch)} steps ({metrics.passes}; "
                      f"encode {metrics.encode_s:.1f} s){peak}"))  # fmt: skip

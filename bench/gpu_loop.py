@@ -268,7 +268,7 @@ def _loop(
         figures["resumed_version"] = resumed.state.version
         rows.append(("resumed from version 1",
                      f"updates {resumed.state.updates}, version {resumed.state.version}; "
-                     f"max |log-prob difference| {float((again - trained).abs().max()):.2e} "
+                     f"max abs log-prob difference {float((again - trained).abs().max()):.2e} "
                      f"over {again.numel()} tokens"))  # fmt: skip
     finally:
         supervisor.stop()

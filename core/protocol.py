@@ -7,6 +7,7 @@ Backends either perform an action or raise `ActionNotSupported` naming the actio
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,6 +27,23 @@ class EnvUnavailable(EnvError):
 
 class ActionNotSupported(EnvError):
     """A backend cannot perform this action (e.g. a hotkey it does not know)."""
+
+
+def untypable_character(text: str) -> str:
+    """The first character of `text` no keyboard types, named ("U+0007 (BEL)"), or "".
+    Control characters other than newline and tab (a keyboard's Return and Tab) have no
+    key; every other character, in any script, is typed through a keysym of its own."""
+    for ch in text:
+        if ch in "\n\t":
+            continue
+        if unicodedata.category(ch) in ("Cc", "Cs", "Cn") or ch in "\u2028\u2029":
+            name = unicodedata.name(ch, "") or _CONTROL_NAMES.get(ord(ch), "unassigned")
+            return f"U+{ord(ch):04X} ({name})"
+    return ""
+
+
+_CONTROL_NAMES = {0x00: "NUL", 0x07: "BEL", 0x08: "BACKSPACE", 0x0D: "CARRIAGE RETURN",
+                  0x1B: "ESCAPE", 0x7F: "DELETE"}  # fmt: skip
 
 
 def hotkey_parts(

@@ -8,8 +8,12 @@ scalar part to `TrainUpdate.metrics` via `UpdateMetrics.as_json()`, the per-step
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.protocol import Action
@@ -45,6 +49,25 @@ class TrainSample:
                 f"TrainSample step {self.step_id}: mean_entropy must be finite, got "
                 f"{self.mean_entropy!r} (record the rollout entropy or use 0.0 for demos)"
             )
+
+
+def samples_write(path: Path, samples: Sequence[TrainSample]) -> Path:
+    """Write samples as JSON lines (screenshots stay the data URLs they are), atomically:
+    how a trainer leader hands an update's batch to its replicas on the same host without
+    pickling it through a collective (`training.trainer.PolicyTrainer.update`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for sample in samples:
+            f.write(json.dumps(asdict(sample)) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def samples_read(path: Path) -> list[TrainSample]:
+    """The samples `samples_write` wrote, in order."""
+    with path.open() as f:
+        return [TrainSample(**json.loads(line)) for line in f if line.strip()]
 
 
 @dataclass

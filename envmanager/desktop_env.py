@@ -37,6 +37,7 @@ from core.protocol import (
     Observation,
     TaskSpec,
     hotkey_parts,
+    untypable_character,
 )
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
 from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox
@@ -345,6 +346,9 @@ class DesktopEnv(SandboxedDisplay):
                 raise ActionNotSupported(
                     f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
                 )
+            untypable = untypable_character(text)
+            if untypable:
+                raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")
             return ["xdotool", "type", "--delay", "5", "--", text]
         if t == ActionType.SCROLL:
             button = SCROLL_BUTTONS[action.direction or "down"]

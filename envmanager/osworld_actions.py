@@ -4,7 +4,7 @@ OSWorld's `PythonController.execute_python_command(code)` runs
 `python -c "import pyautogui; import time; pyautogui.FAILSAFE = False; <code>"` in the VM.
 `pyautogui_command` builds that `<code>` from a structured Action: numbers formatted from
 integers and text through `repr`, never spliced from model output, so the code is exactly
-one pyautogui call (or a fixed pair for drag).
+one pyautogui call (or a fixed pair for drag, or a fixed snippet that types text beyond ASCII).
 
 Coordinates: an Action is in screenshot pixels (core.actions maps the model's image back to
 the screenshot). pyautogui takes the VM's logical screen pixels (/screen_size); they differ
@@ -22,7 +22,7 @@ with call_user (envmanager.osworld_evaluator). `wait` sleeps on Dartboard's side
 
 from __future__ import annotations
 
-from core.protocol import Action, ActionNotSupported, ActionType
+from core.protocol import Action, ActionNotSupported, ActionType, untypable_character
 
 SCROLL_CLICKS = 5  # wheel clicks per UI-TARS scroll (pyautogui.scroll units on X11)
 MAX_TYPE_CHARS = 1000  # as the desktop backend: a longer text outlasts the step timeout
@@ -59,6 +59,39 @@ def pyautogui_keys(key: str, *, keys: frozenset[str]) -> list[str]:
     return names
 
 
+def _type_any_script(text: str) -> str:
+    """Code typing `text` with characters beyond ASCII: pyautogui types only what its
+    keyboard map holds and silently skips the rest (an editor asked for 'café' gets 'caf').
+    Each such character is typed as xdotool types it: a spare keycode mapped to the
+    character's Unicode keysym (0x01000000 + code point) and pressed through XTest, with
+    python-xlib (pyautogui's own X11 dependency); the keycode's mapping is put back after.
+    The text enters only through `repr`; ASCII goes through pyautogui as before."""
+    return (
+        "\n"
+        "from Xlib import X\n"
+        "from Xlib.display import Display\n"
+        "from Xlib.ext import xtest\n"
+        "d = Display()\n"
+        "lo, hi = d.display.info.min_keycode, d.display.info.max_keycode\n"
+        "kmap = d.get_keyboard_mapping(lo, hi - lo + 1)\n"
+        "spare = next((lo + i for i, syms in enumerate(kmap) if not any(syms)), hi)\n"
+        "before = tuple(kmap[spare - lo])\n"
+        f"for ch in {text!r}:\n"
+        "    if ch.isascii():\n"
+        "        pyautogui.typewrite(ch, interval=0.005)\n"
+        "        continue\n"
+        "    d.change_keyboard_mapping(spare, [(0x01000000 + ord(ch),) * len(before)])\n"
+        "    d.sync()\n"
+        "    time.sleep(0.02)\n"
+        "    xtest.fake_input(d, X.KeyPress, spare)\n"
+        "    xtest.fake_input(d, X.KeyRelease, spare)\n"
+        "    d.sync()\n"
+        "    time.sleep(0.02)\n"
+        "d.change_keyboard_mapping(spare, [before])\n"
+        "d.sync()\n"
+    )
+
+
 def _point(x: int | None, y: int | None, scale: tuple[float, float]) -> str:
     assert x is not None and y is not None  # Action checks that point actions have both
     return f"{round(x * scale[0])}, {round(y * scale[1])}"
@@ -91,7 +124,12 @@ def pyautogui_command(
             raise ActionNotSupported(
                 f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
             )
-        return f"pyautogui.typewrite({text!r}, interval=0.005)"
+        untypable = untypable_character(text)
+        if untypable:
+            raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")
+        if text.isascii():
+            return f"pyautogui.typewrite({text!r}, interval=0.005)"
+        return _type_any_script(text)
     if t == ActionType.SCROLL:
         at = _point(action.x, action.y, scale)
         clicks = {"up": SCROLL_CLICKS, "down": -SCROLL_CLICKS, "left": -SCROLL_CLICKS}.get(

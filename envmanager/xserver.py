@@ -175,11 +175,15 @@ class XServer:
         self._wait_for_wm(timeout_s=timeout_s)
 
     def environ(self) -> dict[str, str]:
-        """The environment of the platform's X clients: this display and its cookie only."""
+        """The environment of the platform's X clients: this display and its cookie, and a
+        UTF-8 locale (without one, xdotool refuses any text beyond ASCII: "Invalid multi-byte
+        sequence encountered")."""
         return {
             "DISPLAY": self.display,
             "XAUTHORITY": str(self.private_dir / "xvfb.auth"),
             "PATH": X_TOOLS_PATH,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
         }
 
     @property

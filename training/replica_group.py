@@ -3,7 +3,10 @@ reads batches, records updates and saves versions) and N-1 follower processes
 (`python -m training.replica_group SPEC`) build the same trainer and take every update with
 it. The followers get the environment torchrun gives its workers (MASTER_ADDR, MASTER_PORT,
 RANK, LOCAL_RANK, WORLD_SIZE) and rank r uses GPU r; on CPUs they use gloo on the loopback
-device. They die with the leader's process and stop when it closes the group.
+device. They die with the leader's process and stop when it closes the group. Between
+updates they wait on the group's key-value store, outside any collective
+(`Replicas.await_leader`); an update's batch reaches them as a file on this host
+(`core.samples.samples_write`), the collective carrying only its name and the config.
 
     group = ReplicaGroup.start(spec, world=4)     # in the trainer worker
     trainer = group.trainer                       # PolicyTrainer(replicas=...), rank 0
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from core.lora import LoraSpec
 from core.procutil import die_with_parent, terminate_pid
+from core.samples import samples_read
 from training.replicas import Replicas
 from training.trainer import PolicyTrainer
 
@@ -200,8 +204,8 @@ def follow(spec: TrainerSpec) -> None:
                 trainer.full_state()
                 trainer.state.version = message[1]
                 continue
-            _, samples, config = message
-            trainer.update(samples, config)
+            _, batch_file, config = message  # the leader's batch, on this host's disk
+            trainer.update(samples_read(Path(batch_file)), config)
     finally:
         dist.destroy_process_group()
 

@@ -45,7 +45,7 @@ from core.encoding import (
 from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy import Policy, load_policy, save_checkpoint
-from core.samples import TrainSample, UpdateMetrics
+from core.samples import TrainSample, UpdateMetrics, samples_write
 from training.replicas import Replicas
 from training.sharding import (
     full_model_state,
@@ -183,6 +183,7 @@ class PolicyTrainer:
         0 encodes a prompt on every pass)."""
         self.run_dir = run_dir
         self.prompts = PromptCache(prompt_cache_bytes)
+        self._shared_updates = 0  # batches handed to the replicas (their file names)
         self.replicas = replicas
         self.sharded = replicas is not None and replicas.sharded
         if self.sharded and lora is not None:
@@ -320,8 +321,16 @@ class PolicyTrainer:
         """One policy update. The leader of replicas hands the followers the same samples
         and config first (`training.replica_group`), so every replica takes this step.
         `separate_old_pass`: see `policy_update` (a benchmark's baseline)."""
+        shared = None
         if self.replicas is not None and self.replicas.leader:
-            self.replicas.share(("update", list(samples), config))
+            # The followers are this process's children on this host: they read the batch
+            # from a file instead of a pickle of every screenshot sent through a collective.
+            self._shared_updates += 1
+            shared = samples_write(
+                self.run_dir / ".replica-batches" / f"update-{self._shared_updates}.jsonl",
+                samples,
+            )
+            self.replicas.share(("update", str(shared), config))
         # A demo's response as the tokens training sees, so every sample knows its length
         # before any pass (policy_update then needs no separate pi_old pass).
         samples = [
@@ -349,6 +358,8 @@ class PolicyTrainer:
             metrics.image_features_reused = self.prompts.images_reused
         finally:
             self.prompts.clear()
+            if shared is not None:  # every replica read it before the update's collectives
+                shared.unlink(missing_ok=True)
         self.state.updates += 1
         return metrics
 

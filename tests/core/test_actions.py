@@ -381,3 +381,13 @@ def test_from_screen_then_to_screen_lands_within_one_model_pixel(
     )
     assert abs(back.x - x) <= screen[0] / model[0] + 1
     assert abs(back.y - y) <= screen[1] / model[1] + 1
+
+
+def test_untypable_characters_are_named_and_every_script_is_typable():
+    from core.protocol import untypable_character
+
+    for text in ["café", "日本語", "👍", "tab\tand\nnewline", "Ωμέγα", ""]:
+        assert untypable_character(text) == ""
+    assert untypable_character("ding\x07") == "U+0007 (BEL)"
+    assert untypable_character("a\x1b[2J") == "U+001B (ESCAPE)"
+    assert untypable_character("line\u2028sep") == "U+2028 (LINE SEPARATOR)"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from core.protocol import Action, ActionType, EnvUnavailable, TaskSpec
+from core.protocol import Action, ActionNotSupported, ActionType, EnvUnavailable, TaskSpec
 from envmanager.desktop_env import HEIGHT, WIDTH, DesktopEnv
 from envmanager.desktop_tasks import DESKTOP_TASKS, desktop_task_records
 from envmanager.miniwob_env import png_size
@@ -108,3 +108,32 @@ def test_the_desktop_policy_does_a_real_desktop_task_greedily(
         config=preset_episode_config(desktop_policy.geometry),
     )
     assert result["success"], result["actions"]
+
+
+@pytest.mark.desktop
+@pytest.mark.parametrize(
+    "text",
+    ["café au lait", "naïve résumé", "日本語のテキスト", "tab\there, two\nlines", "thumbs 👍"],
+)
+def test_text_in_any_script_is_typed_and_saved(desktop_env: DesktopEnv, text: str) -> None:
+    desktop_env.reset(desktop_spec("desktop/editor-type-save"))
+    for action in [
+        Action(type=ActionType.CLICK, x=400, y=300),
+        Action(type=ActionType.TYPE, text=text),
+        Action(type=ActionType.HOTKEY, key="ctrl s"),
+    ]:
+        desktop_env.step(action)
+    assert desktop_env.evaluate().details["content"] == text
+
+
+@pytest.mark.desktop
+def test_a_control_character_is_refused_by_name_and_the_desktop_goes_on(
+    desktop_env: DesktopEnv,
+) -> None:
+    desktop_env.reset(desktop_spec("desktop/editor-type-save"))
+    desktop_env.step(Action(type=ActionType.CLICK, x=400, y=300))
+    with pytest.raises(ActionNotSupported, match=r"U\+0007 \(BEL\) cannot be typed"):
+        desktop_env.step(Action(type=ActionType.TYPE, text="ding\x07"))
+    desktop_env.step(Action(type=ActionType.TYPE, text="hello desktop"))
+    desktop_env.step(Action(type=ActionType.HOTKEY, key="ctrl s"))
+    assert desktop_env.evaluate().reward == 1.0

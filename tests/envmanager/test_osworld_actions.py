@@ -43,6 +43,22 @@ def test_text_is_one_literal_whatever_it_contains():
         code(Action(type=ActionType.TYPE, text="x" * 1001))
 
 
+def test_text_beyond_ascii_is_one_literal_in_a_fixed_snippet():
+    nasty = "café'); import os; os.system('id'); ('\n\"\\ 日本"
+    snippet = code(Action(type=ActionType.TYPE, text=nasty))
+    prefix = "import pyautogui; import time; pyautogui.FAILSAFE = False; "  # OSWorld's
+    tree = ast.parse(prefix + snippet)
+    strings = [
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
+    assert nasty in strings  # the text, whole, as data
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not any("system" in c or "exec" in c or "eval" in c for c in calls)
+    assert code(Action(type=ActionType.TYPE, text=nasty)) == snippet  # fixed: no randomness
+    with pytest.raises(ActionNotSupported, match=r"U\+0007 \(BEL\)"):
+        code(Action(type=ActionType.TYPE, text="bell\x07"))
+
+
 def test_keys_map_to_pyautogui_names_or_are_refused():
     assert code(Action(type=ActionType.HOTKEY, key="ctrl s")) == "pyautogui.hotkey('ctrl', 's')"
     assert code(Action(type=ActionType.HOTKEY, key="Control+Return")) == (

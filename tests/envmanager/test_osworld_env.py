@@ -141,3 +141,20 @@ def test_a_vm_with_no_way_to_reset_is_refused_with_the_reason():
             vm.reset(spec("osworld/dartboard-terminal-mkdir"))
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("text", ["café au lait", "日本語", "naïve résumé 👍"])
+def test_text_beyond_ascii_is_typed_on_the_osworld_desktop(env, text):
+    """pyautogui alone types 'caf' for 'café': the editor task asked for each text, and
+    given exactly that text to type, scores 1."""
+    data = json.loads(TASKS["osworld/dartboard-editor-type-save"].read_text())
+    data["evaluator"]["expected"]["rules"] = text
+    env.reset(TaskSpec(name="osworld/dartboard-editor-type-save", env_kind="osworld",
+                       env_config={"osworld": data}, instruction=f"Type {text} and save."))  # fmt: skip
+    for action in [
+        Action(type=ActionType.CLICK, x=400, y=300),
+        Action(type=ActionType.TYPE, text=text),
+        Action(type=ActionType.HOTKEY, key="ctrl s"),
+    ]:
+        env.step(action)
+    assert env.evaluate().reward == 1.0

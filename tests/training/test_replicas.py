@@ -144,12 +144,25 @@ def test_a_group_whose_follower_died_can_be_left_and_started_again(tiny_policy_d
     assert [p.returncode for p in again.followers] == [0]
 
 
-def test_followers_wait_for_the_first_batch_longer_than_a_collective_may(tiny_policy_dir, tmp_path):
+def test_followers_wait_for_the_first_batch_longer_than_a_collective_may(
+    tiny_policy_dir, tmp_path, monkeypatch
+):
     """A run's first batch can take longer than a collective's timeout (OSWorld episodes and
     the version-0 evaluation against NCCL's 10 minutes): here 8 s on gloo, and the leader
-    has its batch after 20 s. The followers wait outside any collective and the update runs."""
+    has its batch after 20 s. The followers wait outside any collective and the update runs.
+    What goes through the collective names the batch's file, not its screenshots."""
     import time
 
+    from training.replicas import Replicas
+
+    shared: list = []
+    share = Replicas.share
+
+    def recording_share(self, value):
+        shared.append(value)
+        return share(self, value)
+
+    monkeypatch.setattr(Replicas, "share", recording_share)
     spec = TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / "run"),
                        lr=1e-2, kl_coef=0.1)  # fmt: skip
     group = ReplicaGroup.start(spec, world=2, timeout_s=8.0)
@@ -159,3 +172,7 @@ def test_followers_wait_for_the_first_batch_longer_than_a_collective_may(tiny_po
     finally:
         group.close()
     assert [p.returncode for p in group.followers] == [0]
+    kind, batch_file, _ = shared[0]
+    assert kind == "update" and batch_file.endswith("update-1.jsonl")
+    assert "data:image" not in repr(shared[0])
+    assert not list((tmp_path / "run" / ".replica-batches").glob("*.jsonl"))  # removed after

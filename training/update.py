@@ -4,6 +4,10 @@
 train (group advantages over trajectories of a task, high-entropy selection), computes pi_old
 (and reference) log-probs once with no gradient, then runs `ppo_epochs` x `mini_batches`
 optimizer steps with gradient accumulation over micro-batches of `micro_batch` samples.
+With one epoch in one optimizer step (the default) the policy has not moved when the
+gradient pass runs, so pi_old is that pass's own log-probs, detached: no separate pass, and
+each micro-batch's reference pass runs just before its gradient pass (the trainer then
+encodes the micro-batch once for both).
 
 The model layer supplies `logprob_fn(model, samples) -> (logprobs[B, T], entropy[B, T], mask[B, T])`
 where `mask` marks the response tokens; the i-th True position of row b is the i-th token of

@@ -89,8 +89,12 @@ log = logging.getLogger("dartboard.osworld_server")
 
 MAX_BODY_BYTES = 70 * 1024 * 1024  # a 64 MiB upload plus its multipart envelope
 # OSWorld's client sends one request at a time per desktop; 16 leaves room for a person's
-# probe or two while bounding what idle connections can cost (a thread and 120 s each).
+# probe or two while bounding what idle connections can cost (a thread and IDLE_S each).
 MAX_CONNECTIONS = 16
+# How long a connection may stay silent: before its request, between requests, or between
+# two reads of its body (a 70 MiB upload sends far faster than that). Past it the connection
+# is closed and its slot freed, so 16 idle sockets hold the server for seconds, not minutes.
+IDLE_S = 10
 _BUSY = json.dumps(
     {
         "status": "error",
@@ -156,7 +160,7 @@ def token_matches(header: str | None, token: str) -> bool:
 class Handler(BaseHTTPRequestHandler):
     server: OSWorldHTTPServer
     protocol_version = "HTTP/1.1"
-    timeout = 120  # seconds a client may take to send its request
+    timeout = IDLE_S  # socket timeout: a silent connection is closed (see IDLE_S)
 
     # ------------------------------------------------------------------ plumbing
 

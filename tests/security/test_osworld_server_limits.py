@@ -135,6 +135,17 @@ def test_connections_past_the_bound_get_503_and_start_no_thread(server):
         assert _answer(sock)[0] == 200
 
 
+def test_an_idle_connection_is_closed_and_its_slot_freed(server):
+    """A client that connects and says nothing holds a slot for IDLE_S seconds, not minutes:
+    16 such sockets would otherwise keep the desktop from its agent."""
+    before = _handler_threads()
+    with _connect(server) as sock:
+        assert sock.recv(1) == b""  # closed by the server (the client gives up after WAIT_S)
+    for thread in _handler_threads() - before:
+        thread.join(WAIT_S)
+    assert not _handler_threads() - before
+
+
 @pytest.mark.desktop
 def test_execute_says_when_the_sandbox_cut_the_output(osworld_desktop):
     url = f"http://{osworld_desktop.address}"

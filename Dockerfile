@@ -12,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-       chromium chromium-driver xvfb openbox xdotool xterm x11-utils scrot imagemagick \
+       chromium chromium-driver xvfb openbox xdotool xterm x11-utils x11-xserver-utils scrot imagemagick \
        python3-tk fonts-dejavu-core bubblewrap postgresql \
     && rm -rf /var/lib/apt/lists/*
 

@@ -50,6 +50,9 @@ SCROLL_CLICKS = 3  # wheel clicks per UI-TARS scroll
 # desktop down with it (found by tests/security/test_fuzz_outputs.py with 20,000 characters).
 MAX_TYPE_CHARS = 1000
 SCROLL_BUTTONS = {"up": "4", "down": "5", "left": "6", "right": "7"}
+# After a keyboard-map change, how long the desktop's applications get to read the new map
+# before a key on it is pressed (Tk reads it when the MappingNotify event reaches it).
+KEYMAP_SETTLE_S = 0.1
 
 # Canonical key names (lower case, as UI-TARS writes them) -> X keysyms for xdotool.
 XDOTOOL_KEYS: dict[str, str] = {
@@ -98,6 +101,20 @@ def xdotool_hotkey(*, key: str) -> str:
     """'ctrl shift t' -> 'ctrl+shift+t'; ActionNotSupported for an unknown key name."""
     parts = hotkey_parts(key=key, names=XDOTOOL_KEYS, single=str.isalnum, known="letters, digits")
     return "+".join(parts)
+
+
+def _parts_by_new_characters(text: str, *, limit: int) -> list[str]:
+    """`text` cut into consecutive parts, each with at most `limit` distinct characters
+    beyond ASCII."""
+    parts, current, seen = [], "", set()
+    for ch in text:
+        if not ch.isascii() and ch not in seen and len(seen) == limit:
+            parts.append(current)
+            current, seen = "", set()
+        if not ch.isascii():
+            seen.add(ch)
+        current += ch
+    return [*parts, current] if current else parts
 
 
 class DesktopEnv(SandboxedDisplay):
@@ -256,13 +273,54 @@ class DesktopEnv(SandboxedDisplay):
     def step(self, action: Action) -> Observation:
         """Perform `action` with xdotool at screen pixels, then observe."""
         argv = self._xdotool_argv(action)
-        if argv:
+        if argv and action.type == ActionType.TYPE and not (action.text or "").isascii():
+            self._type_any_script(action.text or "")
+        elif argv:
             self._x_run(argv, what=f"step({action.type.value})")
         if action.type == ActionType.WAIT:
             time.sleep(self.wait_seconds)
         time.sleep(self.settle_s)
         self._step += 1
         return self._observe()
+
+    def _type_any_script(self, text: str) -> None:
+        """Type text with characters no key of the keyboard map holds. xdotool remaps a
+        spare keycode for each such character just before pressing it, and an application
+        that has not yet taken the remap in reads the old one: the first such character of
+        a text was lost ('caf au lait' for 'café au lait', seen in the Tk editor). So every
+        character is put on a spare keycode first (xmodmap), the clients get a moment to
+        take the new map in, xdotool finds each keysym already mapped, and the spare
+        keycodes are emptied after. A text with more such characters than spare keycodes
+        goes in parts."""
+        spare = self._spare_keycodes()
+        if not spare:
+            raise EnvUnavailable("desktop: the keyboard map has no spare keycode to type with")
+        for part in _parts_by_new_characters(text, limit=len(spare)):
+            chars = sorted({ch for ch in part if not ch.isascii()})
+            mapped = list(zip(spare, chars, strict=False))
+            try:
+                self._x_run(
+                    ["xmodmap", *[a for code, ch in mapped for a in
+                                  ("-e", f"keycode {code} = U{ord(ch):04X}")]],
+                    what="step(type): mapping characters",
+                )  # fmt: skip
+                time.sleep(KEYMAP_SETTLE_S)
+                self._x_run(["xdotool", "type", "--delay", "5", "--", part], what="step(type)")
+            finally:
+                self._x_run(
+                    ["xmodmap", *[a for code, _ in mapped for a in ("-e", f"keycode {code} =")]],
+                    what="step(type): unmapping characters",
+                )
+
+    def _spare_keycodes(self) -> list[int]:
+        """Keycodes the keyboard map leaves empty (`xmodmap -pke`: `keycode  N =`)."""
+        table = self._x_run(["xmodmap", "-pke"], what="step(type): reading the keyboard map")
+        spare = []
+        for line in table.decode(errors="replace").splitlines():
+            head, _, syms = line.partition("=")
+            if head.startswith("keycode") and not syms.strip():
+                spare.append(int(head.split()[1]))
+        return spare
 
     def evaluate(self, *, ended_by: ActionType | None = None) -> Evaluation:
         """Run the task's checker on the sandbox and window titles (polls briefly)."""

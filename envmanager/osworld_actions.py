@@ -62,10 +62,13 @@ def pyautogui_keys(key: str, *, keys: frozenset[str]) -> list[str]:
 def _type_any_script(text: str) -> str:
     """Code typing `text` with characters beyond ASCII: pyautogui types only what its
     keyboard map holds and silently skips the rest (an editor asked for 'café' gets 'caf').
-    Each such character is typed as xdotool types it: a spare keycode mapped to the
-    character's Unicode keysym (0x01000000 + code point) and pressed through XTest, with
-    python-xlib (pyautogui's own X11 dependency); the keycode's mapping is put back after.
-    The text enters only through `repr`; ASCII goes through pyautogui as before."""
+    Each such character goes on a spare keycode, mapped to its keysym (0x01000000 + code
+    point; Latin-1 letters keep their legacy keysyms, as X requires: 'é' on 0x010000e9 was
+    typed, then the editor's Ctrl+S did nothing), with python-xlib (pyautogui's own X11 dependency); the applications get a
+    moment to read the new map (a key pressed at once was read with the old one: the first
+    such character was lost), then the keys are pressed through XTest and the spare keycodes
+    emptied. More such characters than spare keycodes go in parts. The text enters only
+    through `repr`; ASCII goes through pyautogui as before."""
     return (
         "\n"
         "from Xlib import X\n"
@@ -74,21 +77,34 @@ def _type_any_script(text: str) -> str:
         "d = Display()\n"
         "lo, hi = d.display.info.min_keycode, d.display.info.max_keycode\n"
         "kmap = d.get_keyboard_mapping(lo, hi - lo + 1)\n"
-        "spare = next((lo + i for i, syms in enumerate(kmap) if not any(syms)), hi)\n"
-        "before = tuple(kmap[spare - lo])\n"
-        f"for ch in {text!r}:\n"
-        "    if ch.isascii():\n"
-        "        pyautogui.typewrite(ch, interval=0.005)\n"
-        "        continue\n"
-        "    d.change_keyboard_mapping(spare, [(0x01000000 + ord(ch),) * len(before)])\n"
+        "width = len(kmap[0])\n"
+        "spare = [lo + i for i, syms in enumerate(kmap) if not any(syms)]\n"
+        f"text = {text!r}\n"
+        "while text:\n"
+        "    codes, part = {}, ''\n"
+        "    for ch in text:\n"
+        "        if not ch.isascii() and ch not in codes:\n"
+        "            if len(codes) == len(spare):\n"
+        "                break\n"
+        "            codes[ch] = spare[len(codes)]\n"
+        "        part += ch\n"
+        "    text = text[len(part):]\n"
+        "    for ch, code in codes.items():\n"
+        "        sym = ord(ch) if 0xA0 <= ord(ch) <= 0xFF else 0x01000000 + ord(ch)\n"
+        "        d.change_keyboard_mapping(code, [(sym,) * width])\n"
         "    d.sync()\n"
-        "    time.sleep(0.02)\n"
-        "    xtest.fake_input(d, X.KeyPress, spare)\n"
-        "    xtest.fake_input(d, X.KeyRelease, spare)\n"
+        "    time.sleep(0.1)\n"
+        "    for ch in part:\n"
+        "        if ch.isascii():\n"
+        "            pyautogui.typewrite(ch, interval=0.005)\n"
+        "            continue\n"
+        "        xtest.fake_input(d, X.KeyPress, codes[ch])\n"
+        "        xtest.fake_input(d, X.KeyRelease, codes[ch])\n"
+        "        d.sync()\n"
+        "        time.sleep(0.005)\n"
+        "    for code in codes.values():\n"
+        "        d.change_keyboard_mapping(code, [(0,) * width])\n"
         "    d.sync()\n"
-        "    time.sleep(0.02)\n"
-        "d.change_keyboard_mapping(spare, [before])\n"
-        "d.sync()\n"
     )
 
 

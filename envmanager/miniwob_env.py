@@ -52,6 +52,7 @@ from core.protocol import (
     TaskSpec,
     hotkey_parts,
 )
+from envmanager.sandbox_limits import ALLOW_UNLIMITED_ENV
 from envmanager.sandboxed_browser import browser_launcher
 
 SCREEN_WIDTH = 160  # miniwob.constants.TASK_WIDTH: the task area, top-left of the page
@@ -132,8 +133,13 @@ class _PlaywrightDriver(threading.local):
 
     def acquire(self) -> Any:
         if self.playwright is None:
+            # Imported on first use: playwright's driver is started only where MiniWoB runs.
+            from playwright._impl import transport
             from playwright.sync_api import sync_playwright
 
+            # The driver (node, outside the sandbox) would get a copy of the worker's whole
+            # environment, secrets included; it gets what it and the browser launcher read.
+            transport.get_driver_env = _driver_env  # type: ignore[attr-defined]
             self.playwright = sync_playwright().start()
         self.users += 1
         return self.playwright
@@ -144,6 +150,21 @@ class _PlaywrightDriver(threading.local):
             with contextlib.suppress(Exception):
                 self.playwright.stop()
             self.playwright, self.users = None, 0
+
+
+def _driver_env() -> dict[str, str]:
+    """Playwright's driver environment, allow-listed: its own PW_ variables (from the
+    library's `get_driver_env`), the basics of a process, and the sandbox's one switch the
+    browser launcher (`envmanager.sandboxed_browser`) reads. No SECRET_KEY, database URL,
+    token or bucket key."""
+    from playwright._impl._driver import get_driver_env
+
+    keep = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", ALLOW_UNLIMITED_ENV}
+    return {
+        k: v
+        for k, v in get_driver_env().items()
+        if k in keep or k.startswith(("PW_", "PLAYWRIGHT_"))
+    }
 
 
 _DRIVER = _PlaywrightDriver()

@@ -317,10 +317,13 @@ class PolicyTrainer:
         config: UpdateConfig,
         *,
         separate_old_pass: bool = False,
+        stop: Callable[[], bool] | None = None,
     ) -> UpdateMetrics:
         """One policy update. The leader of replicas hands the followers the same samples
         and config first (`training.replica_group`), so every replica takes this step.
-        `separate_old_pass`: see `policy_update` (a benchmark's baseline)."""
+        `separate_old_pass`: see `policy_update` (a benchmark's baseline). `stop`: asked
+        between micro-batches; True raises `UpdateInterrupted` (ignored with replicas, which
+        finish the update together)."""
         shared = None
         if self.replicas is not None and self.replicas.leader:
             # The followers are this process's children on this host: they read the batch
@@ -353,6 +356,7 @@ class PolicyTrainer:
                 policy_version=self.state.version,
                 replicas=self.replicas,
                 separate_old_pass=separate_old_pass,
+                stop=stop if self.replicas is None else None,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
             metrics.image_features_reused = self.prompts.images_reused

@@ -50,6 +50,25 @@ logger = logging.getLogger(__name__)
 LogprobFn = Callable[[nn.Module, Sequence[TrainSample]], tuple[Tensor, Tensor, Tensor]]
 
 
+class UpdateInterrupted(RuntimeError):
+    """`policy_update`'s `stop()` said to stop (the worker shuts down): the update ended
+    between two micro-batches. No optimizer step was taken unless the message says so; the
+    caller drops what it held in memory and resumes from the last published version."""
+
+
+def _check_stop(stop: Callable[[], bool] | None, steps_taken: int) -> None:
+    if stop is not None and stop():
+        raise UpdateInterrupted(
+            "update stopped between micro-batches ("
+            + (
+                f"{steps_taken} optimizer steps already taken"
+                if steps_taken
+                else "no optimizer step taken"
+            )
+            + ")"
+        )
+
+
 @dataclass
 class UpdateConfig:
     """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here).
@@ -312,6 +331,7 @@ def _pi_old_pass(
     config: UpdateConfig,
     seconds: dict[str, float],
     replicas: Replicas | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[dict[int, _TokenStats], int]:
     """Log-probs of pi_old (and pi_ref) for the samples in `order`, no gradient, plus IS weights.
     With `replicas`, each computes its share of the micro-batches and all get every result.
@@ -325,6 +345,7 @@ def _pi_old_pass(
     micros = _batches(order, config.micro_batch)
     with torch.no_grad():
         for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
+            _check_stop(stop, 0)
             micro_samples = [samples[i] for i in micro]
             started = time.perf_counter()
             logprobs, entropy, mask = logprob_fn(model, micro_samples)
@@ -401,6 +422,8 @@ def _optimizer_step(
     config: UpdateConfig,
     fused_ref: _FusedRef | None = None,
     replicas: Replicas | None = None,
+    stop: Callable[[], bool] | None = None,
+    steps_taken: int = 0,
 ) -> tuple[_StepTotals, float]:
     """Accumulate gradients over the micro-batches of `part`, clip, step. Returns totals, norm.
     With `replicas`, each takes its share of the micro-batches and the gradients (and totals)
@@ -432,6 +455,7 @@ def _optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     micros = _batches(part, config.micro_batch)
     for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
+        _check_stop(stop, steps_taken)
         micro_samples = [samples[i] for i in micro]
         ref_logprobs = fused_ref.logprobs(micro_samples) if fused_ref is not None else None
         started = time.perf_counter()
@@ -502,6 +526,7 @@ def _optimizer_step(
         units = out.n_pg_tokens if config.loss_type == "ppo" else int(pg_mask.any(dim=1).sum())
         totals.clipped += out.clip_fraction * units
         totals.clip_units += units
+    _check_stop(stop, steps_taken)
     started = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     if replicas is not None:
@@ -557,6 +582,7 @@ def policy_update(
     policy_version: int | None = None,
     replicas: Replicas | None = None,
     separate_old_pass: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> UpdateMetrics:
     """Run one policy update on `samples` and return what it did.
 
@@ -574,11 +600,15 @@ def policy_update(
         separate_old_pass: compute pi_old in a pass of its own even where the gradient pass
             gives it (one epoch, one optimizer step, every sample's response tokens known):
             the baseline `bench/update_cost.py` compares against; the step is the same.
+        stop: asked before each micro-batch and each optimizer step; True ends the update
+            with UpdateInterrupted (a worker shutting down need not finish a long update).
+            Not with replicas: they would be left waiting in a collective.
     Returns:
         UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
     Raises:
         ValueError: no samples, kl_coef > 0 without ref_model, inconsistent trajectory rewards.
+        UpdateInterrupted: `stop()` said so.
 
     Long because it is the update algorithm read top to bottom (advantages, step
     selection, old and reference log-probs, epochs); its stages share the samples' index
@@ -586,6 +616,8 @@ def policy_update(
     """
     if not samples:
         raise ValueError("policy_update needs at least one sample")
+    if stop is not None and replicas is not None:
+        raise ValueError("policy_update: stop is for a single process, not replicas")
     if config.kl_coef > 0 and ref_model is None:
         raise ValueError(
             f"UpdateConfig.kl_coef={config.kl_coef} needs a reference model: pass ref_model "
@@ -648,6 +680,7 @@ def policy_update(
             config=config,
             seconds=seconds,
             replicas=replicas,
+            stop=stop,
         )
         n_tokens = {i: stats[i].old.numel() for i in order}
     sums = _StepTotals()
@@ -665,6 +698,8 @@ def policy_update(
                 config=config,
                 fused_ref=fused_ref,
                 replicas=replicas,
+                stop=stop,
+                steps_taken=metrics.optimizer_steps,
             )
             metrics.optimizer_steps += 1
             for name in ("loss", "pg_loss", "kl", "bc_loss", "clipped", "clip_units"):

@@ -51,6 +51,7 @@ from workers.leases import (
     work_enqueue,
     work_hold,
 )
+from workers.lifecycle import shutdown_requested
 
 log = logging.getLogger("dartboard.evaluate")
 
@@ -95,6 +96,12 @@ def eval_job_run(
         with _policy_endpoint(job) as (policy, oracle):
             for task in tasks:
                 for i in range(job.k):
+                    if shutdown_requested.is_set():
+                        # The worker is stopping (Ctrl-C): leave between episodes; the
+                        # shard resumes after the restart, skipping what has ended.
+                        log.info("evaluation %s shard %s: left for the worker's shutdown",
+                                 job.pk, shard)  # fmt: skip
+                        return evaluations.eval_job_finish_if_done(job_id=job_id)
                     if eval_episode_ended(job_id=job.pk, task_id=task.pk, seed=job.seed * 1000 + i):
                         continue  # resumed job: this episode is done
                     _one_episode(job, task, i, policy, oracle, shard=shard)

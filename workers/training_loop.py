@@ -36,7 +36,7 @@ from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
-from training.update import UpdateConfig
+from training.update import UpdateConfig, UpdateInterrupted
 from workers.artifacts import checkpoint_restore, checkpoint_upload, optimizer_states_prune
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
@@ -196,7 +196,14 @@ def update_and_publish(
     """Train one update on `batch`, record it (and its version when `publish`) in one
     transaction, and tell the dashboard after commit."""
     trained_version = trainer.state.version
-    metrics = trainer.update(batch.samples, config)
+    try:
+        metrics = trainer.update(batch.samples, config, stop=shutdown_requested.is_set)
+    except UpdateInterrupted as exc:
+        # The worker is stopping (Ctrl-C): nothing of this update is recorded and its groups
+        # stay ready; the next trainer resumes from the last published version.
+        log.info("run %s: %s for the worker's shutdown; its groups stay ready", run.pk, exc)
+        trainer_forget(run_id=run.pk)
+        return
     path = trainer.save_version(trained_version + 1) if publish else None
     artifact = (
         checkpoint_upload(run_id=run.pk, version=trained_version + 1, checkpoint=path)

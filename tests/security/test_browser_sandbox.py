@@ -40,5 +40,12 @@ def test_the_miniwob_browser_is_sandboxed(monkeypatch) -> None:
             for hidden in (CHECKOUT / "README.md", CHECKOUT / ".venv" / "bin", Path.home()):
                 assert not os.path.exists(f"{seen}{hidden}"), hidden
             assert os.path.exists(f"{seen}{miniwob_html_dir()}/click-test.html")
+        # Playwright's driver runs outside the sandbox: an allow-listed environment.
+        drivers = [p for p in psutil.Process().children(recursive=True)
+                   if "run-driver" in " ".join(p.cmdline())]  # fmt: skip
+        assert drivers, "no Playwright driver process found"
+        for proc in drivers:
+            environ = proc.environ()
+            assert "SECRET_KEY" not in environ and "PATH" in environ, sorted(environ)
     finally:
         env.close()

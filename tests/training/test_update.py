@@ -456,3 +456,23 @@ def test_one_epoch_one_step_skips_the_pi_old_pass_and_takes_the_same_step() -> N
     assert m_fused.is_weight_min < 1.0  # the rollout was another policy's: IS weights acted
     assert m_fused.n_tokens == m_sep.n_tokens > 0
     assert m_fused.step_is_weight == pytest.approx(m_sep.step_is_weight)
+
+
+def test_a_stop_between_micro_batches_leaves_the_weights_as_they_were() -> None:
+    from training.update import UpdateInterrupted
+
+    model = tiny_lm()
+    before = [p.detach().clone() for p in model.parameters()]
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # after the first micro-batch
+
+    with pytest.raises(UpdateInterrupted, match="no optimizer step taken"):
+        policy_update(
+            model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            samples=bandit_batch(), logprob_fn=toy_logprob_fn,
+            config=UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, micro_batch=2), stop=stop,
+        )  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

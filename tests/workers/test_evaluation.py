@@ -73,3 +73,19 @@ def test_a_bad_policy_or_task_selection_fails_with_a_reason(miniwob_tasks):
     with pytest.raises(CommandError, match="unknown task"):
         call_command("evaluate", policy="oracle", tasks="miniwob/nope", k=1)
     assert not EvalJob.objects.exists()
+
+
+def test_a_stopping_worker_leaves_an_evaluation_between_episodes_and_it_resumes(miniwob_tasks):
+    """Ctrl-C during an evaluation: the worker leaves after the episode under way (it is not
+    killed mid-way at the launcher's deadline); the job resumes where it stopped."""
+    from workers.lifecycle import shutdown_requested
+
+    job = eval_job_create(name="stopped", policy="oracle", tasks=miniwob_tasks[:2], k=2)
+    try:
+        stopped = eval_job_run(job_id=job.pk, on_episode=shutdown_requested.set)
+    finally:
+        shutdown_requested.clear()
+    assert (stopped.status, stopped.done) == ("running", 1)
+    resumed = eval_job_run(job_id=job.pk)
+    assert (resumed.status, resumed.done) == ("finished", 4)
+    assert Trajectory.objects.filter(eval_job=job).count() == 4  # none run twice

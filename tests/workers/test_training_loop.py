@@ -422,3 +422,34 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
     training_loop.trainers_forget_all()
     resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
     assert (resumed.state.updates, resumed.state.version) == (3, 3)
+
+
+def test_a_worker_shutting_down_mid_update_records_nothing_and_the_groups_train_after(
+    run_on_tiny, monkeypatch
+):
+    """Ctrl-C while an update runs: the trainer leaves between micro-batches instead of
+    finishing a long update; no version, no update, the groups still ready; the restarted
+    trainer trains them."""
+    from training.trainer import PolicyTrainer
+    from workers.lifecycle import shutdown_requested
+
+    run = run_on_tiny
+    _fill(run)
+    training_loop.trainers_forget_all()
+    logprob_fn = PolicyTrainer.logprob_fn
+
+    def stopping(self, model, samples):
+        shutdown_requested.set()  # Ctrl-C arrives during the update's first pass
+        return logprob_fn(self, model, samples)
+
+    monkeypatch.setattr(PolicyTrainer, "logprob_fn", stopping)
+    try:
+        assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "time slice over"
+    finally:
+        shutdown_requested.clear()
+    assert not TrainUpdate.objects.filter(run=run).exists()
+    assert not PolicyVersion.objects.filter(run=run).exists()
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count() == 2
+    monkeypatch.setattr(PolicyTrainer, "logprob_fn", logprob_fn)
+    assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.TRAINED).count() == 2

@@ -122,6 +122,8 @@ class PromptCache:
         started = time.perf_counter()
         parts = prompt_parts(policy, sample.messages)
         self.seconds += time.perf_counter() - started
+        if self.max_bytes <= 0:
+            return parts
         self._parts[sample.step_id] = parts
         self._bytes += parts.nbytes
         while self._bytes > self.max_bytes and len(self._parts) > 1:

@@ -204,3 +204,22 @@ def test_an_update_encodes_each_step_once_and_takes_the_step_it_took_encoding_ev
     trained = dict(once.policy.model.named_parameters())
     for name, value in again.policy.model.named_parameters():
         assert torch.allclose(value, trained[name], atol=1e-6), name
+
+
+def test_the_prompt_cache_keeps_what_its_bytes_allow_and_nothing_at_zero(tiny_policy_dir):
+    from training.trainer import PromptCache
+
+    policy = load_policy(tiny_policy_dir)
+    first, second = samples(0)[:2]
+    one = PromptCache(1 << 30).get(policy, first).nbytes
+
+    def reused(max_bytes: int, order: list) -> int:
+        cache = PromptCache(max_bytes)
+        for sample in order:
+            cache.get(policy, sample)
+        return cache.reused
+
+    assert reused(0, [first, first]) == 0  # nothing kept: every pass encodes
+    assert reused(one, [first, first]) == 1  # room for one prompt
+    assert reused(one, [first, second, first]) == 0  # the second pushed the first out
+    assert reused(1 << 30, [first, second, first, second]) == 2

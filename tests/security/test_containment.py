@@ -102,7 +102,9 @@ def test_the_window_manager_runs_in_the_sandbox_with_nothing_that_executes(deskt
 def test_the_display_demands_its_cookie_and_listens_on_no_port(desktop) -> None:
     x = desktop._x
     assert x is not None
-    assert set(x.environ()) == {"DISPLAY", "XAUTHORITY", "PATH"}  # the platform's X tools
+    # The platform's X tools: the display, its cookie, PATH and a UTF-8 locale, nothing else.
+    assert x.environ() == {"DISPLAY": x.display, "XAUTHORITY": x.environ()["XAUTHORITY"],
+                           "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}  # fmt: skip
     without = subprocess.run(
         ["xprop", "-root"], env={"DISPLAY": x.display, "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=10,

@@ -135,6 +135,7 @@ def test_connections_past_the_bound_get_503_and_start_no_thread(server):
         assert _answer(sock)[0] == 200
 
 
+@pytest.mark.slow  # waits out IDLE_S (10 s)
 def test_an_idle_connection_is_closed_and_its_slot_freed(server):
     """A client that connects and says nothing holds a slot for IDLE_S seconds, not minutes:
     16 such sockets would otherwise keep the desktop from its agent."""

@@ -146,6 +146,7 @@ class DesktopEnv(SandboxedDisplay):
         self._root = pathlib.Path(tempfile.mkdtemp(prefix="dartboard-desktop-"))
         self._sandbox = self._root / "task"  # the task directory, on the host side
         self._task_name: str | None = None
+        self._typed_keycodes: list[int] = []  # mapped for the last text beyond ASCII
         self._instruction = ""
         self._step = 0
 
@@ -289,28 +290,38 @@ class DesktopEnv(SandboxedDisplay):
         that has not yet taken the remap in reads the old one: the first such character of
         a text was lost ('caf au lait' for 'café au lait', seen in the Tk editor). So every
         character is put on a spare keycode first (xmodmap), the clients get a moment to
-        take the new map in, xdotool finds each keysym already mapped, and the spare
-        keycodes are emptied after. A text with more such characters than spare keycodes
-        goes in parts."""
+        take the new map in, and xdotool finds each keysym already mapped. The keycodes stay
+        mapped until the next such text: emptied right after typing, an application still
+        working through the key events read them with the emptied map (under load the Tk
+        editor kept only the first of eight CJK characters). A text with more such
+        characters than spare keycodes goes in parts."""
+        self._unmap_typed()
         spare = self._spare_keycodes()
         if not spare:
             raise EnvUnavailable("desktop: the keyboard map has no spare keycode to type with")
-        for part in _parts_by_new_characters(text, limit=len(spare)):
+        for i, part in enumerate(_parts_by_new_characters(text, limit=len(spare))):
+            if i:  # the previous part's keys must be read before its keycodes are reused
+                time.sleep(5 * KEYMAP_SETTLE_S)
+                self._unmap_typed()
             chars = sorted({ch for ch in part if not ch.isascii()})
             mapped = list(zip(spare, chars, strict=False))
-            try:
-                self._x_run(
-                    ["xmodmap", *[a for code, ch in mapped for a in
-                                  ("-e", f"keycode {code} = U{ord(ch):04X}")]],
-                    what="step(type): mapping characters",
-                )  # fmt: skip
-                time.sleep(KEYMAP_SETTLE_S)
-                self._x_run(["xdotool", "type", "--delay", "5", "--", part], what="step(type)")
-            finally:
-                self._x_run(
-                    ["xmodmap", *[a for code, _ in mapped for a in ("-e", f"keycode {code} =")]],
-                    what="step(type): unmapping characters",
-                )
+            self._x_run(
+                ["xmodmap", *[a for code, ch in mapped for a in
+                              ("-e", f"keycode {code} = U{ord(ch):04X}")]],
+                what="step(type): mapping characters",
+            )  # fmt: skip
+            self._typed_keycodes = [code for code, _ in mapped]
+            time.sleep(KEYMAP_SETTLE_S)
+            self._x_run(["xdotool", "type", "--delay", "5", "--", part], what="step(type)")
+
+    def _unmap_typed(self) -> None:
+        """Empty the keycodes the last text beyond ASCII was typed with."""
+        codes, self._typed_keycodes = self._typed_keycodes, []
+        if codes:
+            self._x_run(
+                ["xmodmap", *[a for code in codes for a in ("-e", f"keycode {code} =")]],
+                what="step(type): unmapping characters",
+            )
 
     def _spare_keycodes(self) -> list[int]:
         """Keycodes the keyboard map leaves empty (`xmodmap -pke`: `keycode  N =`)."""

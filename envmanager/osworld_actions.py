@@ -66,8 +66,9 @@ def _type_any_script(text: str) -> str:
     point; Latin-1 letters keep their legacy keysyms, as X requires: 'é' on 0x010000e9 was
     typed, then the editor's Ctrl+S did nothing), with python-xlib (pyautogui's own X11 dependency); the applications get a
     moment to read the new map (a key pressed at once was read with the old one: the first
-    such character was lost), then the keys are pressed through XTest and the spare keycodes
-    emptied. More such characters than spare keycodes go in parts. The text enters only
+    such character was lost), then the keys are pressed through XTest and, 0.3 s later (an
+    application still reading the keys would read them with the emptied map), the spare
+    keycodes are emptied. More such characters than spare keycodes go in parts. The text enters only
     through `repr`; ASCII goes through pyautogui as before."""
     return (
         "\n"
@@ -102,6 +103,7 @@ def _type_any_script(text: str) -> str:
         "        xtest.fake_input(d, X.KeyRelease, codes[ch])\n"
         "        d.sync()\n"
         "        time.sleep(0.005)\n"
+        "    time.sleep(0.3)\n"
         "    for code in codes.values():\n"
         "        d.change_keyboard_mapping(code, [(0,) * width])\n"
         "    d.sync()\n"

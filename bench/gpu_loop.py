@@ -94,18 +94,13 @@ def build_model(workdir: Path, *, cpu: bool) -> Path:
     if cpu:
         return ROOT / "policies" / "tiny-grounded"
     import torch
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
-    from core.imaging import QWEN25_VL
+    from bench.update_cost import released_processor
     from training.tiny_policy import build_tiny_policy
 
     out = build_tiny_policy(workdir / "qwen2.5-vl-7b-shape", arch="qwen2_5_vl", **QWEN25_7B,
                             init_device="cuda", dtype=torch.bfloat16)  # type: ignore[arg-type]  # fmt: skip
-    Qwen2VLImageProcessorPil(
-        min_pixels=QWEN25_VL.min_pixels, max_pixels=QWEN25_VL.max_pixels
-    ).save_pretrained(out)
+    released_processor(out)
     torch.cuda.empty_cache()
     return out
 

@@ -239,11 +239,14 @@ class MiniWoBEnv:
         *,
         chromium: str | None = None,
         timeout_s: float = 10.0,
+        launch_timeout_s: float = 60.0,
         wait_seconds: float = 0.5,
         episode_seconds: float | None = None,
     ) -> None:
         """chromium: browser binary (default $MINIWOB_CHROME_BINARY or /usr/bin/chromium).
         timeout_s: limit for navigations, screenshots and input calls.
+        launch_timeout_s: limit for starting the browser; chromium in its sandbox on a
+        machine busy with other browsers and a trainer can take well over 10 s to start.
         wait_seconds: how long a `wait` action sleeps.
         episode_seconds: override the task's own time limit (MiniWoB default 10 s; a slow
         CPU policy may need more). None keeps the task's limit. env_config
@@ -251,6 +254,7 @@ class MiniWoBEnv:
         """
         self.chromium = chromium or os.environ.get("MINIWOB_CHROME_BINARY", "/usr/bin/chromium")
         self.timeout_s = timeout_s
+        self.launch_timeout_s = launch_timeout_s
         self.wait_seconds = wait_seconds
         self.episode_seconds = episode_seconds
         self._playwright: Any = None
@@ -277,7 +281,7 @@ class MiniWoBEnv:
                 executable_path=self._executable,
                 # An unknown switch chromium ignores, so browser_pid() can tell ours apart.
                 args=[*CHROMIUM_ARGS, f"--dartboard-env={self._marker}"],
-                timeout=self.timeout_s * 1000,
+                timeout=self.launch_timeout_s * 1000,
             )
             self._page = self._browser.new_page(viewport=VIEWPORT)
             self._page.set_default_timeout(self.timeout_s * 1000)

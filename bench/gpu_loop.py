@@ -164,7 +164,7 @@ def _loop(
 
     from core.imaging import ImageGeometry
     from core.lora import LoraSpec
-    from dartboard.launcher import ProcSpec, Supervisor, inference_env, python_argv, wait_http
+    from hostagent.launcher import ProcSpec, Supervisor, inference_env, python_argv, wait_http
     from rollout.auth import ServiceTokens
     from rollout.client import PolicyClient
     from training.trainer import PolicyTrainer

@@ -8,7 +8,7 @@ second.
     .venv/bin/python bench/gpu_smoke.py            # on a GPU host, with .venv-vllm built
     .venv/bin/python bench/gpu_smoke.py --cpu      # the same steps on this CPU, tiny policy
 
-vLLM starts exactly as the launcher starts it (`dartboard.launcher.vllm_specs`), from
+vLLM starts exactly as the launcher starts it (`hostagent.launcher.vllm_specs`), from
 `.venv-vllm` (or DARTBOARD_VLLM_PYTHON: on a GPU host, an environment with
 requirements-gpu.txt). Everything runs under a temporary DARTBOARD_HOME.
 """
@@ -297,7 +297,7 @@ def _with_vllm(rows: list[tuple[str, str]], *, home: Path, device: str, cpu: boo
     """Long because it is the smoke's checks in order, sharing one vLLM and one home."""
     from django.conf import settings
 
-    from dartboard.launcher import Supervisor, vllm_specs
+    from hostagent.launcher import Supervisor, vllm_specs
     from rollout.auth import ServiceTokens
     from rollout.client import PolicyClient
     from rollout.vllm_command import vllm_missing, vllm_python

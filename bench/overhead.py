@@ -159,7 +159,7 @@ def routing_overhead(n: int) -> dict | None:
             stderr=subprocess.DEVNULL,
         )
         try:
-            from dartboard.launcher import wait_http
+            from hostagent.launcher import wait_http
 
             if not wait_http(f"http://127.0.0.1:{port}/health", timeout=60):
                 return None

@@ -69,8 +69,8 @@ class PrivateStack:
         from django.core.management import call_command
 
         from dartboard.embedded_redis import EmbeddedRedis
-        from dartboard.launcher import Supervisor, default_specs, wait_http
         from datamanager.policies import policy_path
+        from hostagent.launcher import Supervisor, default_specs, wait_http
 
         self.redis = EmbeddedRedis(self.home / "redis" / "redis.sock")
         self.redis.start()

@@ -189,6 +189,25 @@ def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return default
+    if raw not in choices:
+        raise SettingsError(f"{name}={raw!r} is not one of {', '.join(choices)}.")
+    return raw
+
+
+def env_int(name: str, default: int) -> int:
+    """A whole number >= 0 from the environment (default when unset)."""
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise SettingsError(f"{name}={raw!r} is not a whole number >= 0; e.g. {name}={default}.")
+    return int(raw)
+
+
 def env_seconds(name: str, default: float) -> float:
     """A positive number of seconds from the environment (default when unset)."""
     raw = os.environ.get(name)

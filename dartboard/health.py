@@ -31,6 +31,7 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from datamanager.models import ServiceOutage
+from datamanager.selectors.runs import run_own_router
 from datamanager.services.outages import service_outage_close, service_outage_open
 from rollout.auth import bearer
 from workers.leases import trainer_work
@@ -114,9 +115,10 @@ def probe_database() -> Probe:
         return Probe(DOWN, error=f"{type(exc).__name__}: {str(exc).strip()}")
 
 
-def probe_rollout() -> tuple[Probe, Probe]:
-    """The router and, from its /health, the inference workers behind it."""
-    url = settings.DARTBOARD_INFERENCE_URLS[0].rstrip("/")
+def probe_rollout(url: str | None = None) -> tuple[Probe, Probe]:
+    """The router (the shared one by default) and, from its /health, the inference workers
+    behind it."""
+    url = (url or settings.DARTBOARD_INFERENCE_URLS[0]).rstrip("/")
     try:
         # The inference token, the least the router's detailed /health takes (the master
         # never leaves the web and the workers).
@@ -236,13 +238,9 @@ class HealthBoard:
         with self._lock:
             if time.monotonic() - self._probed_at < PROBE_EVERY_S and self._cache:
                 return dict(self._cache)
-        router, inference = probe_rollout()
-        fresh = {
-            "redis": probe_redis(),
-            "database": probe_database(),
-            "router": router,
-            "inference": inference,
-        }
+        fresh = {"redis": probe_redis(), "database": probe_database()}
+        if settings.DARTBOARD_PROCESSES == "shared":  # else each run has its own (services)
+            fresh["router"], fresh["inference"] = probe_rollout()
         with self._lock:
             self._cache, self._probed_at = fresh, time.monotonic()
         return dict(fresh)
@@ -252,6 +250,10 @@ class HealthBoard:
         probes = self.probes()
         db_up = probes["database"].state == UP
         rows = [self.observe(key, probe, db_up=db_up) for key, probe in probes.items()]
+        if run_id is not None and db_up and (own := _own_router(run_id)):
+            router, inference = probe_rollout(own)
+            rows.append(self.observe(f"router:{run_id}", router, db_up=db_up))
+            rows.append(self.observe(f"inference:{run_id}", inference, db_up=db_up))
         if trainer and run_id is not None:
             probe = probe_trainer(run_id, probes["redis"].state == UP)
             rows.append(self.observe(f"trainer:{run_id}", probe, db_up=db_up))
@@ -259,6 +261,13 @@ class HealthBoard:
 
 
 BOARD = HealthBoard()
+
+
+def _own_router(run_id: int) -> str:
+    try:
+        return run_own_router(run_id=run_id)
+    except DatabaseError:  # went down since the probe: the board says so already
+        return ""
 
 
 def outage_banner(rows: list[ServiceHealth]) -> str:

@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "datamanager",
     "workers",
     "dartboard",
+    "hostagent",
 ]
 
 MIDDLEWARE = [
@@ -268,6 +269,13 @@ DARTBOARD_FLOWER_URL = os.environ.get("DARTBOARD_FLOWER_URL") or "http://127.0.0
 DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
     "http://127.0.0.1:8100"
 ]
+# Who starts a run's processes: "per-run" (a host agent, hostagent/agent.py, starts each
+# run's inference workers, router, trainer and env workers when it starts, and stops them
+# when it stops; what `make run` does), or "shared" (every run uses the rollout service at
+# DARTBOARD_INFERENCE_URLS and the shared Celery queues, started by whoever deploys them).
+DARTBOARD_PROCESSES = config_env.env_choice("DARTBOARD_PROCESSES", ("shared", "per-run"), "shared")
+# CPU inference workers a host agent runs at once on a host without GPUs (runs past it wait).
+DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOTS", 2)
 # The master secret, held by the web and the workers only; each other process gets the token
 # of its purpose, derived from it (rollout/auth.py): the env slots' inference token, the
 # trainer's router-admin token, one token per desktop. The rollout service loads weights only

@@ -23,8 +23,10 @@ from datamanager.models import (
     EvalJob,
     EvalScope,
     EvalStatus,
+    PlacementState,
     PolicyVersion,
     Run,
+    RunPlacement,
     RunStatus,
     SlotStatus,
     Step,
@@ -268,6 +270,29 @@ def _minutes(seconds: float) -> str:
 
 
 UNSOLVED_MIN_ATTEMPTS = 8  # rollouts before the run page says a task has never succeeded
+
+
+def placement_note(*, run: Run) -> str:
+    """The run page's line on its own processes (a host agent's placement): where they run,
+    on which devices, or why the run waits; "" for a run on the shared rollout service."""
+    placement = RunPlacement.objects.filter(run=run).select_related("host").first()
+    if placement is None:
+        return ""
+    plan = placement.plan or {}
+    if placement.state == PlacementState.QUEUED:
+        return f"Processes: {placement.reason or 'queued'}"
+    if placement.state == PlacementState.ENDED:
+        return f"Processes: stopped{': ' + placement.reason if placement.reason else ''}"
+    where = placement.host.name if placement.host else "?"
+    inference = plan.get("inference_gpus") or []
+    devices = (
+        f"trainer on GPU {', '.join(map(str, plan.get('trainer_gpus') or []))}; inference on "
+        f"GPU {', '.join(str(g) for g in inference)}"
+        if plan.get("device") == "cuda"
+        else f"CPU: trainer and {len(inference)} inference worker{'s' if len(inference) != 1 else ''}"
+    )
+    router = f"; router {placement.router_url}" if placement.router_url else ""
+    return f"Processes: {placement.state} on {where} ({devices}{router})"
 
 
 def unsolved_tasks_note(*, run: Run, min_attempts: int = UNSOLVED_MIN_ATTEMPTS) -> str:

@@ -541,6 +541,11 @@ class RunConfig:
         "host fetches.",
     )
     seed: int = knob(0, "Seed of task sampling and decoding.")
+    device: Literal["auto", "cpu", "cuda"] = knob(
+        "auto",
+        "Where a host agent puts the run's trainer and inference workers: auto (GPUs where the "
+        "host has them, else the CPU), cpu, or cuda (the run waits for a host with free GPUs).",
+    )
     tasks: TaskSelection = field(default_factory=TaskSelection)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -44,6 +44,8 @@ class Task(models.Model):
 
 class RunStatus(models.TextChoices):
     CREATED = "created"
+    # Started, waiting for a host agent to bring up its processes (or for room to do so).
+    QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"
     STOPPED = "stopped"
@@ -78,6 +80,64 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} (#{self.pk})"
+
+
+class Host(models.Model):
+    """A machine whose host agent starts runs' processes, and what it said it has."""
+
+    name = models.CharField(max_length=200, unique=True)
+    address = models.CharField(
+        max_length=200, default="127.0.0.1", help_text="Where other hosts reach its routers."
+    )
+    gpus = models.JSONField(
+        default=list, blank=True, help_text='[{"index": 0, "name": ..., "memory_gib": ...}]'
+    )
+    cuda_torch = models.BooleanField(
+        default=False, help_text="Whether the agent's torch build can use the GPUs."
+    )
+    cpu_cores = models.PositiveIntegerField(default=1)
+    memory_gib = models.FloatField(default=0.0)
+    cpu_inference_slots = models.PositiveIntegerField(
+        default=2, help_text="CPU inference workers this host serves at once."
+    )
+    env_kinds = models.JSONField(default=list, blank=True)
+    last_seen = models.DateTimeField()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PlacementState(models.TextChoices):
+    QUEUED = "queued"  # waiting for room
+    STARTING = "starting"  # processes started, router not answering yet
+    UP = "up"  # the run's processes serve it
+    ENDED = "ended"  # stopped with the run
+
+
+class RunPlacement(models.Model):
+    """A run's own processes: on which host, which GPUs and ports, and why it waits.
+
+    One per run started under a host agent (DARTBOARD_PROCESSES=per-run). A run with one
+    uses its own router and its own Celery queues; a run without uses the shared ones."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="placement")
+    host = models.ForeignKey(Host, null=True, blank=True, on_delete=models.SET_NULL)
+    state = models.CharField(
+        max_length=16, choices=PlacementState.choices, default=PlacementState.QUEUED
+    )
+    reason = models.TextField(blank=True, help_text="Why it waits, or what failed.")
+    plan = models.JSONField(
+        default=dict, blank=True, help_text="Devices and ports (hostagent.placement.Placement)."
+    )
+    router_url = models.CharField(max_length=200, blank=True)
+    queued_at = models.DateTimeField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["queued_at", "pk"]
 
 
 class RunAction(models.Model):

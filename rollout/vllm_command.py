@@ -45,10 +45,15 @@ def vllm_serve_args(
     uds: str | None = None,
     gpu_memory: float | None = None,
     dtype: str = "auto",
+    max_model_len: int | None = None,
+    images_per_prompt: int | None = None,
 ) -> list[str]:
     """`vllm serve`'s arguments (after the program) for the policy in `model_dir`, listening
     on `uds` (a unix socket path) or on host:port; `gpu_memory`: the fraction of its GPU it
-    takes (vLLM's default 0.9 when None); `dtype`: the weights' (`checkpoint_dtype`)."""
+    takes (vLLM's default 0.9 when None); `dtype`: the weights' (`checkpoint_dtype`).
+    `max_model_len` and `images_per_prompt` come from the run's budgets (prompt plus reply
+    tokens, screenshots kept): without them vLLM sizes its cache for the model's whole
+    context (128k tokens for Qwen2.5-VL) and its own default image count."""
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
@@ -59,6 +64,9 @@ def vllm_serve_args(
         "--generation-config", "vllm", "--dtype", dtype,
         "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "2",
         *(["--gpu-memory-utilization", str(gpu_memory)] if gpu_memory is not None else []),
+        *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+        *(["--limit-mm-per-prompt", json.dumps({"image": images_per_prompt})]
+          if images_per_prompt else []),
     ]  # fmt: skip
 
 

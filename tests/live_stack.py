@@ -1,7 +1,7 @@
 """A live `make run` stack for tests that break things under a running run: Celery env
 workers with real chromium, the trainer worker, the default worker, Celery beat (the
 watchdog), one transformers inference worker with the shipped tiny policy and the router
-(dartboard.launcher.default_specs, without the web: tests call the views in-process).
+(hostagent.launcher.default_specs, without the web: tests call the views in-process).
 
 Used by tests/dartboard/test_fault_tolerance.py (workers killed) and test_outages.py (Redis
 and the database restarted)."""
@@ -23,11 +23,11 @@ from typing import Any
 from django.utils import timezone
 
 from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.launcher import Supervisor, default_specs, wait_http
 from datamanager.config import RunConfig
 from datamanager.models import SCORED_STATUSES, Run, Step, Task, TrainUpdate, Trajectory
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control, run_create
+from hostagent.launcher import Supervisor, default_specs, wait_http
 
 TASKS = ("click-test-2", "click-button", "click-dialog")
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,6 +35,8 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from datamanager.models import EvalJob, PlacementState, RunPlacement
+
 log = logging.getLogger("dartboard.leases")
 
 T = TypeVar("T")
@@ -91,11 +93,32 @@ class LiveWork:
     lease_key: str
     task: str
     args: tuple[Any, ...]
-    queue: str
+    kind: str  # "env" or "train": which workers serve it
+    run_id: int | None = None  # the run it serves, if known
+    eval_job: int | None = None  # an evaluation shard's job (its run is looked up)
 
     @property
     def pending_key(self) -> str:
         return f"{self.lease_key}:pending"
+
+    @property
+    def queue(self) -> str:
+        """Its Celery queue, looked up when asked (the database may be away when the work is
+        only named, for its lease key)."""
+        run_id = self.run_id
+        if self.eval_job is not None:
+            run_id = (
+                EvalJob.objects.filter(pk=self.eval_job).values_list("run_id", flat=True).first()
+            )
+        return self.kind if run_id is None else run_queue(run_id=run_id, kind=self.kind)
+
+
+def run_queue(*, run_id: int, kind: str) -> str:
+    """The Celery queue of a run's `kind` ("env" or "train") work: the run's own
+    (`env.run7`), served by the workers a host agent started for it, when it has a live
+    placement; else the shared one every launcher's workers serve."""
+    live = RunPlacement.objects.filter(run_id=run_id).exclude(state=PlacementState.ENDED)
+    return f"{kind}.run{run_id}" if live.exists() else kind
 
 
 def slot_work(*, run_id: int, backend: str, index: int) -> LiveWork:
@@ -104,7 +127,8 @@ def slot_work(*, run_id: int, backend: str, index: int) -> LiveWork:
         lease_key=f"dartboard:slot-lease:{run_id}:{backend}:{index}",
         task="workers.tasks.slot_serve",
         args=(run_id, backend, index),
-        queue="env",
+        kind="env",
+        run_id=run_id,
     )
 
 
@@ -116,7 +140,8 @@ def trainer_work(*, run_id: int, mode: str) -> LiveWork:
         lease_key=f"dartboard:trainer-lease:{run_id}",
         task=task,
         args=(run_id,),
-        queue="train",
+        kind="train",
+        run_id=run_id,
     )
 
 
@@ -127,7 +152,8 @@ def eval_shard_work(*, job_id: int, shard: int, shards: int) -> LiveWork:
         lease_key=f"dartboard:eval-lease:{job_id}:{shard}",
         task="workers.tasks.eval_shard",
         args=(job_id, shard, shards),
-        queue="env",
+        kind="env",
+        eval_job=job_id,
     )
 
 
@@ -147,8 +173,9 @@ def work_enqueue(work: LiveWork, *, countdown: float | None = None) -> None:
             client.set(work.pending_key, str(due), ex=pending_ttl_s)
         finally:
             client.close()
-        celery_app.send_task(work.task, args=work.args, queue=work.queue, countdown=countdown)
+        celery_app.send_task(work.task, args=work.args, queue=queue, countdown=countdown)
 
+    queue = work.queue  # one lookup, before the retries
     redis_retry(enqueue, what=f"enqueueing the {work.label}")
 
 

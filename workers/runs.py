@@ -11,9 +11,11 @@ from django.db import transaction
 
 from core.artifacts import is_ref
 from datamanager.config import RunConfig
-from datamanager.models import PolicyVersion, Run, RunStatus
+from datamanager.models import PlacementState, PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
+from datamanager.selectors.runs import run_own_router
 from datamanager.services import episodes
+from datamanager.services.placement import placement_queue
 from datamanager.services.runs import (
     InvalidTransition,
     run_action_record,
@@ -49,11 +51,17 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
     All or nothing: a run whose workers cannot start stays as it was, with the reason raised
     as InvalidTransition or RunNotStartable. Every attempt is recorded with who and when,
     the refused ones too."""
+    per_run = settings.DARTBOARD_PROCESSES == "per-run"
     try:
         with transaction.atomic():
-            run = run_control(run_id=run_id, action=action)
-            if run.status == RunStatus.RUNNING:
-                _check_inference_free(run)
+            run = run_control(run_id=run_id, action=action, queue=per_run)
+            if run.status == RunStatus.QUEUED:
+                # A host agent brings up its processes, then starts its workers (run_begin).
+                placement_queue(run_id=run_id)
+                run_set_message(run_id=run_id, message="queued: waiting for a host agent")
+            elif run.status == RunStatus.RUNNING:
+                if not per_run:
+                    _check_inference_free(run)
                 try:
                     run_start_workers(run_id=run_id)
                 except (episodes.NoTasks, PolicyNotFound) as exc:
@@ -66,13 +74,15 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
 
 
 def _check_inference_free(run: Run) -> None:
-    """The inference workers serve one run's policy at a time: a second model run would
-    silently switch the first one's weights under it, so it is refused instead."""
+    """The shared inference workers serve one run's policy at a time: a second model run
+    would silently switch the first one's weights under it, so it is refused instead (runs
+    with their own processes, DARTBOARD_PROCESSES=per-run, each have their own)."""
     if RunConfig.from_dict(run.config).policy == ORACLE_POLICY:
         return  # the scripted oracle uses no inference worker
-    for other in Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
-        pk=run.pk
-    ):
+    shared = Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
+        placement__state__in=(PlacementState.STARTING, PlacementState.UP)
+    )
+    for other in shared.exclude(pk=run.pk):
         if RunConfig.from_dict(other.config).policy != ORACLE_POLICY:
             raise RunNotStartable(
                 f"run #{other.pk} {other.name!r} is {other.status} on the shared inference "
@@ -133,14 +143,20 @@ def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
     return work
 
 
+def run_router_url(*, run_id: int) -> str:
+    """The router a run's env slots and trainer talk to: its own (a host agent's placement),
+    else the shared rollout service's."""
+    return run_own_router(run_id=run_id) or settings.DARTBOARD_INFERENCE_URLS[0]
+
+
 def router_sync(*, run_id: int, checkpoint: str | Path, version: int, rolling: bool = True) -> None:
     """Ask the router to load `version` on its workers: rolling (one worker at a time, the
     decoupled design) or all at once (the synchronous baseline). A failure is said on the
     run (the dashboard shows it) and logged; the next publish tries again."""
     try:
-        RouterAdmin(
-            settings.DARTBOARD_INFERENCE_URLS[0], token=settings.DARTBOARD_ADMIN_TOKEN
-        ).sync(checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling)
+        RouterAdmin(run_router_url(run_id=run_id), token=settings.DARTBOARD_ADMIN_TOKEN).sync(
+            checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling
+        )
     except Exception as exc:
         log.warning("run %s: router not told about version %s: %s", run_id, version, exc)
         run_set_message(
@@ -156,7 +172,7 @@ def policy_version_record_reach(*, run_id: int) -> None:
         return
     try:
         with RouterAdmin(
-            settings.DARTBOARD_INFERENCE_URLS[0], timeout=3, token=settings.DARTBOARD_ADMIN_TOKEN
+            run_router_url(run_id=run_id), timeout=3, token=settings.DARTBOARD_ADMIN_TOKEN
         ) as admin:
             serving = [w.url for w in admin.workers() if w.policy_version == latest.version]
     except Exception:

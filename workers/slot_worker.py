@@ -32,6 +32,7 @@ from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.roles import run_env_check
+from datamanager.selectors.runs import run_own_router
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
 from datamanager.services.runs import run_set_message
@@ -129,8 +130,10 @@ def slot_name(backend: str, index: int, cfg: RunConfig) -> str:
     return name
 
 
-def inference_urls() -> list[str]:
-    return list(settings.DARTBOARD_INFERENCE_URLS)
+def inference_urls(*, run_id: int) -> list[str]:
+    """The run's own router (a host agent's placement), else the shared rollout service."""
+    own = run_own_router(run_id=run_id)
+    return [own] if own else list(settings.DARTBOARD_INFERENCE_URLS)
 
 
 def serve_slot(
@@ -173,7 +176,7 @@ def serve_slot(
     heartbeat = _Heartbeat(slot.pk, cfg.env.heartbeat_s, lease, busy)
     heartbeat.start()
     client = PolicyClient(
-        inference_urls(),
+        inference_urls(run_id=run_id),
         timeout=cfg.rollout.request_timeout_s,
         token=settings.DARTBOARD_INFERENCE_TOKEN,
     )

@@ -22,6 +22,7 @@ from datamanager.models import Run, RunStatus
 from datamanager.services import batches
 from datamanager.services.runs import run_set_message
 from workers.config_mapping import update_config
+from workers.leases import run_queue
 from workers.training_loop import get_trainer, run_loop, update_and_publish
 
 log = logging.getLogger("dartboard.sync")
@@ -43,7 +44,9 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
         }
     results = [
         celery_app.send_task(
-            "workers.tasks.episode_once", args=(run.pk, backend, i, lockstep), queue="env"
+            "workers.tasks.episode_once",
+            args=(run.pk, backend, i, lockstep),
+            queue=run_queue(run_id=run.pk, kind="env"),
         )
         for backend, i in slots
     ]

@@ -16,8 +16,10 @@ from datamanager.models import (
     SCORED_STATUSES,
     EnvSlot,
     FailureKind,
+    PlacementState,
     PolicyVersion,
     Run,
+    RunPlacement,
     TaskGroup,
     TaskStat,
     TaskStatHistory,
@@ -150,3 +152,15 @@ def task_board(*, run: Run, sparkline_points: int = 30) -> list[TaskRow]:
         )
         for s in stats
     ]
+
+
+def run_own_router(*, run_id: int) -> str:
+    """The URL of the run's own router (a host agent placed it), or "" when it uses the
+    shared rollout service or has none."""
+    url = (
+        RunPlacement.objects.filter(run_id=run_id)
+        .exclude(state=PlacementState.ENDED)
+        .values_list("router_url", flat=True)
+        .first()
+    )
+    return url or ""

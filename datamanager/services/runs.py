@@ -46,19 +46,26 @@ _TRANSITIONS = {
     "start": ({RunStatus.CREATED, RunStatus.STOPPED, RunStatus.FAILED}, RunStatus.RUNNING),
     "pause": ({RunStatus.RUNNING}, RunStatus.PAUSED),
     "resume": ({RunStatus.PAUSED}, RunStatus.RUNNING),
-    "stop": ({RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.CREATED}, RunStatus.STOPPED),
+    "stop": (
+        {RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.CREATED, RunStatus.QUEUED},
+        RunStatus.STOPPED,
+    ),
 }
 
 
 @transaction.atomic
-def run_control(*, run_id: int, action: str) -> Run:
-    """Start, pause, resume or stop a run; raise InvalidTransition with the reason."""
+def run_control(*, run_id: int, action: str, queue: bool = False) -> Run:
+    """Start, pause, resume or stop a run; raise InvalidTransition with the reason.
+    `queue`: a start waits as QUEUED for a host agent to bring up its processes
+    (`run_begin` then makes it RUNNING)."""
     if action not in _TRANSITIONS:
         raise InvalidTransition(f"unknown action {action!r}; use start, pause, resume or stop")
     run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
     allowed, target = _TRANSITIONS[action]
     if run.status not in allowed:
         raise InvalidTransition(f"cannot {action} a run that is {run.status}")
+    if action == "start" and queue:
+        target = RunStatus.QUEUED
     run.status = target
     now = timezone.now()
     if action == "start":
@@ -69,6 +76,27 @@ def run_control(*, run_id: int, action: str) -> Run:
     run.status_message = ""
     run.save(update_fields=["status", "started_at", "finished_at", "status_message", "updated_at"])
     return run
+
+
+@transaction.atomic
+def run_begin(*, run_id: int) -> bool:
+    """A queued run whose processes are up becomes RUNNING. False if it is no longer queued
+    (stopped while it waited)."""
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
+    if run.status != RunStatus.QUEUED:
+        return False
+    run.status = RunStatus.RUNNING
+    run.status_message = ""
+    run.save(update_fields=["status", "status_message", "updated_at"])
+    return True
+
+
+def run_fail_queued(*, run_id: int, message: str) -> None:
+    """A queued run that cannot start (its policy is gone, say) fails, saying why."""
+    Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
+        status=RunStatus.FAILED, finished_at=timezone.now()
+    )
+    run_set_message(run_id=run_id, message=message)
 
 
 def run_action_record(*, run_id: int, action: str, user: User | None, outcome: str) -> None:

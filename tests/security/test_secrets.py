@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
-from dartboard.launcher import ProcSpec, Supervisor, default_specs, prepare_home, wait_http
+from hostagent.launcher import ProcSpec, Supervisor, default_specs, prepare_home, wait_http
 from rollout.asgi import worker_app
 from rollout.auth import (
     ADMIN_ENV,

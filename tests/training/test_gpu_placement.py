@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dartboard.launcher import default_specs
 from datamanager.config import ConfigError, RunConfig
+from hostagent.launcher import default_specs
 from rollout.vllm_command import vllm_gpus
 from training.replica_group import GroupSetup, group_setup
 

@@ -1,7 +1,11 @@
 """`python manage.py run_dartboard`: the whole stack on one machine (what `make run` runs).
 
 Starts the embedded Redis (unless REDIS_URL is set), migrates, creates the local admin on
-first start (printing its password once), then web + Celery workers under a supervisor.
+first start (printing its password once), then web + Celery workers under a supervisor,
+and this host's agent (`hostagent.agent`): every run started here, from the browser, the
+command line or this launcher's preset, gets its own processes (inference workers and
+router, trainer, env workers) and loses them when it stops. `--processes shared` is the
+older layout: one rollout service and one set of workers shared by every run.
 Ctrl-C (or SIGTERM) stops everything; a new start reaps what a killed launcher left.
 """
 
@@ -20,15 +24,24 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.launcher import Supervisor, default_specs, prepare_home, wait_http
 from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
 from dartboard.preflight import Port, port_problem, preflight_problems
 from datamanager.config import RunConfig
-from datamanager.models import Run, RunStatus
+from datamanager.models import PlacementState, Run, RunStatus
 from datamanager.policies import policy_path
+from datamanager.services.placement import placement_queue
 from datamanager.services.runs import run_control
+from hostagent.agent import HostAgent
+from hostagent.launcher import (
+    Supervisor,
+    default_specs,
+    env_worker_specs,
+    prepare_home,
+    stack_specs,
+    wait_http,
+)
 from rollout.vllm_command import vllm_gpus, vllm_missing
-from workers.runs import run_current_policy, run_start_workers
+from workers.runs import run_apply, run_current_policy, run_start_workers
 
 WEB_UP_S = 60.0
 
@@ -90,6 +103,14 @@ class Command(BaseCommand):
             "versions (make run-vllm) or X desktops (make run-desktop).",
         )
         parser.add_argument(
+            "--processes",
+            choices=("per-run", "shared"),
+            default="per-run",
+            help="per-run: each run gets its own inference workers, router, trainer and env "
+            "workers while it runs (this host's agent starts them); shared: one rollout "
+            "service and one set of workers for every run, one model run at a time.",
+        )
+        parser.add_argument(
             "--exit-after",
             type=float,
             default=0,
@@ -97,14 +118,27 @@ class Command(BaseCommand):
         )
 
     def handle(
-        self, *args, host, port, router_port, env_slots, exit_after, shell_only, preset, **options
+        self,
+        *args,
+        host,
+        port,
+        router_port,
+        env_slots,
+        exit_after,
+        shell_only,
+        preset,
+        processes,
+        **options,
     ):
         """Long because it is the launch in order: checks, Redis, database, run, processes."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         home = settings.DARTBOARD_HOME
         router_port = _router_port(router_port)
+        per_run = processes == "per-run"
+        os.environ["DARTBOARD_PROCESSES"] = processes  # the children's settings
+        settings.DARTBOARD_PROCESSES = processes
         ports = [Port(host, port, "the dashboard", "--port")]
-        if not shell_only:
+        if not shell_only and not per_run:
             ports.append(Port("127.0.0.1", router_port, "the inference router", "--router-port"))
         if problems := preflight_problems(home=home, ports=ports):
             raise CommandError("\n\n".join(problems))
@@ -113,6 +147,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, _raise_stop)
         redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
         supervisor = Supervisor(home=home, specs=[], redis=redis)
+        agent = HostAgent(home=home, port_base=router_port) if per_run else None
         run = None
         try:
             reaped = supervisor.reap_stale()
@@ -126,7 +161,19 @@ class Command(BaseCommand):
             self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE']}")
             call_command("migrate", interactive=False, verbosity=0)
             self._ensure_admin()
-            if shell_only:
+            if per_run:
+                # Runs bring their own processes; the shared env workers serve evaluation
+                # jobs that belong to no run.
+                supervisor.specs = [
+                    *stack_specs(host=host, port=port),
+                    *env_worker_specs(env_slots if env_slots is not None else 1),
+                ]
+                if not shell_only:
+                    run = prepare_main_run(write=self.stdout.write, preset=preset)
+                    vllm = RunConfig.from_dict(run.config).rollout.backend == "vllm"
+                    if vllm and (missing := vllm_missing()):
+                        raise CommandError(missing)
+            elif shell_only:
                 supervisor.specs = default_specs(
                     host=host, port=port, env_slots=env_slots or 2, router_port=router_port
                 )
@@ -170,11 +217,15 @@ class Command(BaseCommand):
                 )
             self.stdout.write(self.style.SUCCESS(f"Dartboard is up: http://{host}:{port}/"))
             self.stdout.write(f"logs: {home / 'logs'}; stop with Ctrl-C")
-            if run is not None:
+            if run is not None and agent is not None:
+                self._queue_run(run.pk)
+            elif run is not None:
                 self._start_run(run.pk)
             started = time.monotonic()
             while not exit_after or time.monotonic() - started < exit_after:
                 supervisor.watch_once()
+                if agent is not None:
+                    agent.tick()
                 time.sleep(1.0)
         except _Stop as stop:
             self.stdout.write(f"{stop}: stopping")
@@ -182,8 +233,23 @@ class Command(BaseCommand):
             # A second Ctrl-C/SIGTERM must not interrupt the clean-up half way.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if agent is not None:
+                agent.stop_all()  # the runs keep their status: the next start brings them back
             supervisor.stop()  # the embedded Redis last
             self.stdout.write("stopped")
+
+    def _queue_run(self, run_id: int) -> None:
+        """The preset's run starts like any other (this host's agent brings up its
+        processes); a run left running or paused by an earlier launcher comes back with its
+        placement, or is placed afresh if it never had one."""
+        run = Run.objects.get(pk=run_id)
+        if run.status in (RunStatus.CREATED, RunStatus.STOPPED, RunStatus.FAILED):
+            run_apply(run_id=run_id, action="start")
+        elif run.status in (RunStatus.RUNNING, RunStatus.PAUSED) and not (
+            hasattr(run, "placement") and run.placement.state != PlacementState.ENDED
+        ):
+            placement_queue(run_id=run_id)
+        self.stdout.write(f"run #{run_id} starts on this host: /runs/{run_id}/")
 
     def _start_run(self, run_id: int) -> None:
         """Start the main run (or re-enqueue its workers if it was running) once the

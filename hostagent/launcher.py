@@ -51,7 +51,7 @@ from rollout.vllm_command import (
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
-log = logging.getLogger("dartboard.launcher")
+log = logging.getLogger("hostagent.launcher")
 
 
 PRIVATE_UMASK = 0o077  # files this user makes: 0600, directories 0700
@@ -91,30 +91,39 @@ class Supervisor:
     """Starts, watches and stops the stack's processes (and the embedded Redis, if given)."""
 
     def __init__(
-        self, *, home: Path, specs: list[ProcSpec], redis: EmbeddedRedis | None = None
+        self,
+        *,
+        home: Path,
+        specs: list[ProcSpec],
+        redis: EmbeddedRedis | None = None,
+        group: str = "children",
     ) -> None:
+        """group: names the pid file (DARTBOARD_HOME/run/<group>.json); a run's processes
+        are a group of their own (`hostagent.agent`)."""
         self.home = home
         self.specs = specs
         self.redis = redis
         self.run_dir = home / "run"
         self.log_dir = home / "logs"
-        self.pid_file = self.run_dir / "children.json"
+        self.pid_file = self.run_dir / f"{group}.json"
         self.children: dict[str, _Child] = {}
         self._stopping = False
 
     def reap_stale(self) -> list[int]:
-        """Stop children recorded by a previous launcher that was killed."""
-        try:
-            recorded = json.loads(self.pid_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return []
+        """Stop children recorded by a previous launcher that was killed: its own and every
+        run group's (each group's pid file in run/)."""
         reaped = []
-        for item in recorded:
-            cmd = pid_cmdline(int(item["pid"]))
-            if cmd is not None and cmd == item["cmdline"]:
-                terminate_pid(int(item["pid"]), timeout=10)
-                reaped.append(int(item["pid"]))
-        self.pid_file.unlink(missing_ok=True)
+        for pid_file in [self.pid_file, *sorted(self.run_dir.glob("run-*.json"))]:
+            try:
+                recorded = json.loads(pid_file.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            for item in recorded:
+                cmd = pid_cmdline(int(item["pid"]))
+                if cmd is not None and cmd == item["cmdline"]:
+                    terminate_pid(int(item["pid"]), timeout=10)
+                    reaped.append(int(item["pid"]))
+            pid_file.unlink(missing_ok=True)
         return reaped
 
     def _record(self) -> None:
@@ -198,8 +207,8 @@ class Supervisor:
         """Celery workers first (their current episode or update still needs the inference
         service and the database), then everything else."""
         self._stopping = True
-        workers = [c for c in self.children.values() if c.spec.name.startswith("worker-")]
-        others = [c for c in self.children.values() if not c.spec.name.startswith("worker-")]
+        workers = [c for c in self.children.values() if "worker-" in c.spec.name]
+        others = [c for c in self.children.values() if "worker-" not in c.spec.name]
         for group in (workers, list(reversed(others))):
             for child in group:
                 if child.proc.poll() is None:
@@ -221,6 +230,37 @@ def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+CELERY = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
+
+
+def stack_specs(*, host: str, port: int) -> list[ProcSpec]:
+    """What every launcher runs: web (daphne), the default Celery worker and Celery beat (the
+    runs watchdog)."""
+    return [
+        ProcSpec(
+            "web",
+            python_argv("-m", "daphne", "-b", host, "-p", str(port), "dartboard.asgi:application"),
+        ),
+        ProcSpec(
+            "worker-default",
+            [*CELERY, "-Q", "default", "--pool=threads", "--concurrency=4", "-n", "default@%h"],
+        ),
+        # The runs watchdog (workers/watchdog.py): brings back the slot and trainer tasks
+        # of a worker that died mid-task. The in-memory scheduler: nothing worth persisting.
+        ProcSpec("beat", [*CELERY[:5], "beat", "-S", "celery.beat:Scheduler", "--loglevel=INFO"]),
+    ]
+
+
+def env_worker_specs(count: int, *, queue: str = "env", prefix: str = "") -> list[ProcSpec]:
+    """`count` solo Celery workers on an env queue: one env slot each."""
+    tag = prefix.rstrip("-").replace("-", "")
+    return [
+        ProcSpec(f"{prefix}worker-env-{i}",
+                 [*CELERY, "-Q", queue, "--pool=solo", "-n", f"env{tag}-{i}@%h"])
+        for i in range(count)
+    ]  # fmt: skip
+
+
 def default_specs(
     *,
     host: str,
@@ -234,69 +274,72 @@ def default_specs(
     vllm_gpus: list[int] | None = None,
     vllm_gpu_memory: float | None = None,
 ) -> list[ProcSpec]:
-    """web (daphne), Celery workers (default, train, one solo worker per env slot), Celery
-    beat (the runs watchdog) and, with a policy, the rollout service: inference workers
+    """The shared stack (DARTBOARD_PROCESSES=shared): `stack_specs`, the train worker, one
+    solo worker per env slot and, with a policy, the rollout service: inference workers
     behind the router (vLLM worker i on `vllm_gpus[i]`, `rollout.vllm_command.vllm_gpus`)."""
-    celery = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglevel=INFO"]
-    tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
     specs = [
-        ProcSpec(
-            "web",
-            python_argv("-m", "daphne", "-b", host, "-p", str(port), "dartboard.asgi:application"),
-        ),
-        ProcSpec(
-            "worker-default",
-            [*celery, "-Q", "default", "--pool=threads", "--concurrency=4", "-n", "default@%h"],
-        ),
-        ProcSpec("worker-train", [*celery, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
-        # The runs watchdog (workers/watchdog.py): brings back the slot and trainer tasks
-        # of a worker that died mid-task. The in-memory scheduler: nothing worth persisting.
-        ProcSpec("beat", [*celery[:5], "beat", "-S", "celery.beat:Scheduler", "--loglevel=INFO"]),
+        *stack_specs(host=host, port=port),
+        ProcSpec("worker-train", [*CELERY, "-Q", "train", "--pool=solo", "-n", "train@%h"]),
+        *env_worker_specs(env_slots),
     ]
-    for i in range(env_slots):
-        specs.append(
-            ProcSpec(f"worker-env-{i}", [*celery, "-Q", "env", "--pool=solo", "-n", f"env{i}@%h"])
-        )
     if inference_policy is not None:
-        if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
-            log.warning("inference workers get the artifact store's own keys, which can write: "
-                        "set %s and its secret to a read-only pair", READ_KEY_ENV)  # fmt: skip
-        workers = []
-        for i in range(inference_workers):
-            wport = router_port + 1 + i
-            workers.append(f"http://127.0.0.1:{wport}")
-            if backend == "vllm":
-                gpu = vllm_gpus[i] if vllm_gpus else None
-                specs += vllm_specs(i, inference_policy, wport, tokens=tokens, gpu=gpu,
-                                    gpu_memory=vllm_gpu_memory)  # fmt: skip
-                continue
-            specs.append(
-                ProcSpec(
-                    f"inference-{i}",
-                    env=inference_env(tokens),
-                    inherit=False,
-                    argv=python_argv(
-                        "-m",
-                        "rollout.server",
-                        "--policy",
-                        inference_policy,
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(wport),
-                        "--version",
-                        str(inference_version),
-                        "--threads",
-                        "1",
-                    ),
-                )
-            )
-        router = python_argv(
-            "-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port)
+        gpus = vllm_gpus if backend == "vllm" and vllm_gpus else [None] * inference_workers
+        specs += serving_specs(
+            policy=inference_policy,
+            version=inference_version,
+            backend=backend,
+            router_port=router_port,
+            worker_ports=[router_port + 1 + i for i in range(inference_workers)],
+            gpus=gpus,
+            vllm_gpu_memory=vllm_gpu_memory,
+            # vLLM workers on a GPU host take their GPU from the list; the transformers
+            # server of the shared stack runs on the CPU.
+            device="cuda" if backend == "vllm" and vllm_gpus else "cpu",
         )
-        for url in workers:
-            router += ["--worker", url]
-        specs.append(ProcSpec("router", router, env=router_env(tokens), inherit=False))
+    return specs
+
+
+def serving_specs(
+    *,
+    policy: str,
+    version: int,
+    backend: str,
+    router_port: int,
+    worker_ports: list[int],
+    gpus: list[int | None],
+    vllm_gpu_memory: float | None = None,
+    device: str = "cpu",
+    prefix: str = "",
+    max_model_len: int | None = None,
+    images_per_prompt: int | None = None,
+) -> list[ProcSpec]:
+    """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
+    behind a router on `router_port`. `prefix` names a run's processes apart ("run-7-")."""
+    if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
+        log.warning("inference workers get the artifact store's own keys, which can write: "
+                    "set %s and its secret to a read-only pair", READ_KEY_ENV)  # fmt: skip
+    tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
+    specs: list[ProcSpec] = []
+    for i, (wport, gpu) in enumerate(zip(worker_ports, gpus, strict=True)):
+        if backend == "vllm":
+            specs += vllm_specs(i, policy, wport, tokens=tokens, gpu=gpu,
+                                gpu_memory=vllm_gpu_memory if device == "cuda" else None,
+                                prefix=prefix, max_model_len=max_model_len,
+                                images_per_prompt=images_per_prompt)  # fmt: skip
+            continue
+        env = inference_env(tokens)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        argv = python_argv(
+            "-m", "rollout.server", "--policy", policy, "--host", "127.0.0.1",
+            "--port", str(wport), "--version", str(version), "--threads", "1",
+            "--device", "cuda" if gpu is not None else "cpu",
+        )  # fmt: skip
+        specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False))
+    router = python_argv("-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port))
+    for wport in worker_ports:
+        router += ["--worker", f"http://127.0.0.1:{wport}"]
+    specs.append(ProcSpec(f"{prefix}router", router, env=router_env(tokens), inherit=False))
     return specs
 
 
@@ -325,9 +368,9 @@ def inference_env(tokens: ServiceTokens) -> dict[str, str]:
     }
 
 
-def vllm_socket(i: int) -> Path:
+def vllm_socket(i: int, prefix: str = "") -> Path:
     """vLLM i's unix socket: in DARTBOARD_HOME/run/ (0700), so only this user connects."""
-    return Path(settings.DARTBOARD_HOME) / "run" / f"vllm-{i}.sock"
+    return Path(settings.DARTBOARD_HOME) / "run" / f"{prefix}vllm-{i}.sock"
 
 
 def vllm_specs(
@@ -338,6 +381,9 @@ def vllm_specs(
     tokens: ServiceTokens,
     gpu: int | None = None,
     gpu_memory: float | None = None,
+    prefix: str = "",
+    max_model_len: int | None = None,
+    images_per_prompt: int | None = None,
 ) -> list[ProcSpec]:
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
     `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can reach (its dev mode reloads weights from any
@@ -345,10 +391,15 @@ def vllm_specs(
     `port`. The API key is a fresh one that only these two hold, in their environments.
     `policy` is the base checkpoint; the router's first sync loads the run's current version
     (an adapter, or full weights)."""
-    sock = vllm_socket(i)
+    sock = vllm_socket(i, prefix)
     key = secrets.token_urlsafe(32)
     args = vllm_serve_args(
-        model_dir=policy, uds=str(sock), gpu_memory=gpu_memory, dtype=checkpoint_dtype(policy)
+        model_dir=policy,
+        uds=str(sock),
+        gpu_memory=gpu_memory,
+        dtype=checkpoint_dtype(policy),
+        max_model_len=max_model_len,
+        images_per_prompt=images_per_prompt,
     )
     vllm_env = {
         **service_environ(os.environ),
@@ -364,8 +415,8 @@ def vllm_specs(
     )  # fmt: skip
     serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *args]
     return [
-        ProcSpec(f"vllm-{i}", serve, env=vllm_env, inherit=False, stale=(sock,)),
-        ProcSpec(f"inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
+        ProcSpec(f"{prefix}vllm-{i}", serve, env=vllm_env, inherit=False, stale=(sock,)),
+        ProcSpec(f"{prefix}inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
                  inherit=False),
     ]  # fmt: skip
 

@@ -1,0 +1,357 @@
+"""The host agent: each run's own processes, started when the run starts and stopped when
+it stops, on the host with room for them.
+
+With DARTBOARD_PROCESSES=per-run a started run waits as QUEUED with a queued placement
+(`workers.runs.run_apply`). Every agent (one per host; `make run`'s launcher runs one) reports
+its host (GPUs, CPU inference slots, env kinds) and, once a second (`HostAgent.tick`):
+
+- places queued runs that fit beside those already on its host (`hostagent.placement`),
+  claims them in the database (one agent wins a run) and starts their processes: inference
+  workers behind the run's own router on the run's ports and devices, a Celery train worker
+  on the run's own queue (`train.run<id>`, its GPUs in CUDA_VISIBLE_DEVICES), one Celery env
+  worker per env slot (`env.run<id>`);
+- once the run's router answers, makes the run RUNNING and starts its work
+  (`workers.runs.run_start_workers`: the router synced to its current version, its slot and
+  trainer tasks on its queues);
+- a run that does not fit keeps waiting, with the reason on its page; it starts when a run
+  before it stops;
+- stops the processes of runs that stopped, finished or failed (a paused run keeps them);
+- restarts a run's crashed process (the launcher's supervisor), and brings back the
+  processes of its runs after the agent itself restarts.
+
+Everything it decides is in the database (`Host`, `RunPlacement`), so the web, the command
+line and every other host see the same state. No scheduler service: Celery, the database
+and Redis remain the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections
+
+from datamanager.config import RunConfig
+from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
+from datamanager.policies import ORACLE_POLICY
+from datamanager.services.placement import (
+    host_report,
+    placement_claim,
+    placement_set,
+    placement_wait,
+)
+from datamanager.services.runs import run_begin, run_fail_queued, run_set_message
+from hostagent.launcher import CELERY, ProcSpec, Supervisor, env_worker_specs, serving_specs
+from hostagent.placement import (
+    Gpu,
+    HostInventory,
+    Placement,
+    RunNeeds,
+    checkpoint_gib,
+    place,
+)
+from rollout.client import RouterAdmin, WorkerStatus
+from workers.runs import run_current_policy, run_start_workers
+
+log = logging.getLogger("hostagent.agent")
+
+REPORT_EVERY_S = 10.0
+ACTIVE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
+
+
+def host_inventory(name: str) -> HostInventory:
+    """This host's GPUs (with their memory) and whether this torch can use them. A GPU
+    host whose .venv holds the CPU torch build lists its GPUs from nvidia-smi, with
+    cuda_torch False, so a GPU run placed here is refused with the fix."""
+    import torch
+
+    gpus: list[Gpu] = []
+    cuda = torch.cuda.is_available()
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            gpus.append(Gpu(i, props.name, round(props.total_memory / 1024**3, 1)))
+    elif shutil.which("nvidia-smi"):
+        gpus = _nvidia_smi_gpus()
+    return HostInventory(
+        name=name,
+        gpus=tuple(gpus),
+        cuda_torch=cuda,
+        cpu_inference_slots=settings.DARTBOARD_CPU_INFERENCE_SLOTS,
+    )
+
+
+def _nvidia_smi_gpus() -> list[Gpu]:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index, name, mib = (part.strip() for part in line.split(","))
+        gpus.append(Gpu(int(index), name, round(float(mib) / 1024, 1)))
+    return gpus
+
+
+def env_kinds_here() -> list[str]:
+    """The env kinds this host can run: MiniWoB++ needs chromium, desktops Xvfb; the
+    simulated env always runs; OSWorld VMs are reached over the network."""
+    chromium = os.environ.get("MINIWOB_CHROME_BINARY", "/usr/bin/chromium")
+    kinds = ["sim", "osworld"]
+    if Path(chromium).exists():
+        kinds.append("miniwob")
+    if shutil.which("Xvfb"):
+        kinds.append("desktop")
+    return sorted(kinds)
+
+
+def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:
+    scripted = cfg.policy == ORACLE_POLICY
+    return RunNeeds(
+        inference_workers=0 if scripted else cfg.rollout.inference_workers,
+        backend=cfg.rollout.backend,
+        trainer_replicas=0 if scripted else cfg.trainer.replicas,
+        device=cfg.device,
+        vllm_gpus=cfg.rollout.vllm_gpus,
+        vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
+        weights_gib=0.0 if scripted else checkpoint_gib(checkpoint),
+        lora=cfg.trainer.lora_rank > 0,
+        shard=cfg.trainer.shard,
+    )
+
+
+def run_prefix(run_id: int) -> str:
+    return f"run-{run_id}-"
+
+
+def run_specs(
+    *, run_id: int, cfg: RunConfig, placement: Placement, checkpoint: str, version: int
+) -> list[ProcSpec]:
+    """A run's processes: its env workers, its train worker and (with a model) its
+    inference workers behind its router, on the placement's devices and ports."""
+    prefix = run_prefix(run_id)
+    specs = env_worker_specs(len(cfg.env.slots()), queue=f"env.run{run_id}", prefix=prefix)
+    if cfg.policy != ORACLE_POLICY or cfg.mode == "synchronous":
+        devices = ",".join(map(str, placement.trainer_gpus))  # "": a CPU trainer sees no GPU
+        specs.append(
+            ProcSpec(
+                f"{prefix}worker-train",
+                [*CELERY, "-Q", f"train.run{run_id}", "--pool=solo", "-n", f"train{run_id}@%h"],
+                env={"CUDA_VISIBLE_DEVICES": devices},
+            )
+        )
+    if cfg.policy == ORACLE_POLICY:
+        return specs
+    if cfg.rollout.backend == "vllm":  # the router's first sync loads the run's version
+        version, checkpoint = 0, str(_base_policy(cfg))
+    specs += serving_specs(
+        policy=checkpoint,
+        version=version,
+        backend=cfg.rollout.backend,
+        router_port=placement.router_port,
+        worker_ports=placement.worker_ports,
+        gpus=placement.inference_gpus,
+        vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
+        device=placement.device,
+        prefix=prefix,
+        max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        images_per_prompt=cfg.rollout.max_images,
+    )
+    return specs
+
+
+def _base_policy(cfg: RunConfig) -> str:
+    from datamanager.policies import policy_path
+
+    return str(policy_path(cfg.policy))
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class HostAgent:
+    """Brings each run placed on this host to the processes it asks for (module doc)."""
+
+    def __init__(self, *, home: Path, name: str | None = None, port_base: int = 8200) -> None:
+        self.home = home
+        self.name = name or socket.gethostname()
+        self.port_base = port_base
+        self.groups: dict[int, Supervisor] = {}
+        self.inventory: HostInventory | None = None
+        self.host: Host | None = None
+        self._reported = 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def tick(self) -> None:
+        """One pass: report the host, stop what ended, place what waits, start the work of
+        runs whose router came up, restart crashed processes."""
+        close_old_connections()
+        if self.host is None or time.monotonic() - self._reported > REPORT_EVERY_S:
+            self._report()
+        self._stop_ended()
+        self._restore()
+        self._place_queued()
+        self._promote_starting()
+        for group in self.groups.values():
+            group.watch_once()
+
+    def stop_all(self) -> None:
+        """The agent stops (the launcher's Ctrl-C): every run's processes stop, the runs keep
+        their status and placement; the next agent brings them back."""
+        for run_id in list(self.groups):
+            self._stop_group(run_id)
+
+    # ------------------------------------------------------------------ steps
+
+    def _report(self) -> None:
+        if self.inventory is None:
+            self.inventory = host_inventory(self.name)
+        inv = self.inventory
+        self.host = host_report(
+            name=self.name,
+            gpus=[{"index": g.index, "name": g.name, "memory_gib": g.memory_gib} for g in inv.gpus],
+            cuda_torch=inv.cuda_torch,
+            cpu_cores=os.cpu_count() or 1,
+            memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
+            cpu_inference_slots=inv.cpu_inference_slots,
+            env_kinds=env_kinds_here(),
+        )
+        self._reported = time.monotonic()
+
+    def _mine(self):
+        return RunPlacement.objects.filter(
+            host=self.host, state__in=(PlacementState.STARTING, PlacementState.UP)
+        ).select_related("run")
+
+    def _stop_ended(self) -> None:
+        for placement in self._mine().exclude(run__status__in=ACTIVE):
+            self._stop_group(placement.run_id)
+            placement_set(placement_id=placement.pk, state=PlacementState.ENDED)
+            log.info("run %s is %s: its processes stopped", placement.run_id, placement.run.status)
+        for run_id in [r for r in self.groups if not self._mine().filter(run_id=r).exists()]:
+            self._stop_group(run_id)  # its placement went (the run was deleted)
+
+    def _restore(self) -> None:
+        """Runs placed here whose processes this agent does not hold (it restarted)."""
+        for placement in self._mine().filter(run__status__in=ACTIVE):
+            if placement.run_id not in self.groups:
+                log.info("run %s: bringing back its processes", placement.run_id)
+                self._start_group(placement.run, Placement.from_dict(placement.plan))
+                placement_set(placement_id=placement.pk, state=PlacementState.STARTING)
+
+    def _place_queued(self) -> None:
+        assert self.host is not None and self.inventory is not None
+        queued = RunPlacement.objects.filter(
+            state=PlacementState.QUEUED, run__status__in=ACTIVE
+        ).select_related("run")
+        for placement in queued:
+            run = placement.run
+            try:
+                cfg = RunConfig.from_dict(run.config)
+                version, checkpoint = run_current_policy(run=run)
+            except Exception as exc:  # a policy gone from disk, a config no longer valid
+                self._fail(placement, f"cannot start: {type(exc).__name__}: {exc}")
+                continue
+            needs = run_needs(cfg, str(checkpoint))
+            missing = {b for b, _ in cfg.env.slots()} - set(self.host.env_kinds)
+            taken = [Placement.from_dict(p.plan) for p in self._mine()]
+            plan = (
+                f"needs env kinds {sorted(missing)}, which {self.name} cannot run"
+                if missing
+                else place(needs, self.inventory, taken=taken, port_base=self._free_base(taken))
+            )
+            if isinstance(plan, str):
+                reason = f"queued: {plan}"
+                if reason != placement.reason:
+                    placement_wait(placement_id=placement.pk, reason=reason)
+                    run_set_message(run_id=run.pk, message=reason)
+                continue
+            router_url = f"http://127.0.0.1:{plan.router_port}" if needs.inference_workers else ""
+            if not placement_claim(
+                placement_id=placement.pk,
+                host=self.host,
+                plan=plan.to_dict(),
+                router_url=router_url,
+            ):
+                continue  # another agent took it, or the run stopped meanwhile
+            run_set_message(run_id=run.pk, message=f"starting its processes on {self.name}")
+            self._start_group(run, plan, cfg=cfg, checkpoint=str(checkpoint), version=version)
+
+    def _free_base(self, taken: list[Placement]) -> int:
+        """The first block of run ports whose ports no process holds (placed runs' blocks
+        are skipped by `place` itself)."""
+        base = self.port_base
+        used = {p.router_port for p in taken}
+        while base in used or not all(port_free(base + i) for i in range(17)):
+            base += 17
+        return base
+
+    def _promote_starting(self) -> None:
+        for placement in self._mine().filter(state=PlacementState.STARTING):
+            if placement.router_url and not _router_up(placement.router_url):
+                continue
+            run = placement.run
+            begun = run_begin(run_id=run.pk)
+            placement_set(placement_id=placement.pk, state=PlacementState.UP)
+            run.refresh_from_db()
+            if begun or run.status == RunStatus.RUNNING:
+                run_start_workers(run_id=run.pk)
+                log.info("run %s is running on %s", run.pk, self.name)
+
+    # ------------------------------------------------------------------ processes
+
+    def _start_group(
+        self,
+        run: Run,
+        plan: Placement,
+        *,
+        cfg: RunConfig | None = None,
+        checkpoint: str | None = None,
+        version: int | None = None,
+    ) -> None:
+        cfg = cfg or RunConfig.from_dict(run.config)
+        if checkpoint is None or version is None:
+            version, checkpoint = run_current_policy(run=run)
+        specs = run_specs(
+            run_id=run.pk, cfg=cfg, placement=plan, checkpoint=str(checkpoint), version=version
+        )
+        group = Supervisor(home=self.home, specs=specs, group=f"run-{run.pk}")
+        group.start()
+        self.groups[run.pk] = group
+        log.info("run %s: started %d processes on %s (%s, router port %s, checkpoint %s)",
+                 run.pk, len(specs), self.name, plan.device, plan.router_port or "-",
+                 checkpoint)  # fmt: skip
+
+    def _stop_group(self, run_id: int) -> None:
+        group = self.groups.pop(run_id, None)
+        if group is not None:
+            group.stop()
+
+    def _fail(self, placement: RunPlacement, reason: str) -> None:
+        placement_set(placement_id=placement.pk, state=PlacementState.ENDED, reason=reason)
+        run_fail_queued(run_id=placement.run_id, message=reason)
+
+
+def _router_up(url: str) -> bool:
+    try:
+        with RouterAdmin(url, timeout=2, token=settings.DARTBOARD_ADMIN_TOKEN) as admin:
+            return any(w.status == WorkerStatus.ACTIVE for w in admin.workers())
+    except Exception:
+        return False

@@ -1,0 +1,197 @@
+"""Where a run's processes go on a host, or why they cannot go there yet.
+
+A run asks for inference workers (backend, count), a trainer (replicas) and a device. A host
+has GPUs (with their memory), CPU inference slots, and the runs already placed on it. `place`
+returns a `Placement` (which GPU each trainer replica and each inference worker takes, and
+the ports of the run's router and workers), or the reason the run waits, in the words the
+run's page shows: "needs 4 GPUs with 40 GiB free; 2 are free on gpu-host-1".
+
+The memory a run needs per GPU is an estimate from its checkpoint's size on disk
+(`run_needs`): the trainer holds the weights (bf16 for a LoRA run, fp32 weights, gradients
+and AdamW's two moments for a full fine-tune, divided over FSDP2 shards) and its
+activations; a transformers inference worker holds the weights; vLLM takes its configured
+fraction of the GPU. It decides what can start; `bench/realsize.py` is the measured plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GIB = 1024**3
+ACTIVATION_GIB = 8.0  # a real-size micro-batch's activations under checkpointing (realsize)
+PORTS_PER_RUN = 17  # the router and up to 16 inference workers
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    memory_gib: float
+
+
+@dataclass(frozen=True)
+class HostInventory:
+    """What a host has: from its agent's report (`hostagent.agent.host_inventory`)."""
+
+    name: str
+    gpus: tuple[Gpu, ...] = ()
+    cuda_torch: bool = False
+    cpu_inference_slots: int = 2
+
+
+@dataclass(frozen=True)
+class RunNeeds:
+    """What a run asks for (`run_needs` reads it from the run's config)."""
+
+    inference_workers: int  # 0: the scripted oracle
+    backend: str
+    trainer_replicas: int  # 0: nothing to train
+    device: str  # auto, cpu, cuda
+    vllm_gpus: str = "after_trainer"
+    vllm_gpu_memory: float = 0.9
+    weights_gib: float = 0.0
+    lora: bool = True
+    shard: bool = False
+
+    def trainer_gib(self) -> float:
+        if self.lora:  # bf16 weights; adapters and their optimizer state are small
+            return self.weights_gib / 2 + ACTIVATION_GIB
+        shards = self.trainer_replicas if self.shard else 1
+        # fp32 master weights, gradients, two AdamW moments; a bf16 reference copy
+        return self.weights_gib * (4 + 0.5) / shards + ACTIVATION_GIB
+
+    def inference_gib(self, gpu: Gpu) -> float:
+        if self.backend == "vllm":
+            return gpu.memory_gib * self.vllm_gpu_memory
+        return self.weights_gib / 2 + 2.0  # bf16 weights and a KV cache
+
+
+@dataclass
+class Placement:
+    """Where one run's processes go. `inference_gpus[i]` is worker i's GPU (None: the CPU)."""
+
+    host: str
+    device: str  # cpu or cuda
+    trainer_gpus: list[int] = field(default_factory=list)
+    inference_gpus: list[int | None] = field(default_factory=list)
+    router_port: int = 0
+    worker_ports: list[int] = field(default_factory=list)
+    gpu_gib: dict[str, float] = field(default_factory=dict)  # GPU index -> GiB this run takes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Placement:
+        return cls(**data)
+
+    @property
+    def cpu_inference(self) -> int:
+        return sum(1 for gpu in self.inference_gpus if gpu is None)
+
+
+def _free_gib(host: HostInventory, taken: list[Placement]) -> dict[int, float]:
+    free = {gpu.index: gpu.memory_gib for gpu in host.gpus}
+    for placement in taken:
+        for index, gib in placement.gpu_gib.items():
+            if int(index) in free:
+                free[int(index)] -= gib
+    return free
+
+
+def _ports(count: int, *, base: int, taken: list[Placement]) -> tuple[int, list[int]]:
+    """The first block of ports after `base` no placed run uses: (router, workers)."""
+    used = {p.router_port for p in taken}
+    start = base
+    while start in used:
+        start += PORTS_PER_RUN
+    return start, [start + 1 + i for i in range(count)]
+
+
+def place(
+    needs: RunNeeds, host: HostInventory, *, taken: list[Placement], port_base: int
+) -> Placement | str:
+    """The run's placement on `host` beside the runs in `taken`, or why it must wait."""
+    gpu_run = needs.device == "cuda" or (needs.device == "auto" and bool(host.gpus))
+    if not gpu_run:
+        busy = sum(p.cpu_inference for p in taken)
+        free = host.cpu_inference_slots - busy
+        if needs.inference_workers > free:
+            return (
+                f"needs {needs.inference_workers} CPU inference worker"
+                f"{'s' if needs.inference_workers != 1 else ''}; {max(free, 0)} of "
+                f"{host.cpu_inference_slots} are free on {host.name} "
+                "(DARTBOARD_CPU_INFERENCE_SLOTS)"
+            )
+        router, workers = _ports(needs.inference_workers, base=port_base, taken=taken)
+        return Placement(
+            host=host.name,
+            device="cpu",
+            inference_gpus=[None] * needs.inference_workers,
+            router_port=router,
+            worker_ports=workers,
+        )
+    if not host.gpus:
+        return f"needs GPUs (device cuda); {host.name} has none"
+    if not host.cuda_torch:
+        return (
+            f"{host.name} has {len(host.gpus)} GPUs but this .venv's torch is the CPU build: "
+            "reinstall with `make install TORCH=cuda` (docs/gpu-and-vllm.md), or set the "
+            "run's device to cpu"
+        )
+    free = _free_gib(host, taken)
+    trainer_gib = needs.trainer_gib()
+    # Trainer replicas first, on the GPUs with the most room; then the inference workers.
+    order = sorted(free, key=lambda i: (-free[i], i))
+    trainer = [i for i in order if free[i] >= trainer_gib][: needs.trainer_replicas]
+    if len(trainer) < needs.trainer_replicas:
+        roomy = sum(1 for i in free if free[i] >= trainer_gib)
+        return (
+            f"needs {needs.trainer_replicas} GPU{'s' if needs.trainer_replicas != 1 else ''} "
+            f"with {trainer_gib:.0f} GiB free for the trainer; {roomy} "
+            f"{'is' if roomy == 1 else 'are'} free on {host.name}"
+        )
+    left = dict(free)
+    for i in trainer:
+        left[i] -= trainer_gib
+    shared = needs.backend == "vllm" and needs.vllm_gpus == "shared"
+    pool = trainer if shared else [i for i in order if i not in trainer]
+    inference: list[int | None] = []
+    gpus = {gpu.index: gpu for gpu in host.gpus}
+    roomy = sum(1 for i in pool if left[i] >= needs.inference_gib(gpus[i]))
+    for i in pool:
+        if len(inference) == needs.inference_workers:
+            break
+        if left[i] >= needs.inference_gib(gpus[i]):
+            left[i] -= needs.inference_gib(gpus[i])
+            inference.append(i)
+    if len(inference) < needs.inference_workers:
+        want = needs.inference_gib(host.gpus[0])
+        return (
+            f"needs {needs.trainer_replicas + needs.inference_workers} GPUs "
+            f"({needs.trainer_replicas} for the trainer, {needs.inference_workers} with "
+            f"{want:.0f} GiB free for inference); {roomy} more "
+            f"{'is' if roomy == 1 else 'are'} free on {host.name}"
+        )
+    router, workers = _ports(needs.inference_workers, base=port_base, taken=taken)
+    return Placement(
+        host=host.name,
+        device="cuda",
+        trainer_gpus=trainer,
+        inference_gpus=inference,
+        router_port=router,
+        worker_ports=workers,
+        gpu_gib={str(i): round(free[i] - left[i], 2) for i in free if free[i] != left[i]},
+    )
+
+
+def checkpoint_gib(path: str) -> float:
+    """A checkpoint directory's weights on disk (safetensors, bin), in GiB; 0 when it is not
+    on this disk (an artifact reference, fetched later)."""
+    root = Path(path)
+    if not root.is_dir():
+        return 0.0
+    total = sum(f.stat().st_size for f in root.glob("*.safetensors"))
+    total = total or sum(f.stat().st_size for f in root.glob("*.bin"))
+    return total / GIB

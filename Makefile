@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 ARGS ?=
 
-.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps install clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps install torch-cuda clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -55,6 +55,16 @@ $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requir
 	@touch $(STAMP)
 
 install: system-deps $(STAMP) ## the system packages and .venv (pinned)
+
+# GPU hosts: the same torch, built for CUDA, from PyTorch's own index (PyPI's mirror here and
+# some others serve the CPU build). The host agent refuses a GPU placement on a CPU torch.
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+torch-cuda: install ## GPU hosts: replace .venv's torch with its CUDA build (TORCH_CUDA_INDEX)
+	$(PY) -m pip install -q --force-reinstall --no-deps --index-url $(TORCH_CUDA_INDEX) \
+	  "$$(grep '^torch==' requirements.lock)"
+	$(PY) -c "import torch, sys; ok = torch.cuda.is_available(); \
+	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count()); \
+	  sys.exit(0 if ok else 'this torch sees no GPU: check the driver (nvidia-smi)')"
 
 # vLLM's own environment (its CPU build): the suite's vLLM tests and `make run-vllm` use it.
 VLLM_VENV := .venv-vllm

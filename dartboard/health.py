@@ -35,6 +35,7 @@ from datamanager.selectors.runs import run_own_router
 from datamanager.services.outages import service_outage_close, service_outage_open
 from rollout.auth import bearer
 from workers.leases import trainer_work
+from workers.runs import processes_per_run
 
 log = logging.getLogger("dartboard.health")
 
@@ -239,7 +240,7 @@ class HealthBoard:
             if time.monotonic() - self._probed_at < PROBE_EVERY_S and self._cache:
                 return dict(self._cache)
         fresh = {"redis": probe_redis(), "database": probe_database()}
-        if settings.DARTBOARD_PROCESSES == "shared":  # else each run has its own (services)
+        if not _per_run():  # else each run has its own router (services)
             fresh["router"], fresh["inference"] = probe_rollout()
         with self._lock:
             self._cache, self._probed_at = fresh, time.monotonic()
@@ -261,6 +262,13 @@ class HealthBoard:
 
 
 BOARD = HealthBoard()
+
+
+def _per_run() -> bool:
+    try:
+        return processes_per_run()
+    except DatabaseError:
+        return settings.DARTBOARD_PROCESSES == "per-run"
 
 
 def _own_router(run_id: int) -> str:

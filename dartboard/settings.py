@@ -271,9 +271,12 @@ DARTBOARD_INFERENCE_URLS = config_env.env_list("DARTBOARD_INFERENCE_URLS") or [
 ]
 # Who starts a run's processes: "per-run" (a host agent, hostagent/agent.py, starts each
 # run's inference workers, router, trainer and env workers when it starts, and stops them
-# when it stops; what `make run` does), or "shared" (every run uses the rollout service at
-# DARTBOARD_INFERENCE_URLS and the shared Celery queues, started by whoever deploys them).
-DARTBOARD_PROCESSES = config_env.env_choice("DARTBOARD_PROCESSES", ("shared", "per-run"), "shared")
+# when it stops; what `make run` does), "shared" (every run uses the rollout service at
+# DARTBOARD_INFERENCE_URLS and the shared Celery queues, started by whoever deploys them), or
+# "auto": per-run while a host agent is alive (reported in the last minute), else shared.
+DARTBOARD_PROCESSES = config_env.env_choice(
+    "DARTBOARD_PROCESSES", ("auto", "shared", "per-run"), "auto"
+)
 # CPU inference workers a host agent runs at once on a host without GPUs (runs past it wait).
 DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOTS", 2)
 # The master secret, held by the web and the workers only; each other process gets the token

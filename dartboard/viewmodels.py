@@ -9,7 +9,7 @@ from any process. A Redis outage is said on the page (`live_work_rows`), never r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import redis
 from django.conf import settings
@@ -23,6 +23,7 @@ from datamanager.models import (
     EvalJob,
     EvalScope,
     EvalStatus,
+    Host,
     PlacementState,
     PolicyVersion,
     Run,
@@ -270,6 +271,55 @@ def _minutes(seconds: float) -> str:
 
 
 UNSOLVED_MIN_ATTEMPTS = 8  # rollouts before the run page says a task has never succeeded
+
+
+@dataclass(frozen=True)
+class HostRow:
+    """One host on the runs page: what it has, what its runs take, which runs."""
+
+    name: str
+    last_seen: datetime
+    gpus: str
+    cpu: str
+    env_kinds: str
+    runs: list[tuple[int, str]]
+
+
+def host_rows() -> list[HostRow]:
+    """Every host an agent reported: GPUs with the memory its runs take of each, CPU
+    inference slots in use, env kinds, and the runs placed on it."""
+    rows = []
+    for host in Host.objects.all():
+        placed = list(
+            RunPlacement.objects.filter(
+                host=host, state__in=(PlacementState.STARTING, PlacementState.UP)
+            ).select_related("run")
+        )
+        taken: dict[str, float] = {}
+        cpu_used = 0
+        for p in placed:
+            for index, gib in (p.plan.get("gpu_gib") or {}).items():
+                taken[index] = taken.get(index, 0.0) + gib
+            cpu_used += sum(1 for g in p.plan.get("inference_gpus") or [] if g is None)
+        gpus = ", ".join(
+            f"GPU {g['index']} {g['name']}: {taken.get(str(g['index']), 0.0):.0f} of "
+            f"{g['memory_gib']:.0f} GiB taken"
+            for g in host.gpus
+        )
+        if host.gpus and not host.cuda_torch:
+            gpus += " (unusable: this torch is the CPU build; make torch-cuda)"
+        rows.append(
+            HostRow(
+                name=host.name,
+                last_seen=host.last_seen,
+                gpus=gpus or "none",
+                cpu=f"{host.cpu_cores} cores, {host.memory_gib:.0f} GiB; CPU inference "
+                f"{cpu_used} of {host.cpu_inference_slots}",
+                env_kinds=", ".join(host.env_kinds),
+                runs=[(p.run_id, p.run.name) for p in placed],
+            )
+        )
+    return rows
 
 
 def placement_note(*, run: Run) -> str:

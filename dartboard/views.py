@@ -69,7 +69,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
     for run in runs:
         row = cast(Any, run)  # n_succeeded/n_finished come from runs_overview's .annotate()
         row.success_rate = run_reads.success_rate(row.n_succeeded, row.n_finished)
-    return render(request, "dashboard/runs.html", {"runs": runs})
+    return render(request, "dashboard/runs.html", {"runs": runs, "hosts": viewmodels.host_rows()})
 
 
 @require_http_methods(["GET", "POST"])

@@ -169,6 +169,14 @@ def run_specs(
     return specs
 
 
+def _current_policy(run: Run, cfg: RunConfig) -> tuple[int, str]:
+    """The run's current (version, checkpoint); nothing for the scripted oracle."""
+    if cfg.policy == ORACLE_POLICY:
+        return 0, ""
+    version, checkpoint = run_current_policy(run=run)
+    return version, str(checkpoint)
+
+
 def _base_policy(cfg: RunConfig) -> str:
     from datamanager.policies import policy_path
 
@@ -265,7 +273,7 @@ class HostAgent:
             run = placement.run
             try:
                 cfg = RunConfig.from_dict(run.config)
-                version, checkpoint = run_current_policy(run=run)
+                version, checkpoint = _current_policy(run, cfg)
             except Exception as exc:  # a policy gone from disk, a config no longer valid
                 self._fail(placement, f"cannot start: {type(exc).__name__}: {exc}")
                 continue
@@ -328,7 +336,7 @@ class HostAgent:
     ) -> None:
         cfg = cfg or RunConfig.from_dict(run.config)
         if checkpoint is None or version is None:
-            version, checkpoint = run_current_policy(run=run)
+            version, checkpoint = _current_policy(run, cfg)
         specs = run_specs(
             run_id=run.pk, cfg=cfg, placement=plan, checkpoint=str(checkpoint), version=version
         )

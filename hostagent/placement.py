@@ -137,7 +137,7 @@ def place(
     if not host.cuda_torch:
         return (
             f"{host.name} has {len(host.gpus)} GPUs but this .venv's torch is the CPU build: "
-            "reinstall with `make install TORCH=cuda` (docs/gpu-and-vllm.md), or set the "
+            "replace it with `make torch-cuda` (docs/gpu-and-vllm.md), or set the "
             "run's device to cpu"
         )
     free = _free_gib(host, taken)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
+from django.utils import timezone
 
 from core.artifacts import is_ref
 from datamanager.config import RunConfig
-from datamanager.models import PlacementState, PolicyVersion, Run, RunStatus
+from datamanager.models import Host, PlacementState, PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
 from datamanager.selectors.runs import run_own_router
 from datamanager.services import episodes
@@ -41,6 +43,20 @@ def run_current_policy(*, run: Run) -> tuple[int, str]:
     return 0, str(policy_path(policy))
 
 
+HOST_ALIVE_S = 60.0  # a host agent reports every 10 s
+
+
+def processes_per_run() -> bool:
+    """Whether a started run waits for a host agent to start its own processes
+    (DARTBOARD_PROCESSES: per-run; auto while an agent has reported in the last minute) or
+    runs on the shared rollout service and queues."""
+    mode = settings.DARTBOARD_PROCESSES
+    if mode == "auto":
+        recent = timezone.now() - timedelta(seconds=HOST_ALIVE_S)
+        return Host.objects.filter(last_seen__gte=recent).exists()
+    return mode == "per-run"
+
+
 class RunNotStartable(Exception):
     """A run cannot start; the message says why (no tasks, no checkpoint...)."""
 
@@ -51,7 +67,7 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
     All or nothing: a run whose workers cannot start stays as it was, with the reason raised
     as InvalidTransition or RunNotStartable. Every attempt is recorded with who and when,
     the refused ones too."""
-    per_run = settings.DARTBOARD_PROCESSES == "per-run"
+    per_run = processes_per_run()
     try:
         with transaction.atomic():
             run = run_control(run_id=run_id, action=action, queue=per_run)

@@ -6,9 +6,12 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from datamanager.models import EvalJob, Task, TaskStat, Trajectory
+from datamanager.config import RunConfig
+from datamanager.models import EvalJob, PolicyVersion, Task, TaskStat, Trajectory
+from datamanager.policies import policy_path
 from datamanager.services import batches
 from datamanager.services.evaluations import eval_job_create
+from datamanager.services.runs import run_create
 from tests.datamanager.factories import make_running_run
 from workers.evaluation import eval_job_run
 
@@ -89,3 +92,28 @@ def test_a_stopping_worker_leaves_an_evaluation_between_episodes_and_it_resumes(
     resumed = eval_job_run(job_id=job.pk)
     assert (resumed.status, resumed.done) == ("finished", 4)
     assert Trajectory.objects.filter(eval_job=job).count() == 4  # none run twice
+
+
+def test_a_checkpoint_of_another_model_is_scored_under_a_run_or_refused(miniwob_tasks, tmp_path):
+    """A UI-TARS / Qwen2.5-VL checkpoint under Dartboard's own prompt would be scored on a
+    format it was never taught: evaluate asks for the run whose prompt and budgets apply."""
+    other = tmp_path / "qwen25"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    with pytest.raises(CommandError, match=r"qwen2_5_vl checkpoint: without a run .* --run ID"):
+        call_command("evaluate", policy=str(other), tasks="miniwob/click-test", k=1)
+    with pytest.raises(CommandError, match="--run 999: no such run"):
+        call_command("evaluate", policy=str(other), run=999, tasks="miniwob/click-test", k=1)
+    with pytest.raises(CommandError, match="has published no version yet"):
+        run = run_create(name="ui-tars", config=RunConfig())
+        call_command("evaluate", run=run.pk, tasks="miniwob/click-test", k=1)
+    assert not EvalJob.objects.exists()
+
+
+def test_a_run_version_is_scored_under_its_run(miniwob_tasks, tmp_path):
+    run = run_create(name="r", config=RunConfig.from_dict({"rollout": {"max_new_tokens": 48}}))
+    PolicyVersion.objects.create(run=run, version=3, checkpoint=str(policy_path("shipped")))
+    out = tmp_path / "r"
+    call_command("evaluate", run=run.pk, tasks="miniwob/click-test", k=1, out=out)
+    job = EvalJob.objects.get()
+    assert (job.policy, job.run_id) == (f"run:{run.pk}:v3", run.pk)

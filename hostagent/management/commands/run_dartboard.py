@@ -132,6 +132,7 @@ class Command(BaseCommand):
     ):
         """Long because it is the launch in order: checks, Redis, database, run, processes."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # the agent polls routers
         home = settings.DARTBOARD_HOME
         router_port = _router_port(router_port)
         per_run = processes == "per-run"

@@ -1,0 +1,54 @@
+"""What the dashboard shows of hosts and of each run's own processes."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from datamanager.config import RunConfig
+from datamanager.models import Host, PlacementState, RunPlacement
+from datamanager.services.placement import placement_claim, placement_queue, placement_wait
+from datamanager.services.runs import run_create
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_runs_page_lists_hosts_with_what_their_runs_take(ada_client):
+    gpu = Host.objects.create(
+        name="gpu-host-1",
+        gpus=[{"index": i, "name": "H100", "memory_gib": 80.0} for i in range(2)],
+        cuda_torch=True,
+        cpu_cores=64,
+        memory_gib=1000,
+        env_kinds=["miniwob", "osworld", "sim"],
+        last_seen=timezone.now(),
+    )
+    run = run_create(name="qwen-7b", config=RunConfig())
+    placement = placement_queue(run_id=run.pk)
+    plan = {"host": "gpu-host-1", "device": "cuda", "trainer_gpus": [0], "inference_gpus": [1],
+            "router_port": 8200, "worker_ports": [8201], "gpu_gib": {"0": 16.0, "1": 72.0}}  # fmt: skip
+    assert placement_claim(placement_id=placement.pk, host=gpu, plan=plan,
+                           router_url="http://127.0.0.1:8200")  # fmt: skip
+    page = ada_client.get("/").content.decode()
+    assert "GPU 0 H100: 16 of 80 GiB taken, GPU 1 H100: 72 of 80 GiB taken" in page
+    assert "64 cores, 1000 GiB; CPU inference 0 of 2" in page and "qwen-7b</a>" in page
+    detail = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert ("Processes: starting on gpu-host-1 (trainer on GPU 0; inference on GPU 1; "
+            "router http://127.0.0.1:8200)") in detail  # fmt: skip
+
+
+def test_a_queued_run_says_why_it_waits_and_a_cpu_torch_gpu_host_says_so(ada_client):
+    Host.objects.create(
+        name="gpu-host-2",
+        gpus=[{"index": 0, "name": "A100", "memory_gib": 40.0}],
+        cuda_torch=False,
+        last_seen=timezone.now(),
+    )
+    run = run_create(name="big", config=RunConfig())
+    placement = placement_queue(run_id=run.pk)
+    placement_wait(placement_id=placement.pk, reason="queued: needs 4 GPUs; 1 is free")
+    detail = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "Processes: queued: needs 4 GPUs; 1 is free" in detail
+    page = ada_client.get("/").content.decode()
+    assert "unusable: this torch is the CPU build; make torch-cuda" in page
+    assert RunPlacement.objects.get().state == PlacementState.QUEUED

@@ -25,6 +25,7 @@ from transformers import (
 
 from core.encoding import EncodedBatch, Message, encode_batch
 from core.policy import Policy
+from core.replies import reply_text, stop_token_ids
 
 
 @dataclass
@@ -136,8 +137,8 @@ def generate(
     """Sample one response per conversation in one left-padded batched generate.
 
     max_new_tokens / temperature / top_p / seed may be per row (lists of length B);
-    temperature 0 or greedy=True takes the argmax. A row stops at <|im_end|> (or
-    <|endoftext|>) or after its max_new_tokens (finish_reason "length"). The batch runs
+    temperature 0 or greedy=True takes the argmax. A row stops at the checkpoint's end tokens
+    (`core.replies.stop_token_ids`) or after its max_new_tokens (finish_reason "length"). The batch runs
     until its last row stops (static batching: a long row delays its batch-mates).
     """
     n = len(batch_of_messages)
@@ -148,7 +149,7 @@ def generate(
     if len(seeds) != n:
         raise ValueError(f"seed has {len(seeds)} entries for {n} conversations")
     batch = encode_batch(policy, batch_of_messages).to(policy.device)
-    stop_ids = [policy.token_id("<|im_end|>"), policy.tokenizer.pad_token_id]
+    stop_ids = stop_token_ids(policy.base or policy.path, policy.tokenizer)
     config = GenerationConfig(
         max_new_tokens=max(limits),
         do_sample=False,
@@ -208,7 +209,7 @@ def _generations(
         text_ids = ids[:-1] if finish == "stop" else ids
         results.append(
             Generation(
-                text=policy.tokenizer.decode(text_ids, skip_special_tokens=False),
+                text=reply_text(policy.tokenizer, text_ids),
                 token_ids=ids,
                 token_logprobs=picked[b, :length].tolist(),
                 mean_entropy=float(entropy[b, :length].mean()) if length else 0.0,

@@ -49,6 +49,7 @@ from core.artifacts import ArtifactError
 from core.generation import NEVER_GENERATED
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
+from core.replies import reply_text, stop_token_ids
 from rollout.asgi import (
     JSONReply,
     TokenGate,
@@ -99,16 +100,22 @@ class Adapter:
         geometry: ImageGeometry,
         max_tokens_limit: int = 1024,
         never_generated: tuple[int, ...] = (),
+        stop_ids: tuple[int, ...] = (),
+        tokenizer: Any = None,
     ) -> None:
         """`vllm_url`: http://HOST:PORT, or unix:/PATH for vLLM on a unix socket (`vllm serve
         --uds PATH`). `token`: vLLM's API key (its VLLM_API_KEY). `geometry` is the served
         model's processor's (`--policy-dir`): clients map coordinates with it. `never_generated`:
-        the token ids no reply may contain (`core.generation.NEVER_GENERATED`)."""
+        the token ids no reply may contain (`core.generation.NEVER_GENERATED`). `stop_ids` and
+        `tokenizer`: where a reply ends and how its tokens become its text
+        (`core.replies`), as the transformers server does."""
         self.vllm, transport = vllm_base(vllm_url)
         self.version = version
         self.geometry = geometry
         self.max_tokens_limit = max_tokens_limit
         self.never_generated = never_generated
+        self.stop_ids = stop_ids
+        self.tokenizer = tokenizer
         self.model = ""  # vLLM's served name of the base model (--served-model-name)
         self.serving = ""  # what requests ask vLLM for: the base, or the current LoRA adapter
         self.status = "ok"
@@ -171,6 +178,11 @@ class Adapter:
                     **dict.fromkeys(map(str, self.never_generated), -100),
                     **(body.get("logit_bias") or {}),
                 }
+            if self.stop_ids:
+                forwarded["stop_token_ids"] = sorted(
+                    {*self.stop_ids, *(body.get("stop_token_ids") or [])}
+                )
+            # The text is made from the ids (`_texts_from_ids`) unless a client asks otherwise.
             forwarded.setdefault("return_tokens_as_token_ids", True)
             response = self.http.post(f"{self.vllm}/v1/chat/completions", json=forwarded)
             try:
@@ -180,6 +192,8 @@ class Adapter:
             if response.status_code == 200:
                 reply["policy_version"] = version
                 reply["image_geometry"] = self.geometry.to_json()
+                if self.tokenizer is not None:
+                    self._texts_from_ids(reply)
             return response.status_code, reply
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
@@ -187,6 +201,20 @@ class Adapter:
             with self.cond:
                 self.in_flight[version] -= 1
                 self.cond.notify_all()
+
+    def _texts_from_ids(self, reply: dict[str, Any]) -> None:
+        """Each choice's text from its token ids (`core.replies.reply_text`), not vLLM's
+        detokenizer: the same text the transformers server writes for the same ids."""
+        for choice in reply.get("choices") or []:
+            tokens = ((choice.get("logprobs") or {}).get("content")) or []
+            try:
+                ids = [int(str(t["token"]).removeprefix("token_id:")) for t in tokens]
+            except (KeyError, ValueError):
+                continue  # not token ids: vLLM's text stands
+            if choice.get("finish_reason") == "stop" and ids and ids[-1] in self.stop_ids:
+                ids = ids[:-1]
+            if isinstance(choice.get("message"), dict):
+                choice["message"]["content"] = reply_text(self.tokenizer, ids)
 
     def reload(self, checkpoint: str, version: int) -> tuple[int, dict[str, Any]]:
         """A LoRA adapter directory is loaded beside the serving one and switched to with no
@@ -283,11 +311,8 @@ class Adapter:
             }
 
 
-def never_generated_tokens(policy_dir: str) -> tuple[int, ...]:
+def never_generated_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids of `core.generation.NEVER_GENERATED` in the served model's tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     ids = [tokenizer.convert_tokens_to_ids(token) for token in NEVER_GENERATED]
     return tuple(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
 
@@ -349,13 +374,18 @@ def main(argv: list[str] | None = None) -> None:
         store=args.artifacts,
         cache=args.artifact_cache,
     )
+    from transformers import AutoTokenizer  # deferred: seconds of import for --help
+
+    tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     adapter = Adapter(
         args.vllm,
         args.version,
         token=os.environ.get(VLLM_KEY_ENV) or None,
         geometry=ImageGeometry.from_policy_dir(args.policy_dir),
         max_tokens_limit=args.max_tokens_limit,
-        never_generated=never_generated_tokens(args.policy_dir),
+        never_generated=never_generated_tokens(tokenizer),
+        stop_ids=tuple(stop_token_ids(args.policy_dir, tokenizer)),
+        tokenizer=tokenizer,
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)

@@ -195,7 +195,9 @@ class RolloutConfig:
     request_timeout_s: float = knob(
         60.0, "An episode with no policy answer in this time ends as error."
     )
-    inference_workers: int = knob(1, "Inference workers started for the run (one GPU each).")
+    inference_workers: int = knob(
+        1, "Inference workers the host agent starts for the run (one GPU each, or CPU slots)."
+    )
     backend: Literal["transformers", "vllm"] = knob(
         "transformers",
         "Inference workers: Dartboard's transformers server (CPU or GPU) or vLLM behind its "

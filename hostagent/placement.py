@@ -7,14 +7,16 @@ the ports of the run's router and workers), or the reason the run waits, in the 
 run's page shows: "needs 4 GPUs with 40 GiB free; 2 are free on gpu-host-1".
 
 The memory a run needs per GPU is an estimate from its checkpoint's size on disk
-(`run_needs`): the trainer holds the weights (bf16 for a LoRA run, fp32 weights, gradients
-and AdamW's two moments for a full fine-tune, divided over FSDP2 shards) and its
-activations; a transformers inference worker holds the weights; vLLM takes its configured
+(`checkpoint_gib`, as bf16): the trainer holds the bf16 weights and its activations under
+LoRA, or fp32 weights, gradients and AdamW's two moments plus a bf16 reference (9x the bf16
+weights, divided over FSDP2 shards) and its activations under full fine-tuning; a
+transformers inference worker holds the bf16 weights and a cache; vLLM takes its configured
 fraction of the GPU. It decides what can start; `bench/realsize.py` is the measured plan.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,21 +52,22 @@ class RunNeeds:
     device: str  # auto, cpu, cuda
     vllm_gpus: str = "after_trainer"
     vllm_gpu_memory: float = 0.9
-    weights_gib: float = 0.0
+    weights_gib: float = 0.0  # the weights in bf16
     lora: bool = True
     shard: bool = False
 
     def trainer_gib(self) -> float:
         if self.lora:  # bf16 weights; adapters and their optimizer state are small
-            return self.weights_gib / 2 + ACTIVATION_GIB
+            return self.weights_gib + ACTIVATION_GIB
         shards = self.trainer_replicas if self.shard else 1
-        # fp32 master weights, gradients, two AdamW moments; a bf16 reference copy
-        return self.weights_gib * (4 + 0.5) / shards + ACTIVATION_GIB
+        # fp32 master weights, gradients, two AdamW moments (4 x 2 bytes per bf16 byte)
+        # and a bf16 reference copy
+        return self.weights_gib * 9 / shards + ACTIVATION_GIB
 
     def inference_gib(self, gpu: Gpu) -> float:
         if self.backend == "vllm":
             return gpu.memory_gib * self.vllm_gpu_memory
-        return self.weights_gib / 2 + 2.0  # bf16 weights and a KV cache
+        return self.weights_gib + 2.0  # bf16 weights and a KV cache
 
 
 @dataclass
@@ -187,11 +190,17 @@ def place(
 
 
 def checkpoint_gib(path: str) -> float:
-    """A checkpoint directory's weights on disk (safetensors, bin), in GiB; 0 when it is not
-    on this disk (an artifact reference, fetched later)."""
+    """A checkpoint directory's weights in bf16, in GiB: their size on disk (safetensors,
+    bin), halved where the config says float32; 0 when it is not on this disk (an artifact
+    reference, fetched later)."""
     root = Path(path)
     if not root.is_dir():
         return 0.0
     total = sum(f.stat().st_size for f in root.glob("*.safetensors"))
     total = total or sum(f.stat().st_size for f in root.glob("*.bin"))
-    return total / GIB
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    fp32 = (config.get("dtype") or config.get("torch_dtype")) == "float32"
+    return total / GIB / (2 if fp32 else 1)

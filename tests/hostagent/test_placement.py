@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from hostagent.placement import Gpu, HostInventory, Placement, RunNeeds, place
+from pathlib import Path
+
+import pytest
+
+from hostagent.placement import Gpu, HostInventory, Placement, RunNeeds, checkpoint_gib, place
 
 CPU_HOST = HostInventory(name="cpu-1", cpu_inference_slots=2)
 GPU_HOST = HostInventory(
@@ -39,7 +43,7 @@ def test_a_gpu_run_takes_its_trainer_and_inference_gpus_and_the_next_run_the_res
     assert isinstance(first, Placement) and first.device == "cuda"
     assert sorted(first.trainer_gpus + first.inference_gpus) == [0, 1, 2, 3]
     assert not set(first.trainer_gpus) & set(first.inference_gpus)
-    # vLLM took 90% of its GPUs, the trainer 16 GiB of its own: a second 2+2 run waits.
+    # vLLM took 90% of its GPUs, the trainer 24 GiB of its own: a second 2+2 run waits.
     waiting = place(lora, GPU_HOST, taken=[first], port_base=8200)
     assert waiting == (
         "needs 4 GPUs (2 for the trainer, 2 with 72 GiB free for inference); 0 more are free "
@@ -54,14 +58,14 @@ def test_a_gpu_run_takes_its_trainer_and_inference_gpus_and_the_next_run_the_res
 
 
 def test_a_full_fine_tune_too_big_for_one_gpu_waits_with_the_memory_it_needs():
-    # fp32 weights, gradients and two moments (4x) plus a bf16 reference, and activations
-    full = needs(lora=False, weights_gib=15.0, trainer_replicas=1)
+    # fp32 weights, gradients and two moments plus a bf16 reference: 9x the bf16 weights
+    full = needs(lora=False, weights_gib=7.5, trainer_replicas=1)
     assert place(full, GPU_HOST, taken=[], port_base=8200).gpu_gib == {"0": 75.5, "1": 9.5}
-    big = needs(lora=False, weights_gib=30.0, trainer_replicas=1)
+    big = needs(lora=False, weights_gib=15.0, trainer_replicas=1)
     assert place(big, GPU_HOST, taken=[], port_base=8200) == (
         "needs 1 GPU with 143 GiB free for the trainer; 0 are free on gpu-host-1"
     )
-    sharded = needs(lora=False, weights_gib=30.0, trainer_replicas=2, shard=True)
+    sharded = needs(lora=False, weights_gib=15.0, trainer_replicas=2, shard=True)
     assert isinstance(place(sharded, GPU_HOST, taken=[], port_base=8200), Placement)
 
 
@@ -79,3 +83,10 @@ def test_gpus_with_a_cpu_torch_build_are_refused_with_the_fix():
 def test_a_placement_survives_the_database():
     placed = place(needs(trainer_replicas=1), GPU_HOST, taken=[], port_base=8200)
     assert Placement.from_dict(placed.to_dict()) == placed
+
+
+def test_a_checkpoint_is_sized_as_its_bf16_weights():
+    shipped = Path(__file__).resolve().parents[2] / "policies" / "tiny-grounded"  # float32
+    on_disk = (shipped / "model.safetensors").stat().st_size / 1024**3
+    assert checkpoint_gib(str(shipped)) == pytest.approx(on_disk / 2)
+    assert checkpoint_gib("artifact:policies/x@sha256:00") == 0.0  # fetched later

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from datamanager.models import EnvKind, Split
+from envmanager.osworld_task_files import task_files
 from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
 
 ENV_KINDS = tuple(EnvKind.values)
@@ -79,7 +80,14 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
         spec = env_config.get("osworld")
         if not isinstance(spec, dict):
             raise InvalidTaskRecord(f"{where}: field 'env_config.osworld' must be an OSWorld task")
-        _check_osworld(spec, f"{where}: env_config.osworld.")
+        files = env_config.get("files", {})
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+        ):
+            raise InvalidTaskRecord(
+                f"{where}: field 'env_config.files' must map file paths to base64 contents"
+            )
+        _check_osworld(spec, f"{where}: env_config.osworld.", files=files)
     instruction = data.get("instruction", "")
     if not isinstance(instruction, str):
         raise InvalidTaskRecord(f"{where}: field 'instruction' must be a string")
@@ -101,22 +109,26 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     )
 
 
-def _check_osworld(spec: dict[str, Any], where: str) -> None:
-    problems = osworld_task_problems(spec)
+def _check_osworld(
+    spec: dict[str, Any], where: str, *, base_dir: Path | None = None, files: dict | None = None
+) -> None:
+    problems = osworld_task_problems(spec, base_dir=base_dir, files=files)
     if problems:
         raise InvalidTaskRecord(
             "; ".join(f"{where}{field}: {reason}" for field, reason in problems)
         )
 
 
-def osworld_record(spec: dict[str, Any], where: str) -> TaskRecord:
-    """The task record of one OSWorld task object (checked first)."""
-    _check_osworld(spec, f"{where}: ")
+def osworld_record(spec: dict[str, Any], where: str, base_dir: Path | None = None) -> TaskRecord:
+    """The task record of one OSWorld task object (checked first), carrying the files its
+    setup steps read from `base_dir`, its JSON file's directory."""
+    _check_osworld(spec, f"{where}: ", base_dir=base_dir)
     apps = [a for a in spec.get("related_apps", []) if a]
+    files = task_files(spec, base_dir) if base_dir is not None else {}
     return TaskRecord(
         name=f"osworld/{spec['id'].strip()}"[:200],
         env_kind=EnvKind.OSWORLD,
-        env_config={"osworld": spec},
+        env_config={"osworld": spec, **({"files": files} if files else {})},
         instruction=spec["instruction"],
         tags=("osworld", *dict.fromkeys(apps)),
     )
@@ -154,7 +166,7 @@ def read_task_file(path: Path) -> list[TaskRecord]:
         except json.JSONDecodeError:
             item = None  # a one-line JSON Lines file, read below
         if is_osworld_task(item):
-            return [osworld_record(item, str(path))]
+            return [osworld_record(item, str(path), path.parent)]
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -163,7 +175,7 @@ def read_task_file(path: Path) -> list[TaskRecord]:
         for i, item in enumerate(items):
             where = f"{path} record {i + 1}"
             records.append(
-                osworld_record(item, where)
+                osworld_record(item, where, path.parent)
                 if is_osworld_task(item)
                 else parse_task_record(item, where)
             )

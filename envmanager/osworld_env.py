@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -53,6 +54,7 @@ from core.protocol import (
 )
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
+from envmanager.osworld_task_files import steps_with_task_files
 from envmanager.osworld_wheel import wheel
 
 HEALTH_TIMEOUT_S = 5.0
@@ -158,6 +160,7 @@ class OSWorldEnv:
         spec = task.env_config.get("osworld")
         if not isinstance(spec, dict):
             raise ValueError(f"{task.name}: env_config has no 'osworld' task object")
+        spec = self._with_task_files(spec, task)
         self._restore()
         width, height = self._screen = self.screen_size()
         setup = self._setup_controller()
@@ -270,6 +273,27 @@ class OSWorldEnv:
             if time.monotonic() > deadline:
                 raise EnvUnavailable(f"osworld {self.address}: no answer 300 s after a revert")
             time.sleep(2.0)
+
+    def _with_task_files(self, spec: dict[str, Any], task: TaskSpec) -> dict[str, Any]:
+        """The task with its setup steps reading the files it carries from this env's
+        private cache, never a host path (`envmanager.osworld_task_files`)."""
+        files = task.env_config.get("files") or {}
+        into = Path(self._cache) / "task-files"
+        shutil.rmtree(into, ignore_errors=True)  # the last task's files go
+        spec = dict(spec)
+        try:
+            spec["config"] = steps_with_task_files(spec.get("config") or [], files, into)
+            evaluator = spec.get("evaluator")
+            if isinstance(evaluator, dict) and evaluator.get("postconfig"):
+                spec["evaluator"] = {
+                    **evaluator,
+                    "postconfig": steps_with_task_files(
+                        evaluator["postconfig"], files, into, field="evaluator.postconfig"
+                    ),
+                }
+        except ValueError as exc:
+            raise ValueError(f"{task.name}: {exc}") from None
+        return spec
 
     def _setup_controller(self) -> Any:
         width, height = self._screen

@@ -25,8 +25,10 @@ proxy, ...) are kept as they are: the whole object is stored in the task's env_c
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from envmanager.osworld_task_files import host_file_refs, task_file_problem
 from envmanager.osworld_wheel import (
     GETTER_MODULES,
     INFEASIBLE,
@@ -86,10 +88,24 @@ def _getter(config: Any, field: str, getters: dict[str, Any]) -> list[Problem]:
     return [(field, why)] if why else []
 
 
-def osworld_task_problems(data: dict[str, Any]) -> list[Problem]:
-    """Everything in an OSWorld task object that Dartboard cannot run (empty: importable)."""
+def osworld_task_problems(
+    data: dict[str, Any], *, base_dir: Path | None = None, files: dict[str, Any] | None = None
+) -> list[Problem]:
+    """Everything in an OSWorld task object that Dartboard cannot run (empty: importable).
+    `base_dir`: the directory of the task's JSON file, the only place its setup steps may
+    read files from (`envmanager.osworld_task_files`); `files`: the files a stored task
+    carries instead (a Dartboard record's env_config.files)."""
     w = wheel()
     problems: list[Problem] = []
+    evaluator_steps = (
+        (data.get("evaluator") or {}) if isinstance(data.get("evaluator"), dict) else {}
+    )
+    for field, path in [*host_file_refs(data.get("config"), "config"),
+                        *host_file_refs(evaluator_steps.get("postconfig"), "evaluator.postconfig")]:  # fmt: skip
+        if files is not None and path in files:
+            continue
+        if why := task_file_problem(path, base_dir):
+            problems.append((field, why))
     if not isinstance(data.get("id"), str) or not data["id"].strip():
         problems.append(("id", "must be a non-empty string"))
     if not isinstance(data.get("instruction"), str) or not data["instruction"].strip():

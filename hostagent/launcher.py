@@ -226,6 +226,22 @@ class Supervisor:
             self.redis.stop()
 
 
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM reached a launcher or an agent (`stop_on_signals`)."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stop_on_signals(on: bool = True) -> None:
+    """SIGTERM and SIGINT raise `Stopped` (on), or are ignored (off: a second Ctrl-C must
+    not interrupt the clean-up half way)."""
+    handler = _raise_stopped if on else signal.SIG_IGN
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
 

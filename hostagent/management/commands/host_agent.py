@@ -12,22 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from hostagent.agent import HostAgent
-from hostagent.launcher import Supervisor, prepare_home
-
-
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame):
-    raise _Stop(signal.Signals(signum).name)
+from hostagent.launcher import Stopped, Supervisor, prepare_home, stop_on_signals
 
 
 class Command(BaseCommand):
@@ -52,8 +43,7 @@ class Command(BaseCommand):
         prepare_home(home)
         os.environ["DARTBOARD_PROCESSES"] = "per-run"  # the runs' processes' settings
         settings.DARTBOARD_PROCESSES = "per-run"
-        signal.signal(signal.SIGTERM, _raise_stop)
-        signal.signal(signal.SIGINT, _raise_stop)
+        stop_on_signals()
         reaped = Supervisor(home=home, specs=[], group="host-agent").reap_stale()
         if reaped:
             self.stdout.write(f"reaped {len(reaped)} processes left by a killed agent")
@@ -64,10 +54,9 @@ class Command(BaseCommand):
             while not exit_after or time.monotonic() - started < exit_after:
                 agent.tick()
                 time.sleep(1.0)
-        except _Stop as stop:
+        except Stopped as stop:
             self.stdout.write(f"{stop}: stopping the runs' processes")
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            stop_on_signals(False)
             agent.stop_all()
             self.stdout.write("stopped")

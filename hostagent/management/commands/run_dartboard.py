@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import time
 from urllib.parse import urlsplit
 
@@ -33,11 +32,13 @@ from datamanager.services.placement import placement_queue
 from datamanager.services.runs import run_control
 from hostagent.agent import HostAgent
 from hostagent.launcher import (
+    Stopped,
     Supervisor,
     default_specs,
     env_worker_specs,
     prepare_home,
     stack_specs,
+    stop_on_signals,
     wait_http,
 )
 from rollout.vllm_command import vllm_gpus, vllm_missing
@@ -61,14 +62,6 @@ def _has_gpu() -> bool:
     import torch  # the launcher itself needs torch only for this
 
     return torch.cuda.is_available()
-
-
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame):
-    raise _Stop(signal.Signals(signum).name)
 
 
 class Command(BaseCommand):
@@ -144,8 +137,7 @@ class Command(BaseCommand):
         if problems := preflight_problems(home=home, ports=ports):
             raise CommandError("\n\n".join(problems))
         prepare_home(home)  # a 077 umask, and logs, pids, database and secrets private
-        signal.signal(signal.SIGTERM, _raise_stop)
-        signal.signal(signal.SIGINT, _raise_stop)
+        stop_on_signals()
         redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
         supervisor = Supervisor(home=home, specs=[], redis=redis)
         agent = HostAgent(home=home, port_base=router_port) if per_run else None
@@ -228,12 +220,11 @@ class Command(BaseCommand):
                 if agent is not None:
                     agent.tick()
                 time.sleep(1.0)
-        except _Stop as stop:
+        except Stopped as stop:
             self.stdout.write(f"{stop}: stopping")
         finally:
             # A second Ctrl-C/SIGTERM must not interrupt the clean-up half way.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            stop_on_signals(False)
             if agent is not None:
                 agent.stop_all()  # the runs keep their status: the next start brings them back
             supervisor.stop()  # the embedded Redis last

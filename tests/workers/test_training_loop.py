@@ -402,6 +402,9 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
     training_loop.trainers_forget_all()
     for version in range(3):
         _fill(run, version=version)
+        # One update per slice: the slice ends as it lands, not 120 s later.
+        limited = {**trainer_cfg, "max_updates": version + 1}
+        Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
         training_loop.train_for(run_id=run.pk, max_seconds=120)
     run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
     store = open_store(s3_artifacts)

@@ -39,7 +39,9 @@ def test_a_file_in_the_tasks_directory_travels_with_the_task_and_is_read_from_th
     (directory / "files").mkdir()
     (directory / "files" / "report.txt").write_text("quarterly numbers\n")
     (record,) = read_task_path(directory)
-    assert base64.b64decode(record.env_config["files"]["files/report.txt"]) == b"quarterly numbers\n"
+    assert (
+        base64.b64decode(record.env_config["files"]["files/report.txt"]) == b"quarterly numbers\n"
+    )
     cache = tmp_path / "cache"
     steps = steps_with_task_files(record.env_config["osworld"]["config"],
                                   record.env_config["files"], cache)  # fmt: skip
@@ -56,17 +58,24 @@ def test_a_file_in_the_tasks_directory_travels_with_the_task_and_is_read_from_th
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ([upload("/root/.ssh/id_rsa")], r"config\[0\].parameters.files\[0\].local_path: reads "
-         r"'/root/.ssh/id_rsa' from the host: a setup step may read only a file in its task's"),
+        (
+            [upload("/root/.ssh/id_rsa")],
+            r"config\[0\].parameters.files\[0\].local_path: reads "
+            r"'/root/.ssh/id_rsa' from the host: a setup step may read only a file in its task's",
+        ),
         ([upload("../secret_key")], r"reads '../secret_key' from the host"),
         ([upload("missing.txt")], r"reads 'missing.txt', which is not a file in the task's"),
         ([upload("link.txt")], r"reads 'link.txt', which leads out of the task's directory"),
-        ([{"type": "login", "parameters": {"settings_file": "/etc/shadow"}}],
-         r"config\[0\].parameters.settings_file: reads '/etc/shadow' from the host"),
+        (
+            [{"type": "login", "parameters": {"settings_file": "/etc/shadow"}}],
+            r"config\[0\].parameters.settings_file: reads '/etc/shadow' from the host",
+        ),
         # googledrive's default settings file is a path relative to the worker's directory
-        ([{"type": "googledrive", "parameters": {}}],
-         r"settings_file: reads 'evaluation_examples/settings/googledrive/settings.yml', "
-         r"which is not a file"),
+        (
+            [{"type": "googledrive", "parameters": {}}],
+            r"settings_file: reads 'evaluation_examples/settings/googledrive/settings.yml', "
+            r"which is not a file",
+        ),
     ],
 )
 def test_a_setup_step_reading_a_host_file_is_refused_at_import_with_the_step_named(

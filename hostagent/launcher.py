@@ -299,7 +299,9 @@ def default_specs(
         *env_worker_specs(env_slots),
     ]
     if inference_policy is not None:
-        gpus = vllm_gpus if backend == "vllm" and vllm_gpus else [None] * inference_workers
+        gpus: list[int | None] = (
+            list(vllm_gpus) if backend == "vllm" and vllm_gpus else [None] * inference_workers
+        )
         specs += serving_specs(
             policy=inference_policy,
             version=inference_version,

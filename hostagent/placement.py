@@ -119,11 +119,11 @@ def place(
     gpu_run = needs.device == "cuda" or (needs.device == "auto" and bool(host.gpus))
     if not gpu_run:
         busy = sum(p.cpu_inference for p in taken)
-        free = host.cpu_inference_slots - busy
-        if needs.inference_workers > free:
+        slots = host.cpu_inference_slots - busy
+        if needs.inference_workers > slots:
             return (
                 f"needs {needs.inference_workers} CPU inference worker"
-                f"{'s' if needs.inference_workers != 1 else ''}; {max(free, 0)} of "
+                f"{'s' if needs.inference_workers != 1 else ''}; {max(slots, 0)} of "
                 f"{host.cpu_inference_slots} are free on {host.name} "
                 "(DARTBOARD_CPU_INFERENCE_SLOTS)"
             )

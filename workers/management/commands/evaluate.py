@@ -123,9 +123,10 @@ def _policy_and_run(policy: str | None, run: int | None) -> tuple[str, int | Non
             raise EvalSetupError(f"--policy {policy} belongs to run {owner}, not --run {run}")
         return policy, owner if run is None else run
     if run is None and policy != ORACLE_POLICY:
-        checkpoint, _ = resolve_checkpoint(policy)
+        checkpoint, _ = resolve_checkpoint(policy)  # a directory: not the oracle, not run:
         try:
-            kind = json.loads((checkpoint / "config.json").read_text()).get("model_type", "")
+            config = (Path(str(checkpoint)) / "config.json").read_text()
+            kind = json.loads(config).get("model_type", "")
         except (OSError, ValueError):
             kind = ""
         if kind not in OWN_MODEL_TYPES:

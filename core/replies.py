@@ -16,6 +16,7 @@ history would then carry. Both backends return this text.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,19 @@ CUT_CHARACTER = "\ufffd"  # what the first bytes of a multi-byte character decod
 
 def stop_token_ids(checkpoint: str | Path, tokenizer: Any) -> list[int]:
     """Every end token `checkpoint` (a full model directory) and its tokenizer name, sorted."""
+    ids = set(_config_end_tokens(str(checkpoint)))
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    turn_end = tokenizer.convert_tokens_to_ids(TURN_END)
+    if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id:
+        ids.add(turn_end)
+    return sorted(ids)
+
+
+@functools.lru_cache(maxsize=32)
+def _config_end_tokens(checkpoint: str) -> tuple[int, ...]:
+    """The end tokens a checkpoint's config files name: read once per directory (a
+    generation asks for them on every batch)."""
     ids: set[int] = set()
 
     def add(value: Any) -> None:
@@ -43,11 +57,7 @@ def stop_token_ids(checkpoint: str | Path, tokenizer: Any) -> list[int]:
             continue
         add(data.get("eos_token_id"))
         add((data.get("text_config") or {}).get("eos_token_id"))
-    add(tokenizer.eos_token_id)
-    turn_end = tokenizer.convert_tokens_to_ids(TURN_END)
-    if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id:
-        ids.add(turn_end)
-    return sorted(ids)
+    return tuple(sorted(ids))
 
 
 def reply_text(tokenizer: Any, token_ids: Sequence[int]) -> str:

@@ -18,6 +18,7 @@ it meanwhile (then it says so and its holder stops).
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -101,10 +102,10 @@ class LiveWork:
     def pending_key(self) -> str:
         return f"{self.lease_key}:pending"
 
-    @property
+    @functools.cached_property
     def queue(self) -> str:
-        """Its Celery queue, looked up when asked (the database may be away when the work is
-        only named, for its lease key)."""
+        """Its Celery queue, looked up when first asked (the database may be away when the
+        work is only named, for its lease key), then kept."""
         run_id = self.run_id
         if self.eval_job is not None:
             run_id = (
@@ -175,7 +176,7 @@ def work_enqueue(work: LiveWork, *, countdown: float | None = None) -> None:
             client.close()
         celery_app.send_task(work.task, args=work.args, queue=queue, countdown=countdown)
 
-    queue = work.queue  # one lookup, before the retries
+    queue = work.queue  # before the retries: the database is not asked inside them
     redis_retry(enqueue, what=f"enqueueing the {work.label}")
 
 

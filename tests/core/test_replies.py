@@ -4,6 +4,7 @@ end tokens: the one answer both backends and the next turn's history use."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -19,14 +20,15 @@ def qwen25(tmp_path_factory):
     return out, AutoTokenizer.from_pretrained(out)
 
 
-def test_every_end_token_the_checkpoint_names_stops_a_reply(qwen25):
+def test_every_end_token_the_checkpoint_names_stops_a_reply(qwen25, tmp_path):
     path, tok = qwen25
     im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     # config.json names only <|im_end|>; generation_config.json both, as the released model
     assert json.loads((path / "config.json").read_text())["text_config"]["eos_token_id"] == im_end
     assert stop_token_ids(path, tok) == sorted([im_end, endoftext])
-    (path / "generation_config.json").unlink()  # a checkpoint saved without one
-    assert stop_token_ids(path, tok) == [im_end]
+    bare = shutil.copytree(path, tmp_path / "bare")
+    (bare / "generation_config.json").unlink()  # a checkpoint saved without one
+    assert stop_token_ids(bare, tok) == [im_end]
 
 
 def test_a_character_cut_by_the_token_limit_is_left_out_of_the_text(qwen25):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import close_old_connections
+from django.utils import timezone
 
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
@@ -62,6 +63,7 @@ from workers.runs import run_current_policy, run_start_workers
 log = logging.getLogger("hostagent.agent")
 
 REPORT_EVERY_S = 10.0
+SLOW_START_S = 300.0  # a run starting this long says what to read
 ACTIVE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
 
 
@@ -314,6 +316,7 @@ class HostAgent:
     def _promote_starting(self) -> None:
         for placement in self._mine().filter(state=PlacementState.STARTING):
             if placement.router_url and not _router_up(placement.router_url):
+                self._say_if_slow(placement)
                 continue
             run = placement.run
             begun = run_begin(run_id=run.pk)
@@ -322,6 +325,20 @@ class HostAgent:
             if begun or run.status == RunStatus.RUNNING:
                 run_start_workers(run_id=run.pk)
                 log.info("run %s is running on %s", run.pk, self.name)
+
+    def _say_if_slow(self, placement: RunPlacement) -> None:
+        """A run whose router has no live worker long after its processes started says so,
+        with the logs to read (a worker that cannot load its checkpoint restarts in a loop)."""
+        waited = (timezone.now() - placement.updated_at).total_seconds()
+        if waited < SLOW_START_S:
+            return
+        logs = self.home / "logs" / f"{run_prefix(placement.run_id)}inference-0.log"
+        message = (
+            f"starting: the run's router at {placement.router_url} has no live inference "
+            f"worker after {SLOW_START_S:.0f} s; read {logs} and the run's other logs there"
+        )
+        if placement.run.status_message != message:
+            run_set_message(run_id=placement.run_id, message=message)
 
     # ------------------------------------------------------------------ processes
 

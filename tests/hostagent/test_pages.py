@@ -52,3 +52,28 @@ def test_a_queued_run_says_why_it_waits_and_a_cpu_torch_gpu_host_says_so(ada_cli
     page = ada_client.get("/").content.decode()
     assert "unusable: this torch is the CPU build; make torch-cuda" in page
     assert RunPlacement.objects.get().state == PlacementState.QUEUED
+
+
+def test_a_run_whose_router_never_answers_says_which_log_to_read(tmp_path):
+    from datetime import timedelta
+
+    from datamanager.models import Run
+    from hostagent.agent import SLOW_START_S, HostAgent
+    from tests.helpers import free_port
+
+    host = Host.objects.create(name="h", last_seen=timezone.now())
+    run = run_create(name="stuck", config=RunConfig())
+    placement = placement_queue(run_id=run.pk)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: its worker keeps crashing
+    assert placement_claim(placement_id=placement.pk, host=host, plan={}, router_url=url)
+    agent = HostAgent(home=tmp_path, name="h")
+    agent.host = host
+    agent._promote_starting()
+    assert "no live inference worker" not in Run.objects.get(pk=run.pk).status_message
+    RunPlacement.objects.filter(pk=placement.pk).update(
+        updated_at=timezone.now() - timedelta(seconds=SLOW_START_S + 1)
+    )
+    agent._promote_starting()
+    message = Run.objects.get(pk=run.pk).status_message
+    assert f"router at {url} has no live inference worker after 300 s" in message
+    assert str(tmp_path / "logs" / f"run-{run.pk}-inference-0.log") in message

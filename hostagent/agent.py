@@ -40,7 +40,7 @@ from django.utils import timezone
 
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
-from datamanager.policies import ORACLE_POLICY
+from datamanager.policies import ORACLE_POLICY, policy_path
 from datamanager.services.placement import (
     host_report,
     placement_claim,
@@ -154,7 +154,7 @@ def run_specs(
     if cfg.policy == ORACLE_POLICY:
         return specs
     if cfg.rollout.backend == "vllm":  # the router's first sync loads the run's version
-        version, checkpoint = 0, str(_base_policy(cfg))
+        version, checkpoint = 0, str(policy_path(cfg.policy))
     specs += serving_specs(
         policy=checkpoint,
         version=version,
@@ -177,12 +177,6 @@ def _current_policy(run: Run, cfg: RunConfig) -> tuple[int, str]:
         return 0, ""
     version, checkpoint = run_current_policy(run=run)
     return version, str(checkpoint)
-
-
-def _base_policy(cfg: RunConfig) -> str:
-    from datamanager.policies import policy_path
-
-    return str(policy_path(cfg.policy))
 
 
 def port_free(port: int) -> bool:

@@ -5,13 +5,13 @@ transformers inference server, the router, the trainer (tiny policy, CPU)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
 import pytest
+from django.conf import settings
 
 from datamanager.config import RunConfig
 from datamanager.models import PlacementState, PolicyVersion, Run, RunPlacement, RunStatus, Task
@@ -19,16 +19,11 @@ from datamanager.policies import policy_path
 from datamanager.services.runs import run_create
 from hostagent.agent import HostAgent
 from rollout.client import RouterAdmin
+from tests.helpers import free_port
 from tests.live_stack import FAST_LIVENESS, TASKS
 from workers.runs import run_apply
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -118,7 +113,7 @@ def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_ru
     for run in (first, second):
         latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
         url = RunPlacement.objects.get(run=run).router_url
-        with RouterAdmin(url, token=agent_admin_token()) as admin:
+        with RouterAdmin(url, token=settings.DARTBOARD_ADMIN_TOKEN) as admin:
             admin.wait_for_version(latest.version, timeout=120)
             workers = admin.workers()
         plan = RunPlacement.objects.get(run=run).plan
@@ -142,9 +137,3 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def agent_admin_token() -> str:
-    from django.conf import settings
-
-    return settings.DARTBOARD_ADMIN_TOKEN

@@ -15,7 +15,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from datamanager.models import Host, Run, RunPlacement, RunStatus, Trajectory
-from tests.hostagent.test_agent import free_port
+from tests.helpers import free_port
 from workers.runs import run_apply
 
 ROOT = Path(__file__).resolve().parents[2]

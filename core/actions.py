@@ -454,14 +454,19 @@ def format_screen_action(
     screen_size: tuple[int, int],
     geometry: ImageGeometry,
     coords: CoordSpace = "pixel",
+    thought: str = "",
 ) -> str:
     """The text a model whose processor has `geometry` writes for this screen-space action
-    (the oracle's answers and its stored demos): model coordinates, canonical form, and no
-    thought (the shipped policy was pretrained to answer with the action alone, so demos in
-    that format warm-start it without a format shift)."""
+    (the oracle's answers, its stored demos and imported demonstrations): model coordinates,
+    canonical form. The oracle gives no thought (the shipped policy was pretrained to answer
+    with the action alone, so demos in that format warm-start it without a format shift); a
+    thought that would not parse back (a line of it starting with "Action:") is left out."""
     width, height = screen_size
     model_size = geometry.model_size(width=width, height=height)
     model_action = from_screen(
         action, screen_size=screen_size, model_size=model_size, coords=coords
     )
-    return format_action(model_action, coords=coords)
+    try:
+        return format_action(model_action, thought=thought, coords=coords)
+    except ValueError:
+        return format_action(model_action, coords=coords)

@@ -89,11 +89,12 @@ call_user() # Submit the task and call the user when the task is unsolvable, or 
 @dataclass(frozen=True)
 class PromptTemplate:
     """Where the computer-use prompt goes. `head` is the first user message, formatted with
-    `instruction` and `language`."""
+    `instruction` and `language`. `thoughts`: its replies begin with a Thought line."""
 
     name: str
     system: str
     head: str
+    thoughts: bool = False
 
     def first_user_message(self, *, instruction: str, language: str) -> str:
         # Not str.format: an instruction holding braces must come through as it is.
@@ -108,7 +109,9 @@ PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
     # agent): a bare system prompt, then one user message with the output format, the action
     # list, the language line and the instruction at the end. Coordinates are absolute pixels
     # of the processor-resized screenshot (run setting rollout.coords = "pixel").
-    "ui-tars-1.5": PromptTemplate("ui-tars-1.5", "You are a helpful assistant.", UI_TARS_15_HEAD),
+    "ui-tars-1.5": PromptTemplate(
+        "ui-tars-1.5", "You are a helpful assistant.", UI_TARS_15_HEAD, thoughts=True
+    ),
 }
 PROMPT_NAMES: tuple[str, ...] = tuple(PROMPT_TEMPLATES)
 

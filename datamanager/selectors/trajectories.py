@@ -8,9 +8,11 @@ columns, so a list over 200,000 steps stays a single query per page.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any
 
 from django.core.paginator import Page, Paginator
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
@@ -59,6 +61,24 @@ class TrajectoryFilter:
     update: int | None = None  # a step of it was trained in this update (its number)
     finished_from: datetime | None = None
     finished_to: datetime | None = None  # exclusive
+    reviewed: bool | None = None  # a curator accepted or rejected it
+
+    def to_json(self) -> dict[str, Any]:
+        """The set fields, JSON-able (datetimes as ISO 8601): how an export records it."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrajectoryFilter:
+        kwargs = dict(data)
+        for name in ("finished_from", "finished_to"):
+            if kwargs.get(name):
+                kwargs[name] = datetime.fromisoformat(kwargs[name])
+        return cls(**kwargs)
 
 
 def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
@@ -103,6 +123,8 @@ def trajectory_queryset(*, flt: TrajectoryFilter) -> QuerySet[Trajectory]:
         qs = qs.filter(reward_source=RewardSource.HUMAN)
     if flt.in_pool is not None:
         qs = qs.filter(in_pool=flt.in_pool)
+    if flt.reviewed is not None:
+        qs = qs.filter(reviewed_at__isnull=not flt.reviewed)
     if flt.policy_version is not None:
         # Steps carry the version (indexed); the JSON list is not queryable on SQLite.
         qs = qs.filter(

@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from django.core.files.storage import default_storage
 from django.db import transaction
 
-from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, image_token_counter
+from core.actions import CoordSpace, format_screen_action
+from core.imaging import ImageGeometry
+from core.prompts import (
+    PROMPT_TEMPLATES,
+    HistoryTurn,
+    PromptTemplate,
+    build_messages,
+    image_token_counter,
+)
+from core.protocol import Action
 from core.samples import TrainSample, UpdateMetrics
 from datamanager import curation
 from datamanager.config import RunConfig
@@ -58,6 +67,34 @@ def _read(name: str) -> bytes:
         return fh.read()
 
 
+REPLY_FROM_ACTION = "reply_from_action"
+"""A trajectory's `details` key: its steps' replies are written from their actions for the
+policy that trains on them (demonstrations recorded in another format: OSWorld's, AgentNet's),
+not read from `raw_output`."""
+
+
+def step_reply(
+    traj: Trajectory,
+    step: Step,
+    *,
+    geometry: ImageGeometry,
+    template: PromptTemplate,
+    coords: CoordSpace,
+) -> str:
+    """What the policy is trained to answer on `step`: the reply it wrote (`raw_output`), or,
+    for a demonstration recorded in another format, its action in this policy's coordinates
+    (and its thought, where the prompt asks for one)."""
+    if not (traj.details or {}).get(REPLY_FROM_ACTION) or not step.action:
+        return step.raw_output
+    return format_screen_action(
+        Action.from_json(step.action),
+        screen_size=(step.screen_width, step.screen_height),
+        geometry=geometry,
+        coords=coords,
+        thought=step.thought if template.thoughts else "",
+    )
+
+
 def trajectory_samples(
     traj: Trajectory,
     steps: list[Step],
@@ -70,20 +107,25 @@ def trajectory_samples(
 ) -> list[TrainSample]:
     """One TrainSample per step, its prompt rebuilt exactly as the rollout built it."""
     out = []
-    count_image_tokens = image_token_counter(policy_geometry(cfg.policy))
+    geometry = policy_geometry(cfg.policy)
+    count_image_tokens = image_token_counter(geometry)
+    template = PROMPT_TEMPLATES[cfg.rollout.prompt]
     shots: list[bytes] = []
     history: list[HistoryTurn] = []
     for step in steps:
         if not step.screenshot.name:
             raise ValueError(f"step {step.pk} of trajectory {traj.pk} has no screenshot")
         shots.append(_read(step.screenshot.name))
+        reply = step_reply(
+            traj, step, geometry=geometry, template=template, coords=cfg.rollout.coords
+        )
         if keep is None or step.pk in keep:
             messages = build_messages(
                 instruction=traj.instruction,
                 history=history,
                 screenshots=shots[-cfg.rollout.max_images :],
                 max_images=cfg.rollout.max_images,
-                template=PROMPT_TEMPLATES[cfg.rollout.prompt],
+                template=template,
                 language=cfg.rollout.language,
                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                 count_image_tokens=count_image_tokens,
@@ -94,7 +136,7 @@ def trajectory_samples(
                     trajectory_id=traj.pk,
                     group_id=group_id,
                     messages=messages,
-                    response_text=step.raw_output,
+                    response_text=reply,
                     reward=float(traj.reward or 0.0),
                     rollout_logprobs=list(step.rollout_logprobs or []),
                     mean_entropy=float(step.mean_entropy or 0.0),
@@ -105,7 +147,7 @@ def trajectory_samples(
                     response_token_ids=list(step.response_token_ids) or None,
                 )
             )
-        history.append(HistoryTurn.from_output(step.raw_output))
+        history.append(HistoryTurn.from_output(reply))
     return out
 
 

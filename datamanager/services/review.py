@@ -1,14 +1,11 @@
-"""Human curation: experience-pool promotion, trimming, rejection, reward overrides, task
-overrides and the import of pre-collected trajectories.
+"""Human curation: review (accept or reject), experience-pool promotion, trimming, rejection,
+reward overrides and task overrides. Importing demonstrations is `services.demos`.
 
 Each service is one transaction and raises `CurationError` with a message for the user.
-Storage files are written only after validation; files written by a failed import are
-deleted before the error propagates.
+Files written by a failed curation are deleted before the error propagates.
 """
 
 from __future__ import annotations
-
-from typing import IO
 
 from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
@@ -16,19 +13,16 @@ from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
-from datamanager.archive import archive_read
 from datamanager.models import (
     SCORED_STATUSES,
     RewardOverride,
     RewardSource,
     Step,
-    Task,
     TaskStat,
     Trajectory,
     TrajectorySource,
     TrajectoryStatus,
 )
-from datamanager.services.pool import DemoStep, demo_step_store
 
 
 class CurationError(ValueError):
@@ -46,9 +40,19 @@ def _locked(trajectory_id: int) -> Trajectory:
     return Trajectory.objects.select_for_update(of=("self",)).get(pk=trajectory_id)
 
 
+def _reviewed(traj: Trajectory, user: User | None) -> list[str]:
+    """Mark `traj` reviewed by `user` now (a person's decision); the fields to save."""
+    if user is None:
+        return []
+    traj.reviewed_at = timezone.now()
+    traj.reviewed_by = user
+    return ["reviewed_at", "reviewed_by"]
+
+
 @transaction.atomic
-def trajectory_promote(*, trajectory_id: int) -> Trajectory:
-    """Put a successful trajectory into its task's experience pool."""
+def trajectory_promote(*, trajectory_id: int, user: User | None = None) -> Trajectory:
+    """Put a successful trajectory into its task's experience pool (a curator's accept:
+    it leaves the review queue)."""
     traj = _locked(trajectory_id)
     if traj.rejected:
         raise CurationError("a rejected trajectory cannot join the experience pool")
@@ -57,9 +61,10 @@ def trajectory_promote(*, trajectory_id: int) -> Trajectory:
             f"only successful trajectories join the pool (this one is {traj.status}, "
             f"reward {traj.reward})"
         )
-    if not traj.in_pool:
-        traj.in_pool = True
-        traj.save(update_fields=["in_pool"])
+    was_pooled = traj.in_pool
+    traj.in_pool = True
+    traj.save(update_fields=["in_pool", *_reviewed(traj, user)])
+    if not was_pooled:
         pool_sizes_refresh(task_ids={traj.task_id})
     return traj
 
@@ -76,13 +81,14 @@ def trajectory_unpool(*, trajectory_id: int) -> Trajectory:
 
 
 @transaction.atomic
-def trajectory_reject(*, trajectory_id: int) -> Trajectory:
-    """Mark a trajectory as never to be trained on (and take it out of the pool)."""
+def trajectory_reject(*, trajectory_id: int, user: User | None = None) -> Trajectory:
+    """Mark a trajectory as never to be trained on (and take it out of the pool; a
+    curator's reject: it leaves the review queue)."""
     traj = _locked(trajectory_id)
     traj.rejected = True
     was_pooled = traj.in_pool
     traj.in_pool = False
-    traj.save(update_fields=["rejected", "in_pool"])
+    traj.save(update_fields=["rejected", "in_pool", *_reviewed(traj, user)])
     if was_pooled:
         pool_sizes_refresh(task_ids={traj.task_id})
     return traj
@@ -153,7 +159,7 @@ def trajectory_trim(*, trajectory_id: int, keep_steps: int) -> Trajectory:
                 written.append(new.screenshot.name)
             new.save()
     except BaseException:
-        _delete_files(written)
+        screenshots_delete(written)
         raise
     return copy
 
@@ -230,51 +236,7 @@ def taskstat_override(
     return stat
 
 
-def trajectories_import(*, fileobj: IO[bytes], in_pool: bool) -> list[Trajectory]:
-    """Import an upload archive (format: `datamanager.archive`) all or nothing.
-
-    Raises `archive.InvalidUpload` before touching storage or the database when the
-    archive is invalid. Imported trajectories have source=precollected, no run, status
-    succeeded when reward > 0 (else failed), and join the pool when `in_pool` and succeeded.
-    """
-    known = set(Task.objects.values_list("name", flat=True))
-    items = archive_read(fileobj=fileobj, known_tasks=known)
-    written: list[str] = []
-    try:
-        with transaction.atomic():
-            tasks = {t.name: t for t in Task.objects.filter(name__in={i.task for i in items})}
-            now = timezone.now()
-            out = []
-            for item in items:
-                ok = item.reward > 0
-                traj = Trajectory.objects.create(
-                    task=tasks[item.task],
-                    status=TrajectoryStatus.SUCCEEDED if ok else TrajectoryStatus.FAILED,
-                    reward=item.reward,
-                    length=len(item.steps),
-                    finished_at=now,
-                    source=TrajectorySource.PRECOLLECTED,
-                    in_pool=in_pool and ok,
-                    instruction=item.instruction or tasks[item.task].instruction,
-                )
-                for j, s in enumerate(item.steps):
-                    demo = DemoStep(s.png, s.width, s.height, s.raw_output, s.thought, s.action)
-                    step = demo_step_store(
-                        trajectory=traj,
-                        index=j,
-                        step=demo,
-                        path=f"precollected/traj-{traj.pk}/{j:03d}.png",
-                    )
-                    assert step.screenshot.name is not None  # save() stored it under this name
-                    written.append(step.screenshot.name)
-                out.append(traj)
-            pool_sizes_refresh(task_ids={t.pk for t in tasks.values()})
-    except BaseException:
-        _delete_files(written)
-        raise
-    return out
-
-
-def _delete_files(keys: list[str]) -> None:
+def screenshots_delete(keys: list[str]) -> None:
+    """Delete these media files (screenshots a failed write had saved)."""
     for key in keys:
         default_storage.delete(key)

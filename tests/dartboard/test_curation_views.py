@@ -13,7 +13,8 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from datamanager.archive import InvalidUpload, archive_read
+from datamanager.archive import archive_open
+from datamanager.services.demos import demos_import, demos_read
 from datamanager.config import RunConfig
 from datamanager.models import RewardOverride, Step, Task, TaskStat, Trajectory
 from datamanager.services import review as curate
@@ -208,9 +209,10 @@ GOOD = [
 ]  # fmt: skip
 
 
-def upload(client, data: bytes, in_pool=True):
+def upload(client, data: bytes, accept=True):
     f = SimpleUploadedFile("demos.zip", data, content_type="application/zip")
-    return client.post("/trajectories/upload/", {"archive": f, "in_pool": "on" if in_pool else ""})
+    fields = {"archive": f, "format": "dartboard", "accept": "on" if accept else ""}
+    return client.post("/trajectories/upload/", fields)
 
 
 def test_upload_imports_trajectories_with_screenshots(ada_client, run):
@@ -247,11 +249,11 @@ def test_upload_imports_trajectories_with_screenshots(ada_client, run):
     [
         (GOOD, {"s/0.png": png_bytes(color=(10, 200, 30))}, ["manifest.json: [0].steps[1].screenshot: 's/1.png' is not in the archive"]),
         ([{**GOOD[0], "task": "nope"}], {"s/0.png": png_bytes(color=(10, 200, 30)), "s/1.png": png_bytes(color=(10, 200, 30))},
-         ["manifest.json: [0].task: no task named 'nope'; import it first"]),
+         ["manifest.json: [0]: no task named 'nope'"]),
         ([{**GOOD[1], "reward": 3}], {"s/0.png": png_bytes(color=(10, 200, 30))}, ["manifest.json: [0].reward: must be a number in [0, 1], got 3"]),
         ([{**GOOD[1], "steps": [{"screenshot": "s/0.png", "action": {"type": "click"}}]}], {"s/0.png": png_bytes(color=(10, 200, 30))},
          ["manifest.json: [0].steps[0].action: click needs x and y"]),
-        ([{**GOOD[1]}], {"s/0.png": b"GIF89a not a png"}, ["s/0.png: not a readable PNG"]),
+        ([{**GOOD[1]}], {"s/0.png": b"GIF89a not a png"}, ["s/0.png: is not a readable image"]),
         ({"not": "a list"}, {}, ["manifest.json: must be a non-empty list of trajectories"]),
     ],
 )  # fmt: skip
@@ -274,11 +276,10 @@ def test_upload_that_is_not_a_zip(ada_client, run):
 
 
 def test_archive_reports_every_problem_at_once(run):
-    manifest = [{"task": "nope", "reward": -1, "steps": [{"screenshot": "x.png", "action": {}}]}]
-    with pytest.raises(InvalidUpload) as exc:
-        archive_read(fileobj=io.BytesIO(archive(manifest)), known_tasks={"click-button"})
-    assert len(exc.value.errors) == 4
-    assert "manifest.json: [0].steps[0].action: an action needs a 'type'" in exc.value.errors
+    manifest = [{"task": "", "reward": -1, "steps": [{"screenshot": "x.png", "action": {}}]}]
+    read = demos_read(files=archive_open(io.BytesIO(archive(manifest))), fmt="dartboard")
+    assert len(read.errors) == 4
+    assert "manifest.json: [0].steps[0].action: an action needs a 'type'" in read.errors
 
 
 def test_failed_import_cleans_up_written_files(run, monkeypatch):
@@ -294,17 +295,20 @@ def test_failed_import_cleans_up_written_files(run, monkeypatch):
 
     monkeypatch.setattr(Step, "save", failing_save)
     with pytest.raises(RuntimeError):
-        curate.trajectories_import(
-            fileobj=io.BytesIO(
-                archive(
-                    GOOD,
-                    {
-                        "s/0.png": png_bytes(color=(10, 200, 30)),
-                        "s/1.png": png_bytes(color=(10, 200, 30)),
-                    },
+        demos_import(
+            files=archive_open(
+                io.BytesIO(
+                    archive(
+                        GOOD,
+                        {
+                            "s/0.png": png_bytes(color=(10, 200, 30)),
+                            "s/1.png": png_bytes(color=(10, 200, 30)),
+                        },
+                    )
                 )
             ),
-            in_pool=True,
+            fmt="dartboard",
+            accept=True,
         )
     assert not Trajectory.objects.filter(source="precollected").exists()
     assert media_files() == files_before

@@ -12,7 +12,8 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from PIL import Image
 
-from datamanager import archive
+from datamanager.demos import episodes
+from datamanager.demos import manifest as demo_manifest
 from datamanager.models import Step, Trajectory
 from tests.conftest import png_bytes
 from tests.dartboard.test_curation_views import finished
@@ -39,7 +40,7 @@ def one_step(action: dict, *, shot: str = "s.png", steps: int = 1) -> list[dict]
 
 def post(client, data: bytes):
     f = SimpleUploadedFile("demos.zip", data, content_type="application/zip")
-    return client.post("/trajectories/upload/", {"archive": f, "in_pool": "on"})
+    return client.post("/trajectories/upload/", {"archive": f, "format": "dartboard", "accept": "on"})
 
 
 def refused(client, data: bytes, message: str) -> None:
@@ -68,17 +69,17 @@ def test_a_stored_hostile_action_renders_escaped(ada_client, run) -> None:
 
 
 def test_an_oversized_manifest_is_refused_before_it_is_parsed(ada_client, run) -> None:
-    big = one_step({"type": "finished", "text": "x" * (archive.MAX_MANIFEST_BYTES + 10)})
+    big = one_step({"type": "finished", "text": "x" * (episodes.MAX_MANIFEST_BYTES + 10)})
     refused(ada_client, zip_of(big, {"s.png": png_bytes()}), "manifest.json: larger than 8 MiB")
 
 
 def test_one_png_named_by_too_many_steps_is_refused(ada_client, run) -> None:
-    manifest = one_step({"type": "wait"}, steps=archive.MAX_STEPS + 1)
+    manifest = one_step({"type": "wait"}, steps=demo_manifest.MAX_STEPS + 1)
     refused(ada_client, zip_of(manifest, {"s.png": png_bytes()}), "at most 50000 in one upload")
 
 
 def test_a_decompression_bomb_member_is_refused(ada_client, run) -> None:
-    bomb = b"\0" * (archive.MAX_MEMBER_BYTES + 1024)  # compresses to ~20 KB
+    bomb = b"\0" * (episodes.MAX_IMAGE_BYTES + 1024)  # compresses to ~20 KB
     data = zip_of(one_step({"type": "wait"}), {"s.png": bomb})
     assert len(data) < 100_000
     refused(ada_client, data, "[0].steps[0].screenshot: s.png: larger than 20 MiB")

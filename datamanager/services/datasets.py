@@ -1,0 +1,287 @@
+"""Exporting trajectories as data sets other tools read: a Hugging Face dataset (parquet with
+embedded screenshots, `successes` and `failures` configs, a card), an SFT view (each step as
+the chat its policy saw and the reply to learn), and OSWorld result folders.
+
+`dataset_write` streams: trajectory ids are read once, then trajectories in chunks with their
+steps, each screenshot read from storage as its row is written; the writers hold one row
+group. `dataset_export_create` records an export asked for in the browser or the API;
+`dataset_export_run` (the Celery task `workers.tasks.dataset_export`, default queue) writes the
+files, zips them into the media storage (`exports/`) and keeps the export's progress on its row.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.files import File
+from django.core.files.storage import default_storage
+from django.utils import timezone
+
+from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, decode_image_parts
+from core.protocol import Action
+from datamanager.config import RunConfig
+from datamanager.demos.hf import SFT_SCHEMA, STEP_SCHEMA, ShardWriter, dataset_card
+from datamanager.demos.osworld import OsworldStep, osworld_write
+from datamanager.demos.pyautogui import pyautogui_code
+from datamanager.models import DatasetExport, ExportStatus, Step, Trajectory, TrajectoryStatus
+from datamanager.policies import policy_geometry
+from datamanager.selectors.trajectories import TrajectoryFilter, trajectory_queryset
+from datamanager.services.batches import step_reply
+
+EXPORT_FORMATS = ("hf", "sft", "osworld")
+CHUNK = 100  # trajectories fetched with their steps at once
+
+
+class ExportError(ValueError):
+    """An export cannot be made; the message says why."""
+
+
+@dataclass
+class ExportCounts:
+    trajectories: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+
+
+def dataset_write(
+    *,
+    flt: TrajectoryFilter,
+    formats: list[str],
+    out: Path,
+    query: str = "",
+    licence: str = "other",
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportCounts:
+    """Write the trajectories `flt` selects into `out` in `formats`; `query` is the filter as
+    the trajectory list's query string (the card quotes it)."""
+    unknown = sorted(set(formats) - set(EXPORT_FORMATS))
+    if unknown or not formats:
+        raise ExportError(f"formats must be some of {', '.join(EXPORT_FORMATS)}, got {formats}")
+    ids = list(trajectory_queryset(flt=flt).values_list("pk", flat=True))
+    counts = ExportCounts()
+    writers: dict[str, ShardWriter] = {}
+    if "hf" in formats:
+        writers["successes"] = ShardWriter(out, "successes", STEP_SCHEMA)
+        writers["failures"] = ShardWriter(out, "failures", STEP_SCHEMA)
+    if "sft" in formats:
+        writers["sft"] = ShardWriter(out, "sft", SFT_SCHEMA)
+    prompts = _PromptBook()
+    for traj, steps in _trajectories(ids):
+        shots = [_read(s) for s in steps]
+        if "hf" in formats:
+            config = "successes" if traj.status == TrajectoryStatus.SUCCEEDED else "failures"
+            for step, png in zip(steps, shots, strict=True):
+                writers[config].add(_step_row(traj, step, png))
+        if "sft" in formats:
+            for row in prompts.sft_rows(traj, steps, shots):
+                writers["sft"].add(row)
+        if "osworld" in formats and steps:
+            osworld_write(_osworld_folder(out, traj), steps=[
+                OsworldStep(png=png, code=_code(s), response=s.thought or s.raw_output)
+                for s, png in zip(steps, shots, strict=True)], score=float(traj.reward or 0.0),
+                task=traj.task.name, instruction=traj.instruction)  # fmt: skip
+        counts.trajectories += 1
+        if progress is not None:
+            progress(counts.trajectories, len(ids))
+    for name, writer in writers.items():
+        writer.close()
+        counts.rows[name] = writer.rows
+    if "hf" in formats or "sft" in formats:
+        dataset_card(out, title="Dartboard trajectories", query=query, licence=licence,
+                     configs={k: v for k, v in counts.rows.items() if v},
+                     notes=[f"Trajectories: {counts.trajectories}."])  # fmt: skip
+    return counts
+
+
+def _trajectories(ids: list[int]) -> Iterator[tuple[Trajectory, list[Step]]]:
+    for start in range(0, len(ids), CHUNK):
+        chunk = ids[start : start + CHUNK]
+        trajs = Trajectory.objects.select_related("task", "run").in_bulk(chunk)
+        steps: dict[int, list[Step]] = {pk: [] for pk in chunk}
+        for step in Step.objects.filter(trajectory_id__in=chunk).order_by("trajectory_id", "index"):
+            steps[step.trajectory_id].append(step)
+        for pk in chunk:
+            if pk in trajs:  # deleted since the ids were read
+                yield trajs[pk], steps[pk]
+
+
+def _read(step: Step) -> bytes:
+    if not step.screenshot.name:
+        return b""
+    with default_storage.open(step.screenshot.name, "rb") as fh:
+        return fh.read()
+
+
+def _step_row(traj: Trajectory, step: Step, png: bytes) -> dict[str, Any]:
+    action = step.action or {}
+    return {
+        "trajectory_id": traj.pk,
+        "step_index": step.index,
+        "task": traj.task.name,
+        "instruction": traj.instruction,
+        "run_id": traj.run_id,
+        "source": traj.source,
+        "status": traj.status,
+        "reward": traj.reward,
+        "image": {"bytes": png, "path": f"traj-{traj.pk}-{step.index:03d}.png"},
+        "screen_width": step.screen_width,
+        "screen_height": step.screen_height,
+        "action": json.dumps(action) if action else "",
+        "action_type": action.get("type", ""),
+        "thought": step.thought,
+        "raw_output": step.raw_output,
+        "error": step.parse_error or traj.error,
+        "policy_version": step.policy_version,
+    }
+
+
+def _code(step: Step) -> str:
+    if not step.action:
+        return "WAIT"  # a step whose reply did not parse: nothing was done on the screen
+    return pyautogui_code(Action.from_json(step.action))
+
+
+def _osworld_folder(out: Path, traj: Trajectory) -> Path:
+    """results/<action space>/<observation>/<model>/<domain>/<task id>/ as OSWorld lays them
+    out; model: the trajectory (so repeats of a task stay apart), domain: the task's env
+    kind, task id: an OSWorld task's id, else its name with '/' as '_' (`dartboard.json`
+    keeps the name)."""
+    task_id = traj.task.name.removeprefix("osworld/").replace("/", "_")
+    return (out / "osworld" / "pyautogui" / "screenshot" / f"dartboard-traj-{traj.pk}" /
+            traj.task.env_kind / task_id)  # fmt: skip
+
+
+class _PromptBook:
+    """The prompt each trajectory's policy saw: its run's config, or the defaults for
+    trajectories without a run (imported demonstrations)."""
+
+    def __init__(self) -> None:
+        self._configs: dict[int | None, RunConfig] = {}
+
+    def _config(self, traj: Trajectory) -> RunConfig:
+        if traj.run_id not in self._configs:
+            self._configs[traj.run_id] = (
+                RunConfig.from_dict(traj.run.config) if traj.run is not None else RunConfig()
+            )
+        return self._configs[traj.run_id]
+
+    def sft_rows(self, traj: Trajectory, steps: list[Step], shots: list[bytes]) -> Iterator[dict]:
+        cfg = self._config(traj)
+        geometry = policy_geometry(cfg.policy)
+        template = PROMPT_TEMPLATES[cfg.rollout.prompt]
+        history: list[HistoryTurn] = []
+        for j, step in enumerate(steps):
+            reply = step_reply(traj, step, geometry=geometry, template=template,
+                               coords=cfg.rollout.coords)  # fmt: skip
+            if shots[j]:
+                messages = build_messages(
+                    instruction=traj.instruction,
+                    history=history,
+                    screenshots=shots[max(0, j + 1 - cfg.rollout.max_images) : j + 1],
+                    max_images=cfg.rollout.max_images,
+                    template=template,
+                    language=cfg.rollout.language,
+                )
+                yield {"trajectory_id": traj.pk, "step_index": step.index, "task": traj.task.name,
+                       **_chat(messages, reply)}  # fmt: skip
+            history.append(HistoryTurn.from_output(reply))
+
+
+def _chat(messages: list[dict], reply: str) -> dict[str, Any]:
+    """OpenAI messages -> the chat-template layout SFT trainers load (`{"type": "image"}`
+    placeholders, the images in order in `images`), the reply as the last message."""
+    images = decode_image_parts(messages)
+    out = []
+    for message in messages:
+        content = message["content"]
+        parts = (
+            [{"type": "text", "text": content}]
+            if isinstance(content, str)
+            else [
+                {"type": "image", "text": None}
+                if p.get("type") == "image_url"
+                else {"type": "text", "text": p.get("text")}
+                for p in content
+            ]
+        )
+        out.append({"role": message["role"], "content": parts})
+    out.append({"role": "assistant", "content": [{"type": "text", "text": reply}]})
+    return {"messages": out, "images": [{"bytes": png, "path": None} for png in images]}
+
+
+# ---------------------------------------------------------------- background exports
+
+
+def dataset_export_create(
+    *, flt: TrajectoryFilter, query: str, formats: list[str], user: User | None
+) -> DatasetExport:
+    """Record an export; the caller queues its writing (`workers.tasks.dataset_export_queue`)."""
+    unknown = sorted(set(formats) - set(EXPORT_FORMATS))
+    if unknown or not formats:
+        raise ExportError(f"choose formats among {', '.join(EXPORT_FORMATS)}")
+    export = DatasetExport.objects.create(
+        created_by=user, filter={"query": query, "filter": flt.to_json()}, formats=formats,
+        total=trajectory_queryset(flt=flt).count(),
+    )  # fmt: skip
+    return export
+
+
+def dataset_export_run(*, export_id: int) -> DatasetExport:
+    """Write export `export_id` (a queued one) into the media storage as a .zip; its row says
+    how far it is, and why it failed if it does."""
+    export = DatasetExport.objects.get(pk=export_id)
+    if export.status != ExportStatus.QUEUED:
+        return export
+    DatasetExport.objects.filter(pk=export_id).update(status=ExportStatus.RUNNING)
+    work = Path(tempfile.mkdtemp(prefix=f"export-{export_id}-", dir=_scratch()))
+    try:
+
+        def progress(done: int, total: int) -> None:
+            if done % 20 == 0 or done == total:
+                DatasetExport.objects.filter(pk=export_id).update(done=done, total=total)
+
+        dataset_write(
+            flt=TrajectoryFilter.from_json(export.filter["filter"]),
+            formats=list(export.formats),
+            out=work / "data",
+            query=export.filter.get("query", ""),
+            progress=progress,
+        )
+        archive = work / "export.zip"
+        with zipfile.ZipFile(
+            archive, "w", zipfile.ZIP_STORED
+        ) as zf:  # parquet and PNG are compressed
+            for path in sorted((work / "data").rglob("*")):
+                if path.is_file():
+                    zf.write(
+                        path, f"dartboard-export-{export_id}/{path.relative_to(work / 'data')}"
+                    )
+        with archive.open("rb") as fh:
+            key = default_storage.save(f"exports/export-{export_id}.zip", File(fh))
+        DatasetExport.objects.filter(pk=export_id).update(
+            status=ExportStatus.DONE, archive=key, finished_at=timezone.now()
+        )
+    except Exception as exc:
+        DatasetExport.objects.filter(pk=export_id).update(
+            status=ExportStatus.FAILED, error=f"{type(exc).__name__}: {exc}",
+            finished_at=timezone.now(),
+        )  # fmt: skip
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    export.refresh_from_db()
+    return export
+
+
+def _scratch() -> Path:
+    path = Path(settings.DARTBOARD_HOME) / "scratch"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

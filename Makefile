@@ -43,7 +43,7 @@ $(PY):
 	@echo "==> creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requirements-sandbox.txt | $(PY)
+$(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requirements-sandbox.txt pyproject.toml | $(PY)
 	@echo "==> installing pinned Python packages (torch==2.13.0 CPU; about 5 minutes the first time)"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
@@ -52,6 +52,8 @@ $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requir
 	@echo "==> pyautogui for the desktop sandbox's /usr/bin/python3 ($(VENV)/sandbox-site)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade \
 	  --target $(VENV)/sandbox-site -r requirements-sandbox.txt
+	@echo "==> the dartboard command (the API client, dartboard_client/), editable"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 install: system-deps $(STAMP) ## the system packages and .venv (pinned)

@@ -13,6 +13,7 @@ TLS proxy's limit (deploy/Caddyfile, request_body) stops a body before it reache
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,9 @@ from datamanager.archive import MAX_UPLOAD_BYTES
 DEFAULT_MAX_BYTES = 10 * 2**20
 FORM_SLACK_BYTES = 2**20  # multipart framing and the upload form's other fields
 UPLOAD_PATH = "/trajectories/upload/"  # dartboard/urls.py, name "upload"
+# The REST API takes settings and small bodies only; its refusal is JSON (dartboard/api).
+API_PREFIX = "/api/"
+API_MAX_BYTES = 2**20
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -41,6 +45,8 @@ class BodyLimit:
         self.paths = path_limits() if paths is None else paths
 
     def limit(self, path: str) -> int:
+        if path.startswith(API_PREFIX):
+            return self.paths.get(path, API_MAX_BYTES)
         return self.paths.get(path, self.default)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -50,7 +56,7 @@ class BodyLimit:
         limit = self.limit(scope["path"])
         declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _refuse(send, limit)
+            await _refuse(send, limit, scope["path"])
             return
         received = 0
         refused = False
@@ -65,21 +71,26 @@ class BodyLimit:
                 if received > limit:
                     # Refused here; Django is told the client left, and stops reading.
                     refused = True
-                    await _refuse(send, limit)
+                    await _refuse(send, limit, scope["path"])
                     return {"type": "http.disconnect"}
             return message
 
         await self.app(scope, counted, send)
 
 
-async def _refuse(send: Send, limit: int) -> None:
-    body = f"Request body too large: at most {limit} bytes here.\n".encode()
+async def _refuse(send: Send, limit: int, path: str) -> None:
+    message = f"Request body too large: at most {limit} bytes here."
+    if path.startswith(API_PREFIX):  # the API's error shape (dartboard/api/errors.py)
+        problem = {"code": "too_large", "message": message, "field": None}
+        body, kind = json.dumps({**problem, "errors": [problem]}).encode(), b"application/json"
+    else:
+        body, kind = f"{message}\n".encode(), b"text/plain; charset=utf-8"
     await send(
         {
             "type": "http.response.start",
             "status": 413,
             "headers": [
-                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-type", kind),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),  # the rest of the body is never read
             ],

@@ -20,6 +20,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from datamanager.models import EvalScope
 from datamanager.selectors.charts import ChartData, GroupPoint, VersionPoint
+from datamanager.selectors.metrics import SweepCurve
 
 _LAYOUT = {
     "margin": {"l": 48, "r": 12, "t": 36, "b": 36},
@@ -586,4 +587,43 @@ def eval_heatmap(
         margin={"l": 200, "r": 12, "t": 36, "b": 120},
         xaxis={"type": "category", "tickangle": -30},
         yaxis={"type": "category", "autorange": "reversed"},
+    )
+
+
+SWEEP_COLORS = ["#2f6fed", "#c0392b", "#1f9d55", "#8e44ad", "#d68910", "#17a2b8", "#6b7385",
+                "#e67e22", "#34495e", "#16a085"]  # fmt: skip
+
+
+def sweep_figure(curves: list[SweepCurve], scope: str) -> dict[str, Any]:
+    """Greedy success per policy version on `scope`, one line per sweep member (its grid
+    values and seed), each point with its 95% interval."""
+    traces = []
+    for i, curve in enumerate(curves):
+        points = curve.versions.get(scope) or []
+        color = SWEEP_COLORS[i % len(SWEEP_COLORS)]
+        traces.append(
+            _line(
+                f"#{curve.member.run_id} {curve.label}",
+                [p.version for p in points],
+                [p.rate for p in points],
+                line={"color": color},
+                text=[f"{p.ok}/{p.scored}" for p in points],
+                hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>"
+                + f"#{curve.member.run_id}</extra>",
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [p.high - p.rate for p in points],
+                    "arrayminus": [p.rate - p.low for p in points],
+                    "color": color,
+                },
+            )
+        )
+    return _fig(
+        f"Greedy success per policy version on the {EvalScope(scope).label} (95% interval)",
+        [t for t in traces if t["x"]],
+        xaxis={"title": {"text": "policy version"}, "tickformat": "d", "rangemode": "tozero"},
+        yaxis={"range": [0, 1.05], "tickformat": ".0%"},
+        margin={"l": 48, "r": 12, "t": 36, "b": 60},
+        legend={"orientation": "h", "y": -0.32},
     )

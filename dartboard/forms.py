@@ -1,5 +1,6 @@
 """Dashboard forms. The run form is generated from `datamanager.config.RunConfig`, so every
-setting appears with its default and help text, and a `ConfigError` lands on its field."""
+setting appears with its default and help text, and each problem `run_config_validate` finds
+lands on its field."""
 
 from __future__ import annotations
 
@@ -13,17 +14,17 @@ from django.contrib.auth.forms import AuthenticationForm
 
 from dartboard import login_throttle
 from datamanager.archive import MAX_UPLOAD_BYTES
-from datamanager.config import ConfigError, RunConfig
+from datamanager.config import ConfigInvalid, RunConfig
 from datamanager.models import (
     EnvKind,
     FailureKind,
-    Task,
     TrajectorySource,
     TrajectoryStatus,
 )
-from datamanager.policies import NAMED_POLICIES
-from datamanager.roles import CAN_ADMINISTER
-from datamanager.selectors.trajectories import END_REASONS
+from datamanager.selectors.trajectories import END_REASONS, TrajectoryFilter
+from datamanager.services.runs import run_config_validate
+from datamanager.services.tokens import DEFAULT_DAYS as DEFAULT_TOKEN_DAYS
+from datamanager.services.tokens import MAX_DAYS as MAX_TOKEN_DAYS
 
 _TITLES = {"": "Run", "tasks": "Tasks", "env": "Environments"}
 
@@ -154,30 +155,11 @@ class RunForm(forms.Form):
         if self.errors:
             return cleaned
         try:
-            self.config = RunConfig.from_dict(self.config_dict())
-        except ConfigError as exc:
-            field = exc.path if exc.path in self.fields else None
-            self.add_error(field, exc.message if field else str(exc))
-            return cleaned
-        names = self.config.tasks.names
-        if names:
-            known = set(Task.objects.filter(name__in=names).values_list("name", flat=True))
-            missing = [n for n in names if n not in known]
-            if missing:
-                self.add_error("tasks.names", f"no task named {', '.join(missing)}")
-        if self.user is not None and not self.user.has_perm(CAN_ADMINISTER):
-            # A checkpoint path loads arbitrary weights on the shared workers, and a desktop
-            # slot or an OSWorld VM hands the policy a shell: each is an admin's call.
-            if self.config.policy not in NAMED_POLICIES:
-                self.add_error(
-                    "policy",
-                    f"only an admin may point a run at a checkpoint path; use one of "
-                    f"{', '.join(NAMED_POLICIES)}",
-                )
-            if self.config.env.desktop_slots:
-                self.add_error("env.desktop_slots", "only an admin may give a run desktop slots")
-            if self.config.env.osworld_addresses:
-                self.add_error("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
+            self.config = run_config_validate(data=self.config_dict(), user=self.user)
+        except ConfigInvalid as exc:
+            for problem in exc.problems:
+                field = problem.path if problem.path in self.fields else None
+                self.add_error(field, problem.message if field else str(problem))
         return cleaned
 
 
@@ -274,6 +256,36 @@ class TrajectoryFilterForm(forms.Form):
                 self.add_error(high, f"must not be below {low} ({lo})")
         return data
 
+    def trajectory_filter(self) -> TrajectoryFilter:
+        """The filter a valid form asks for (the list page's and the API's)."""
+        d = self.cleaned_data
+        yes_no = {"yes": True, "no": False}
+        return TrajectoryFilter(
+            run_id=d["run"],
+            task=d["task"],
+            task_exact=d["task_exact"],
+            eval_job_id=d["eval_job"],
+            status=d["status"],
+            reward=d["reward"],
+            source=d["source"],
+            policy_version=d["policy_version"],
+            in_pool=yes_no.get(d["in_pool"]),
+            end=d["end"],
+            env_error=yes_no.get(d["env_error"]),
+            label=d["label"],
+            reward_min=d["reward_min"],
+            reward_max=d["reward_max"],
+            entropy_min=d["entropy_min"],
+            entropy_max=d["entropy_max"],
+            is_weight_min=d["is_weight_min"],
+            is_weight_max=d["is_weight_max"],
+            group_id=d["group"],
+            host=d["host"],
+            update=d["update"],
+            finished_from=d["finished_from"],
+            finished_to=d["finished_to"],
+        )
+
 
 class EvalJobFilterForm(forms.Form):
     run = forms.IntegerField(required=False, min_value=1)
@@ -320,3 +332,13 @@ class LoginForm(_Throttled, AuthenticationForm):
 
 class AdminLoginForm(_Throttled, AdminAuthenticationForm):
     """The admin site's login (staff only), throttled the same way."""
+
+
+class TokenForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="What it is for, e.g. 'laptop notebook'.")
+    days = forms.IntegerField(
+        min_value=1,
+        max_value=MAX_TOKEN_DAYS,
+        initial=DEFAULT_TOKEN_DAYS,
+        help_text=f"Days it works (at most {MAX_TOKEN_DAYS}).",
+    )

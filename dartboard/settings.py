@@ -85,6 +85,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "rest_framework",
+    "drf_spectacular",
     "datamanager",
     "workers",
     "dartboard",
@@ -221,7 +223,13 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": DARTBOARD_WATCHDOG_PERIOD_S,
         # A pass that could not start before the next is due is dropped, not queued up.
         "options": {"queue": "default", "expires": DARTBOARD_WATCHDOG_PERIOD_S},
-    }
+    },
+    # A sweep's next member starts as the previous one ends (workers/sweeps.py).
+    "sweeps-advance": {
+        "task": "workers.tasks.sweeps_advance",
+        "schedule": DARTBOARD_WATCHDOG_PERIOD_S,
+        "options": {"queue": "default", "expires": DARTBOARD_WATCHDOG_PERIOD_S},
+    },
 }
 
 CHANNEL_LAYERS = {
@@ -322,3 +330,49 @@ DARTBOARD_MLFLOW_EXPERIMENT = (
 
 # CPU threads of each torch process started by the launcher's workers (trainer).
 DARTBOARD_TORCH_THREADS = int(os.environ.get("DARTBOARD_TORCH_THREADS", "1"))
+
+# The REST API (dartboard/api/): bearer tokens from the account page or the browser's own
+# session (with CSRF), the dashboard's roles, JSON errors, the OpenAPI schema at
+# /api/v1/schema/. Writes are limited per token (per user for a session) to
+# DARTBOARD_API_WRITES_PER_MINUTE, counted in Django's cache.
+DARTBOARD_API_WRITES_PER_MINUTE = config_env.env_int("DARTBOARD_API_WRITES_PER_MINUTE", 60)
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "dartboard.api.auth.BearerTokenAuthentication",
+        "dartboard.api.auth.SessionWithCsrfAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["dartboard.api.auth.RolePermission"],
+    "DEFAULT_THROTTLE_CLASSES": ["dartboard.api.auth.WriteThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"writes": f"{DARTBOARD_API_WRITES_PER_MINUTE}/min"},
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": [
+        "rest_framework.parsers.JSONParser",
+        "dartboard.api.errors.YamlParser",
+    ],
+    "EXCEPTION_HANDLER": "dartboard.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Dartboard API",
+    "DESCRIPTION": (
+        "Runs, sweeps, metrics, trajectories, tasks, evaluations and hosts of a Dartboard "
+        "server, on the dashboard's rules and roles. Send a token from your account page as "
+        "`Authorization: Bearer dbt_...`. Errors are JSON: `code`, `message`, `field` and "
+        "every problem in `errors`."
+    ),
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    # One name per status set in the generated clients (the models' own choices).
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "datamanager.models.RunStatus",
+        "TrajectoryStatusEnum": "datamanager.models.TrajectoryStatus",
+        "EvalStatusEnum": "datamanager.models.EvalStatus",
+        "SlotStatusEnum": "datamanager.models.SlotStatus",
+        "PlacementStateEnum": "datamanager.models.PlacementState",
+        "EnvKindEnum": "datamanager.models.EnvKind",
+        "PurposeEnum": "datamanager.models.Purpose",
+    },
+}

@@ -1,8 +1,10 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path, re_path
+from django.contrib.auth.decorators import login_not_required
+from django.urls import include, path, re_path
 
-from dartboard import review_views, views
+from dartboard import account_views, review_views, views
+from dartboard.api.errors import not_found
 from dartboard.forms import AdminLoginForm
 
 admin.site.login_form = AdminLoginForm  # throttled like the dashboard's (login_throttle.py)
@@ -37,6 +39,12 @@ urlpatterns = [
         views.trajectory_curate,
         name="trajectory_curate",
     ),
+    path("sweeps/", account_views.sweep_list, name="sweeps"),
+    path("sweeps/<int:sweep_id>/", account_views.sweep_detail, name="sweep_detail"),
+    path("account/", account_views.account, name="account"),
+    path("account/tokens/<int:token_id>/revoke/", account_views.token_revoke, name="token_revoke"),
+    path("api/v1/", include("dartboard.api.urls")),
+    re_path(r"^api/", login_not_required(not_found)),
     path("health/", views.health, name="health"),
     path("media/<path:key>", views.media, name="media"),
     path("vendor/plotly.min.js", views.plotly_js, name="plotly_js"),

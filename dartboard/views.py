@@ -6,7 +6,6 @@ Every view needs a login (LoginRequiredMiddleware); changes are POST with CSRF.
 from __future__ import annotations
 
 import json
-import re
 from importlib import resources
 from typing import Any, cast
 
@@ -15,7 +14,6 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_not_required, permission_required
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
-from django.core.files.storage import default_storage
 from django.http import (
     FileResponse,
     Http404,
@@ -45,8 +43,9 @@ from dartboard.forms import (
     TrimForm,
     UploadForm,
 )
+from dartboard.screenshots import screenshot_open
 from datamanager.archive import InvalidUpload
-from datamanager.models import EvalJob, FailureLabel, Run, RunStatus, Step, TaskStat, Trajectory
+from datamanager.models import EvalJob, FailureLabel, Run, RunStatus, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors import charts, evaluations, groups, trajectories
 from datamanager.selectors import runs as run_reads
@@ -149,7 +148,7 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
     action = request.POST.get("action", "")
     try:
         run = runs.run_apply(run_id=run_id, action=action, user=_user(request))
-    except (services.InvalidTransition, runs.RunNotStartable) as exc:
+    except (services.InvalidTransition, runs.RunNotStartable, services.NotYourRun) as exc:
         messages.error(request, f"Could not {action or 'change'} the run: {exc}.")
     else:
         messages.success(request, f"Run {run.name} is {run.status}.")
@@ -256,33 +255,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
     form = TrajectoryFilterForm(request.GET or None)
     flt = trajectories.TrajectoryFilter()
     if form.is_bound and form.is_valid():
-        d = form.cleaned_data
-        yes_no = {"yes": True, "no": False}
-        flt = trajectories.TrajectoryFilter(
-            run_id=d["run"],
-            task=d["task"],
-            task_exact=d["task_exact"],
-            eval_job_id=d["eval_job"],
-            status=d["status"],
-            reward=d["reward"],
-            source=d["source"],
-            policy_version=d["policy_version"],
-            in_pool=yes_no.get(d["in_pool"]),
-            end=d["end"],
-            env_error=yes_no.get(d["env_error"]),
-            label=d["label"],
-            reward_min=d["reward_min"],
-            reward_max=d["reward_max"],
-            entropy_min=d["entropy_min"],
-            entropy_max=d["entropy_max"],
-            is_weight_min=d["is_weight_min"],
-            is_weight_max=d["is_weight_max"],
-            group_id=d["group"],
-            host=d["host"],
-            update=d["update"],
-            finished_from=d["finished_from"],
-            finished_to=d["finished_to"],
-        )
+        flt = form.trajectory_filter()
     page = trajectories.trajectory_page(flt=flt, page=request.GET.get("page", 1))
     query = _query_without_page(request)
     unranged = request.GET.copy()
@@ -513,23 +486,14 @@ def health(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
-# A step's screenshot: an episode's, an uploaded or a curated demonstration's
-# (datamanager/services: every one is stored under screenshots/.../traj-<id>/).
-_SCREENSHOT_KEY = re.compile(r"screenshots/(?:[A-Za-z0-9_-]+/)*traj-([0-9]+)/[A-Za-z0-9_.-]+")
-
-
 @require_GET
 @permission_required(CAN_VIEW, raise_exception=True)
 def media(request: HttpRequest, key: str) -> HttpResponseBase:
-    """A step's screenshot, to users who may view runs. Nothing else in the media storage is
-    served: on S3 the same bucket holds the checkpoints (artifacts/)."""
-    found = _SCREENSHOT_KEY.fullmatch(key)
-    if found is None or not (
-        Step.objects.filter(trajectory_id=int(found[1]), screenshot=key).exists()
-        and default_storage.exists(key)
-    ):
+    """A step's screenshot, to users who may view runs (dartboard/screenshots.py)."""
+    opened = screenshot_open(key)
+    if opened is None:
         raise Http404(f"no screenshot {key!r}")
-    return FileResponse(default_storage.open(key, "rb"), content_type="image/png")
+    return FileResponse(opened, content_type="image/png")
 
 
 class LoginView(auth_views.LoginView):

@@ -1,16 +1,18 @@
 """Run configuration: typed dataclasses, one line of help per field, validated on creation.
 
 The resolved config (every default filled in) is stored on the Run row as JSON, so a run can
-be reproduced from the database alone. `RunConfig.from_dict` reports the exact field path of a
-bad value ("trainer.lr: must be > 0, got -1.0"); the dashboard's run form shows that message
-next to the field.
+be reproduced from the database alone. `RunConfig.from_dict` reports every bad value at once,
+each with its exact field path ("trainer.lr: must be > 0, got -1.0"), as `ConfigInvalid`; the
+run form shows each message next to its field, the API returns them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
@@ -33,6 +35,29 @@ class ConfigError(ValueError):
         self.message = message
 
 
+class ConfigInvalid(ConfigError):
+    """Every problem of a config, in the order of its fields (`problems`); `path` and
+    `message` are the first one's, so a caller that shows one problem shows that."""
+
+    def __init__(self, problems: list[ConfigError]) -> None:
+        ValueError.__init__(self, "; ".join(str(p) for p in problems))
+        self.path = problems[0].path
+        self.message = problems[0].message
+        self.problems = problems
+
+
+# The problems `RunConfig.from_dict` collects while it builds a config (None outside it: a
+# check raises at once, as when a dataclass is built in code).
+_collected: ContextVar[list[ConfigError] | None] = ContextVar("config_problems", default=None)
+
+
+def _problem(error: ConfigError) -> None:
+    collected = _collected.get()
+    if collected is None:
+        raise error
+    collected.append(error)
+
+
 def knob(default: Any, help: str) -> Any:  # noqa: A002  (help text, not builtins.help)
     """A config field with its one-line help (shown in the run form)."""
     if isinstance(default, list | dict):
@@ -48,7 +73,7 @@ def _unused_knob(obj: Any, name: str, why: str) -> None:
 
 def _check(cond: bool, path: str, message: str) -> None:
     if not cond:
-        raise ConfigError(path, message)
+        _problem(ConfigError(path, message))
 
 
 def _in_update_range(obj: Any, name: str, knob: str = "") -> None:
@@ -592,34 +617,73 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:
-        """Build and validate from (partial) JSON; missing fields take their defaults."""
-        return _build(cls, data or {}, "")
+        """Build and validate from (partial) JSON; missing fields take their defaults. Raises
+        ConfigInvalid with every problem: a value of the wrong type or an unknown setting is
+        left out (its default stands in) so the checks of the rest still run."""
+        problems: list[ConfigError] = []
+        token = _collected.set(problems)
+        try:
+            config = _build(cls, data or {}, "")
+        finally:
+            _collected.reset(token)
+        if problems:
+            raise ConfigInvalid(problems)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def config_override(data: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of config JSON `data` with the setting at dotted `path` ("trainer.lr") set to
+    `value`: how a copy, `--set` and a sweep's grid change one setting. Whether the path and
+    the value are valid is `from_dict`'s to say."""
+    out = dict(data)
+    head, _, rest = path.partition(".")
+    if not rest:
+        out[head] = value
+        return out
+    inner = out.get(head)
+    out[head] = config_override(inner if isinstance(inner, dict) else {}, rest, value)
+    return out
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    """An instance of dataclass `cls` from `data`, its problems reported (`_problem`) with
+    `prefix` before their paths; None when `data` is not an object at all."""
     if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip("."), f"must be an object, got {type(data).__name__}")
+        _problem(ConfigError(prefix.rstrip("."), f"must be an object, got {type(data).__name__}"))
+        return None
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            prefix + unknown[0], f"unknown setting (known: {', '.join(sorted(names))})"
+    for name in sorted(set(data) - names, key=str):
+        _problem(
+            ConfigError(prefix + str(name), f"unknown setting (known: {', '.join(sorted(names))})")
         )
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
-        kwargs[f.name] = _coerce(hints[f.name], data[f.name], prefix + f.name)
+        try:
+            value = _coerce(hints[f.name], data[f.name], prefix + f.name)
+        except ConfigError as exc:
+            _problem(exc)
+            continue
+        if value is not None:
+            kwargs[f.name] = value
+    collected = _collected.get()
+    before = len(collected) if collected is not None else 0
     try:
-        return cls(**kwargs)
-    except ConfigError as exc:
+        built = cls(**kwargs)
+    except ConfigError as exc:  # raised at once: built outside `from_dict`
         if exc.path.startswith(prefix) and prefix:
             raise
         raise ConfigError(prefix + exc.path, exc.message) from None
+    if collected is not None and prefix:  # this class's own checks name its fields only
+        for i in range(before, len(collected)):
+            problem = collected[i]
+            collected[i] = ConfigError(prefix + problem.path, problem.message)
+    return built
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -646,6 +710,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(path, f"must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -571,3 +571,70 @@ class FailureLabel(models.Model):
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["run", "label"])]
+
+
+class ApiToken(models.Model):
+    """A user's token for the REST API and the `dartboard` command line
+    (`datamanager.services.tokens`). It carries its user's roles. Only the SHA-256 of the
+    secret is stored: the token itself is shown once, when it is made."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100, help_text="What the token is for.")
+    key_id = models.CharField(
+        max_length=16, unique=True, help_text="The token's public part, to find it by."
+    )
+    digest = models.CharField(max_length=64, help_text="SHA-256 of the whole token, hex.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (dbt_{self.key_id}_…)"
+
+
+class Sweep(models.Model):
+    """Runs made from one config over a grid of settings and seeds, started `parallel` at a
+    time as earlier ones end (`workers.sweeps`)."""
+
+    name = models.CharField(max_length=200)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    config = models.JSONField(help_text="The base settings, before the grid and the seeds.")
+    grid = models.JSONField(default=dict, help_text='{"trainer.lr": [1e-05, 5e-05]}')
+    seeds = models.PositiveIntegerField(default=1, help_text="Seeds per grid point.")
+    parallel = models.PositiveIntegerField(default=1, help_text="Members running at once.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    stopped_at = models.DateTimeField(
+        null=True, blank=True, help_text="Stopped: members not yet started never start."
+    )
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (sweep #{self.pk})"
+
+
+class SweepMember(models.Model):
+    """One run of a sweep: its grid point and seed."""
+
+    sweep = models.ForeignKey(Sweep, on_delete=models.CASCADE, related_name="members")
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="sweep_member")
+    index = models.PositiveIntegerField()
+    overrides = models.JSONField(help_text='What it changes, e.g. {"trainer.lr": 1e-05, "seed": 1}')
+    launched_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the sweep started it (or tried to)."
+    )
+
+    class Meta:
+        ordering = ["sweep_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["sweep", "index"], name="uniq_sweep_member_index")
+        ]

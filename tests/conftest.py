@@ -183,6 +183,12 @@ def viewer_client(django_user_model):
 @needs("live")
 def subprocess_env(transactional_db) -> dict[str, str]:
     """Environment for worker processes a test starts: same home, test DB, same Redis."""
+    return subprocess_environ()
+
+
+def subprocess_environ() -> dict[str, str]:
+    """`subprocess_env`'s environment, for a fixture that outlives one test (the test
+    database must be set up: `django_db_setup`)."""
     from django.db import connection
 
     env = dict(os.environ)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from django.conf import settings
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import QuerySet
 
@@ -30,12 +31,14 @@ from datamanager.models import (
     Run,
     RunStatus,
     Task,
+    TrainUpdate,
 )
 from datamanager.policies import resolve_checkpoint
 from datamanager.roles import run_env_check
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
 from datamanager.selectors.tasks import task_list
 from datamanager.services import evaluations
+from datamanager.services.runs import run_control_check, run_finish
 from envmanager.oracle_policy import OracleEndpoint
 from rollout.auth import ServiceTokens
 from rollout.client import InferenceError, PolicyClient
@@ -191,6 +194,65 @@ def eval_schedule_next(*, run_id: int) -> list[EvalJob]:
     return [job]
 
 
+class EvalNotStartable(Exception):
+    """An evaluation cannot start now; the message says why."""
+
+
+def eval_start(*, run_id: int, scope: str, version: int | None, user: User | None) -> EvalJob:
+    """Evaluate one of the run's versions (None: its newest) on one of its scheduled scopes
+    now, as a scheduled evaluation runs: on the run's env slots, which hand over between
+    episodes. Only while the run runs and no other scheduled evaluation of it is under way
+    (one at a time on its slots); only its owner or an admin (NotYourRun). Raises
+    EvalNotStartable with the reason."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().select_related("owner").get(pk=run_id)
+        run_control_check(run=run, user=user)
+        if run.status != RunStatus.RUNNING:
+            raise EvalNotStartable(
+                f"run #{run.pk} is {run.status}: its env slots evaluate only while it runs"
+            )
+        cfg = RunConfig.from_dict(run.config)
+        plans = {plan[0]: plan for plan in scheduled_evaluations(cfg)}
+        if scope not in plans:
+            raise EvalNotStartable(
+                f"run #{run.pk} has no {EvalScope(scope).label} to evaluate on (its settings "
+                "evaluation.eval_split, evaluation.train_instances and evaluation.heldout_k "
+                "say which it has)"
+            )
+        busy = EvalJob.objects.filter(run=run, status__in=UNDER_WAY).exclude(scope="").first()
+        if busy is not None:
+            raise EvalNotStartable(
+                f"evaluation #{busy.pk} of run #{run.pk} is under way; one at a time runs "
+                "on a run's slots"
+            )
+        versions = PolicyVersion.objects.filter(run=run)
+        if version is None:
+            version = versions.order_by("-version").values_list("version", flat=True).first() or 0
+        elif version and not versions.filter(version=version).exists():
+            raise EvalNotStartable(f"run #{run.pk} has no policy version {version}")
+        _, tasks, seed, k = plans[scope]
+        job = evaluations.eval_job_create(
+            name=f"{run.name} v{version} ({EvalScope(scope).label})",
+            policy=f"run:{run_id}:v{version}" if version else cfg.policy,
+            tasks=tasks,
+            k=k,
+            seed=seed,
+            greedy=cfg.evaluation.greedy,
+            run_id=run_id,
+            policy_version=version,
+            shards=min(len(tasks), eval_lanes(cfg)),
+            scope=scope,
+            owner=user,
+        )
+
+        def enqueue() -> None:
+            for shard in range(job.shards):
+                work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
+
+        transaction.on_commit(enqueue)
+    return job
+
+
 def _version_due(run: Run, n: int, scopes: set[str], scheduled: QuerySet) -> int | None:
     """The version `eval_schedule_next` evaluates (None: none is due)."""
 
@@ -241,7 +303,29 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
     # error; the next version's publication schedules after it.)
     if job.run_id is not None and job.status not in UNDER_WAY:
         eval_schedule_next(run_id=job.run_id)
+        run_finish_if_done(run_id=job.run_id)
     return f"{work.label}: {job.done}/{job.total}"
+
+
+def run_finish_if_done(*, run_id: int) -> bool:
+    """A run whose trainer reached trainer.max_updates finishes (FINISHED; its processes
+    stop) once none of its scheduled evaluations is under way or due: its last version's
+    evaluation is the end of its curve. Called when the trainer reaches the limit and when a
+    scheduled evaluation ends; True if the run finished now."""
+    run = Run.objects.get(pk=run_id)
+    cfg = RunConfig.from_dict(run.config)
+    limit = cfg.trainer.max_updates
+    updates = TrainUpdate.objects.filter(run=run).count()
+    if run.status != RunStatus.RUNNING or not limit or updates < limit:
+        return False
+    if EvalJob.objects.filter(run=run, status__in=UNDER_WAY).exclude(scope="").exists():
+        return False
+    if eval_schedule_next(run_id=run_id):
+        return False
+    return run_finish(
+        run_id=run_id,
+        message=f"finished: {updates} updates (trainer.max_updates) and their evaluations",
+    )
 
 
 def _run_config(job: EvalJob) -> RunConfig:

@@ -20,8 +20,10 @@ from datamanager.services import episodes
 from datamanager.services.placement import placement_queue
 from datamanager.services.runs import (
     InvalidTransition,
+    NotYourRun,
     run_action_record,
     run_control,
+    run_control_check,
     run_set_message,
 )
 from datamanager.services.versions import policy_version_add_reach
@@ -65,11 +67,12 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
     """start/pause/resume/stop a run; starting or resuming also starts its workers.
 
     All or nothing: a run whose workers cannot start stays as it was, with the reason raised
-    as InvalidTransition or RunNotStartable. Every attempt is recorded with who and when,
-    the refused ones too."""
+    as InvalidTransition, RunNotStartable or NotYourRun (`user` is not its owner nor an
+    admin). Every attempt is recorded with who and when, the refused ones too."""
     per_run = processes_per_run()
     try:
         with transaction.atomic():
+            run_control_check(run=Run.objects.select_related("owner").get(pk=run_id), user=user)
             run = run_control(run_id=run_id, action=action, queue=per_run)
             if run.status == RunStatus.QUEUED:
                 # A host agent brings up its processes, then starts its workers (run_begin).
@@ -82,7 +85,7 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
                     run_start_workers(run_id=run_id)
                 except (episodes.NoTasks, PolicyNotFound) as exc:
                     raise RunNotStartable(str(exc)) from None
-    except (InvalidTransition, RunNotStartable) as exc:
+    except (InvalidTransition, RunNotStartable, NotYourRun) as exc:
         run_action_record(run_id=run_id, action=action, user=user, outcome=f"refused: {exc}")
         raise
     run_action_record(run_id=run_id, action=action, user=user, outcome=run.status)

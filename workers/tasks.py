@@ -2,7 +2,7 @@
 
 Queues (routes in settings): `env` (slot_serve, episode_once, eval_shard: env slots running
 episodes), `train` (train_run, sync_run: one trainer task per run), `default` (the watchdog,
-ping). Workers: `celery -A dartboard worker -Q env|train|default`.
+sweeps_advance, ping). Workers: `celery -A dartboard worker -Q env|train|default`.
 """
 
 import logging
@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import shared_task
 
+from workers import sweeps
 from workers.dbutil import is_outage
 from workers.evaluation import eval_shard_serve
 from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
@@ -85,6 +86,19 @@ def runs_watchdog() -> list[str]:
         log.warning("watchdog pass skipped, %s unreachable: %s: %s",
                     "Redis" if isinstance(exc, REDIS_DOWN) else "the database",
                     type(exc).__name__, str(exc).strip().splitlines()[0])  # fmt: skip
+        return []
+
+
+@shared_task(name="workers.tasks.sweeps_advance", ignore_result=True)
+def sweeps_advance() -> list[int]:
+    """Celery beat calls this every DARTBOARD_WATCHDOG_PERIOD_S (queue default): each
+    sweep's next members start as earlier ones end (workers/sweeps.py)."""
+    try:
+        return sweeps.sweeps_advance()
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        log.warning("sweeps not advanced, the database is unreachable: %s", exc)
         return []
 
 

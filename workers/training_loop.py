@@ -40,7 +40,7 @@ from training.update import UpdateConfig, UpdateInterrupted
 from workers.artifacts import checkpoint_restore, checkpoint_upload, optimizer_states_prune
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
-from workers.evaluation import eval_schedule_next
+from workers.evaluation import eval_schedule_next, run_finish_if_done
 from workers.exports import export_update
 from workers.leases import (
     holder_name,
@@ -152,6 +152,7 @@ def run_loop(
         trainer = get_trainer(run, cfg)
         if cfg.trainer.max_updates and trainer.state.updates >= cfg.trainer.max_updates:
             run_set_message(run_id=run_id, message=f"trainer done: {trainer.state.updates} updates")
+            run_finish_if_done(run_id=run_id)
             return "max_updates reached"
         reason = body(run, cfg)
         if reason is not None:

@@ -223,9 +223,9 @@ def _throughput(rows: list[Row], width: timedelta) -> Throughput:
 
 def version_success(*, run: Run) -> dict[str, list[VersionPoint]]:
     """Greedy success per policy version from the run's finished scheduled evaluations, per
-    scope (training instances, held-out seeds), with the 95% Wilson interval (the
-    evaluation report's)."""
-    scopes = (EvalScope.TRAIN_INSTANCES, EvalScope.HELDOUT)
+    scope (training instances, held-out seeds, the eval split), with the 95% Wilson interval
+    (the evaluation report's)."""
+    scopes = (EvalScope.TRAIN_INSTANCES, EvalScope.HELDOUT, EvalScope.EVAL_SPLIT)
     rows = (
         Trajectory.objects.filter(
             eval_job__run=run, eval_job__scope__in=scopes, eval_job__status=EvalStatus.FINISHED

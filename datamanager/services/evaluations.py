@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -23,6 +24,7 @@ def eval_job_create(
     policy_version: int | None = None,
     shards: int = 0,
     scope: str = "",
+    owner: User | None = None,
 ) -> EvalJob:
     if k < 1:
         raise EvalSetupError(f"k must be >= 1, got {k}")
@@ -40,6 +42,7 @@ def eval_job_create(
         total=len(tasks) * k,
         shards=shards,
         scope=scope,
+        owner=owner,
     )
 
 

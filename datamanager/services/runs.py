@@ -3,18 +3,83 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from django.contrib.auth.models import User
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, User
 from django.db import transaction
 from django.utils import timezone
 
-from datamanager.config import RunConfig
+from datamanager.config import ConfigError, ConfigInvalid, RunConfig
 from datamanager.models import Run, RunAction, RunStatus, Task
+from datamanager.policies import NAMED_POLICIES
+from datamanager.roles import CAN_ADMINISTER
 from datamanager.task_import import TaskRecord
+
+# A run's status after which nothing more happens to it on its own.
+ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
 
 
 class InvalidTransition(ValueError):
     """A run control action is not allowed in the run's current status."""
+
+
+class NotYourRun(PermissionError):
+    """A user who is not an admin acted on a run another user owns."""
+
+
+def run_config_validate(*, data: Any, user: AbstractBaseUser | AnonymousUser | None) -> RunConfig:
+    """A run's settings, checked as every way in checks them (the run form, the API, a sweep,
+    `manage.py start_run`): raises ConfigInvalid with every problem at once. First the
+    config's own (`RunConfig.from_dict`), then the rules around it: the task names it lists
+    exist, and only an admin points a run at a checkpoint path (it loads arbitrary weights on
+    the shared workers) or gives it desktop slots or OSWorld VMs (each hands the policy a
+    shell). `user` None: the command line, whose user has a shell already."""
+    if data is not None and not isinstance(data, dict):
+        problem = ConfigError("", f"the settings must be an object, got {type(data).__name__}")
+        raise ConfigInvalid([problem])
+    config = RunConfig.from_dict(data)
+    problems: list[ConfigError] = []
+    names = config.tasks.names
+    if names:
+        known = set(Task.objects.filter(name__in=names).values_list("name", flat=True))
+        missing = [n for n in names if n not in known]
+        if missing:
+            problems.append(ConfigError("tasks.names", f"no task named {', '.join(missing)}"))
+    if user is not None and not user.has_perm(CAN_ADMINISTER):
+        if config.policy not in NAMED_POLICIES:
+            problems.append(
+                ConfigError(
+                    "policy",
+                    f"only an admin may point a run at a checkpoint path; use one of "
+                    f"{', '.join(NAMED_POLICIES)}",
+                )
+            )
+        if config.env.desktop_slots:
+            problems.append(
+                ConfigError("env.desktop_slots", "only an admin may give a run desktop slots")
+            )
+        if config.env.osworld_addresses:
+            problems.append(
+                ConfigError("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
+            )
+    if problems:
+        raise ConfigInvalid(problems)
+    return config
+
+
+def run_control_check(*, run: Run, user: AbstractBaseUser | AnonymousUser | None) -> None:
+    """Raise NotYourRun unless `user` may start, pause, resume or stop `run`: its owner, an
+    admin, anyone for a run without an owner (made from the command line), and the command
+    line itself (`user` None). Holding the operator role is checked before, by the view."""
+    if user is None or run.owner_id is None or run.owner_id == user.pk:
+        return
+    if user.has_perm(CAN_ADMINISTER):
+        return
+    owner = run.owner.get_username() if run.owner is not None else "another user"
+    raise NotYourRun(
+        f"run #{run.pk} belongs to {owner}: only its owner or an admin may start, pause, "
+        "resume or stop it (copy it to run it yourself)"
+    )
 
 
 @transaction.atomic
@@ -88,6 +153,21 @@ def run_begin(*, run_id: int) -> bool:
     run.status = RunStatus.RUNNING
     run.status_message = ""
     run.save(update_fields=["status", "status_message", "updated_at"])
+    return True
+
+
+@transaction.atomic
+def run_finish(*, run_id: int, message: str) -> bool:
+    """A running or paused run whose work is done (its trainer reached max_updates and its
+    evaluations ended) becomes FINISHED, saying so; its processes stop with it. False if it
+    was no longer running or paused (stopped meanwhile)."""
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
+    if run.status not in (RunStatus.RUNNING, RunStatus.PAUSED):
+        return False
+    run.status = RunStatus.FINISHED
+    run.finished_at = timezone.now()
+    run.status_message = message
+    run.save(update_fields=["status", "finished_at", "status_message", "updated_at"])
     return True
 
 

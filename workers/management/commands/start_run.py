@@ -17,15 +17,15 @@ from pathlib import Path
 import yaml
 from django.core.management.base import BaseCommand, CommandError
 
-from datamanager.config import ConfigError, RunConfig
+from datamanager.config import ConfigInvalid, RunConfig
 from datamanager.models import Run, RunStatus
-from datamanager.services.runs import InvalidTransition, run_create
+from datamanager.services.runs import InvalidTransition, run_config_validate, run_create
 from workers.runs import RunNotStartable, run_apply
 
 
 def config_read(path: Path) -> RunConfig:
-    """A run config from a .json, .yaml or .yml file, validated; CommandError says what is
-    wrong and where."""
+    """A run config from a .json, .yaml or .yml file, checked as the run form and the API
+    check one (`run_config_validate`); CommandError lists every problem with its setting."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -37,9 +37,12 @@ def config_read(path: Path) -> RunConfig:
             f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}"
         ) from None
     try:
-        return RunConfig.from_dict(data)
-    except ConfigError as exc:
-        raise CommandError(f"{path}: {exc}") from None
+        return run_config_validate(data=data, user=None)
+    except ConfigInvalid as exc:
+        if len(exc.problems) == 1:
+            raise CommandError(f"{path}: {exc}") from None
+        lines = "\n".join(f"  {problem}" for problem in exc.problems)
+        raise CommandError(f"{path}: {len(exc.problems)} problems:\n{lines}") from None
 
 
 class Command(BaseCommand):

@@ -1,0 +1,54 @@
+"""What every endpoint shares: the view base class (outside the dashboard's login redirect:
+the API answers 401 itself), a page of a queryset, and the services' refusals as API errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.decorators import login_not_required
+from django.db.models import Model, QuerySet
+from rest_framework.request import Request
+from rest_framework.views import APIView
+
+from dartboard.api.errors import ApiError
+from dartboard.api.schemas import PageIn
+from datamanager.roles import CAN_CONTROL
+
+
+class ApiView(APIView):
+    """An API endpoint: reads need the viewer role, writes `write_permission`."""
+
+    write_permission = CAN_CONTROL
+
+    @classmethod
+    def as_view(cls, **initkwargs: Any) -> Any:
+        return login_not_required(super().as_view(**initkwargs))
+
+
+def page_of(request: Request, qs: QuerySet) -> tuple[int, QuerySet]:
+    """(count, the page ?limit=&offset= asks for)."""
+    page = PageIn(data=request.query_params)
+    page.is_valid(raise_exception=True)
+    limit, offset = page.validated_data["limit"], page.validated_data["offset"]
+    return qs.count(), qs[offset : offset + limit]
+
+
+def known_params(request: Request, allowed: set[str]) -> None:
+    """Refuse a query parameter the endpoint does not know: a typo would otherwise widen the
+    answer silently (`?statu=failed` listing everything)."""
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        raise ApiError(
+            400,
+            "invalid",
+            f"unknown parameter {unknown[0]!r}; known: {', '.join(sorted(allowed))}",
+            unknown[0],
+        )
+
+
+def get_or_404(qs: QuerySet | type[Model], what: str, **lookup: Any) -> Any:
+    manager = qs.objects if isinstance(qs, type) else qs
+    found = manager.filter(**lookup).first()
+    if found is None:
+        raise ApiError(404, "not_found", f"no {what} {next(iter(lookup.values()))}")
+    return found

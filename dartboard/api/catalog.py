@@ -1,0 +1,145 @@
+"""Tasks, evaluations (start one on a run's slots, read its report), hosts, and who you are."""
+
+from __future__ import annotations
+
+from django.db.models import Q
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from dartboard.api import schemas
+from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.errors import ApiError
+from datamanager.models import EnvKind, EvalJob, Host, Run, Split, Task
+from datamanager.policies import EvalSetupError
+from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
+from datamanager.services.runs import NotYourRun
+from workers.evaluation import EvalNotStartable, eval_start
+
+ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+MAY = {"view": CAN_VIEW, "create": CAN_CREATE, "control": CAN_CONTROL, "curate": CAN_CURATE,
+       "administer": CAN_ADMINISTER}  # fmt: skip
+
+
+class TasksView(ApiView):
+    @extend_schema(
+        operation_id="tasks_list",
+        parameters=[
+            OpenApiParameter("split", str, enum=Split.values),
+            OpenApiParameter("env_kind", str, enum=EnvKind.values),
+            OpenApiParameter("q", str, description="A part of the name or a tag."),
+            OpenApiParameter("limit", int),
+            OpenApiParameter("offset", int),
+        ],
+        responses={200: schemas.TaskListOut, **ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        """Tasks by name."""
+        known_params(request, {"split", "env_kind", "q", "limit", "offset"})
+        qs = Task.objects.all()
+        for name, choices in (("split", Split.values), ("env_kind", EnvKind.values)):
+            value = request.query_params.get(name)
+            if value:
+                if value not in choices:
+                    raise ApiError(
+                        400, "invalid", f"{name} must be one of {', '.join(choices)}", name
+                    )
+                qs = qs.filter(**{name: value})
+        if q := request.query_params.get("q", "").strip():
+            qs = qs.filter(Q(name__icontains=q) | Q(tags__icontains=q))
+        count, page = page_of(request, qs)
+        return Response({"count": count, "results": schemas.TaskOut(page, many=True).data})
+
+
+class TaskView(ApiView):
+    @extend_schema(
+        operation_id="tasks_read", responses={200: schemas.TaskOut, 404: schemas.ErrorOut, **ERRORS}
+    )
+    def get(self, request: Request, task_id: int) -> Response:
+        return Response(schemas.TaskOut(get_or_404(Task, "task", pk=task_id)).data)
+
+
+class EvaluationsView(ApiView):
+    @extend_schema(
+        operation_id="evaluations_list",
+        parameters=[
+            OpenApiParameter("run", int),
+            OpenApiParameter("limit", int),
+            OpenApiParameter("offset", int),
+        ],
+        responses={200: schemas.EvaluationListOut, **ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        """Evaluation jobs, newest first."""
+        known_params(request, {"run", "limit", "offset"})
+        qs = EvalJob.objects.all()
+        run = request.query_params.get("run")
+        if run:
+            if not run.isdigit():
+                raise ApiError(400, "invalid", "run must be a run's id", "run")
+            qs = qs.filter(run_id=int(run))
+        count, page = page_of(request, qs)
+        return Response({"count": count, "results": schemas.EvaluationOut(page, many=True).data})
+
+    @extend_schema(
+        operation_id="evaluations_start",
+        request=schemas.EvaluationStartIn,
+        responses={
+            201: schemas.EvaluationDetailOut,
+            404: schemas.ErrorOut,
+            409: schemas.ErrorOut,
+            **ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        """Evaluate a version of a running run (default: its newest) on one of its scopes
+        now, on its env slots, as its scheduled evaluations run."""
+        body = schemas.EvaluationStartIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        d = body.validated_data
+        get_or_404(Run, "run", pk=d["run"])
+        try:
+            job = eval_start(
+                run_id=d["run"], scope=d["scope"], version=d.get("version"), user=request.user
+            )
+        except NotYourRun as exc:
+            raise ApiError(403, "not_your_run", str(exc)) from None
+        except (EvalNotStartable, EvalSetupError) as exc:
+            raise ApiError(409, "not_startable", str(exc)) from None
+        return Response(schemas.EvaluationDetailOut(job).data, status=status.HTTP_201_CREATED)
+
+
+class EvaluationView(ApiView):
+    @extend_schema(
+        operation_id="evaluations_read",
+        responses={200: schemas.EvaluationDetailOut, 404: schemas.ErrorOut, **ERRORS},
+    )
+    def get(self, request: Request, job_id: int) -> Response:
+        """An evaluation job with its report (per task: success rate, its interval, pass@k,
+        env errors apart) once it has finished."""
+        return Response(
+            schemas.EvaluationDetailOut(get_or_404(EvalJob, "evaluation", pk=job_id)).data
+        )
+
+
+class HostsView(ApiView):
+    @extend_schema(operation_id="hosts_list", responses={200: schemas.HostOut(many=True), **ERRORS})
+    def get(self, request: Request) -> Response:
+        """The hosts whose agents place runs, with what they last reported."""
+        return Response(schemas.HostOut(Host.objects.all(), many=True).data)
+
+
+class MeView(ApiView):
+    @extend_schema(operation_id="me", responses={200: schemas.MeOut, **ERRORS})
+    def get(self, request: Request) -> Response:
+        """Who the token is for, their roles and what they may do."""
+        user = request.user
+        return Response(
+            {
+                "username": user.get_username(),
+                "roles": sorted(user.groups.values_list("name", flat=True))
+                + (["superuser"] if user.is_superuser else []),
+                "may": [word for word, perm in MAY.items() if user.has_perm(perm)],
+            }
+        )

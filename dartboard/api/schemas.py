@@ -1,0 +1,428 @@
+"""Request and response shapes of the API: DRF serializers, from which drf-spectacular writes
+the OpenAPI schema. Inputs are parsed here; whether a run's settings are valid is
+`run_config_validate`'s to say (the form's rules), so the schema describes `config` from
+`RunConfig` itself (`run_config_schema`) and the server answers every problem at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from django.urls import reverse
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from datamanager.config import RunConfig
+from datamanager.models import (
+    EnvSlot,
+    EvalJob,
+    EvalScope,
+    FailureKind,
+    Host,
+    Run,
+    RunPlacement,
+    RunStatus,
+    Step,
+    Sweep,
+    SweepMember,
+    Task,
+    Trajectory,
+)
+
+MAX_PAGE = 500
+
+
+def _field_schema(tp: Any, f: dataclasses.Field | None) -> dict[str, Any]:
+    out: dict[str, Any]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        out = _dataclass_schema(tp)
+    elif typing.get_origin(tp) is Literal:
+        out = {"type": "string", "enum": list(typing.get_args(tp))}
+    elif tp is bool:
+        out = {"type": "boolean"}
+    elif tp is int:
+        out = {"type": "integer"}
+    elif tp is float:
+        out = {"type": "number"}
+    elif tp is str:
+        out = {"type": "string"}
+    elif typing.get_origin(tp) is list:
+        out = {"type": "array", "items": {"type": "string"}}
+    else:  # a new config type needs a branch here
+        raise TypeError(f"no schema for {tp!r}")
+    if f is not None and not dataclasses.is_dataclass(tp):
+        out["description"] = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out["default"] = default
+    return out
+
+
+def _dataclass_schema(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {f.name: _field_schema(hints[f.name], f) for f in dataclasses.fields(cls)},
+    }
+
+
+def run_config_schema() -> dict[str, Any]:
+    """RunConfig as JSON Schema: every setting with its type, default and help; a setting
+    left out takes its default (docs/reference/settings.md)."""
+    return {
+        **_dataclass_schema(RunConfig),
+        "description": "A run's settings; what is left out takes its default.",
+    }
+
+
+@extend_schema_field(run_config_schema())
+class ConfigField(serializers.JSONField):
+    """A run's settings: passed on as given, checked by `run_config_validate`."""
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "additionalProperties": {},
+        "description": 'Settings to change, by dotted name: {"trainer.lr": 1e-05}.',
+    }
+)
+class OverridesField(serializers.DictField):
+    pass
+
+
+# ------------------------------------------------------------------ inputs
+
+
+class RunCreateIn(serializers.Serializer):
+    name = serializers.CharField(max_length=200, help_text="A name to find the run by.")
+    config = ConfigField(required=False, default=dict)
+    overrides = OverridesField(required=False, default=dict)
+    start = serializers.BooleanField(
+        default=False, help_text="Start it at once (queued while it does not fit)."
+    )
+
+
+class RunCopyIn(serializers.Serializer):
+    name = serializers.CharField(
+        max_length=200, required=False, help_text="Default: the run's name and ' (copy)'."
+    )
+    overrides = OverridesField(required=False, default=dict)
+    start = serializers.BooleanField(default=False)
+
+
+class SweepCreateIn(serializers.Serializer):
+    name = serializers.CharField(max_length=150)
+    config = ConfigField(required=False, default=dict)
+    overrides = OverridesField(required=False, default=dict)
+    grid = serializers.DictField(
+        child=serializers.ListField(child=serializers.JSONField(), min_length=1),
+        required=False,
+        default=dict,
+        help_text='Values per setting, e.g. {"trainer.lr": [1e-05, 5e-05]}: a run for each '
+        "combination and seed.",
+    )
+    seeds = serializers.IntegerField(
+        default=1, help_text="Seeds per combination: seed, seed + 1, ... (the config's seed)."
+    )
+    parallel = serializers.IntegerField(
+        default=1, help_text="Members queued or running at once; the next starts as one ends."
+    )
+
+
+class EvaluationStartIn(serializers.Serializer):
+    run = serializers.IntegerField(min_value=1)
+    scope = serializers.ChoiceField(choices=EvalScope.choices)
+    version = serializers.IntegerField(
+        min_value=0, required=False, help_text="Default: the run's newest version."
+    )
+
+
+class TrimIn(serializers.Serializer):
+    keep_steps = serializers.IntegerField(min_value=1, help_text="Steps kept from the start.")
+
+
+class LabelIn(serializers.Serializer):
+    label = serializers.ChoiceField(choices=FailureKind.choices)
+    comment = serializers.CharField(required=False, default="", allow_blank=True)
+
+
+class RewardIn(serializers.Serializer):
+    reward = serializers.FloatField(min_value=0.0, max_value=1.0)
+    reason = serializers.CharField(max_length=1000)
+
+
+class PageIn(serializers.Serializer):
+    limit = serializers.IntegerField(min_value=1, max_value=MAX_PAGE, default=50)
+    offset = serializers.IntegerField(min_value=0, default=0)
+
+
+# ------------------------------------------------------------------ outputs
+
+
+class PlacementOut(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name", allow_null=True, default=None)
+
+    class Meta:
+        model = RunPlacement
+        fields = ["host", "state", "reason", "router_url", "plan", "queued_at"]
+
+
+class RunOut(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", allow_null=True, default=None)
+    config = ConfigField()
+    placement = serializers.SerializerMethodField()
+    queue_reason = serializers.SerializerMethodField()
+    sweep = serializers.SerializerMethodField()
+    url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Run
+        fields = ["id", "name", "status", "status_message", "owner", "created_at",
+                  "started_at", "finished_at", "config", "placement", "queue_reason", "sweep",
+                  "url"]  # fmt: skip
+
+    @extend_schema_field(PlacementOut(allow_null=True))
+    def get_placement(self, run: Run) -> dict[str, Any] | None:
+        placement = getattr(run, "placement", None)
+        return PlacementOut(placement).data if placement is not None else None
+
+    def get_queue_reason(self, run: Run) -> str:
+        """Why a queued run waits (empty unless it is queued)."""
+        if run.status != RunStatus.QUEUED:
+            return ""
+        placement = getattr(run, "placement", None)
+        return (placement.reason if placement is not None else "") or run.status_message
+
+    def get_sweep(self, run: Run) -> int | None:
+        member = getattr(run, "sweep_member", None)
+        return member.sweep_id if member is not None else None
+
+    def get_url(self, run: Run) -> str:
+        return reverse("run_detail", args=[run.pk])
+
+
+class RunBriefOut(serializers.ModelSerializer):
+    class Meta:
+        model = Run
+        fields = ["id", "name", "status", "status_message", "started_at", "finished_at"]
+
+
+class RunListOut(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = RunOut(many=True)
+
+
+class GreedyPointOut(serializers.Serializer):
+    scope = serializers.ChoiceField(choices=EvalScope.choices)
+    version = serializers.IntegerField()
+    ok = serializers.IntegerField(help_text="Episodes that succeeded.")
+    scored = serializers.IntegerField(help_text="Episodes that succeeded or failed.")
+    rate = serializers.FloatField()
+    low = serializers.FloatField(help_text="The 95% Wilson interval's low end.")
+    high = serializers.FloatField()
+
+
+class SeriesOut(serializers.Serializer):
+    t = serializers.ListField(child=serializers.CharField(allow_null=True))
+    values = serializers.ListField(child=serializers.FloatField(allow_null=True))
+
+
+class ThroughputOut(serializers.Serializer):
+    t = serializers.ListField(child=serializers.CharField())
+    actions_per_min = serializers.ListField(child=serializers.FloatField())
+    trajectories_per_min = serializers.ListField(child=serializers.FloatField())
+
+
+class UpdatesOut(serializers.Serializer):
+    number = serializers.ListField(child=serializers.IntegerField())
+    series = serializers.DictField(
+        child=serializers.ListField(child=serializers.FloatField(allow_null=True)),
+        help_text="metric -> a value per update (null: not measured), e.g. loss, kl, "
+        "logprob_gap_mean",
+    )
+
+
+class LogprobGapOut(serializers.Serializer):
+    number = serializers.ListField(child=serializers.IntegerField())
+    mean = serializers.ListField(child=serializers.FloatField(allow_null=True))
+    p99 = serializers.ListField(child=serializers.FloatField(allow_null=True))
+    alert = serializers.FloatField(help_text="trainer.logprob_gap_alert (0: off).")
+
+
+class MetricsOut(serializers.Serializer):
+    run = serializers.IntegerField()
+    bucket = serializers.CharField(help_text="The time series' bucket width.")
+    greedy = GreedyPointOut(many=True)
+    success = SeriesOut(help_text="Success rate of the finished training rollouts per bucket.")
+    throughput = ThroughputOut()
+    updates = UpdatesOut()
+    logprob_gap = LogprobGapOut()
+
+
+class TrajectoryOut(serializers.ModelSerializer):
+    task = serializers.CharField(source="task.name")
+    url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Trajectory
+        fields = ["id", "run", "task", "status", "reward", "reward_source", "length", "source",
+                  "purpose", "in_pool", "rejected", "started_at", "finished_at",
+                  "policy_versions", "error", "eval_job", "group", "seed", "url"]  # fmt: skip
+
+    def get_url(self, traj: Trajectory) -> str:
+        return reverse("trajectory_detail", args=[traj.pk])
+
+
+class TrajectoryListOut(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = TrajectoryOut(many=True)
+
+
+class StepOut(serializers.ModelSerializer):
+    screenshot_url = serializers.SerializerMethodField(
+        help_text="The screen the policy saw; send the same token to fetch it."
+    )
+    trained_in_update = serializers.IntegerField(
+        source="trained_in_update.number", allow_null=True, default=None
+    )
+
+    class Meta:
+        model = Step
+        fields = ["index", "thought", "action", "raw_output", "parse_error", "screenshot_url",
+                  "screen_width", "screen_height", "policy_version", "mean_entropy",
+                  "advantage", "is_weight", "stale", "trained_in_update", "env_ms",
+                  "model_ms"]  # fmt: skip
+
+    def get_screenshot_url(self, step: Step) -> str | None:
+        if not step.screenshot:
+            return None
+        return reverse("api_screenshot", args=[step.screenshot.name])
+
+
+class LabelOut(serializers.Serializer):
+    label = serializers.CharField()
+    comment = serializers.CharField()
+    user = serializers.CharField(source="user.username", allow_null=True, default=None)
+    created_at = serializers.DateTimeField()
+
+
+class RewardOverrideOut(serializers.Serializer):
+    old_reward = serializers.FloatField(allow_null=True)
+    new_reward = serializers.FloatField()
+    reason = serializers.CharField()
+    user = serializers.CharField(source="user.username", allow_null=True, default=None)
+    created_at = serializers.DateTimeField()
+
+
+class TrajectoryDetailOut(TrajectoryOut):
+    steps = serializers.SerializerMethodField()
+    label = serializers.SerializerMethodField()
+    reward_overrides = serializers.SerializerMethodField()
+
+    class Meta(TrajectoryOut.Meta):
+        fields = [*TrajectoryOut.Meta.fields, "instruction", "details", "curated_from",
+                  "label", "reward_overrides", "steps"]  # fmt: skip
+
+    @extend_schema_field(StepOut(many=True))
+    def get_steps(self, traj: Trajectory) -> list[dict[str, Any]]:
+        return list(StepOut(self.context["steps"], many=True).data)
+
+    @extend_schema_field(LabelOut(allow_null=True))
+    def get_label(self, traj: Trajectory) -> dict[str, Any] | None:
+        label = getattr(traj, "failure_label", None)
+        return LabelOut(label).data if label is not None else None
+
+    @extend_schema_field(RewardOverrideOut(many=True))
+    def get_reward_overrides(self, traj: Trajectory) -> list[dict[str, Any]]:
+        rows = traj.reward_overrides.select_related("user").order_by("created_at")
+        return list(RewardOverrideOut(rows, many=True).data)
+
+
+class TaskOut(serializers.ModelSerializer):
+    class Meta:
+        model = Task
+        fields = ["id", "name", "env_kind", "split", "tags", "instruction"]
+
+
+class TaskListOut(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = TaskOut(many=True)
+
+
+class EvaluationOut(serializers.ModelSerializer):
+    class Meta:
+        model = EvalJob
+        fields = ["id", "name", "policy", "run", "policy_version", "scope", "status", "done",
+                  "total", "k", "seed", "greedy", "error", "created_at", "finished_at"]  # fmt: skip
+
+
+class EvaluationDetailOut(EvaluationOut):
+    class Meta(EvaluationOut.Meta):
+        fields = [*EvaluationOut.Meta.fields, "task_names", "report"]
+
+
+class EvaluationListOut(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = EvaluationOut(many=True)
+
+
+class HostOut(serializers.ModelSerializer):
+    class Meta:
+        model = Host
+        fields = ["id", "name", "address", "gpus", "cuda_torch", "cpu_cores", "memory_gib",
+                  "cpu_inference_slots", "env_kinds", "last_seen"]  # fmt: skip
+
+
+class SlotOut(serializers.ModelSerializer):
+    class Meta:
+        model = EnvSlot
+        fields = ["name", "key", "host", "backend", "status", "run", "current_trajectory",
+                  "last_heartbeat", "consecutive_failures", "last_error", "env_busy_s"]  # fmt: skip
+
+
+class SweepMemberOut(serializers.ModelSerializer):
+    run = RunBriefOut()
+
+    class Meta:
+        model = SweepMember
+        fields = ["index", "overrides", "launched_at", "run"]
+
+
+class SweepOut(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", allow_null=True, default=None)
+    config = ConfigField()
+    members = SweepMemberOut(many=True)
+    url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Sweep
+        fields = ["id", "name", "owner", "created_at", "stopped_at", "config", "grid", "seeds",
+                  "parallel", "members", "url"]  # fmt: skip
+
+    def get_url(self, sweep: Sweep) -> str:
+        return reverse("sweep_detail", args=[sweep.pk])
+
+
+class SweepListOut(serializers.Serializer):
+    count = serializers.IntegerField()
+    results = SweepOut(many=True)
+
+
+class MeOut(serializers.Serializer):
+    username = serializers.CharField()
+    roles = serializers.ListField(child=serializers.CharField())
+    may = serializers.ListField(
+        child=serializers.CharField(), help_text="view, create, control, curate, administer"
+    )
+
+
+class ErrorItemOut(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+    field = serializers.CharField(allow_null=True)
+
+
+class ErrorOut(ErrorItemOut):
+    errors = ErrorItemOut(many=True)

@@ -1,0 +1,177 @@
+"""Trajectories: the list page's filters, one trajectory with its steps (screenshot URLs that
+take the same token), and the curation actions, each one service call that records itself as
+the dashboard's do (who reviewed it, the reward override's audit row, the label's author)."""
+
+from __future__ import annotations
+
+from django.http import FileResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from dartboard.api import schemas
+from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.errors import ApiError, body, problem
+from dartboard.forms import TrajectoryFilterForm
+from dartboard.screenshots import screenshot_open
+from datamanager.models import Trajectory
+from datamanager.roles import CAN_ADMINISTER, CAN_CURATE
+from datamanager.selectors.trajectories import trajectory_detail, trajectory_queryset
+from datamanager.services import labels, review
+
+ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+
+
+def _filter_parameters() -> list[OpenApiParameter]:
+    form = TrajectoryFilterForm()
+    params = []
+    for name, field in form.fields.items():
+        kind: type = str
+        if field.__class__.__name__ == "IntegerField":
+            kind = int
+        elif field.__class__.__name__ == "FloatField":
+            kind = float
+        elif field.__class__.__name__ == "BooleanField":
+            kind = bool
+        choices = [c for c, _ in getattr(field, "choices", []) if c]
+        params.append(
+            OpenApiParameter(name, kind, enum=choices or None, description=str(field.label or name))
+        )
+    return params
+
+
+class TrajectoriesView(ApiView):
+    @extend_schema(
+        operation_id="trajectories_list",
+        parameters=[
+            *_filter_parameters(),
+            OpenApiParameter("limit", int, description="At most 500 (default 50)."),
+            OpenApiParameter("offset", int),
+        ],
+        responses={200: schemas.TrajectoryListOut, **ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        """Trajectories, newest first, filtered as the trajectory list page filters them."""
+        form = TrajectoryFilterForm(request.query_params)
+        known_params(request, {*form.fields, "limit", "offset"})
+        if not form.is_valid():
+            problems = [
+                problem("invalid", f"{name}: {' '.join(errors)}", name)
+                for name, errors in form.errors.items()
+            ]
+            return Response(body(problems), status=400)
+        count, page = page_of(request, trajectory_queryset(flt=form.trajectory_filter()))
+        # The list page's queryset reads its own columns only; the API shows more of each.
+        rows = Trajectory.objects.filter(pk__in=[t.pk for t in page]).select_related("task")
+        by_pk = {t.pk: t for t in rows}
+        ordered = [by_pk[t.pk] for t in page if t.pk in by_pk]
+        return Response({"count": count, "results": schemas.TrajectoryOut(ordered, many=True).data})
+
+
+class TrajectoryView(ApiView):
+    @extend_schema(
+        operation_id="trajectories_read",
+        responses={200: schemas.TrajectoryDetailOut, 404: schemas.ErrorOut, **ERRORS},
+    )
+    def get(self, request: Request, trajectory_id: int) -> Response:
+        """A trajectory with its steps: actions, thoughts, the policy's raw output and each
+        step's screenshot URL."""
+        try:
+            traj, steps = trajectory_detail(trajectory_id=trajectory_id)
+        except Trajectory.DoesNotExist:
+            raise ApiError(404, "not_found", f"no trajectory {trajectory_id}") from None
+        return Response(schemas.TrajectoryDetailOut(traj, context={"steps": steps}).data)
+
+
+class CurateView(ApiView):
+    """accept (into the experience pool), unpool, reject, trim, label, reward: one service
+    call each; a refusal is a 409 with the service's reason."""
+
+    write_permission = CAN_CURATE
+    action = "accept"
+    bodies: dict[str, type[serializers.Serializer]] = {
+        "trim": schemas.TrimIn,
+        "label": schemas.LabelIn,
+        "reward": schemas.RewardIn,
+    }
+
+    def curate(self, request: Request, trajectory_id: int) -> Response:
+        traj = get_or_404(Trajectory, "trajectory", pk=trajectory_id)
+        data = {}
+        if self.action in self.bodies:
+            parsed = self.bodies[self.action](data=request.data)
+            parsed.is_valid(raise_exception=True)
+            data = parsed.validated_data
+        if self.action == "reward" and not request.user.has_perm(CAN_ADMINISTER):
+            raise ApiError(403, "permission_denied", "only an admin may override a reward")
+        try:
+            result = self._apply(traj, data, request.user)
+        except review.CurationError as exc:
+            raise ApiError(409, "conflict", str(exc)) from None
+        traj, steps = trajectory_detail(trajectory_id=result.pk)
+        status = 201 if result.pk != trajectory_id else 200
+        return Response(
+            schemas.TrajectoryDetailOut(traj, context={"steps": steps}).data, status=status
+        )
+
+    def _apply(self, traj: Trajectory, data: dict, user) -> Trajectory:
+        if self.action == "accept":
+            return review.trajectory_promote(trajectory_id=traj.pk, user=user)
+        if self.action == "unpool":
+            return review.trajectory_unpool(trajectory_id=traj.pk)
+        if self.action == "reject":
+            return review.trajectory_reject(trajectory_id=traj.pk, user=user)
+        if self.action == "trim":
+            return review.trajectory_trim(trajectory_id=traj.pk, keep_steps=data["keep_steps"])
+        if self.action == "label":
+            labels.trajectory_label(
+                trajectory_id=traj.pk, label=data["label"], comment=data["comment"], user=user
+            )
+            return traj
+        review.trajectory_override_reward(
+            trajectory_id=traj.pk, reward=data["reward"], reason=data["reason"], user=user
+        )
+        return traj
+
+
+def curate_view(action: str, summary: str):
+    """The endpoint of one curation action, with its own schema."""
+    request = CurateView.bodies.get(action)
+    decorated = extend_schema(
+        operation_id=f"trajectories_{action}",
+        description=summary,
+        request=request,
+        responses={
+            200: schemas.TrajectoryDetailOut,
+            201: OpenApiResponse(schemas.TrajectoryDetailOut, description="The trimmed copy."),
+            404: schemas.ErrorOut,
+            409: schemas.ErrorOut,
+            **ERRORS,
+        },
+    )
+
+    def post(self: CurateView, request: Request, trajectory_id: int) -> Response:
+        return self.curate(request, trajectory_id)
+
+    view = type(f"Curate{action.title()}View", (CurateView,), {"action": action})
+    view.post = decorated(post)  # type: ignore[attr-defined]
+    return view.as_view()
+
+
+class ScreenshotView(ApiView):
+    @extend_schema(
+        operation_id="screenshots_read",
+        responses={
+            (200, "image/png"): OpenApiResponse(OpenApiTypes.BINARY),
+            404: schemas.ErrorOut,
+            **ERRORS,
+        },
+    )
+    def get(self, request: Request, key: str) -> FileResponse:
+        """A step's screenshot (PNG), by the URL its step gives."""
+        opened = screenshot_open(key)
+        if opened is None:
+            raise ApiError(404, "not_found", f"no screenshot {key!r}")
+        return FileResponse(opened, content_type="image/png")

@@ -1,6 +1,6 @@
 """The reference pages of the docs, generated from the code: every run setting (type,
 default, the main preset's value, help), every Dartboard management command with its
-options, and every make target. `manage.py docs_reference` writes them; the suite fails
+options, every make target, and the action schema with the pyautogui calls imports read. `manage.py docs_reference` writes them; the suite fails
 when a page differs from what the code gives (tests/test_docs.py).
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import json
 import re
 import typing
 from pathlib import Path
@@ -15,8 +17,12 @@ from typing import Any
 
 from django.core.management import get_commands, load_command_class
 
+from core.actions import format_action_call
+from core.protocol import Action, ActionType
+from dartboard.api.reference import api_page, openapi_yaml
 from dartboard.main_job import main_run_config
 from datamanager.config import RunConfig
+from datamanager.demos.pyautogui import READ_CALLS, REFUSED_CALLS, pyautogui_code
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
@@ -107,5 +113,54 @@ def make_targets() -> list[tuple[str, str]]:
     return re.findall(r"^([a-z-]+):.*?## (.*)$", text, re.M)
 
 
+EXAMPLES = [
+    Action(ActionType.CLICK, x=40, y=80),
+    Action(ActionType.LEFT_DOUBLE, x=40, y=80),
+    Action(ActionType.RIGHT_SINGLE, x=40, y=80),
+    Action(ActionType.DRAG, x=40, y=80, x2=300, y2=80),
+    Action(ActionType.HOTKEY, key="ctrl c"),
+    Action(ActionType.TYPE, text="hello\n"),
+    Action(ActionType.SCROLL, x=640, y=360, direction="down"),
+    Action(ActionType.WAIT),
+    Action(ActionType.FINISHED),
+    Action(ActionType.CALL_USER),
+]
+
+
+def actions_page() -> str:
+    """The action schema: each type's JSON (stored on every step, in uploads and exports), its
+    reply text, and the pyautogui code OSWorld exports hold; then the pyautogui calls imports
+    read."""
+    doc = inspect.cleandoc(Action.__doc__ or "")
+
+    def cell(text: str) -> str:
+        return "`" + text.replace("\n", "\\n").replace("|", "\\|") + "`"
+
+    rows = [f"| `{a.type.value}` | {cell(json.dumps(a.to_json()))} | {cell(format_action_call(a))} "
+            f"| {cell(pyautogui_code(a))} |" for a in EXAMPLES]  # fmt: skip
+    assert {a.type for a in EXAMPLES} == set(ActionType), "an action type has no example"
+    read = ", ".join(f"`{name}`" for name in READ_CALLS)
+    refused = "; ".join(f"`{name}` ({why})" for name, why in REFUSED_CALLS.items())
+    return "\n".join([
+        "# Actions", "", GENERATED, "",
+        "Every step stores one action (`core/protocol.py`, `Action`), in the pixels of the "
+        "screenshot it was chosen on. Uploads name it in JSON; the policy writes it as a reply "
+        "(UI-TARS's call syntax, shown here in screen pixels: a policy writes its own image's "
+        "coordinates); OSWorld exports write it as pyautogui code.", "",
+        "```text", doc, "```", "",
+        "| type | JSON | reply | pyautogui (OSWorld export) |", "|---|---|---|---|", *rows, "",
+        "## pyautogui calls read on import", "",
+        f"OSWorld result folders and AgentNet lines are read by parsing, never running, these "
+        f"calls (literal arguments only): {read}, and OSWorld's whole-step words `WAIT`, `DONE`, "
+        f"`FAIL`. Refused: {refused}; any other call or statement.", "",
+    ])  # fmt: skip
+
+
 def pages() -> dict[Path, str]:
-    return {REFERENCE / "settings.md": settings_page(), REFERENCE / "commands.md": commands_page()}
+    return {
+        REFERENCE / "settings.md": settings_page(),
+        REFERENCE / "commands.md": commands_page(),
+        REFERENCE / "actions.md": actions_page(),
+        REFERENCE / "api.md": api_page(GENERATED),
+        REFERENCE / "openapi.yaml": openapi_yaml(),
+    }

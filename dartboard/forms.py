@@ -15,6 +15,7 @@ from django.contrib.auth.forms import AuthenticationForm
 from dartboard import login_throttle
 from datamanager.archive import MAX_UPLOAD_BYTES
 from datamanager.config import ConfigInvalid, RunConfig
+from datamanager.demos.episodes import screen_size
 from datamanager.models import (
     EnvKind,
     FailureKind,
@@ -184,9 +185,34 @@ class TrimForm(forms.Form):
 
 
 class UploadForm(forms.Form):
-    archive = forms.FileField(help_text="A .zip with manifest.json and PNG screenshots.")
-    in_pool = forms.BooleanField(
-        required=False, initial=True, help_text="Successful ones join their task's pool."
+    archive = forms.FileField(
+        help_text="A .zip: Dartboard's manifest.json and screenshots, OSWorld result folders "
+        "(at any depth), or AgentNet .jsonl lines with their images."
+    )
+    format = forms.ChoiceField(
+        choices=[
+            ("dartboard", "Dartboard archive"),
+            ("osworld", "OSWorld result folders"),
+            ("agentnet", "AgentNet lines"),
+        ],
+        initial="dartboard",
+    )
+    task = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="Import every episode into this task (else each episode's own task id or name).",
+    )
+    screen = forms.CharField(
+        required=False,
+        max_length=11,
+        help_text="OSWorld: the VM's screen as WxH when the screenshots were saved at another "
+        "size (its pyautogui points are rescaled); empty: the screenshots' own size.",
+    )
+    accept = forms.BooleanField(
+        required=False,
+        initial=False,
+        help_text="Accept now: successful ones join their task's experience pool. Otherwise "
+        "they wait in the review queue.",
     )
 
     def clean_archive(self) -> Any:
@@ -197,6 +223,12 @@ class UploadForm(forms.Form):
                 f"{MAX_UPLOAD_BYTES // 2**20} MiB in one upload"
             )
         return upload
+
+    def clean_screen(self) -> tuple[int, int] | None:
+        try:
+            return screen_size(self.cleaned_data["screen"])
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
 
 
 def _choices(choices: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -242,6 +274,11 @@ class TrajectoryFilterForm(forms.Form):
     update = forms.IntegerField(required=False, min_value=1, label="Trained in update")
     finished_from = forms.DateTimeField(required=False, label="Finished from")
     finished_to = forms.DateTimeField(required=False, label="to (before)")
+    reviewed = forms.ChoiceField(
+        required=False,
+        choices=[("", "any"), ("yes", "reviewed"), ("no", "not reviewed")],
+        label="Reviewed",
+    )
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -284,6 +321,7 @@ class TrajectoryFilterForm(forms.Form):
             update=d["update"],
             finished_from=d["finished_from"],
             finished_to=d["finished_to"],
+            reviewed=yes_no.get(d["reviewed"]),
         )
 
 

@@ -3,7 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_not_required
 from django.urls import include, path, re_path
 
-from dartboard import account_views, review_views, views
+from dartboard import account_views, export_views, review_views, views
 from dartboard.api.errors import not_found
 from dartboard.forms import AdminLoginForm
 
@@ -33,6 +33,9 @@ urlpatterns = [
     path("evaluations/<int:job_id>/", views.evaluation_detail, name="evaluation_detail"),
     path("trajectories/", views.trajectory_list, name="trajectories"),
     path("trajectories/upload/", views.upload, name="upload"),
+    path("exports/", export_views.export_create, name="export_create"),
+    path("exports/<int:export_id>/", export_views.export_detail, name="export_detail"),
+    path("exports/<int:export_id>/download/", export_views.export_download, name="export_download"),
     path("trajectories/<int:trajectory_id>/", views.trajectory_detail, name="trajectory_detail"),
     path(
         "trajectories/<int:trajectory_id>/<str:action>/",

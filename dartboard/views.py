@@ -44,13 +44,13 @@ from dartboard.forms import (
     UploadForm,
 )
 from dartboard.screenshots import screenshot_open
-from datamanager.archive import InvalidUpload
+from datamanager.archive import InvalidUpload, archive_open
 from datamanager.models import EvalJob, FailureLabel, Run, RunStatus, TaskStat, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors import charts, evaluations, groups, trajectories
 from datamanager.selectors import runs as run_reads
 from datamanager.selectors.aggregates import bucket_width, outcome_rows
-from datamanager.services import review
+from datamanager.services import demos, review
 from datamanager.services import runs as services
 from workers import runs
 
@@ -412,13 +412,13 @@ def trajectory_curate(request: HttpRequest, trajectory_id: int, action: str) -> 
     target = reverse("trajectory_detail", args=[traj.pk])
     try:
         if action == "promote":
-            review.trajectory_promote(trajectory_id=traj.pk)
+            review.trajectory_promote(trajectory_id=traj.pk, user=_user(request))
             messages.success(request, "Added to the task's experience pool.")
         elif action == "unpool":
             review.trajectory_unpool(trajectory_id=traj.pk)
             messages.success(request, "Removed from the experience pool.")
         elif action == "reject":
-            review.trajectory_reject(trajectory_id=traj.pk)
+            review.trajectory_reject(trajectory_id=traj.pk, user=_user(request))
             messages.success(request, "Rejected: it will never be trained on.")
         elif action == "trim":
             form = TrimForm(request.POST)
@@ -458,21 +458,31 @@ def _invalid(request: HttpRequest, traj: Trajectory, name: str, form) -> HttpRes
 @require_http_methods(["GET", "POST"])
 @permission_required(CAN_CURATE, raise_exception=True)
 def upload(request: HttpRequest) -> HttpResponse:
-    """Import pre-collected trajectories from a .zip (format: datamanager/archive.py)."""
+    """Import demonstrations from a .zip: Dartboard's archive, OSWorld result folders or
+    AgentNet lines (datamanager/services/demos.py)."""
     errors: list[str] = []
     if request.method == "POST":
         form = UploadForm(request.POST, request.FILES)
         if form.is_valid():
+            d = form.cleaned_data
             try:
-                imported = review.trajectories_import(
-                    fileobj=form.cleaned_data["archive"], in_pool=form.cleaned_data["in_pool"]
+                report = demos.demos_import(
+                    files=archive_open(d["archive"]),
+                    fmt=d["format"],
+                    accept=d["accept"],
+                    user=_user(request),
+                    task=d["task"],
+                    screen=d["screen"],
                 )
             except InvalidUpload as exc:
                 errors = exc.errors
                 form.add_error("archive", f"{len(exc.errors)} problem(s); nothing was imported.")
             else:
-                messages.success(request, f"Imported {len(imported)} trajectories.")
-                return redirect(reverse("trajectories") + "?source=precollected")
+                messages.success(request, demos.import_summary(report))
+                for note in report.notes[:20] + report.skipped[:20] + report.duplicates[:20]:
+                    messages.info(request, note)
+                query = "?source=precollected" + ("" if d["accept"] else "&reviewed=no")
+                return redirect(reverse("trajectories") + query)
         return render(
             request, "dashboard/upload.html", {"form": form, "errors": errors}, status=400
         )

@@ -298,6 +298,18 @@ class Trajectory(models.Model):
     group = models.ForeignKey(
         "TaskGroup", null=True, blank=True, on_delete=models.SET_NULL, related_name="trajectories"
     )
+    content_hash = models.CharField(
+        max_length=64,
+        blank=True,
+        db_index=True,
+        help_text="An imported demonstration's SHA-256 over its task, actions, texts and pixels.",
+    )
+    reviewed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a curator accepted or rejected it."
+    )
+    reviewed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     step_cap = models.PositiveIntegerField(default=0, help_text="Step cap it ran under.")
     env_ms = models.FloatField(default=0.0, help_text="Time in reset/step/evaluate.")
     model_ms = models.FloatField(default=0.0, help_text="Time waiting for the policy.")
@@ -571,6 +583,36 @@ class FailureLabel(models.Model):
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["run", "label"])]
+
+
+class ExportStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class DatasetExport(models.Model):
+    """A dataset written from the trajectory list's filter, in the background
+    (`datamanager.services.exports`): its files sit under the media storage's exports/."""
+
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    filter = models.JSONField(default=dict, help_text="The trajectory filter, as its query.")
+    formats = models.JSONField(default=list, help_text="hf, sft, osworld.")
+    status = models.CharField(
+        max_length=8, choices=ExportStatus.choices, default=ExportStatus.QUEUED
+    )
+    done = models.PositiveIntegerField(default=0, help_text="Trajectories written.")
+    total = models.PositiveIntegerField(default=0, help_text="Trajectories the filter matched.")
+    archive = models.CharField(max_length=255, blank=True, help_text="Storage key of the .zip.")
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
 
 
 class ApiToken(models.Model):

@@ -2,7 +2,7 @@
 
 Queues (routes in settings): `env` (slot_serve, episode_once, eval_shard: env slots running
 episodes), `train` (train_run, sync_run: one trainer task per run), `default` (the watchdog,
-sweeps_advance, ping). Workers: `celery -A dartboard worker -Q env|train|default`.
+sweeps_advance, dataset_export, ping). Workers: `celery -A dartboard worker -Q env|train|default`.
 """
 
 import logging
@@ -10,7 +10,9 @@ import socket
 from typing import Any
 
 from celery import shared_task
+from django.db import transaction
 
+from datamanager.services.datasets import dataset_export_run
 from workers import sweeps
 from workers.dbutil import is_outage
 from workers.evaluation import eval_shard_serve
@@ -106,3 +108,15 @@ def sweeps_advance() -> list[int]:
 def ping() -> dict[str, str]:
     """Round trip through the broker; tells which host answered."""
     return {"pong": socket.gethostname()}
+
+
+@shared_task(name="workers.tasks.dataset_export", acks_late=True)
+def dataset_export(export_id: int) -> str:
+    """Write a dataset export into the media storage (queue default)."""
+    export = dataset_export_run(export_id=export_id)
+    return f"export {export_id}: {export.status}"
+
+
+def dataset_export_queue(export_id: int) -> None:
+    """Queue export `export_id` once the transaction that recorded it commits."""
+    transaction.on_commit(lambda: dataset_export.delay(export_id))

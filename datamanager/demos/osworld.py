@@ -142,7 +142,7 @@ def _episode(
             continue
         response = rec.get("response", "")
         thought = response if isinstance(response, str) else json.dumps(response)
-        after = _shot(files, _join(folder, after_name), out) if not last else None
+        after = None if last else _shot(files, _join(folder, str(after_name)), out)
         sized = shot or after
         if sized is None:
             shot = after

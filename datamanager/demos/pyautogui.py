@@ -591,3 +591,8 @@ def pyautogui_code(action: Action) -> str:
     call = "hscroll" if action.direction in ("left", "right") else "scroll"
     clicks = SCROLL_CLICKS if action.direction in ("up", "right") else -SCROLL_CLICKS
     return f"pyautogui.{call}({clicks}, x={action.x}, y={action.y})"
+
+
+READ_CALLS: tuple[str, ...] = tuple(_SIGNATURES)
+"""Every call a recorded step may hold (the docs' action reference lists them)."""
+REFUSED_CALLS: dict[str, str] = dict(_NO_ACTION)

@@ -14,11 +14,11 @@ from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from datamanager.archive import archive_open
-from datamanager.services.demos import demos_import, demos_read
 from datamanager.config import RunConfig
 from datamanager.models import RewardOverride, Step, Task, TaskStat, Trajectory
 from datamanager.services import review as curate
 from datamanager.services import runs as services
+from datamanager.services.demos import demos_import, demos_read
 from datamanager.services.episodes import (
     step_record,
     task_claim,

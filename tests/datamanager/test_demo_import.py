@@ -15,10 +15,10 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from PIL import Image
 
-from datamanager.models import Task, Trajectory
-from datamanager.services.batches import step_reply
 from core.imaging import ImageGeometry
 from core.prompts import PROMPT_TEMPLATES
+from datamanager.models import Task, Trajectory
+from datamanager.services.batches import step_reply
 from tests.conftest import png_bytes
 from tests.dartboard.test_curation_views import media_files
 
@@ -80,15 +80,24 @@ def test_osworld_folders_import_with_each_action_on_the_screen_before_it(tmp_pat
     # Action N is paired with the screen saved after action N-1 (step_0 before the first);
     # the two actions of one line's code share the screen before that line.
     assert [color_of(s) for s in steps] == [COLORS[0], COLORS[1], COLORS[2], COLORS[2], COLORS[3]]
-    assert (traj.task, traj.reward, traj.status, traj.source) == (osworld_task, 1.0, "succeeded", "precollected")
+    assert (traj.task, traj.reward, traj.status, traj.source) == (
+        osworld_task,
+        1.0,
+        "succeeded",
+        "precollected",
+    )
     assert traj.instruction == "Do it" and steps[0].thought == "I act 1"
     # Not accepted: it waits in the review queue, out of the pool.
     assert (traj.in_pool, traj.reviewed_at) == (False, None)
 
 
-def test_without_the_first_screen_the_first_action_is_left_out_and_said(tmp_path, osworld_task, capsys):
+def test_without_the_first_screen_the_first_action_is_left_out_and_said(
+    tmp_path, osworld_task, capsys
+):
     code = ["pyautogui.moveTo(30, 40)", "pyautogui.click()", "DONE"]
-    call_command("import_demos", osworld_folder(tmp_path, code, first_screen=False), "--format", "osworld")
+    call_command(
+        "import_demos", osworld_folder(tmp_path, code, first_screen=False), "--format", "osworld"
+    )
     steps = list(Trajectory.objects.get().steps.order_by("index"))
     # The left-out moveTo still placed the cursor the next click uses.
     assert [s.action for s in steps] == [{"type": "click", "x": 30, "y": 40}, {"type": "finished"}]
@@ -133,7 +142,9 @@ def test_a_bad_folder_imports_nothing_and_says_where(tmp_path, osworld_task, edi
     good = osworld_folder(tmp_path / "a", ["pyautogui.click(10, 10)", "DONE"], task_id=TASK_ID)
     bad = good / "results" / "pyautogui" / "screenshot" / "uitars" / "chrome" / "second"
     bad.mkdir()
-    for f in (good / "results" / "pyautogui" / "screenshot" / "uitars" / "chrome" / TASK_ID).iterdir():
+    for f in (
+        good / "results" / "pyautogui" / "screenshot" / "uitars" / "chrome" / TASK_ID
+    ).iterdir():
         bad.joinpath(f.name).write_bytes(f.read_bytes())
     edit(bad)
     before = media_files()
@@ -162,7 +173,9 @@ def test_a_100_megapixel_png_is_refused_before_it_is_decoded(tmp_path, osworld_t
 # --- AgentNet -----------------------------------------------------------------------------
 
 
-def agentnet_source(root: Path, *, completed: bool = True, code1: str = "pyautogui.click(x=0.25, y=0.5)") -> Path:
+def agentnet_source(
+    root: Path, *, completed: bool = True, code1: str = "pyautogui.click(x=0.25, y=0.5)"
+) -> Path:
     """A line as OpenCUA's AgentNet release writes it, its images in images/."""
     (root / "images").mkdir(parents=True)
     for i, color in enumerate(COLORS[:3]):
@@ -191,7 +204,12 @@ def test_agentnet_lines_import_with_fractional_points_scaled(tmp_path, db):
         {"type": "finished"},
     ]
     assert [color_of(s) for s in steps] == [COLORS[0], COLORS[1], COLORS[1], COLORS[2]]
-    assert (traj.task, traj.reward, traj.in_pool, traj.instruction) == (task, 1.0, True, "Open the file")
+    assert (traj.task, traj.reward, traj.in_pool, traj.instruction) == (
+        task,
+        1.0,
+        True,
+        "Open the file",
+    )
     assert '"alignment_score": 8' in traj.details["import"]["notes"][0]
 
 
@@ -224,9 +242,15 @@ def post(client, data: bytes, fmt: str, **fields):
     return client.post("/trajectories/upload/", {"archive": f, "format": fmt, **fields})
 
 
-def test_upload_page_imports_osworld_folders_into_the_review_queue(ada_client, tmp_path, osworld_task):
-    r = post(ada_client, zipped(osworld_folder(tmp_path, ["pyautogui.click(10, 10)", "DONE"])), "osworld")
-    assert r.status_code == 302 and r["Location"] == "/trajectories/?source=precollected&reviewed=no"
+def test_upload_page_imports_osworld_folders_into_the_review_queue(
+    ada_client, tmp_path, osworld_task
+):
+    r = post(
+        ada_client, zipped(osworld_folder(tmp_path, ["pyautogui.click(10, 10)", "DONE"])), "osworld"
+    )
+    assert (
+        r.status_code == 302 and r["Location"] == "/trajectories/?source=precollected&reviewed=no"
+    )
     queue = ada_client.get(r["Location"]).content.decode()
     traj = Trajectory.objects.get()
     assert f"/trajectories/{traj.pk}/" in queue
@@ -255,8 +279,12 @@ def test_an_imported_step_trains_on_its_action_in_the_policy_s_coordinates(tmp_p
     step = traj.steps.get(index=0)
     # A policy whose processor halves the 320x180 screen: the reply is in its pixels.
     half = ImageGeometry(factor=28, min_pixels=28 * 28, max_pixels=160 * 90)
-    reply = step_reply(traj, step, geometry=half, template=PROMPT_TEMPLATES["ui-tars-1.5"], coords="pixel")
+    reply = step_reply(
+        traj, step, geometry=half, template=PROMPT_TEMPLATES["ui-tars-1.5"], coords="pixel"
+    )
     assert reply.startswith("Thought: I act 1\nAction: click(start_box='<|box_start|>(")
     assert "(160,90)" not in reply  # not the screen's pixels
-    plain = step_reply(traj, step, geometry=half, template=PROMPT_TEMPLATES["dartboard"], coords="pixel")
+    plain = step_reply(
+        traj, step, geometry=half, template=PROMPT_TEMPLATES["dartboard"], coords="pixel"
+    )
     assert plain.startswith("Action: click(")

@@ -40,8 +40,14 @@ def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported
     bad = datasets.load_dataset(str(out), "failures", split="train")
     assert (len(ok), len(bad)) == (3, 2)
     first = ok[0]
-    assert (first["trajectory_id"], first["step_index"], first["task"]) == (imported[0].pk, 0, f"osworld/{TASK_ID}")
-    assert first["action_type"] == "click" and first["reward"] == 1.0 and first["thought"] == "I act 1"
+    assert (first["trajectory_id"], first["step_index"], first["task"]) == (
+        imported[0].pk,
+        0,
+        f"osworld/{TASK_ID}",
+    )
+    assert (
+        first["action_type"] == "click" and first["reward"] == 1.0 and first["thought"] == "I act 1"
+    )
     assert isinstance(first["image"], Image.Image)
     assert first["image"].convert("RGB").getpixel((1, 1)) == COLORS[0]
     assert [r["action_type"] for r in bad] == ["click", "call_user"]
@@ -61,7 +67,9 @@ def test_sft_view_renders_with_the_policy_s_own_chat_template(tmp_path, imported
     messages = [{"role": m["role"], "content": [{"type": p["type"], "text": p["text"]} if p["type"] == "text"
                                                  else {"type": "image"} for p in m["content"]]}
                 for m in row["messages"]]  # fmt: skip
-    text = policy.tokenizer.apply_chat_template(messages, chat_template=policy.chat_template, tokenize=False)
+    text = policy.tokenizer.apply_chat_template(
+        messages, chat_template=policy.chat_template, tokenize=False
+    )
     assert messages[-1]["role"] == "assistant"
     assert messages[-1]["content"][0]["text"].startswith("Action: type(content='hi there')")
     assert text.count("<|vision_start|>") == len(row["images"]) == 2
@@ -82,7 +90,9 @@ def test_osworld_export_imports_back_to_the_same_steps(tmp_path, imported):
     assert [t.reward for t in again] == [0.0, 1.0]
     for new, old in zip(again, [imported[1], imported[0]], strict=True):
         steps = list(new.steps.order_by("index"))
-        assert [(s.action, s.thought) for s in steps] == [(s.action, s.thought) for s in before[old.pk]]
+        assert [(s.action, s.thought) for s in steps] == [
+            (s.action, s.thought) for s in before[old.pk]
+        ]
         assert [color_of(s) for s in steps] == [color_of(s) for s in before[old.pk]]
         assert new.instruction == old.instruction
 

@@ -40,7 +40,9 @@ def one_step(action: dict, *, shot: str = "s.png", steps: int = 1) -> list[dict]
 
 def post(client, data: bytes):
     f = SimpleUploadedFile("demos.zip", data, content_type="application/zip")
-    return client.post("/trajectories/upload/", {"archive": f, "format": "dartboard", "accept": "on"})
+    return client.post(
+        "/trajectories/upload/", {"archive": f, "format": "dartboard", "accept": "on"}
+    )
 
 
 def refused(client, data: bytes, message: str) -> None:

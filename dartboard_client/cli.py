@@ -490,9 +490,12 @@ def run_cli(args: list[str] | None = None) -> int:
     try:
         main.main(args=args, prog_name="dartboard", standalone_mode=False)
     except DartboardError as exc:
-        click.echo(f"error ({exc.code}): {exc.message}", err=True)
-        for problem in exc.errors[1:]:
-            click.echo(f"  {problem.get('message')}", err=True)
+        if len(exc.errors) > 1:
+            click.echo(f"error ({exc.code}): {len(exc.errors)} problems:", err=True)
+            for problem in exc.errors:
+                click.echo(f"  {problem.get('message')}", err=True)
+        else:
+            click.echo(f"error ({exc.code}): {exc.message}", err=True)
         return 1
     except click.ClickException as exc:
         exc.show()

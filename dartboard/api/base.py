@@ -11,12 +11,13 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from dartboard.api.errors import ApiError
-from dartboard.api.schemas import PageIn
+from dartboard.api.schemas import Page
 from datamanager.roles import CAN_CONTROL
 
 
 class ApiView(APIView):
-    """An API endpoint: reads need the viewer role, writes `write_permission`."""
+    # An API endpoint: reads need the viewer role, writes `write_permission`. (No docstring:
+    # the schema would give it to every endpoint without one of its own.)
 
     write_permission = CAN_CONTROL
 
@@ -27,22 +28,28 @@ class ApiView(APIView):
 
 def page_of(request: Request, qs: QuerySet) -> tuple[int, QuerySet]:
     """(count, the page ?limit=&offset= asks for)."""
-    page = PageIn(data=request.query_params)
+    page = Page(data=request.query_params)
     page.is_valid(raise_exception=True)
     limit, offset = page.validated_data["limit"], page.validated_data["offset"]
     return qs.count(), qs[offset : offset + limit]
 
 
 def known_params(request: Request, allowed: set[str]) -> None:
-    """Refuse a query parameter the endpoint does not know: a typo would otherwise widen the
-    answer silently (`?statu=failed` listing everything)."""
+    """Refuse a query parameter the endpoint does not know, or an empty one: either would
+    otherwise widen the answer silently (`?statu=failed` listing everything)."""
     unknown = sorted(set(request.query_params) - allowed)
     if unknown:
         raise ApiError(
             400,
             "invalid",
-            f"unknown parameter {unknown[0]!r}; known: {', '.join(sorted(allowed))}",
+            f"unknown parameter {unknown[0]!r}; known: {', '.join(sorted(allowed)) or 'none'}",
             unknown[0],
+        )
+    # An empty value is refused too: a script's empty variable must not mean "any".
+    empty = sorted(k for k, values in request.query_params.lists() if "" in values)
+    if empty:
+        raise ApiError(
+            400, "invalid", f"{empty[0]} is empty: give a value or leave it out", empty[0]
         )
 
 

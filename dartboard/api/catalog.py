@@ -17,7 +17,7 @@ from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURAT
 from datamanager.services.runs import NotYourRun
 from workers.evaluation import EvalNotStartable, eval_start
 
-ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+ERRORS = schemas.ERRORS
 MAY = {"view": CAN_VIEW, "create": CAN_CREATE, "control": CAN_CONTROL, "curate": CAN_CURATE,
        "administer": CAN_ADMINISTER}  # fmt: skip
 
@@ -57,6 +57,7 @@ class TaskView(ApiView):
         operation_id="tasks_read", responses={200: schemas.TaskOut, 404: schemas.ErrorOut, **ERRORS}
     )
     def get(self, request: Request, task_id: int) -> Response:
+        """A task: its backend, split, tags and instruction."""
         return Response(schemas.TaskOut(get_or_404(Task, "task", pk=task_id)).data)
 
 
@@ -84,7 +85,7 @@ class EvaluationsView(ApiView):
 
     @extend_schema(
         operation_id="evaluations_start",
-        request=schemas.EvaluationStartIn,
+        request=schemas.EvaluationStart,
         responses={
             201: schemas.EvaluationDetailOut,
             404: schemas.ErrorOut,
@@ -95,7 +96,7 @@ class EvaluationsView(ApiView):
     def post(self, request: Request) -> Response:
         """Evaluate a version of a running run (default: its newest) on one of its scopes
         now, on its env slots, as its scheduled evaluations run."""
-        body = schemas.EvaluationStartIn(data=request.data)
+        body = schemas.EvaluationStart(data=request.data)
         body.is_valid(raise_exception=True)
         d = body.validated_data
         get_or_404(Run, "run", pk=d["run"])

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+from django.db import DataError
 from django.http import Http404, HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, parsers, status
 from rest_framework.response import Response
 
@@ -76,6 +78,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         return Response(body(config_problems(exc)), status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, Http404):
         exc = exceptions.NotFound(str(exc) or "not found")
+    if isinstance(exc, OverflowError | DataError):
+        # An id or a filter past what the database stores (SQLite's 64 bits, PostgreSQL's
+        # bigint): nothing could match it.
+        exc = ApiError(400, "invalid", "a number in the request is out of range")
     if not isinstance(exc, exceptions.APIException):
         return None  # a bug: Django's 500 (logged), never a traceback in the reply
     if isinstance(exc, ApiError):
@@ -107,6 +113,7 @@ class YamlParser(parsers.BaseParser):
             raise exceptions.ParseError(f"the body is not valid YAML: {exc}") from None
 
 
+@csrf_exempt  # it changes nothing: a POST to a wrong path is a 404 as any other method's
 def not_found(request: HttpRequest, rest: str = "") -> JsonResponse:
     """Any /api/ path that is no endpoint (the schema at /api/v1/schema/ lists them)."""
     message = f"no API endpoint {request.path}; the endpoints are in /api/v1/schema/"

@@ -25,12 +25,7 @@ from datamanager.selectors.metrics import (
     sweep_greedy_table,
 )
 
-ERRORS = {
-    400: schemas.ErrorOut,
-    401: schemas.ErrorOut,
-    403: schemas.ErrorOut,
-    404: schemas.ErrorOut,
-}
+ERRORS = {**schemas.ERRORS, 404: schemas.ErrorOut}
 CSV_RESPONSE = {
     (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description="CSV with a header row.")
 }

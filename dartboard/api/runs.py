@@ -22,7 +22,7 @@ from datamanager.selectors.runs import current_slots
 from datamanager.services import runs as services
 from workers.runs import RunNotStartable, run_apply
 
-ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+ERRORS = schemas.ERRORS
 
 
 def runs_queryset() -> QuerySet[Run]:
@@ -106,15 +106,15 @@ class RunsView(ApiView):
     @extend_schema(
         operation_id="runs_create",
         request={
-            "application/json": schemas.RunCreateIn,
-            "application/yaml": schemas.RunCreateIn,
+            "application/json": schemas.RunCreate,
+            "application/yaml": schemas.RunCreate,
         },
         responses={201: schemas.RunOut, 409: schemas.ErrorOut, **ERRORS},
     )
     def post(self, request: Request) -> Response:
         """Create a run from its settings (as the run form does: every problem at once),
         owned by you; `start` starts it too."""
-        body = schemas.RunCreateIn(data=request.data)
+        body = schemas.RunCreate(data=request.data)
         body.is_valid(raise_exception=True)
         d = body.validated_data
         run = create(
@@ -135,18 +135,38 @@ class RunView(ApiView):
         return Response(schemas.RunOut(get_or_404(runs_queryset(), "run", pk=run_id)).data)
 
 
+CONTROLS = {
+    "start": "Start a run as its page's Start button does: queued while no host has room, "
+    "with the reason; refused with it when it cannot start.",
+    "pause": "Pause a running run: its env slots and trainer stop taking work.",
+    "resume": "Resume a paused run.",
+    "stop": "Stop a run; a queued one leaves the queue.",
+}
+
+
 class RunControlView(ApiView):
     action = "start"
 
-    @extend_schema(
-        request=None,
-        responses={200: schemas.RunOut, 404: schemas.ErrorOut, 409: schemas.ErrorOut, **ERRORS},
-    )
-    def post(self, request: Request, run_id: int) -> Response:
-        """As the run page's button: recorded with who and when, refused with the reason."""
+    def control(self, request: Request, run_id: int) -> Response:
         return Response(
             schemas.RunOut(control(run_id=run_id, action=self.action, user=request.user)).data
         )
+
+
+def control_view(action: str) -> Any:
+    """The endpoint of one control action, recorded with who and when (RunAction)."""
+
+    @extend_schema(
+        operation_id=f"runs_{action}",
+        description=CONTROLS[action],
+        request=None,
+        responses={200: schemas.RunOut, 404: schemas.ErrorOut, 409: schemas.ErrorOut, **ERRORS},
+    )
+    def post(self: RunControlView, request: Request, run_id: int) -> Response:
+        return self.control(request, run_id)
+
+    view = type(f"Run{action.title()}View", (RunControlView,), {"action": action, "post": post})
+    return view.as_view()
 
 
 class RunCopyView(ApiView):
@@ -154,13 +174,13 @@ class RunCopyView(ApiView):
 
     @extend_schema(
         operation_id="runs_copy",
-        request=schemas.RunCopyIn,
+        request=schemas.RunCopy,
         responses={201: schemas.RunOut, 404: schemas.ErrorOut, 409: schemas.ErrorOut, **ERRORS},
     )
     def post(self, request: Request, run_id: int) -> Response:
         """A new run with this run's resolved settings and your overrides, owned by you."""
         source = get_or_404(Run, "run", pk=run_id)
-        body = schemas.RunCopyIn(data=request.data)
+        body = schemas.RunCopy(data=request.data)
         body.is_valid(raise_exception=True)
         d = body.validated_data
         run = create(

@@ -10,6 +10,8 @@ import typing
 from typing import Any, Literal
 
 from django.urls import reverse
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
+from drf_spectacular.plumbing import ResolvedComponent
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -76,9 +78,24 @@ def run_config_schema() -> dict[str, Any]:
     }
 
 
-@extend_schema_field(run_config_schema())
 class ConfigField(serializers.JSONField):
     """A run's settings: passed on as given, checked by `run_config_validate`."""
+
+
+class ConfigFieldSchema(OpenApiSerializerFieldExtension):
+    """`ConfigField` in the schema: the component RunConfig (`run_config_schema`)."""
+
+    target_class = ConfigField
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        component = ResolvedComponent(
+            name="RunConfig",
+            type=ResolvedComponent.SCHEMA,
+            object="RunConfig",
+            schema=run_config_schema(),
+        )
+        auto_schema.registry.register_on_missing(component)
+        return component.ref
 
 
 @extend_schema_field(
@@ -95,7 +112,7 @@ class OverridesField(serializers.DictField):
 # ------------------------------------------------------------------ inputs
 
 
-class RunCreateIn(serializers.Serializer):
+class RunCreate(serializers.Serializer):
     name = serializers.CharField(max_length=200, help_text="A name to find the run by.")
     config = ConfigField(required=False, default=dict)
     overrides = OverridesField(required=False, default=dict)
@@ -104,7 +121,7 @@ class RunCreateIn(serializers.Serializer):
     )
 
 
-class RunCopyIn(serializers.Serializer):
+class RunCopy(serializers.Serializer):
     name = serializers.CharField(
         max_length=200, required=False, help_text="Default: the run's name and ' (copy)'."
     )
@@ -112,7 +129,7 @@ class RunCopyIn(serializers.Serializer):
     start = serializers.BooleanField(default=False)
 
 
-class SweepCreateIn(serializers.Serializer):
+class SweepCreate(serializers.Serializer):
     name = serializers.CharField(max_length=150)
     config = ConfigField(required=False, default=dict)
     overrides = OverridesField(required=False, default=dict)
@@ -131,7 +148,7 @@ class SweepCreateIn(serializers.Serializer):
     )
 
 
-class EvaluationStartIn(serializers.Serializer):
+class EvaluationStart(serializers.Serializer):
     run = serializers.IntegerField(min_value=1)
     scope = serializers.ChoiceField(choices=EvalScope.choices)
     version = serializers.IntegerField(
@@ -139,23 +156,23 @@ class EvaluationStartIn(serializers.Serializer):
     )
 
 
-class TrimIn(serializers.Serializer):
+class Trim(serializers.Serializer):
     keep_steps = serializers.IntegerField(min_value=1, help_text="Steps kept from the start.")
 
 
-class LabelIn(serializers.Serializer):
+class Label(serializers.Serializer):
     label = serializers.ChoiceField(choices=FailureKind.choices)
     comment = serializers.CharField(required=False, default="", allow_blank=True)
 
 
-class RewardIn(serializers.Serializer):
+class Reward(serializers.Serializer):
     reward = serializers.FloatField(min_value=0.0, max_value=1.0)
     reason = serializers.CharField(max_length=1000)
 
 
-class PageIn(serializers.Serializer):
+class Page(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=MAX_PAGE, default=50)
-    offset = serializers.IntegerField(min_value=0, default=0)
+    offset = serializers.IntegerField(min_value=0, max_value=2**31, default=0)
 
 
 # ------------------------------------------------------------------ outputs
@@ -426,3 +443,8 @@ class ErrorItemOut(serializers.Serializer):
 
 class ErrorOut(ErrorItemOut):
     errors = ErrorItemOut(many=True)
+
+
+# The refusals any endpoint may answer (dartboard/api/errors.py): bad input, no or a dead
+# token, a role that may not, a body past the limit, too many writes.
+ERRORS = {status: ErrorOut for status in (400, 401, 403, 413, 429)}

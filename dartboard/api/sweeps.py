@@ -18,7 +18,7 @@ from datamanager.services.runs import NotYourRun
 from datamanager.services.sweeps import sweep_create
 from workers.sweeps import sweep_advance, sweep_stop
 
-ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+ERRORS = schemas.ERRORS
 
 
 def sweeps_queryset():
@@ -42,8 +42,8 @@ class SweepsView(ApiView):
     @extend_schema(
         operation_id="sweeps_create",
         request={
-            "application/json": schemas.SweepCreateIn,
-            "application/yaml": schemas.SweepCreateIn,
+            "application/json": schemas.SweepCreate,
+            "application/yaml": schemas.SweepCreate,
         },
         responses={201: schemas.SweepOut, **ERRORS},
     )
@@ -51,7 +51,7 @@ class SweepsView(ApiView):
         """Create a sweep's runs (each member checked as the run form checks a run, every
         problem at once) and start the first `parallel` of them; the next start as those
         end."""
-        body = schemas.SweepCreateIn(data=request.data)
+        body = schemas.SweepCreate(data=request.data)
         body.is_valid(raise_exception=True)
         d = body.validated_data
         config = with_overrides(d["config"], d["overrides"])

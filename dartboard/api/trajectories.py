@@ -21,7 +21,7 @@ from datamanager.roles import CAN_ADMINISTER, CAN_CURATE
 from datamanager.selectors.trajectories import trajectory_detail, trajectory_queryset
 from datamanager.services import labels, review
 
-ERRORS = {400: schemas.ErrorOut, 401: schemas.ErrorOut, 403: schemas.ErrorOut}
+ERRORS = schemas.ERRORS
 
 
 def _filter_parameters() -> list[OpenApiParameter]:
@@ -92,9 +92,9 @@ class CurateView(ApiView):
     write_permission = CAN_CURATE
     action = "accept"
     bodies: dict[str, type[serializers.Serializer]] = {
-        "trim": schemas.TrimIn,
-        "label": schemas.LabelIn,
-        "reward": schemas.RewardIn,
+        "trim": schemas.Trim,
+        "label": schemas.Label,
+        "reward": schemas.Reward,
     }
 
     def curate(self, request: Request, trajectory_id: int) -> Response:

@@ -33,7 +33,7 @@ urlpatterns = [
     *[
         path(
             f"runs/<int:run_id>/{action}/",
-            runs.RunControlView.as_view(action=action),
+            runs.control_view(action),
             name=f"api_run_{action}",
         )
         for action in ("start", "pause", "resume", "stop")

@@ -200,10 +200,20 @@ def run_list(
 
 @run.command("show")
 @click.argument("run_id", type=int)
+@click.option(
+    "--config",
+    "config_only",
+    is_flag=True,
+    help="Only its resolved settings, as YAML (a file for run create or sweep).",
+)
 @pass_ctx
-def run_show(ctx: Context, run_id: int) -> None:
+def run_show(ctx: Context, run_id: int, config_only: bool) -> None:
     """A run as JSON: settings, status, placement, why it waits."""
-    emit(ctx.client.run(run_id))
+    shown = ctx.client.run(run_id)
+    if config_only:
+        click.echo(yaml.safe_dump(shown["config"], sort_keys=False), nl=False)
+    else:
+        emit(shown)
 
 
 def _control(action: str) -> click.Command:

@@ -19,7 +19,8 @@ from dartboard.docs_reference import make_targets, pages
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-CODE = ["core", "envmanager", "rollout", "training", "datamanager", "workers", "dartboard"]
+CODE = ["core", "envmanager", "rollout", "training", "datamanager", "workers", "dartboard",
+        "dartboard_client"]  # fmt: skip
 
 
 def test_the_docs_site_builds_in_strict_mode(tmp_path):
@@ -97,6 +98,36 @@ def test_every_command_script_and_flag_the_docs_name_exists():
                 if f'"{flag}"' not in source:
                     wrong.append(f"{where}: bench/{name}.py has no {flag}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_dartboard_command_and_flag_the_docs_name_exists():
+    """`dartboard run create cfg.yaml --set ...` in the docs: each word a command of the
+    `dartboard` CLI (dartboard_client/cli.py), each flag one of its options."""
+    import click
+
+    from dartboard_client.cli import main
+
+    wrong, seen = [], 0
+    for where, span in _code_spans():
+        m = re.match(r"\s*(?:\$ )?(?:\.venv/bin/)?dartboard((?: [a-z][a-z-]*)*)(.*)", span)
+        if m:
+            command: click.Command = main
+            flags = {"--help", *(o for p in main.params for o in p.opts)}
+            words = m.group(1).split()
+            for i, word in enumerate(words):
+                if not isinstance(command, click.Group):
+                    break  # the rest are arguments
+                if word not in command.commands:
+                    wrong.append(f"{where}: `dartboard {' '.join(words[: i + 1])}` is no command")
+                    break
+                command = command.commands[word]
+                flags |= {o for p in command.params for o in p.opts}
+            seen += 1
+            rest = m.group(2).split(";")[0]
+            wrong += [f"{where}: `dartboard {' '.join(words)}` has no {flag}"
+                      for flag in sorted(_flags_after(rest, 0) - flags)]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+    assert seen >= 10  # docs/scripting.md's
 
 
 def test_every_run_config_the_docs_show_is_a_valid_run():

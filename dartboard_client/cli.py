@@ -446,11 +446,12 @@ def curate(
     reason: str | None,
 ) -> None:
     """Curate a trajectory as its page's buttons do."""
-    body: dict[str, Any] = {
+    bodies: dict[str, dict[str, Any]] = {
         "trim": {"keep_steps": keep_steps},
         "label": {"label": label, "comment": comment},
         "reward": {"reward": reward, "reason": reason},
-    }.get(action, {})
+    }
+    body = bodies.get(action, {})
     done = ctx.client.curate(
         trajectory_id, action, **{k: v for k, v in body.items() if v is not None}
     )

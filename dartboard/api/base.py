@@ -54,7 +54,7 @@ def known_params(request: Request, allowed: set[str]) -> None:
 
 
 def get_or_404(qs: QuerySet | type[Model], what: str, **lookup: Any) -> Any:
-    manager = qs.objects if isinstance(qs, type) else qs
+    manager = qs._default_manager if isinstance(qs, type) else qs
     found = manager.filter(**lookup).first()
     if found is None:
         raise ApiError(404, "not_found", f"no {what} {next(iter(lookup.values()))}")

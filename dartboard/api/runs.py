@@ -165,7 +165,9 @@ def control_view(action: str) -> Any:
     def post(self: RunControlView, request: Request, run_id: int) -> Response:
         return self.control(request, run_id)
 
-    view = type(f"Run{action.title()}View", (RunControlView,), {"action": action, "post": post})
+    view: Any = type(
+        f"Run{action.title()}View", (RunControlView,), {"action": action, "post": post}
+    )
     return view.as_view()
 
 

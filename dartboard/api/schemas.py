@@ -55,8 +55,8 @@ def _field_schema(tp: Any, f: dataclasses.Field | None) -> dict[str, Any]:
         raise TypeError(f"no schema for {tp!r}")
     if f is not None and not dataclasses.is_dataclass(tp):
         out["description"] = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        out["default"] = default
+        factory = typing.cast(Any, f.default_factory)
+        out["default"] = f.default if f.default is not dataclasses.MISSING else factory()
     return out
 
 

@@ -4,6 +4,8 @@ the dashboard's do (who reviewed it, the reward override's audit row, the label'
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -58,7 +60,7 @@ class TrajectoriesView(ApiView):
         known_params(request, {*form.fields, "limit", "offset"})
         if not form.is_valid():
             problems = [
-                problem("invalid", f"{name}: {' '.join(errors)}", name)
+                problem("invalid", f"{name}: {' '.join(str(e) for e in errors)}", name)
                 for name, errors in form.errors.items()
             ]
             return Response(body(problems), status=400)
@@ -155,7 +157,7 @@ def curate_view(action: str, summary: str):
     def post(self: CurateView, request: Request, trajectory_id: int) -> Response:
         return self.curate(request, trajectory_id)
 
-    view = type(f"Curate{action.title()}View", (CurateView,), {"action": action})
+    view: Any = type(f"Curate{action.title()}View", (CurateView,), {"action": action})
     view.post = decorated(post)  # type: ignore[attr-defined]
     return view.as_view()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, User
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -27,7 +27,7 @@ class NotYourRun(PermissionError):
     """A user who is not an admin acted on a run another user owns."""
 
 
-def run_config_validate(*, data: Any, user: AbstractBaseUser | AnonymousUser | None) -> RunConfig:
+def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
     """A run's settings, checked as every way in checks them (the run form, the API, a sweep,
     `manage.py start_run`): raises ConfigInvalid with every problem at once. First the
     config's own (`RunConfig.from_dict`), then the rules around it: the task names it lists
@@ -67,7 +67,7 @@ def run_config_validate(*, data: Any, user: AbstractBaseUser | AnonymousUser | N
     return config
 
 
-def run_control_check(*, run: Run, user: AbstractBaseUser | AnonymousUser | None) -> None:
+def run_control_check(*, run: Run, user: User | None) -> None:
     """Raise NotYourRun unless `user` may start, pause, resume or stop `run`: its owner, an
     admin, anyone for a run without an owner (made from the command line), and the command
     line itself (`user` None). Holding the operator role is checked before, by the view."""

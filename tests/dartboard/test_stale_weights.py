@@ -43,6 +43,8 @@ def _train(run, updates: int) -> TrainUpdate:
     run.config["trainer"]["max_updates"] = updates
     type(run).objects.filter(pk=run.pk).update(config=run.config)
     assert training_loop.train_for(run_id=run.pk, max_seconds=180) == "max_updates reached"
+    # Reaching max_updates finishes the run: the next round raises it and runs on.
+    type(run).objects.filter(pk=run.pk).update(status="running")
     return TrainUpdate.objects.get(run=run, number=updates)
 
 

@@ -9,7 +9,15 @@ from django.core.files.storage import default_storage
 from core.lora import is_adapter_dir
 from core.policy import load_policy
 from datamanager.config import RunConfig
-from datamanager.models import GroupStatus, PolicyVersion, Run, Step, TaskGroup, TrainUpdate
+from datamanager.models import (
+    GroupStatus,
+    PolicyVersion,
+    Run,
+    RunStatus,
+    Step,
+    TaskGroup,
+    TrainUpdate,
+)
 from datamanager.services import batches
 from tests.datamanager.factories import make_running_run, make_tasks, play
 from workers import training_loop
@@ -137,8 +145,10 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
         for k, v in training_loop.trainer_held(run_id=run.pk).policy.model.state_dict().items()
     }
     training_loop.trainers_forget_all()  # the worker process died
+    # Reaching max_updates finished the run: it runs on with a higher one.
     Run.objects.filter(pk=run.pk).update(
-        config={**run.config, "trainer": {**run.config["trainer"], "max_updates": 2}}
+        config={**run.config, "trainer": {**run.config["trainer"], "max_updates": 2}},
+        status=RunStatus.RUNNING,
     )
     run.refresh_from_db()
     resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
@@ -406,6 +416,8 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
         limited = {**trainer_cfg, "max_updates": version + 1}
         Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
         training_loop.train_for(run_id=run.pk, max_seconds=120)
+        # Reaching max_updates finishes the run: the next round raises it and runs on.
+        Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
     run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
     store = open_store(s3_artifacts)
     kept = {}

@@ -131,7 +131,36 @@ def snapshot(run, *, since, until, started) -> dict:
         "first_rl_version_s": (first_version.created_at - started).total_seconds()
         if first_version
         else None,
+        "weights_kept": PolicyVersion.objects.filter(run=run, pruned_at__isnull=True).count(),
+        "disk_mb": _disk(),
     }
+
+
+def _disk() -> dict:
+    """MB on disk under the private home: in all (hard links once) and per part."""
+    import os
+
+    from django.conf import settings
+
+    home = Path(settings.DARTBOARD_HOME)
+    parts = {"checkpoints": Path(settings.CHECKPOINT_ROOT), "media": Path(settings.MEDIA_ROOT),
+             "artifacts": home / "artifacts", "artifact_cache": Path(settings.DARTBOARD_ARTIFACT_CACHE)}  # fmt: skip
+    out, seen = {}, set()
+    for name, root in [("home", home), *parts.items()]:
+        total = 0
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                try:
+                    st = os.stat(os.path.join(dirpath, f))
+                except OSError:
+                    continue
+                if name == "home":
+                    if st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                total += st.st_size
+        out[name] = round(total / 2**20, 1)
+    return out
 
 
 def _fmt(g: dict | None) -> str:
@@ -144,15 +173,16 @@ def print_row(row: dict, *, header: bool) -> None:
     if header:
         print("| minute | versions | RL updates | update (s) | log-prob gap | sampled success | "
               "evaluation's slot time | chart lag (min) | greedy, training instances | "
-              "greedy, held-out seeds |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+              "greedy, held-out seeds | weights kept | home on disk |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     update = f"{row['update_s']:.0f}" if row["update_s"] else "—"
     gap = f"{row['logprob_gap']:.4f}" if row.get("logprob_gap") is not None else "—"
     sampled = f"{row['sampled']:.0%} of {row['sampled_n']}" if row["sampled"] is not None else "—"
     lag = f"{row['chart_lag_min']:.1f}" if row.get("chart_lag_min") is not None else "—"
     print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | {gap} | "
           f"{sampled} | {row.get('eval_share', 0):.0%} | {lag} | {_fmt(row['train'])} | "
-          f"{_fmt(row['heldout'])} |", flush=True)  # fmt: skip
+          f"{_fmt(row['heldout'])} | {row.get('weights_kept', '—')} | "
+          f"{row.get('disk_mb', {}).get('home', 0):,.0f} MB |", flush=True)  # fmt: skip
 
 
 def final_evaluation(run, *, heldout_k: int | None = None) -> dict:

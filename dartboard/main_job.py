@@ -39,7 +39,10 @@ MAIN_MINIWOB_TASKS = ["click-test-2", "click-button", "click-dialog"]
 # fixed instances: +22 points on the training instances in 30 minutes (bench/mainjob.py);
 # 1e-4 learned no faster (docs/benchmarks.md, *What makes RL carry over to held-out seeds*).
 _ROLLOUT = {"max_new_tokens": 48, "inference_workers": 1, "max_images": 3, "max_parse_errors": 1}
-_TRAINER = {"lr": 5e-5, "micro_batch": 4, "kl_coef": 0.1}
+# A version's weights (23 MB for the tiny policy) are kept for the newest 10, every 25th, the
+# best and any under evaluation: about 45 versions after 8 hours instead of ~800.
+_TRAINER = {"lr": 5e-5, "micro_batch": 4, "kl_coef": 0.1, "versions_kept": 10,
+            "versions_keep_every": 25}  # fmt: skip
 # The desktop preset: one screenshot of context, the current screen (the desktop policy was
 # pretrained so: its earlier actions come as text), which keeps an 800x600 step's prompt
 # at ~800 tokens on a 2-core machine.

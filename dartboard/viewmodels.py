@@ -36,7 +36,7 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
-from datamanager.selectors.runs import current_slots
+from datamanager.selectors.runs import checkpoint_disk, current_slots
 from workers.leases import LiveWork, redis_client
 from workers.runs import run_live_work
 
@@ -461,4 +461,31 @@ def _stale_serving(*, run: Run, behind: int) -> str:
         f"{newest - worst.step_version} versions behind the newest (v{newest}); "
         f"{running.count()} episode(s) under way are {behind} or more behind. An inference "
         "worker the weight sync did not reach? See the router's workers on the health line."
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
+
+
+def checkpoint_note(*, run: Run) -> str:
+    """The run page's line on its versions' disk: what is kept, what one costs; "" before the
+    first version."""
+    cfg = RunConfig.from_dict(run.config).trainer
+    disk = checkpoint_disk(run=run, states_kept=cfg.optimizer_states_kept)
+    if disk is None:
+        return ""
+    rule = (
+        "every version's weights kept"
+        if cfg.versions_kept == 0
+        else f"weights kept: the newest {cfg.versions_kept}"
+        + (f", every {cfg.versions_keep_every}th" if cfg.versions_keep_every else "")
+        + ", the best by greedy success and any under evaluation"
+    )
+    return (
+        f"Checkpoints: {disk.kept} of {disk.versions} versions keep their weights "
+        f"({_mb(disk.weights_bytes)}) and the newest {min(cfg.optimizer_states_kept, disk.versions)} "
+        f"their optimizer state ({_mb(disk.state_bytes)}); a version costs "
+        f"{_mb(disk.version_weights_bytes)} of weights and {_mb(disk.version_state_bytes)} of "
+        f"state ({rule})."
     )

@@ -120,6 +120,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "dead_time": viewmodels.dead_time_notes(run=run),
             "unsolved": viewmodels.unsolved_tasks_note(run=run),
             "placement": viewmodels.placement_note(run=run),
+            "checkpoints": viewmodels.checkpoint_note(run=run),
         },
     )
 

@@ -352,6 +352,15 @@ class TrainerConfig:
         "several times the weights under full fine-tuning); older versions keep only their "
         "weights.",
     )
+    versions_kept: int = knob(
+        0,
+        "Published versions whose weights are kept, newest first (0: every version's). Older "
+        "ones are deleted as new ones land, on disk and in the store, except every Nth "
+        "(versions_keep_every), the best by greedy success and any under evaluation.",
+    )
+    versions_keep_every: int = knob(
+        0, "With versions_kept: also keep every Nth version's weights (0: none besides)."
+    )
     max_updates: int = knob(0, "Stop after N updates (0: until stopped).")
     bf16: bool = knob(True, "bf16 autocast on GPU (ignored on CPU).")
     lora_rank: int = knob(
@@ -444,6 +453,22 @@ class TrainerConfig:
             f"must be >= 1 (the newest version's state is what a restarted trainer resumes "
             f"from), got {self.optimizer_states_kept}",
         )
+        _check(self.versions_kept >= 0, "versions_kept", f"must be >= 0, got {self.versions_kept}")
+        _check(
+            self.versions_kept == 0 or self.versions_kept >= self.optimizer_states_kept,
+            "versions_kept",
+            f"keeps fewer versions ({self.versions_kept}) than optimizer_states_kept "
+            f"({self.optimizer_states_kept}): a version's state is useless without its weights",
+        )
+        _check(
+            self.versions_keep_every >= 0,
+            "versions_keep_every",
+            f"must be >= 0, got {self.versions_keep_every}",
+        )
+        if self.versions_kept == 0:
+            _unused_knob(
+                self, "versions_keep_every", "while versions_kept is 0 (every version is kept)"
+            )
         _check(self.max_updates >= 0, "max_updates", "must be >= 0")
 
 

@@ -385,6 +385,15 @@ class PolicyVersion(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     reached_workers = models.JSONField(default=list, blank=True)
+    weights_bytes = models.BigIntegerField(default=0, help_text="Its weights on disk.")
+    state_bytes = models.BigIntegerField(
+        default=0, help_text="Its optimizer state on disk (what a trainer resumes from)."
+    )
+    pruned_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When its weights were deleted (trainer.versions_kept): its metrics stay.",
+    )
 
     class Meta:
         ordering = ["run_id", "-version"]

@@ -97,6 +97,12 @@ def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:
             raise EvalSetupError(
                 f"policy {policy!r}: no such run policy version (use run:ID:vN)"
             ) from None
+        if pv.pruned_at is not None:
+            raise EvalSetupError(
+                f"policy {policy!r}: its weights were deleted on {pv.pruned_at:%Y-%m-%d %H:%M} "
+                "UTC (the run keeps trainer.versions_kept versions, every "
+                "trainer.versions_keep_every-th and the best); evaluate a version it kept"
+            )
         return Path(pv.checkpoint), pv.version
     try:
         return policy_path(policy), None

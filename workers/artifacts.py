@@ -10,6 +10,7 @@ it itself. A trainer started on a host that lacks the run's newest version fetch
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -18,15 +19,20 @@ from pathlib import Path
 from django.conf import settings
 
 from core.artifacts import (
+    MANIFEST,
     STATE_FILE,
+    ArtifactError,
     ArtifactRef,
     FileStore,
     S3Store,
+    StoreUnreachable,
     fetch,
     open_store,
     upload_dir,
 )
-from datamanager.models import PolicyVersion, Run
+from datamanager.models import EvalJob, EvalStatus, PolicyVersion, Run
+from datamanager.selectors.charts import version_best
+from datamanager.services.versions import policy_versions_mark_pruned
 from training.trainer import version_dir
 from workers.dbutil import db_retry
 
@@ -115,3 +121,64 @@ def _link_or_copy(source: str, target: str) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def versions_prune(*, run_id: int, run_dir: Path, kept: int, every: int) -> list[int]:
+    """Delete the weights of the run's published versions past the newest `kept`, except
+    every `every`-th (0: none), the best by greedy success and any an evaluation still has
+    to run (queued or running), on this host's disk, in its artifact cache and in the store;
+    their rows and metrics stay (`PolicyVersion.pruned_at`). `kept` 0 keeps them all. Call
+    after the newest version's publish committed. Returns the versions pruned now.
+
+    Another inference host's cache of a pruned version stays until that host's own cache is
+    cleared: it only ever serves the newest."""
+    if kept <= 0:
+        return []
+    run = Run.objects.get(pk=run_id)
+    rows = list(
+        PolicyVersion.objects.filter(run_id=run_id, pruned_at__isnull=True)
+        .order_by("-version")
+        .values_list("version", "artifact")
+    )
+    protected = {version_best(run=run)}
+    protected |= set(
+        EvalJob.objects.filter(
+            run_id=run_id, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)
+        ).values_list("policy_version", flat=True)
+    )
+    doomed = [
+        (v, a) for v, a in rows[kept:] if v not in protected and not (every and v % every == 0)
+    ]
+    if not doomed:
+        return []
+    store = open_store(settings.DARTBOARD_ARTIFACTS) if any(a for _, a in doomed) else None
+    pruned = []
+    for version, artifact in doomed:
+        shutil.rmtree(version_dir(run_dir, version), ignore_errors=True)
+        if artifact and store is not None:
+            ref = ArtifactRef.parse(artifact)
+            for path in settings.DARTBOARD_ARTIFACT_CACHE.glob(f"{ref.digest}*"):
+                shutil.rmtree(path, ignore_errors=True)
+            db_retry(
+                functools.partial(_delete_version, store, ref),
+                what=f"pruning version {version}'s weights in {store.url}",
+            )
+        pruned.append(version)
+    policy_versions_mark_pruned(run_id=run_id, versions=pruned)
+    log.info("run %s: weights of versions %s pruned (kept the newest %s, every %s-th, the best "
+             "and those under evaluation)", run_id, pruned, kept, every or "no")  # fmt: skip
+    return pruned
+
+
+def _delete_version(store: FileStore | S3Store, ref: ArtifactRef, _attempt: object) -> None:
+    """Every file the version's manifest lists, then the manifest (a version whose manifest
+    is already gone was pruned before)."""
+    try:
+        manifest = json.loads(store.get_bytes(f"{ref.key}/{MANIFEST}"))
+    except StoreUnreachable:
+        raise  # db_retry waits for the store
+    except ArtifactError:
+        return
+    for rel in manifest["files"]:
+        store.delete(f"{ref.key}/{rel}")
+    store.delete(f"{ref.key}/{MANIFEST}")

@@ -44,6 +44,8 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.pool_mix_steps": "workers.training_loop (pool demos mixed into each RL update)",
     "trainer.checkpoint_every": "workers.training_loop (when a version is published)",
     "trainer.optimizer_states_kept": "workers.artifacts.optimizer_states_prune (after a publish)",
+    "trainer.versions_kept": "workers.artifacts.versions_prune (after a publish)",
+    "trainer.versions_keep_every": "workers.artifacts.versions_prune (after a publish)",
     "trainer.max_updates": "workers.training_loop.run_loop",
     "trainer.bf16": "workers.training_loop.get_trainer",
     "trainer.lora_rank": "lora_spec below (LoRA or full fine-tuning)",

@@ -37,7 +37,12 @@ from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer
 from training.update import UpdateConfig, UpdateInterrupted
-from workers.artifacts import checkpoint_restore, checkpoint_upload, optimizer_states_prune
+from workers.artifacts import (
+    checkpoint_restore,
+    checkpoint_upload,
+    optimizer_states_prune,
+    versions_prune,
+)
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
 from workers.evaluation import eval_schedule_next, run_finish_if_done
@@ -227,11 +232,12 @@ def update_and_publish(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
         )
     if path is not None:  # committed: the new version's state is what a restart resumes from
+        kept = RunConfig.from_dict(run.config).trainer
         optimizer_states_prune(
-            run_id=run.pk,
-            run_dir=trainer.run_dir,
-            keep=RunConfig.from_dict(run.config).trainer.optimizer_states_kept,
+            run_id=run.pk, run_dir=trainer.run_dir, keep=kept.optimizer_states_kept
         )
+        versions_prune(run_id=run.pk, run_dir=trainer.run_dir, kept=kept.versions_kept,
+                       every=kept.versions_keep_every)  # fmt: skip
     export_update(update_id=update.pk)  # committed: TensorBoard gets the same figures
 
 

@@ -255,6 +255,16 @@ def version_success(*, run: Run) -> dict[str, list[VersionPoint]]:
     return out
 
 
+def version_best(*, run: Run) -> int | None:
+    """The version with the highest greedy success on held-out seeds (else on the training
+    instances, else the eval split); the newest among equals. None before any evaluation."""
+    points = version_success(run=run)
+    for scope in (EvalScope.HELDOUT, EvalScope.TRAIN_INSTANCES, EvalScope.EVAL_SPLIT):
+        if points[str(scope)]:
+            return max(points[str(scope)], key=lambda p: (p.rate, p.version)).version
+    return None
+
+
 def group_points(*, run: Run, limit: int = 300) -> list[GroupPoint]:
     """The run's latest `limit` groups with an ended member, oldest first (the groups chart;
     a point opens the group)."""

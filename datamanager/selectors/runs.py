@@ -164,3 +164,35 @@ def run_own_router(*, run_id: int) -> str:
         .first()
     )
     return url or ""
+
+
+@dataclass(frozen=True)
+class CheckpointDisk:
+    """What a run's published versions take on disk (as each one's trainer measured it)."""
+
+    versions: int
+    kept: int  # versions whose weights are kept
+    weights_bytes: int  # of the kept versions
+    state_bytes: int  # optimizer states of the newest trainer.optimizer_states_kept versions
+    version_weights_bytes: int  # the newest version's
+    version_state_bytes: int
+
+
+def checkpoint_disk(*, run: Run, states_kept: int) -> CheckpointDisk | None:
+    """None before the first version."""
+    rows = list(
+        PolicyVersion.objects.filter(run=run)
+        .order_by("-version")
+        .values_list("weights_bytes", "state_bytes", "pruned_at")
+    )
+    if not rows:
+        return None
+    kept = [r for r in rows if r[2] is None]
+    return CheckpointDisk(
+        versions=len(rows),
+        kept=len(kept),
+        weights_bytes=sum(r[0] for r in kept),
+        state_bytes=sum(r[1] for r in rows[:states_kept]),
+        version_weights_bytes=rows[0][0],
+        version_state_bytes=rows[0][1],
+    )

@@ -116,6 +116,23 @@ def test_runs_list_shows_success_rate_trajectories_and_version(ada_client, resea
     assert "v4" in row
 
 
+def test_run_page_says_what_its_versions_take_on_disk(ada_client, researcher):
+    from django.utils import timezone
+
+    run = make_run(owner=researcher)
+    cfg = RunConfig.from_dict(run.config).to_dict()
+    cfg["trainer"].update(versions_kept=2, versions_keep_every=10, optimizer_states_kept=1)
+    Run.objects.filter(pk=run.pk).update(config=cfg)
+    mb = 2**20
+    for v in range(1, 5):
+        PolicyVersion.objects.create(run=run, version=v, checkpoint=f"ck/{v}", weights_bytes=23 * mb,
+                                     state_bytes=45 * mb, pruned_at=timezone.now() if v < 3 else None)  # fmt: skip
+    line = re.search(r'id="checkpoints">(.*?)</p>', ada_client.get(f"/runs/{run.pk}/").content.decode()).group(1)
+    assert line.startswith("Checkpoints: 2 of 4 versions keep their weights (46.0 MB) and the newest 1")
+    assert "(45.0 MB); a version costs 23.0 MB of weights and 45.0 MB of state" in line
+    assert "the newest 2, every 10th, the best by greedy success" in line
+
+
 def test_run_form_lists_every_setting_with_default_and_help(ada_client):
     html = ada_client.get("/runs/new/").content.decode()
     cfg = RunConfig().to_dict()

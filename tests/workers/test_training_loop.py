@@ -439,6 +439,63 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
     assert (resumed.state.updates, resumed.state.version) == (3, 3)
 
 
+def test_old_versions_weights_are_pruned_but_every_nth_the_best_and_the_evaluated_stay(
+    run_on_tiny, s3_artifacts, settings
+):
+    """Six versions with versions_kept = 2 and versions_keep_every = 4: the newest two (5, 6),
+    every 4th (4), the best by greedy success (1) and the one an evaluation is queued for (2)
+    keep their weights; version 3's are gone from the trainer's disk, this host's cache and
+    the store, its row and metrics stay; every version recorded what it costs on disk."""
+    from core.artifacts import MANIFEST, ArtifactRef, fetch, open_store
+    from datamanager.models import EvalJob, EvalScope, EvalStatus, Purpose, Task, Trajectory
+    from rollout.checkpoints import SERVING_SKIPS
+
+    settings.DARTBOARD_ARTIFACTS = s3_artifacts
+    run = run_on_tiny
+    trainer_cfg = {**run.config["trainer"], "optimizer_states_kept": 1, "versions_kept": 2,
+                   "versions_keep_every": 4}  # fmt: skip
+    training_loop.trainers_forget_all()
+    task = Task.objects.first()
+    for version in range(6):
+        _fill(run, version=version)
+        limited = {**trainer_cfg, "max_updates": version + 1}
+        Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
+        training_loop.train_for(run_id=run.pk, max_seconds=120)
+        # Reaching max_updates finishes the run: the next round raises it and runs on.
+        Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+        if version == 1:  # version 1 was evaluated greedily: 2 of 2 on held-out seeds
+            job = EvalJob.objects.create(name="v1", policy="x", run=run, policy_version=1,
+                                         scope=EvalScope.HELDOUT, status=EvalStatus.FINISHED)  # fmt: skip
+            for seed in range(2):
+                Trajectory.objects.create(run=run, task=task, eval_job=job, purpose=Purpose.EVAL,
+                                          seed=seed, status="succeeded", reward=1.0)  # fmt: skip
+            EvalJob.objects.filter(run=run).exclude(pk=job.pk).delete()  # the loop's own
+        if version == 2:  # version 2's evaluation is still to run
+            EvalJob.objects.filter(run=run).exclude(policy_version=1).delete()
+            EvalJob.objects.create(name="v2", policy="x", run=run, policy_version=2,
+                                   status=EvalStatus.QUEUED)  # fmt: skip
+    run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
+    store = open_store(s3_artifacts)
+    versions = list(PolicyVersion.objects.filter(run=run).order_by("version"))
+    assert [pv.version for pv in versions if pv.pruned_at is not None] == [3]
+    for pv in versions:
+        ref = ArtifactRef.parse(pv.artifact)
+        try:
+            store.get_bytes(f"{ref.key}/{MANIFEST}")
+            stored = True
+        except Exception:
+            stored = False
+        on_disk = (run_dir / f"v{pv.version:05d}").exists()
+        assert (on_disk, stored) == ((pv.version != 3,) * 2), pv.version
+        assert pv.weights_bytes > 1_000_000  # the tiny policy's weights: about 23 MB
+        if pv.version != 3:
+            fetch(store, ref, settings.DARTBOARD_ARTIFACT_CACHE, skip=SERVING_SKIPS)
+    assert not list(
+        settings.DARTBOARD_ARTIFACT_CACHE.glob(f"{ArtifactRef.parse(versions[2].artifact).digest}*")
+    )
+    assert versions[-1].state_bytes > versions[-1].weights_bytes  # AdamW: two moments a weight
+
+
 def test_a_worker_shutting_down_mid_update_records_nothing_and_the_groups_train_after(
     run_on_tiny, monkeypatch
 ):

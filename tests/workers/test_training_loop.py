@@ -395,6 +395,17 @@ def test_a_failing_trainer_says_why_on_the_run_and_retries(
     assert training_loop.trainer_held(run_id=run.pk) is None
 
 
+def _publish_next(run: Run, trainer_cfg: dict, version: int) -> None:
+    """Episodes of `version`, then one update that publishes the next version."""
+    _fill(run, version=version)
+    # One update per slice: the slice ends as it lands, not 120 s later.
+    limited = {**trainer_cfg, "max_updates": version + 1}
+    Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    # Reaching max_updates finishes the run: the next round raises it and runs on.
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+
+
 def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_store(
     run_on_tiny, s3_artifacts, settings
 ):
@@ -411,13 +422,7 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
     run.refresh_from_db()
     training_loop.trainers_forget_all()
     for version in range(3):
-        _fill(run, version=version)
-        # One update per slice: the slice ends as it lands, not 120 s later.
-        limited = {**trainer_cfg, "max_updates": version + 1}
-        Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
-        training_loop.train_for(run_id=run.pk, max_seconds=120)
-        # Reaching max_updates finishes the run: the next round raises it and runs on.
-        Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+        _publish_next(run, trainer_cfg, version)
     run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
     store = open_store(s3_artifacts)
     kept = {}
@@ -457,12 +462,7 @@ def test_old_versions_weights_are_pruned_but_every_nth_the_best_and_the_evaluate
     training_loop.trainers_forget_all()
     task = Task.objects.first()
     for version in range(6):
-        _fill(run, version=version)
-        limited = {**trainer_cfg, "max_updates": version + 1}
-        Run.objects.filter(pk=run.pk).update(config={**run.config, "trainer": limited})
-        training_loop.train_for(run_id=run.pk, max_seconds=120)
-        # Reaching max_updates finishes the run: the next round raises it and runs on.
-        Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+        _publish_next(run, trainer_cfg, version)
         if version == 1:  # version 1 was evaluated greedily: 2 of 2 on held-out seeds
             job = EvalJob.objects.create(name="v1", policy="x", run=run, policy_version=1,
                                          scope=EvalScope.HELDOUT, status=EvalStatus.FINISHED)  # fmt: skip

@@ -6,7 +6,7 @@ from django.contrib.auth.decorators import login_not_required
 from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView
 
-from dartboard.api import catalog, metrics, runs, sweeps, trajectories
+from dartboard.api import catalog, exports, metrics, runs, sweeps, trajectories
 from dartboard.api.errors import not_found
 from dartboard.api.trajectories import curate_view
 
@@ -68,6 +68,13 @@ urlpatterns = [
         )
         for action, summary in CURATION.items()
     ],
+    path("exports/", exports.ExportsView.as_view(), name="api_exports"),
+    path("exports/<int:export_id>/", exports.ExportView.as_view(), name="api_export"),
+    path(
+        "exports/<int:export_id>/download/",
+        exports.ExportDownloadView.as_view(),
+        name="api_export_download",
+    ),
     path("screenshots/<path:key>", trajectories.ScreenshotView.as_view(), name="api_screenshot"),
     path("tasks/", catalog.TasksView.as_view(), name="api_tasks"),
     path("tasks/<int:task_id>/", catalog.TaskView.as_view(), name="api_task"),

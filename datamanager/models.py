@@ -67,6 +67,11 @@ class Run(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    paused_for_disk = models.BooleanField(
+        default=False,
+        help_text="Paused because a write found no space left; resumed once there is "
+        "(workers/disk.py).",
+    )
 
     class Meta:
         ordering = ["-created_at"]

@@ -10,6 +10,8 @@ How an episode ends (`EpisodeEnd`) and what its trajectory says:
   error "database: ..." / "storage: ...", the steps recorded so far intact, the env kept;
 - the object storage refused a screenshot for good (a missing bucket): error "storage: ...",
   the env kept;
+- a write found no space left (a full disk): error "disk full: ...", the env kept, and the
+  run paused until there is room (workers/disk.py);
 - the policy did not answer (`InferenceError`): error "inference: ...", the env kept;
 - anything else came from the environment: error with the exception (and its traceback,
   unless it is an `EnvUnavailable`), the env discarded so the next episode gets a fresh one.
@@ -29,11 +31,12 @@ from typing import Any, Protocol, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from core.protocol import Env, EnvUnavailable, TaskSpec
-from datamanager.models import Task, TrajectoryStatus
+from datamanager.models import Task, Trajectory, TrajectoryStatus
 from datamanager.services import episodes
 from rollout.client import InferenceError
 from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, StepRecord, run_episode
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
+from workers.disk import is_disk_full, run_pause_for_disk
 
 log = logging.getLogger("dartboard.episodes")
 
@@ -161,6 +164,16 @@ def episode_run(
         fields["error"] = outcome.reason
         if outcome.end is EpisodeEnd.STORAGE:
             log.error("trajectory %s: %s", trajectory_id, outcome.reason)
+            if is_disk_full(exc):
+                run_id = (
+                    Trajectory.objects.filter(pk=trajectory_id)
+                    .values_list("run_id", flat=True)
+                    .first()
+                )
+                if run_id is not None:
+                    run_pause_for_disk(
+                        run_id=run_id, what=f"a step of trajectory {trajectory_id}", exc=exc
+                    )
         elif outcome.env_failed:
             log.warning("trajectory %s: %s on %s", trajectory_id,
                         outcome.reason.splitlines()[0], task.name)  # fmt: skip
@@ -191,6 +204,9 @@ def _failure(exc: Exception) -> EpisodeOutcome:
         return EpisodeOutcome(EpisodeEnd.STORAGE, error, reason, exc)
     if isinstance(exc, InferenceError):
         return EpisodeOutcome(EpisodeEnd.INFERENCE, error, f"inference: {exc}", exc)
+    if is_disk_full(exc):
+        # A full disk is the host's, not the environment's: the run pauses (episode_run).
+        return EpisodeOutcome(EpisodeEnd.STORAGE, error, f"disk full: {exc}", exc)
     reason = f"{type(exc).__name__}: {exc}"
     if not isinstance(exc, EnvUnavailable):
         reason += "\n" + "".join(traceback.format_exception(exc, limit=5))

@@ -35,7 +35,7 @@ from datamanager.services import batches
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
-from training.trainer import PolicyTrainer
+from training.trainer import PolicyTrainer, version_dir
 from training.update import UpdateConfig, UpdateInterrupted
 from workers.artifacts import (
     checkpoint_restore,
@@ -45,6 +45,7 @@ from workers.artifacts import (
 )
 from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
+from workers.disk import is_disk_full, run_pause_for_disk, version_tmp_remove
 from workers.evaluation import eval_schedule_next, run_finish_if_done
 from workers.exports import export_update
 from workers.leases import (
@@ -210,12 +211,23 @@ def update_and_publish(
         log.info("run %s: %s for the worker's shutdown; its groups stay ready", run.pk, exc)
         trainer_forget(run_id=run.pk)
         return
-    path = trainer.save_version(trained_version + 1) if publish else None
-    artifact = (
-        checkpoint_upload(run_id=run.pk, version=trained_version + 1, checkpoint=path)
-        if path is not None
-        else ""
-    )
+    try:
+        path = trainer.save_version(trained_version + 1) if publish else None
+        artifact = (
+            checkpoint_upload(run_id=run.pk, version=trained_version + 1, checkpoint=path)
+            if path is not None
+            else ""
+        )
+    except Exception as exc:
+        if not is_disk_full(exc, path=trainer.run_dir):
+            raise
+        # Nothing of this update is recorded (its groups stay ready) and no half-written
+        # version is left; the next trainer resumes from the last published version.
+        version_tmp_remove(version_dir(trainer.run_dir, trained_version + 1))
+        trainer_forget(run_id=run.pk)
+        run_pause_for_disk(run_id=run.pk, what=f"version {trained_version + 1}'s checkpoint "
+                           f"under {trainer.run_dir}", exc=exc)  # fmt: skip
+        return
     with transaction.atomic():
         update = batches.batch_commit(
             run=run, batch=batch, metrics=metrics, trained_version=trained_version, kind=kind

@@ -36,6 +36,7 @@ from datamanager.config import RunConfig
 from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
 from datamanager.selectors.evaluations import eval_shard_finished
 from datamanager.services.runs import run_set_message
+from workers.disk import runs_resume_after_disk
 from workers.leases import (
     LiveWork,
     QueuedTasks,
@@ -79,6 +80,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
                 run_set_message(run_id=run.pk, message=message)
                 restarted.append(f"run {run.pk}: {work.label}")
         restarted += _evaluation_pass(client, queued, now)
+        restarted += [f"run {pk}: resumed, the disks have room" for pk in runs_resume_after_disk()]
     finally:
         client.close()
     return restarted

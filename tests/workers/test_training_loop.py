@@ -525,3 +525,58 @@ def test_a_worker_shutting_down_mid_update_records_nothing_and_the_groups_train_
     monkeypatch.setattr(PolicyTrainer, "logprob_fn", logprob_fn)
     assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
     assert TaskGroup.objects.filter(run=run, status=GroupStatus.TRAINED).count() == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 30 MB filesystem (tmpfs) for the checkpoints: less than one version with its optimizer
+    state. Root only; unmounted after."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_full_disk_pauses_the_run_leaves_no_half_version_and_it_resumes_with_room(
+    run_on_tiny, small_disk, settings
+):
+    """The version's checkpoint cannot be written: the run pauses saying what and where, no
+    version and no update are recorded, nothing half-written stays, the groups stay ready;
+    with the disk still full the watchdog leaves it paused; once there is room it resumes
+    it and the next update publishes."""
+    import subprocess
+
+    from datamanager.models import RunStatus
+    from workers.disk import runs_resume_after_disk
+
+    settings.CHECKPOINT_ROOT = small_disk
+    run = run_on_tiny
+    _fill(run)
+    training_loop.trainers_forget_all()
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    run.refresh_from_db()
+    assert (run.status, run.paused_for_disk) == (RunStatus.PAUSED, True)
+    assert run.status_message.startswith(
+        f"paused: no space left on device writing version 1's checkpoint under {small_disk}"
+    )
+    assert not PolicyVersion.objects.filter(run=run).exists()
+    assert not TrainUpdate.objects.filter(run=run).exists()
+    assert TaskGroup.objects.filter(run=run, status=GroupStatus.READY).count() == 2
+    assert not list(small_disk.rglob("*.tmp"))  # the half-written version is gone
+    assert run.actions.filter(action="pause", user=None).exists()
+    assert runs_resume_after_disk() == []  # still full: it stays paused
+    subprocess.run(["mount", "-o", "remount,size=600m", str(small_disk)], check=True)
+    assert runs_resume_after_disk() == [run.pk]
+    run.refresh_from_db()
+    assert (run.status, run.paused_for_disk) == (RunStatus.RUNNING, False)
+    assert run.status_message.startswith("resumed:")
+    training_loop.train_for(run_id=run.pk, max_seconds=120)
+    assert PolicyVersion.objects.filter(run=run, version=1).exists()

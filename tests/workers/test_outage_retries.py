@@ -379,3 +379,36 @@ class _Releasing:
 
     def record_step(self, record: StepRecord) -> None:
         self.inner.record_step(record)
+
+
+def test_a_full_disk_under_the_screenshots_ends_the_episode_and_pauses_the_run(
+    settings, small_disk
+):
+    """A step's screenshot finds no space left: the episode ends `disk full: ...` (the slot
+    not counted as failing, its environment kept), and the run pauses saying where."""
+    settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
+    settings.MEDIA_ROOT = small_disk
+    settings.STORAGES = {**settings.STORAGES, "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(small_disk)}}}  # fmt: skip
+    with contextlib.suppress(OSError), (small_disk / "filler").open("wb") as filler:
+        while True:  # until the filesystem is full
+            filler.write(b"\0" * 65536)
+            filler.flush()
+    Task.objects.create(name="sim/click-2", env_kind="sim", env_config={"targets": 2})
+    run = make_running_run({"policy": "oracle", "tasks": {"env_kinds": ["sim"]},
+                            "env": {"miniwob_slots": 0, "sim_slots": 1}})  # fmt: skip
+    slot = env_slots.env_slot_register(name="t:1:sim:0", host="t", backend="sim", run_id=run.pk)
+    claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("sim",))
+    assert claim is not None
+    env = process_env("sim")
+    slot_worker._run_claim(claim, slot.pk, "sim", RunConfig.from_dict(run.config), client=None)
+    traj = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert traj.status == "error" and traj.error.startswith("disk full: [Errno 28] No space left")
+    run.refresh_from_db()
+    assert (run.status, run.paused_for_disk) == ("paused", True)
+    assert run.status_message.startswith(f"paused: no space left on device writing a step of "
+                                         f"trajectory {traj.pk}")  # fmt: skip
+    slot.refresh_from_db()
+    assert slot.consecutive_failures == 0
+    assert process_env("sim") is env  # the environment was fine: kept

@@ -527,24 +527,6 @@ def test_a_worker_shutting_down_mid_update_records_nothing_and_the_groups_train_
     assert TaskGroup.objects.filter(run=run, status=GroupStatus.TRAINED).count() == 2
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 30 MB filesystem (tmpfs) for the checkpoints: less than one version with its optimizer
-    state. Root only; unmounted after."""
-    import subprocess
-
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)
-
-
 def test_a_full_disk_pauses_the_run_leaves_no_half_version_and_it_resumes_with_room(
     run_on_tiny, small_disk, settings
 ):

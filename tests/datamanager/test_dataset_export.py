@@ -56,6 +56,7 @@ def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported
     assert "source=precollected" in card and "license: other" in card
 
 
+@pytest.mark.slow  # loads the shipped policy
 def test_sft_view_renders_with_the_policy_s_own_chat_template(tmp_path, imported):
     out = tmp_path / "export"
     call_command("export_dataset", out, "--formats", "sft", "--filter", "status=succeeded")

@@ -381,6 +381,7 @@ class _Releasing:
         self.inner.record_step(record)
 
 
+@pytest.mark.slow  # an episode on the sim backend
 def test_a_full_disk_under_the_screenshots_ends_the_episode_and_pauses_the_run(
     settings, small_disk
 ):

@@ -375,4 +375,10 @@ SPECTACULAR_SETTINGS = {
         "EnvKindEnum": "datamanager.models.EnvKind",
         "PurposeEnum": "datamanager.models.Purpose",
     },
+    # The database's integer ranges (32-bit on PostgreSQL, 64-bit on SQLite) left out: the
+    # schema is the same whichever database serves it (dartboard/api/schemas.py).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "dartboard.api.schemas.without_database_ranges",
+    ],
 }

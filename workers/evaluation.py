@@ -205,7 +205,7 @@ def eval_start(*, run_id: int, scope: str, version: int | None, user: User | Non
     (one at a time on its slots); only its owner or an admin (NotYourRun). Raises
     EvalNotStartable with the reason."""
     with transaction.atomic():
-        run = Run.objects.select_for_update().select_related("owner").get(pk=run_id)
+        run = Run.objects.select_for_update(of=("self",)).select_related("owner").get(pk=run_id)
         run_control_check(run=run, user=user)
         if run.status != RunStatus.RUNNING:
             raise EvalNotStartable(

@@ -75,7 +75,9 @@ def sweep_stop(*, sweep_id: int, user: User | None) -> Sweep:
     """Stop a sweep: members not yet started never start, and the active ones stop (each
     recorded as its Stop button's would be). Only its owner or an admin may (NotYourRun)."""
     with transaction.atomic():
-        sweep = Sweep.objects.select_for_update().select_related("owner").get(pk=sweep_id)
+        sweep = (
+            Sweep.objects.select_for_update(of=("self",)).select_related("owner").get(pk=sweep_id)
+        )
         owner = sweep.owner
         if user is not None and owner not in (None, user) and not user.has_perm(CAN_ADMINISTER):
             raise NotYourRun(

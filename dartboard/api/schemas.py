@@ -448,3 +448,29 @@ class ErrorOut(ErrorItemOut):
 # The refusals any endpoint may answer (dartboard/api/errors.py): bad input, no or a dead
 # token, a role that may not, a body past the limit, too many writes.
 ERRORS = {status: ErrorOut for status in (400, 401, 403, 413, 429)}
+
+
+_DATABASE_BOUNDS = {2**31 - 1, -(2**31), 2**63 - 1, -(2**63)}
+
+
+def without_database_ranges(result: dict, generator: Any, request: Any, public: bool) -> dict:
+    """drf-spectacular postprocessing hook: drop the bounds and int32/int64 formats a model
+    field's integer column gets from the database in use, so the published schema is the one
+    every deployment serves (SQLite's integers are 64-bit, PostgreSQL's integer 32-bit)."""
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                for key in ("maximum", "minimum"):
+                    if node.get(key) in _DATABASE_BOUNDS:
+                        del node[key]
+                if node.get("format") in ("int32", "int64"):
+                    del node["format"]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(result)
+    return result

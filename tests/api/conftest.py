@@ -19,7 +19,9 @@ from tests.helpers import needs
 def api_url(django_db_setup, django_db_blocker) -> Iterator[str]:
     """The URL of a daphne on the test database, for the session."""
     env = {**subprocess_environ(), "DARTBOARD_API_WRITES_PER_MINUTE": "100000"}
-    with running_daphne(env) as url:
+    # Its first request loads the API's URLconf and schema code: on a loaded 2-core machine
+    # that took over 30 s.
+    with running_daphne(env, timeout=120) as url:
         yield url
 
 

@@ -24,16 +24,22 @@ def run_with_episodes(transactional_db):
 
 
 def test_a_viewer_exports_the_filtered_trajectories_and_downloads_them(api, run_with_episodes):
-    run, won = run_with_episodes
+    run, _won = run_with_episodes
     victor = api("victor", "viewer")
-    started = victor.post("exports/", json={"query": f"run={run.pk}&status=succeeded", "formats": ["hf"]})
+    started = victor.post(
+        "exports/", json={"query": f"run={run.pk}&status=succeeded", "formats": ["hf"]}
+    )
     assert started.status_code == 202, started.text
     export = started.json()
     assert (export["status"], export["total"], export["download"]) == ("queued", 2, None)
     assert problem_of(victor.get(f"exports/{export['id']}/download/"))[:2] == (409, "conflict")
     dataset_export_run(export_id=export["id"])  # the default queue's worker runs this
     done = victor.get(f"exports/{export['id']}/").json()
-    assert (done["status"], done["done"], done["query"]) == ("done", 2, f"run={run.pk}&status=succeeded")
+    assert (done["status"], done["done"], done["query"]) == (
+        "done",
+        2,
+        f"run={run.pk}&status=succeeded",
+    )
     archive = victor.get(done["download"].removeprefix("/api/v1/"))
     assert archive.status_code == 200
     names = zipfile.ZipFile(io.BytesIO(archive.content)).namelist()
@@ -48,7 +54,9 @@ def test_a_viewer_exports_the_filtered_trajectories_and_downloads_them(api, run_
     [({"formats": ["csv"]}, "formats.0"), ({"formats": []}, "formats"),
      ({"query": "reward_min=lots"}, "query"), ({"query": "status=sideways"}, "query")],
 )  # fmt: skip
-def test_a_bad_export_is_refused_with_its_field_and_records_nothing(api, run_with_episodes, body, field):
+def test_a_bad_export_is_refused_with_its_field_and_records_nothing(
+    api, run_with_episodes, body, field
+):
     refused = api("victor", "viewer").post("exports/", json=body)
     assert problem_of(refused)[::2] == (400, field)
     assert not DatasetExport.objects.exists()

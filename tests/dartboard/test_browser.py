@@ -48,8 +48,9 @@ def in_thread(fn, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def running_daphne(env: dict[str, str]) -> Iterator[str]:
-    """The dashboard served by a daphne process with `env`; its URL."""
+def running_daphne(env: dict[str, str], *, timeout: float = 30) -> Iterator[str]:
+    """The dashboard served by a daphne process with `env`; its URL (once its health page
+    answers, within `timeout` seconds)."""
     port = free_port()
     with server_log("daphne") as log:
         proc = subprocess.Popen(
@@ -59,7 +60,7 @@ def running_daphne(env: dict[str, str]) -> Iterator[str]:
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_answering(f"{url}/health/", proc, what="daphne", log=log.name)
+        wait_answering(f"{url}/health/", proc, what="daphne", log=log.name, timeout=timeout)
         yield url
     finally:
         terminate_pid(proc.pid, timeout=10)

@@ -127,8 +127,12 @@ def test_run_page_says_what_its_versions_take_on_disk(ada_client, researcher):
     for v in range(1, 5):
         PolicyVersion.objects.create(run=run, version=v, checkpoint=f"ck/{v}", weights_bytes=23 * mb,
                                      state_bytes=45 * mb, pruned_at=timezone.now() if v < 3 else None)  # fmt: skip
-    line = re.search(r'id="checkpoints">(.*?)</p>', ada_client.get(f"/runs/{run.pk}/").content.decode()).group(1)
-    assert line.startswith("Checkpoints: 2 of 4 versions keep their weights (46.0 MB) and the newest 1")
+    line = re.search(
+        r'id="checkpoints">(.*?)</p>', ada_client.get(f"/runs/{run.pk}/").content.decode()
+    ).group(1)
+    assert line.startswith(
+        "Checkpoints: 2 of 4 versions keep their weights (46.0 MB) and the newest 1"
+    )
     assert "(45.0 MB); a version costs 23.0 MB of weights and 45.0 MB of state" in line
     assert "the newest 2, every 10th, the best by greedy success" in line
 

@@ -36,8 +36,9 @@ def imported(tmp_path, osworld_task) -> list[Trajectory]:
 def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported):
     out = tmp_path / "export"
     call_command("export_dataset", out, "--formats", "hf", "--filter", "source=precollected")
-    ok = datasets.load_dataset(str(out), "successes", split="train")
-    bad = datasets.load_dataset(str(out), "failures", split="train")
+    cache = str(tmp_path / "hf-cache")  # a fresh cache: the library keys it by files, not content
+    ok = datasets.load_dataset(str(out), "successes", split="train", cache_dir=cache)
+    bad = datasets.load_dataset(str(out), "failures", split="train", cache_dir=cache)
     assert (len(ok), len(bad)) == (3, 2)
     first = ok[0]
     assert (first["trajectory_id"], first["step_index"], first["task"]) == (
@@ -60,7 +61,9 @@ def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported
 def test_sft_view_renders_with_the_policy_s_own_chat_template(tmp_path, imported):
     out = tmp_path / "export"
     call_command("export_dataset", out, "--formats", "sft", "--filter", "status=succeeded")
-    sft = datasets.load_dataset(str(out), "sft", split="train")
+    sft = datasets.load_dataset(
+        str(out), "sft", split="train", cache_dir=str(tmp_path / "hf-cache")
+    )
     assert len(sft) == 3
     row = sft[1]  # the second step: the first one's screen and reply in its history
     # Run-less demonstrations are shown as the default run config's policy sees them.

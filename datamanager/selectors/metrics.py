@@ -87,6 +87,9 @@ def sweep_greedy_table(*, sweep_id: int) -> Table:
     keys: list[str] = []
     for curve in curves:
         keys += [k for k in curve.member.overrides if k not in keys]
+    # The same columns on every database (PostgreSQL's jsonb reorders keys): the grid's
+    # settings by name, the seed last.
+    keys.sort(key=lambda k: (k == "seed", k))
     rows = []
     for curve in curves:
         values = [curve.member.overrides.get(k) for k in keys]

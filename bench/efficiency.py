@@ -82,6 +82,7 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
 
     from datamanager.config import RunConfig
     from datamanager.models import Run, Step, TrainUpdate, Trajectory
+    from datamanager.selectors.flow import step_flow
     from datamanager.services.runs import run_control, run_create
     from workers.runs import run_start_workers
 
@@ -127,6 +128,8 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     # current - k when their group reached the trainer) or still waiting at the end.
     recorded = Step.objects.filter(trajectory__run=run, created_at__lte=t0 + _td(wall))
     stale = recorded.filter(stale=True).count()
+    # The fates of the window's online steps, as the run page shows them.
+    flow = step_flow(run=run, start=t0, end=t0 + _td(wall))
     train_s = sum(u.metrics.get("duration_s", 0.0) for u in updates)
     return {
         "mode": mode,
@@ -139,6 +142,9 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
         "actions_recorded_per_min": recorded.count() / (wall / 60),
         "actions_stale_per_min": stale / (wall / 60),
         "trajectories_per_min": finished.count() / (wall / 60),
+        "trained_share": flow.share("trained"),
+        "chosen_share": flow.chosen_share,
+        "stale_share": flow.share("stale"),
         "updates": len(updates),
     }
 
@@ -214,7 +220,7 @@ def main() -> None:
 def _fmt(key: str, v) -> str:
     if v is None:
         return "n/a"
-    return f"{v:.1%}" if "util" in key else f"{v:.1f}"
+    return f"{v:.1%}" if "util" in key or "share" in key else f"{v:.1f}"
 
 
 def print_table(results: list[dict], args) -> None:
@@ -228,6 +234,9 @@ def print_table(results: list[dict], args) -> None:
         ("actions_recorded_per_min", "  (actions recorded / min)"),
         ("actions_stale_per_min", "  (of those left out as stale / min)"),
         ("trajectories_per_min", "trajectories / min"),
+        ("trained_share", "settled online steps trained"),
+        ("chosen_share", "  (trained or left out by the entropy selection)"),
+        ("stale_share", "  (left out as stale)"),
     ]
     by = {r["mode"]: r for r in results}
     modes = [r["mode"] for r in results]

@@ -133,7 +133,29 @@ def snapshot(run, *, since, until, started) -> dict:
         else None,
         "weights_kept": PolicyVersion.objects.filter(run=run, pruned_at__isnull=True).count(),
         "disk_mb": _disk(),
+        "flow": _flow(run, until=until, started=started),
     }
+
+
+def _flow(run, *, until, started) -> dict:
+    """Where the online steps collected so far went (datamanager.selectors.flow), and the
+    trained ones a minute since the run started."""
+    from datamanager.selectors.flow import FATES, step_flow
+
+    flow = step_flow(run=run, end=until)
+    minutes = max((until - started).total_seconds() / 60, 1e-9)
+    return {
+        "collected": flow.collected,
+        **{fate: getattr(flow, fate) for fate in FATES},
+        "trained_share": flow.share("trained"),
+        "chosen_share": flow.chosen_share,
+        "stale_share": flow.share("stale"),
+        "trained_per_min": flow.trained / minutes,
+    }
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
 
 
 def _disk() -> dict:
@@ -173,16 +195,20 @@ def print_row(row: dict, *, header: bool) -> None:
     if header:
         print("| minute | versions | RL updates | update (s) | log-prob gap | sampled success | "
               "evaluation's slot time | chart lag (min) | greedy, training instances | "
-              "greedy, held-out seeds | weights kept | home on disk |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
+              "greedy, held-out seeds | weights kept | home on disk | collected steps | "
+              "trained | stale | trained / min |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     update = f"{row['update_s']:.0f}" if row["update_s"] else "—"
     gap = f"{row['logprob_gap']:.4f}" if row.get("logprob_gap") is not None else "—"
     sampled = f"{row['sampled']:.0%} of {row['sampled_n']}" if row["sampled"] is not None else "—"
     lag = f"{row['chart_lag_min']:.1f}" if row.get("chart_lag_min") is not None else "—"
+    flow = row.get("flow") or {}
     print(f"| {row['minute']:.0f} | {row['versions']} | {row['rl_updates']} | {update} | {gap} | "
           f"{sampled} | {row.get('eval_share', 0):.0%} | {lag} | {_fmt(row['train'])} | "
           f"{_fmt(row['heldout'])} | {row.get('weights_kept', '—')} | "
-          f"{row.get('disk_mb', {}).get('home', 0):,.0f} MB |", flush=True)  # fmt: skip
+          f"{row.get('disk_mb', {}).get('home', 0):,.0f} MB | {flow.get('collected', 0)} | "
+          f"{_share(flow.get('trained_share'))} | {_share(flow.get('stale_share'))} | "
+          f"{flow.get('trained_per_min', 0):.1f} |", flush=True)  # fmt: skip
 
 
 def final_evaluation(run, *, heldout_k: int | None = None) -> dict:
@@ -237,12 +263,15 @@ def seeds_table(paths: list[Path]) -> str:
             heldout_gain.append(100 * (lh["rate"] - v0h["rate"]))
         held_change = f"{100 * (lh['rate'] - v0h['rate']):+.0f}" if v0h and lh else "—"
         per_min = statistics.mean(r["sampled_n"] for r in data["rows"]) / data["args"]["every"]
+        flow = last.get("flow") or {}
         rows.append(
             f"| {data['args']['seed']} | {last['versions']} | {_fmt(v0t)} | {_fmt(lt)} | "
             f"{train_gain[-1]:+.0f} | {_fmt(v0h)} | {_fmt(lh)} | {held_change} | "
             f"{per_min:.0f} | {statistics.mean(r['eval_share'] for r in data['rows']):.0%} | "
             f"{max(r['chart_lag_min'] or 0 for r in data['rows']):.1f} | "
-            f"{last['first_rl_version_s']:.0f} |"
+            f"{last['first_rl_version_s']:.0f} | {_share(flow.get('trained_share'))} | "
+            f"{_share(flow.get('chosen_share'))} | {_share(flow.get('stale_share'))} | "
+            f"{flow.get('trained_per_min', 0):.1f} |"
         )
 
     def spread(xs: list[float]) -> str:
@@ -254,8 +283,9 @@ def seeds_table(paths: list[Path]) -> str:
     return "\n".join([
         "| seed | versions | training instances, v0 | last version | change | held-out, v0 | "
         "last version | change | training rollouts / min | evaluation's slot time | "
-        "chart lag, max (min) | first RL version (s) |",
-        "|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|",
+        "chart lag, max (min) | first RL version (s) | steps trained | trained or chosen "
+        "out | stale | trained / min |",
+        "|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         f"\nMean change over {len(paths)} seed(s): training instances {spread(train_gain)} points, "
         f"held-out seeds {spread(heldout_gain)} points.",

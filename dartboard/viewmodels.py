@@ -36,6 +36,7 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
+from datamanager.selectors.flow import step_flow, step_flow_windows, training_backlog
 from datamanager.selectors.runs import checkpoint_disk, current_slots
 from workers.leases import LiveWork, redis_client
 from workers.runs import run_live_work
@@ -65,7 +66,13 @@ def _busy_share(slot: EnvSlot) -> float | None:
 
 
 # A live worker reports these; a slot in one of them whose heartbeat stopped shows as `lost`.
-SERVING_STATUSES = (SlotStatus.STARTING, SlotStatus.IDLE, SlotStatus.BUSY, SlotStatus.RECOVERING)
+SERVING_STATUSES = (
+    SlotStatus.STARTING,
+    SlotStatus.IDLE,
+    SlotStatus.BUSY,
+    SlotStatus.RECOVERING,
+    SlotStatus.HELD,
+)
 LOST = "lost"  # not a stored status: the wall's name for a silent serving slot
 
 WALL_STATUSES = (
@@ -489,3 +496,55 @@ def checkpoint_note(*, run: Run) -> str:
         f"{_mb(disk.version_weights_bytes)} of weights and {_mb(disk.version_state_bytes)} of "
         f"state ({rule})."
     )
+
+
+def _pct(share: float | None) -> str:
+    return "—" if share is None else f"{share:.0%}"
+
+
+def flow_note(*, run: Run) -> str:
+    """The run page's line on where its collected steps went (datamanager.selectors.flow);
+    "" before the first."""
+    flow = step_flow(run=run)
+    if not flow.collected:
+        return ""
+    return (
+        f"Collected steps: {flow.collected:,}; of the {flow.decided:,} settled, "
+        f"{flow.trained:,} trained ({_pct(flow.share('trained'))}), {flow.entropy:,} left out "
+        f"by the entropy selection ({_pct(flow.share('entropy'))}), {flow.stale:,} as stale "
+        f"({_pct(flow.share('stale'))}), {flow.lost:,} with their episode (error, abort, "
+        f"rejection: {_pct(flow.share('lost'))}); {flow.waiting:,} waiting. "
+        f"{flow.trained_per_min:.1f} trained actions a minute."
+    )
+
+
+def held_note(*, run: Run) -> str:
+    """While the run's trainer is behind: how many slots hold their training claims and why
+    (curation.backpressure); "" otherwise."""
+    if run.status != RunStatus.RUNNING:
+        return ""
+    backlog = training_backlog(run_id=run.pk, cfg=RunConfig.from_dict(run.config))
+    held = current_slots(run=run).filter(status=SlotStatus.HELD).count()
+    if not backlog.held and not held:
+        return ""
+    slots = f"{held} slot{'s' if held != 1 else ''} held" if held else "slots about to hold"
+    return f"{slots}: {backlog.reason()}."
+
+
+def flow_windows(*, run: Run) -> list[dict[str, object]]:
+    """The run page's table of the last hour of collected steps, ten minutes a row."""
+    return [
+        {
+            "start": f.start,
+            "end": f.end,
+            "collected": f.collected,
+            "trained": _pct(f.share("trained")),
+            "entropy": _pct(f.share("entropy")),
+            "stale": _pct(f.share("stale")),
+            "lost": _pct(f.share("lost")),
+            "waiting": f.waiting,
+            "per_min": f"{f.trained_per_min:.1f}",
+        }
+        for f in step_flow_windows(run=run)
+        if f.collected
+    ]

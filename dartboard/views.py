@@ -121,6 +121,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "unsolved": viewmodels.unsolved_tasks_note(run=run),
             "placement": viewmodels.placement_note(run=run),
             "checkpoints": viewmodels.checkpoint_note(run=run),
+            "flow": viewmodels.flow_note(run=run),
+            "flow_windows": viewmodels.flow_windows(run=run),
+            "held": viewmodels.held_note(run=run),
         },
     )
 

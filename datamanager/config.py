@@ -494,6 +494,13 @@ class CurationConfig:
     is_cap: float = knob(1.0, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
+    # Two: one update in training and one waiting keep the trainer fed; a step collected
+    # beyond that would wait past staleness_k versions (docs/architecture.md, *Backpressure*).
+    backpressure: float = knob(
+        2.0,
+        "Hold new training claims while ready, untrained steps fill this many updates "
+        "(trainer.max_steps_per_update each); 0: never hold.",
+    )
     success_window: int = knob(16, "Trajectories in a task's rolling success rate.")
     error_retries: int = knob(
         2,
@@ -513,6 +520,7 @@ class CurationConfig:
         _in_update_range(self, "is_cap")
         _check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
         _check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
+        _check(0 <= self.backpressure <= 100, "backpressure", "must be between 0 and 100")
         _check(self.success_window >= 1, "success_window", "must be >= 1")
         _check(0 <= self.error_retries <= 8, "error_retries", "must be between 0 and 8")
         if not self.truncated_is:

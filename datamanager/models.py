@@ -417,6 +417,9 @@ class SlotStatus(models.TextChoices):
     # Its worker's time slice ended (or its lockstep round had nothing left): the slot's task
     # is queued again and the next env worker that takes it serves it under a new row.
     RELEASED = "released"
+    # Its run's trainer is behind: no new training claim until the backlog of ready steps
+    # drops under curation.backpressure (an evaluation may still take the slot).
+    HELD = "held"
 
 
 def slot_key(name: str) -> str:

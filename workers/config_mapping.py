@@ -66,6 +66,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "curation.pool_ratio": "datamanager.services.episodes (pool joins)",
     "curation.staleness_k": "datamanager.services.batches (stale steps left out)",
     "curation.max_uses_per_step": "datamanager.services.batches",
+    "curation.backpressure": "workers.slot_worker (training claims held while the trainer is behind)",
     "curation.success_window": "datamanager.services.episodes (task success rates)",
     "evaluation.*": "workers.evaluation (scheduled evaluation)",
 }

@@ -32,6 +32,7 @@ from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.roles import run_env_check
+from datamanager.selectors.flow import Backlog, training_backlog
 from datamanager.selectors.runs import run_own_router
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
@@ -184,6 +185,7 @@ def serve_slot(
     episodes_run = 0
     try:
         slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.IDLE)
+        held = False  # the tile says "held" once per spell, not once a second
         while time.monotonic() < deadline:
             if index < eval_lanes(cfg) and (
                 shard := eval_shard_waiting(run_id=run_id, index=index)
@@ -195,12 +197,16 @@ def serve_slot(
                 slot_id=slot.pk,
                 backend=backend,
                 index=index,
+                cfg=cfg,
                 paced=pacer is not None,
                 lost=heartbeat.lost,
             )
             if isinstance(claim, SlotOutcome):
                 return claim
-            if claim is None:
+            if isinstance(claim, Backlog) and not held:
+                slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.HELD)
+            held = isinstance(claim, Backlog)
+            if claim is None or held:
                 time.sleep(1.0)
                 continue
             quarantined = _run_claim(
@@ -226,11 +232,19 @@ def serve_slot(
 
 
 def _next_claim(
-    *, run_id: int, slot_id: int, backend: str, index: int, paced: bool, lost: threading.Event
-) -> episodes.Claim | SlotOutcome | None:
+    *,
+    run_id: int,
+    slot_id: int,
+    backend: str,
+    index: int,
+    cfg: RunConfig,
+    paced: bool,
+    lost: threading.Event,
+) -> episodes.Claim | SlotOutcome | Backlog | None:
     """The slot's next claim; else its outcome when it stops (the worker shuts down, the slot
     was taken over, the run stopped; a `paced` slot sits a round with nothing to claim out),
-    or None: wait, then try again."""
+    the trainer's backlog while it holds new claims (backpressure), or None: wait, then try
+    again. A paced slot (the synchronous loop) is never held: its trainer waits for it."""
     if shutdown_requested.is_set():  # its task goes back to the queue
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.RELEASED)
         return SlotOutcome(True, "worker shutting down")
@@ -238,6 +252,13 @@ def _next_claim(
         return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
                            "worker while Redis was away")  # fmt: skip
     refresh_connection()
+    if not paced:
+        backlog = db_retry(
+            lambda _: training_backlog(run_id=run_id, cfg=cfg),
+            what=f"reading the training backlog for slot {backend}:{index}",
+        )
+        if backlog.held:
+            return backlog
     claim = db_retry(
         lambda _: episodes.task_claim(run_id=run_id, slot_id=slot_id, env_kinds=(backend,)),
         what=f"claiming a task for slot {backend}:{index}",

@@ -60,12 +60,15 @@ class Deployment:
     policy: str = ""  # the base model's artifact reference
 
     def ask(self, **request: Any) -> dict[str, Any]:
+        reply = self._ask(**request)
+        assert "error" not in reply, reply["error"]
+        return reply
+
+    def _ask(self, **request: Any) -> dict[str, Any]:
         assert self.observer is not None and self.observer.stdin and self.observer.stdout
         self.observer.stdin.write(json.dumps(request) + "\n")
         self.observer.stdin.flush()
-        reply = json.loads(self.observer.stdout.readline() or '{"error": "observer exited"}')
-        assert "error" not in reply, reply["error"]
-        return reply
+        return json.loads(self.observer.stdout.readline() or '{"error": "observer exited"}')
 
     def wait(self, pred: Callable[[dict[str, Any]], Any], run: int, *, timeout: float, what: str):
         """Poll the run's state until `pred` holds, while each host's supervisor restarts
@@ -75,9 +78,15 @@ class Deployment:
         while time.monotonic() < deadline:
             for supervisor in self.supervisors.values():
                 supervisor.watch_once()
-            state = self.ask(op="state", run=run)
-            if pred(state):
-                return state
+            # One slow answer (the web on a loaded machine) is asked again; the last error
+            # is in the failure when nothing ever answers.
+            reply = self._ask(op="state", run=run)
+            if "error" in reply:
+                state = {**state, "last error": reply["error"]}
+            else:
+                state = reply
+                if pred(state):
+                    return state
             time.sleep(2)
         summary = {k: v for k, v in state.items() if k != "wall"}
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; logs under "

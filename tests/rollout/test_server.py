@@ -189,14 +189,18 @@ def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints)
             )
         )
     )
-    # A probe asks without pause while the reload runs: some answer comes while the worker
-    # drains or loads (however briefly, on a loaded machine), and must be a 503.
+    # A probe watches the health endpoint while the reload runs and asks for a completion
+    # the moment the worker says it is draining or loading: that request must be a 503.
+    # (Completions asked without pause can miss a short drain on a loaded machine: each is
+    # accepted just before it and answered just after the load.)
     probes: list[httpx.Response] = []
 
     def probe() -> None:
-        while reloader.is_alive():
-            probes.append(httpx.post(f"{server}/v1/chat/completions", headers=AUTH,
-                                     json={"messages": MESSAGES, "max_tokens": 1}, timeout=60))  # fmt: skip
+        with httpx.Client(timeout=60) as client:
+            while reloader.is_alive() and not any(r.status_code == 503 for r in probes):
+                if client.get(f"{server}/health").json()["status"] in ("draining", "loading"):
+                    probes.append(client.post(f"{server}/v1/chat/completions", headers=AUTH,
+                                              json={"messages": MESSAGES, "max_tokens": 1}))  # fmt: skip
 
     reloader.start()
     prober = threading.Thread(target=probe)

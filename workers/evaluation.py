@@ -171,27 +171,38 @@ def eval_schedule_next(*, run_id: int) -> list[EvalJob]:
         if version is None:
             return []
         done = set(scheduled.filter(policy_version=version).values_list("scope", flat=True))
-        scope, tasks, seed, k = next(plan for plan in plans if plan[0] not in done)
-        job = evaluations.eval_job_create(
-            name=f"{run.name} v{version} ({EvalScope(scope).label})",
-            # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
-            policy=f"run:{run_id}:v{version}" if version else cfg.policy,
-            tasks=tasks,
-            k=k,
-            seed=seed,
-            greedy=cfg.evaluation.greedy,
-            run_id=run_id,
-            policy_version=version,
-            shards=min(len(tasks), eval_lanes(cfg)),
-            scope=scope,
-        )
-
-        def enqueue() -> None:
-            for shard in range(job.shards):
-                work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
-
-        transaction.on_commit(enqueue)
+        plan = next(plan for plan in plans if plan[0] not in done)
+        job = _scheduled_job(run, cfg, plan, version=version, owner=None)
     return [job]
+
+
+def _scheduled_job(
+    run: Run, cfg: RunConfig, plan: tuple, *, version: int, owner: User | None
+) -> EvalJob:
+    """Create one scheduled evaluation of `run` (a `scheduled_evaluations` plan) at `version`
+    on its slots, its shards queued when the caller's transaction commits."""
+    scope, tasks, seed, k = plan
+    job = evaluations.eval_job_create(
+        name=f"{run.name} v{version} ({EvalScope(scope).label})",
+        # Version 0 is the run's starting policy (no PolicyVersion row): the baseline.
+        policy=f"run:{run.pk}:v{version}" if version else cfg.policy,
+        tasks=tasks,
+        k=k,
+        seed=seed,
+        greedy=cfg.evaluation.greedy,
+        run_id=run.pk,
+        policy_version=version,
+        shards=min(len(tasks), eval_lanes(cfg)),
+        scope=scope,
+        owner=owner,
+    )
+
+    def enqueue() -> None:
+        for shard in range(job.shards):
+            work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
+
+    transaction.on_commit(enqueue)
+    return job
 
 
 class EvalNotStartable(Exception):
@@ -230,27 +241,7 @@ def eval_start(*, run_id: int, scope: str, version: int | None, user: User | Non
             version = versions.order_by("-version").values_list("version", flat=True).first() or 0
         elif version and not versions.filter(version=version).exists():
             raise EvalNotStartable(f"run #{run.pk} has no policy version {version}")
-        _, tasks, seed, k = plans[scope]
-        job = evaluations.eval_job_create(
-            name=f"{run.name} v{version} ({EvalScope(scope).label})",
-            policy=f"run:{run_id}:v{version}" if version else cfg.policy,
-            tasks=tasks,
-            k=k,
-            seed=seed,
-            greedy=cfg.evaluation.greedy,
-            run_id=run_id,
-            policy_version=version,
-            shards=min(len(tasks), eval_lanes(cfg)),
-            scope=scope,
-            owner=user,
-        )
-
-        def enqueue() -> None:
-            for shard in range(job.shards):
-                work_enqueue(eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards))
-
-        transaction.on_commit(enqueue)
-    return job
+        return _scheduled_job(run, cfg, plans[scope], version=version, owner=user)
 
 
 def _version_due(run: Run, n: int, scopes: set[str], scheduled: QuerySet) -> int | None:

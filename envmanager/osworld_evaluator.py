@@ -12,16 +12,22 @@ Infeasible tasks: success iff the episode's last action was `call_user` (OSWorld
 envmanager.osworld_actions). On any other task, ending with call_user scores 0, as in
 OSWorld.
 
-Metrics run here, in the env worker, outside the sandbox: a metric the wheel module defines
-but Dartboard refuses (one that would import, run or write the agent's content on the host:
+Getters and postconfig steps run here, in the env worker (they talk to the VM); each metric
+call runs in a child process of its own, outside the sandbox, under memory, CPU, wall-clock
+and reply limits (envmanager.osworld_metric_process.MetricLimits), since it parses files
+the agent made. A metric the wheel module defines but Dartboard refuses (one that would
+import, run or write the agent's content on the host:
 envmanager.osworld_wheel.REFUSED_METRICS), a getter or execute step whose cache file name is
 a path, is refused before anything of the evaluator runs, as EnvUnavailable naming it and
 why. The task importer refuses such a task first; this is the second line, for a task
 stored before the refusal existed or written to the database by other means.
 
-A getter or metric that raises (the VM did not answer, a malformed option) is not a score:
-`evaluate_task` raises EnvUnavailable naming the func and the reason, and the episode ends
-as an environment error on its trajectory and slot, never as reward 0.
+A metric past one of its limits (a docx zip bomb, a PDF of millions of drawing operators)
+scores 0, and `details["reason"]` names the metric and the limit: the policy made that
+file, so the episode is scored. A getter or metric that raises otherwise (the VM did not
+answer, a malformed option) is not a score: `evaluate_task` raises EnvUnavailable naming
+the func and the reason, and the episode ends as an environment error on its trajectory and
+slot, never as reward 0. A MemoryError in the metric is its memory limit.
 
     evaluate_task(spec["evaluator"], env=wheel_env, last_action=ActionType.FINISHED)
 """
@@ -32,6 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.protocol import ActionType, EnvUnavailable, Evaluation
+from envmanager.osworld_metric_process import (
+    MetricFailed,
+    MetricLimits,
+    MetricOverLimit,
+    metric_score,
+)
 from envmanager.osworld_wheel import INFEASIBLE, getter_refusal, setup_step_refusal, wheel
 
 
@@ -82,9 +94,14 @@ def _refuse_unsafe(evaluator: dict[str, Any]) -> None:
 
 
 def evaluate_task(
-    evaluator: dict[str, Any], *, env: WheelEnv, last_action: ActionType | None
+    evaluator: dict[str, Any],
+    *,
+    env: WheelEnv,
+    last_action: ActionType | None,
+    limits: MetricLimits = MetricLimits(),
 ) -> Evaluation:
-    """Score the VM's current state with the task's evaluator (see the module docstring)."""
+    """Score the VM's current state with the task's evaluator (see the module docstring).
+    Each metric call runs in a process of its own under `limits`."""
     _refuse_unsafe(evaluator)
     postconfig = evaluator.get("postconfig") or []
     if postconfig:
@@ -112,6 +129,7 @@ def evaluate_task(
     conj = evaluator.get("conj", "and")
     scores: list[float] = []
     shown: list[str] = []
+    over_limit: list[str] = []
     for i, name in enumerate(names):
         getter: dict[str, Any] = results[i] or {}
         try:
@@ -127,17 +145,27 @@ def evaluate_task(
                 f"osworld evaluator: {name}: result getter {getter.get('type')!r} "
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
+        expected = expecteds[i]
         try:
-            expected = expecteds[i]
-            if expected:
-                value = w.getters[expected["type"]](env, expected)
-                score = float(w.metrics[name](result, value, **(options[i] or {})))
-            else:
-                score = float(w.metrics[name](result, **(options[i] or {})))
+            value = w.getters[expected["type"]](env, expected) if expected else None
         except Exception as exc:
             raise EnvUnavailable(
                 f"osworld evaluator: {name} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        try:
+            score = metric_score(
+                name,
+                result,
+                value,
+                options=options[i] or {},
+                has_expected=bool(expected),
+                limits=limits,
+            )
+        except MetricOverLimit as exc:  # the agent's file did it: a score, not an outage
+            score = 0.0
+            over_limit.append(str(exc))
+        except MetricFailed as exc:
+            raise EnvUnavailable(f"osworld evaluator: {name} failed: {exc}") from exc
         scores.append(min(1.0, max(0.0, score)))
         shown.append(repr(result)[:200])
         if conj == "and" and score == 0.0:
@@ -148,5 +176,7 @@ def evaluate_task(
         reward = 0.0 if 0.0 in scores else sum(scores) / len(scores)
     else:
         reward = max(scores)
-    details = {"func": funcs, "scores": scores, "results": shown}
+    details: dict[str, Any] = {"func": funcs, "scores": scores, "results": shown}
+    if over_limit:
+        details["reason"] = "; ".join(over_limit)
     return Evaluation(reward=reward, success=reward >= 1.0, details=details)

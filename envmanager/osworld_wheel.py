@@ -16,8 +16,9 @@ formulas, openpyxl, ...) are installed and pinned in requirements.lock. A metric
 from any other submodule is "not available here", and the task importer says so by name.
 Nothing is re-implemented: every function called is the wheel's.
 
-The metrics run in the env worker's own process, outside any sandbox, on files the agent
-wrote (a getter fetches them from the desktop). So only the metrics read line by line and
+The metrics run outside any sandbox, on files the agent wrote (a getter fetches them from
+the desktop), each call in a child process of the env worker under memory, CPU and time
+limits (envmanager.osworld_metric_process). So only the metrics read line by line and
 found to be pure data comparisons (SAFE_METRICS: they compare values, or read the fetched
 files with data-only parsers, and write, import and run nothing) are callable through
 `wheel().metrics`. The ones read and refused are in REFUSED_METRICS with the reason, and

@@ -1,25 +1,35 @@
-"""OSWorld evaluators run in the env worker, outside the sandbox: a metric that would import,
-run or write what the agent (or the task) supplies is refused at task import, with its name
-and why, and again by the evaluator; so is a getter whose cache file name is a path.
+"""OSWorld evaluators run outside the sandbox: a metric that would import, run or write what
+the agent (or the task) supplies is refused at task import, with its name and why, and again
+by the evaluator; so is a getter whose cache file name is a path. A metric that reads a
+file the agent made runs in a process of its own under memory, CPU and wall-clock limits:
+a zip bomb or an endless PDF scores 0 with the limit named, and the env worker stays small.
 
 The evaluator calls here use the wheel's own `cache_file` getter (it reads a file of the
 evaluator's cache directory), so the metric under test gets real files and no desktop is
-needed: the test file below is what an agent could have written, and before the refusal
-the wheel's check_python_file_by_test_suite imported and ran it in this process.
+needed: the files below are what an agent could have written, and before the refusal the
+wheel's check_python_file_by_test_suite imported and ran the test file in this process.
 """
 
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import re
+import struct
 import sys
+import time
+import zipfile
+import zlib
+from pathlib import Path
 
+import docx
 import pytest
 
 from core.protocol import EnvUnavailable
 from datamanager.task_import import InvalidTaskRecord, read_task_file
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
+from envmanager.osworld_metric_process import MetricFailed, MetricLimits, metric_score
 from envmanager.osworld_wheel import REFUSED_METRICS, SAFE_METRICS, wheel
 
 EXEC_METRIC = "check_python_file_by_test_suite"
@@ -136,3 +146,178 @@ def test_every_metric_of_the_loaded_modules_was_read_and_the_safe_ones_run_no_co
         assert not RUNS_CODE.search(inspect.getsource(fn)), name
     vscode = sys.modules["desktop_env.evaluators.metrics.vscode"]
     assert RUNS_CODE.search(inspect.getsource(getattr(vscode, EXEC_METRIC)))  # the scan sees
+
+
+# fuzzy_place_math opens the agent's docx with python-docx (the one docx metric the loaded
+# modules have): three words, each scored against the task's answers.
+DOCX_TASK = {
+    "func": "fuzzy_place_math",
+    "result": {"type": "cache_file", "path": "places.docx"},
+    "expected": {"type": "rule", "rules": {"expected": ["Paris", "Berlin", "Rome"]}},
+}
+PDF_TASK = {
+    "func": "is_gold_text_included_in_pdf",
+    "result": {"type": "cache_file", "path": "report.pdf"},
+    "expected": {"type": "cache_file", "path": "gold.json"},
+}
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    assert match, field
+    return int(match.group(1))
+
+
+def _write_docx_bomb(path: Path, *, inflated_mib: int) -> None:
+    """python-docx's blank document with word/document.xml replaced by `inflated_mib` MiB of
+    spaces: one deflate block of 1 MiB, ended by a full flush so that it decodes the same
+    wherever it stands, written `inflated_mib` times (a few MiB on disk, a valid zip: its
+    CRC is the inflated stream's). The other parts are appended by zipfile."""
+    unit = b" " * (1 << 20)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = deflate.compress(unit) + deflate.flush(zlib.Z_FULL_FLUSH)
+    end = deflate.flush()
+    crc = 0
+    for _ in range(inflated_mib):
+        crc = zlib.crc32(unit, crc)
+    name = b"word/document.xml"
+    # version 2.0, no flags, deflated, time 0, date 1980-01-01, crc, sizes, name length, no extra
+    entry = struct.pack(
+        "<HHHHHIIIHH",
+        20,
+        0,
+        zipfile.ZIP_DEFLATED,
+        0,
+        0x21,
+        crc,
+        inflated_mib * len(block) + len(end),
+        inflated_mib * len(unit),
+        len(name),
+        0,
+    )
+    with path.open("wb") as out:
+        out.write(b"PK\x03\x04" + entry + name)
+        for _ in range(inflated_mib):
+            out.write(block)
+        out.write(end)
+        central = out.tell()
+        out.write(b"PK\x01\x02" + struct.pack("<H", 20) + entry + bytes(14) + name)
+        size = out.tell() - central
+        out.write(b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, size, central, 0))
+    blank = io.BytesIO()
+    docx.Document().save(blank)
+    with zipfile.ZipFile(blank) as src, zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            if item.filename != name.decode():
+                dst.writestr(item.filename, src.read(item))
+
+
+def _write_pdf_of_operators(path: Path, *, operators: int) -> None:
+    """A one-page PDF whose content stream is `operators` save/restore pairs ("q Q"), Flate
+    compressed: a few KiB on disk; pdfminer interprets each pair in Python."""
+    content = zlib.compress(b"q Q\n" * operators, 9)
+    bodies = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << >> >>",
+        b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(content), content),
+    ]
+    pdf = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(bodies, 1):
+        offsets.append(len(pdf))
+        pdf += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(pdf)
+    pdf += b"xref\n0 %d\n0000000000 65535 f \n" % (len(bodies) + 1)
+    pdf += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    pdf += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(bodies) + 1,
+        xref,
+    )
+    path.write_bytes(pdf)
+
+
+@pytest.fixture
+def endless_pdf(tmp_path) -> Path:
+    """A 40 KiB PDF of 10 million drawing operators (minutes of pdfminer here) and the
+    task's gold text, which is not in it."""
+    _write_pdf_of_operators(tmp_path / "report.pdf", operators=10_000_000)
+    (tmp_path / "gold.json").write_text(json.dumps({"title": "Quarterly report"}))
+    return tmp_path
+
+
+def test_a_correct_docx_scores_one_through_the_metric_process(tmp_path):
+    document = docx.Document()
+    document.add_paragraph("Paris Berlin Rome")
+    document.save(tmp_path / "places.docx")
+    evaluation = evaluate_task(DOCX_TASK, env=_env(tmp_path), last_action=None)
+    assert (evaluation.reward, evaluation.success) == (1.0, True)
+    assert "reason" not in evaluation.details
+    # A file that is no docx makes the metric raise: an environment error, as before.
+    (tmp_path / "places.docx").write_text("not a zip")
+    with pytest.raises(EnvUnavailable, match=r"fuzzy_place_math failed: PackageNotFoundError"):
+        evaluate_task(DOCX_TASK, env=_env(tmp_path), last_action=None)
+
+
+@pytest.mark.slow
+def test_a_docx_zip_bomb_scores_zero_at_the_memory_limit_and_the_worker_stays_small(tmp_path):
+    _write_docx_bomb(tmp_path / "places.docx", inflated_mib=3 * 1024)
+    with zipfile.ZipFile(tmp_path / "places.docx") as bomb:
+        assert bomb.getinfo("word/document.xml").file_size == 3 * 1024**3
+    assert (tmp_path / "places.docx").stat().st_size < 8 * 1024**2
+    wheel()  # the worker has the wheel imported before it evaluates
+    rss_before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM: this process's peak from now on
+    started = time.monotonic()
+    evaluation = evaluate_task(DOCX_TASK, env=_env(tmp_path), last_action=None)
+    elapsed = time.monotonic() - started
+    assert (evaluation.reward, evaluation.success) == (0.0, False)
+    limit = MetricLimits().memory_mb
+    assert evaluation.details["reason"] == (
+        f"fuzzy_place_math exceeded its {limit} MiB memory limit reading the agent's result"
+    )
+    assert _status_kib("VmHWM") - rss_before < 200 * 1024
+    assert elapsed < 60
+
+
+@pytest.mark.slow
+def test_a_pdf_of_endless_drawing_operators_is_killed_at_the_wall_clock_limit(endless_pdf):
+    started = time.monotonic()
+    evaluation = evaluate_task(
+        PDF_TASK,
+        env=_env(endless_pdf),
+        last_action=None,
+        limits=MetricLimits(wall_seconds=2),
+    )
+    elapsed = time.monotonic() - started
+    assert (evaluation.reward, evaluation.success) == (0.0, False)
+    assert evaluation.details["reason"] == (
+        "is_gold_text_included_in_pdf exceeded its 2 s wall-clock limit reading the agent's "
+        "result (killed)"
+    )
+    assert elapsed < 30
+
+
+@pytest.mark.slow
+def test_the_same_pdf_stops_at_the_cpu_limit(endless_pdf):
+    evaluation = evaluate_task(
+        PDF_TASK,
+        env=_env(endless_pdf),
+        last_action=None,
+        limits=MetricLimits(cpu_seconds=1, wall_seconds=120),
+    )
+    assert evaluation.reward == 0.0
+    assert evaluation.details["reason"] == (
+        "is_gold_text_included_in_pdf exceeded its 1 s CPU time limit reading the agent's result"
+    )
+
+
+def test_a_value_that_cannot_reach_the_metric_process_is_named():
+    with pytest.raises(MetricFailed, match=r"the result value \(generator\) cannot be sent"):
+        metric_score(
+            "exact_match",
+            (line for line in ["x"]),
+            {"expected": "x"},
+            options={},
+            has_expected=True,
+        )

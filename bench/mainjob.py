@@ -215,12 +215,11 @@ def final_evaluation(run, *, heldout_k: int | None = None) -> dict:
     """Version 0 and the last version on the training instances and held-out seeds: the
     scheduled job where it exists, else the same job run here, after the run stopped.
     `heldout_k`: that many held-out seeds per task instead of the run's `heldout_k`."""
-    from datamanager.config import RunConfig
     from datamanager.models import PolicyVersion
     from datamanager.services.evaluations import eval_job_create
     from workers.evaluation import eval_job_run, scheduled_evaluations
 
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     last = PolicyVersion.objects.filter(run=run).order_by("-version").first()
     out = {}
     for version in sorted({0, last.version if last else 0}):

@@ -73,7 +73,6 @@ class Probe:
             return False
 
     def leases_held(self) -> bool:
-        from datamanager.config import RunConfig
         from datamanager.models import Run
         from workers.leases import redis_client
         from workers.runs import run_live_work
@@ -82,7 +81,7 @@ class Probe:
             run = Run.objects.get(pk=self.run_id)
             client = redis_client()
             try:
-                works = run_live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config))
+                works = run_live_work(run_id=run.pk, cfg=run.cfg)
                 return all(client.exists(w.lease_key) for w in works)
             finally:
                 client.close()

@@ -21,7 +21,6 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 
 from dartboard.viewmodels import SERVING_STATUSES
-from datamanager.config import RunConfig
 from datamanager.models import (
     FailureKind,
     Run,
@@ -153,7 +152,7 @@ class HostHealth:
 def host_map(*, run: Run) -> list[HostHealth]:
     """Every host that served the run: the slots it serves now (each of the run's slots on
     the host of the worker that served it last), recent errors, env-bug labels, reset time."""
-    env_cfg = RunConfig.from_dict(run.config).env
+    env_cfg = run.cfg.env
     lost_after = env_cfg.silent_after_s
     cutoff = timezone.now() - timedelta(seconds=lost_after)
     slots: dict[str, dict[str, int]] = {}
@@ -209,7 +208,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
 def health_alerts(*, run: Run) -> list[str]:
     """Env error rates per host and per task, and the left-out share, past their thresholds
     over the recent window (each alert says what it measured and against what)."""
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     since = timezone.now() - WINDOW
     recent = _ended(run).filter(finished_at__gte=since)
     alerts = []

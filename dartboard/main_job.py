@@ -151,7 +151,7 @@ def prepare_main_run(
         write(f"==> created run #{run.pk} {name!r}")
     else:
         write(f"==> resuming run #{run.pk} {name!r} ({run.status})")
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     write("==> oracle demonstrations for the experience pool")
     call_command(
         "collect_demos",

@@ -17,7 +17,6 @@ from django.core.paginator import Paginator
 from django.db.models import Count, F, Max, OuterRef, Q, Subquery
 from django.utils import timezone
 
-from datamanager.config import RunConfig
 from datamanager.models import (
     EnvSlot,
     EvalJob,
@@ -119,7 +118,7 @@ def run_slots(
     as `lost`, with how long ago, when that worker stopped heart-beating while serving (a
     killed worker cannot say so itself); `released` when its time slice ended and the slot
     waits for the next env worker (behind evaluation shards, say)."""
-    lost_after = RunConfig.from_dict(run.config).env.silent_after_s
+    lost_after = run.cfg.env.silent_after_s
     lost = _lost(lost_after)
     rows = current_slots(run=run)
     counts = dict(
@@ -202,7 +201,7 @@ def live_work_rows(*, run: Run, fold_after: int = 20) -> list[LiveWorkRow]:
     raises."""
     if run.status != RunStatus.RUNNING:
         return []
-    works = run_live_work(run_id=run.pk, cfg=RunConfig.from_dict(run.config))
+    works = run_live_work(run_id=run.pk, cfg=run.cfg)
     try:
         answers = _lease_answers(works)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
@@ -377,7 +376,7 @@ def dead_time_notes(*, run: Run) -> list[str]:
     if run.status != RunStatus.RUNNING:
         return []
     notes = []
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     planned = cfg.trainer.warm_start_bc_updates
     warm = list(
         TrainUpdate.objects.filter(run=run, metrics__kind="warm_start").values_list(
@@ -415,7 +414,7 @@ def run_alerts(*, run: Run) -> list[str]:
     """Health signals past their thresholds, for the run page (each says what it measured,
     the threshold, and what it may mean)."""
     alerts = []
-    trainer = RunConfig.from_dict(run.config).trainer
+    trainer = run.cfg.trainer
     stale = _stale_serving(run=run, behind=trainer.stale_serving_alert)
     if stale:
         alerts.append(stale)
@@ -478,7 +477,7 @@ def _mb(n: int) -> str:
 def checkpoint_note(*, run: Run) -> str:
     """The run page's line on its versions' disk: what is kept, what one costs; "" before the
     first version."""
-    cfg = RunConfig.from_dict(run.config).trainer
+    cfg = run.cfg.trainer
     disk = checkpoint_disk(run=run, states_kept=cfg.optimizer_states_kept)
     if disk is None:
         return ""
@@ -523,7 +522,7 @@ def held_note(*, run: Run) -> str:
     (curation.backpressure); "" otherwise."""
     if run.status != RunStatus.RUNNING:
         return ""
-    backlog = training_backlog(run_id=run.pk, cfg=RunConfig.from_dict(run.config))
+    backlog = training_backlog(run_id=run.pk, cfg=run.cfg)
     held = current_slots(run=run).filter(status=SlotStatus.HELD).count()
     if not backlog.held and not held:
         return ""

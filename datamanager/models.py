@@ -6,10 +6,15 @@ Writes go through `datamanager.services.runs`, reads through `datamanager.select
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.conf import settings
 from django.db import models
 
 from rollout.episode import Outcome
+
+if TYPE_CHECKING:
+    from datamanager.config import RunConfig
 
 
 class Split(models.TextChoices):
@@ -85,6 +90,13 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} (#{self.pk})"
+
+    @property
+    def cfg(self) -> RunConfig:
+        """The run's settings, parsed from its row (the one place that does)."""
+        from datamanager.config import RunConfig  # config imports this module
+
+        return RunConfig.from_dict(self.config)
 
 
 class Host(models.Model):

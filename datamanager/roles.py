@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from django.contrib.auth.models import Group, Permission
 
-from datamanager.config import RunConfig
 from datamanager.models import Run
 
 VIEW = [
@@ -91,7 +90,7 @@ def run_env_check(*, run: Run, backend: str, index: int | None = None) -> None:
     what = MACHINE_ENVS.get(backend)
     if what is None:
         return
-    slots = [i for b, i in RunConfig.from_dict(run.config).env.slots() if b == backend]
+    slots = [i for b, i in run.cfg.env.slots() if b == backend]
     if index is None and not slots:
         raise EnvNotGranted(f"run {run.pk} was given no {what}")
     if index is not None and index not in slots:

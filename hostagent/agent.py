@@ -268,7 +268,7 @@ class HostAgent:
         for placement in queued:
             run = placement.run
             try:
-                cfg = RunConfig.from_dict(run.config)
+                cfg = run.cfg
                 version, checkpoint = _current_policy(run, cfg)
             except Exception as exc:  # a policy gone from disk, a config no longer valid
                 self._fail(placement, f"cannot start: {type(exc).__name__}: {exc}")
@@ -345,7 +345,7 @@ class HostAgent:
         checkpoint: str | None = None,
         version: int | None = None,
     ) -> None:
-        cfg = cfg or RunConfig.from_dict(run.config)
+        cfg = cfg or run.cfg
         if checkpoint is None or version is None:
             version, checkpoint = _current_policy(run, cfg)
         specs = run_specs(

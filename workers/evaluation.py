@@ -159,7 +159,7 @@ def eval_schedule_next(*, run_id: int) -> list[EvalJob]:
     job runs on `eval_lanes` shards."""
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=run_id)
-        cfg = RunConfig.from_dict(run.config)
+        cfg = run.cfg
         n = cfg.evaluation.every_n_versions
         plans = scheduled_evaluations(cfg)
         scheduled = EvalJob.objects.filter(run=run).exclude(scope="")
@@ -222,7 +222,7 @@ def eval_start(*, run_id: int, scope: str, version: int | None, user: User | Non
             raise EvalNotStartable(
                 f"run #{run.pk} is {run.status}: its env slots evaluate only while it runs"
             )
-        cfg = RunConfig.from_dict(run.config)
+        cfg = run.cfg
         plans = {plan[0]: plan for plan in scheduled_evaluations(cfg)}
         if scope not in plans:
             raise EvalNotStartable(
@@ -304,7 +304,7 @@ def run_finish_if_done(*, run_id: int) -> bool:
     evaluation is the end of its curve. Called when the trainer reaches the limit and when a
     scheduled evaluation ends; True if the run finished now."""
     run = Run.objects.get(pk=run_id)
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     limit = cfg.trainer.max_updates
     updates = TrainUpdate.objects.filter(run=run).count()
     if run.status != RunStatus.RUNNING or not limit or updates < limit:
@@ -321,7 +321,7 @@ def run_finish_if_done(*, run_id: int) -> bool:
 
 def _run_config(job: EvalJob) -> RunConfig:
     """The run's settings; the defaults for an evaluation outside a run."""
-    return RunConfig.from_dict(job.run.config) if job.run is not None else RunConfig()
+    return job.run.cfg if job.run is not None else RunConfig()
 
 
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:

@@ -39,7 +39,7 @@ def run_current_policy(*, run: Run) -> tuple[int, str]:
     latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
     if latest is not None:
         return latest.version, latest.artifact or latest.checkpoint
-    policy = RunConfig.from_dict(run.config).policy
+    policy = run.cfg.policy
     if is_ref(policy):  # each inference host fetches the base model itself
         return 0, policy
     return 0, str(policy_path(policy))
@@ -96,13 +96,13 @@ def _check_inference_free(run: Run) -> None:
     """The shared inference workers serve one run's policy at a time: a second model run
     would silently switch the first one's weights under it, so it is refused instead (runs
     with their own processes, DARTBOARD_PROCESSES=per-run, each have their own)."""
-    if RunConfig.from_dict(run.config).policy == ORACLE_POLICY:
+    if run.cfg.policy == ORACLE_POLICY:
         return  # the scripted oracle uses no inference worker
     shared = Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
         placement__state__in=(PlacementState.STARTING, PlacementState.UP)
     )
     for other in shared.exclude(pk=run.pk):
-        if RunConfig.from_dict(other.config).policy != ORACLE_POLICY:
+        if other.cfg.policy != ORACLE_POLICY:
             raise RunNotStartable(
                 f"run #{other.pk} {other.name!r} is {other.status} on the shared inference "
                 "workers; stop it first (two runs would switch each other's weights)"
@@ -113,7 +113,7 @@ def run_start_workers(*, run_id: int) -> None:
     """After a run starts or resumes: task stats, env slot tasks, the trainer task, and the
     router pointed at the run's current policy. Tasks are enqueued after commit."""
     run = Run.objects.get(pk=run_id)
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     episodes.taskstats_ensure(run=run)
     run_orphans_abort(run_id=run_id, cfg=cfg)
     scripted = cfg.policy == ORACLE_POLICY  # the scripted oracle: no model, nothing to train

@@ -155,7 +155,7 @@ def serve_slot(
     # A slot task can come from anything that reaches the broker (Flower's API, say), not
     # only from the launcher: a desktop or a VM only for a run an admin gave them to.
     run_env_check(run=run, backend=backend, index=index)
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     name = slot_name(backend, index, cfg)
     # At most one live worker serves a slot: a duplicate slot task (the watchdog's, or one
     # re-enqueued by a worker that shut down while the launcher started the run again) finds

@@ -154,7 +154,7 @@ def run_loop(
         run = Run.objects.get(pk=run_id)
         if run.status != RunStatus.RUNNING:
             return f"run is {run.status}"
-        cfg = RunConfig.from_dict(run.config)
+        cfg = run.cfg
         trainer = get_trainer(run, cfg)
         if cfg.trainer.max_updates and trainer.state.updates >= cfg.trainer.max_updates:
             run_set_message(run_id=run_id, message=f"trainer done: {trainer.state.updates} updates")
@@ -244,7 +244,7 @@ def update_and_publish(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
         )
     if path is not None:  # committed: the new version's state is what a restart resumes from
-        kept = RunConfig.from_dict(run.config).trainer
+        kept = run.cfg.trainer
         optimizer_states_prune(
             run_id=run.pk, run_dir=trainer.run_dir, keep=kept.optimizer_states_kept
         )

@@ -57,7 +57,7 @@ def watchdog_pass(*, now: float | None = None) -> list[str]:
     queued = QueuedTasks(client)
     try:
         for run in Run.objects.filter(status=RunStatus.RUNNING):
-            cfg = RunConfig.from_dict(run.config)
+            cfg = run.cfg
             aborted = run_orphans_abort(run_id=run.pk, cfg=cfg)
             if aborted:
                 log.warning("run %s: ended %d episodes of stopped env workers", run.pk, aborted)

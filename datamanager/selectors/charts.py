@@ -16,7 +16,6 @@ from typing import Any
 from django.db.models import Avg, Count, F, FloatField, Max, Q, Sum
 from django.db.models.functions import Cast, Coalesce, Now
 
-from datamanager.config import RunConfig
 from datamanager.eval_metrics import wilson_interval
 from datamanager.models import (
     SCORED_STATUSES,
@@ -360,6 +359,6 @@ def training_metrics(*, run: Run, limit: int = 2000) -> TrainingMetrics:
         series={k: [(m or {}).get(k) for _, _, m in rows] for k in scalar_keys},
         staleness=staleness,
         latest_version=rows[-1][1] if rows else None,
-        gap_alert=RunConfig.from_dict(run.config).trainer.logprob_gap_alert,
+        gap_alert=run.cfg.trainer.logprob_gap_alert,
         latest_passes=str((rows[-1][2] or {}).get("passes") or "") if rows else "",
     )

@@ -173,7 +173,7 @@ def _readable_samples(
 
 def batch_collect(*, run: Run, current_version: int, min_groups: int | None = None) -> Batch | None:
     """The next batch, or None while fewer than `min_groups` (default: the run's) are ready."""
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     needed = cfg.trainer.min_groups if min_groups is None else min_groups
     groups = list(
         TaskGroup.objects.filter(run=run, status=GroupStatus.READY).order_by("ready_at", "pk")[:64]

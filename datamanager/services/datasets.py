@@ -168,9 +168,7 @@ class _PromptBook:
 
     def _config(self, traj: Trajectory) -> RunConfig:
         if traj.run_id not in self._configs:
-            self._configs[traj.run_id] = (
-                RunConfig.from_dict(traj.run.config) if traj.run is not None else RunConfig()
-            )
+            self._configs[traj.run_id] = traj.run.cfg if traj.run is not None else RunConfig()
         return self._configs[traj.run_id]
 
     def sft_rows(self, traj: Trajectory, steps: list[Step], shots: list[bytes]) -> Iterator[dict]:

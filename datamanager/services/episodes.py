@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from core.protocol import TaskSpec
 from datamanager import curation
-from datamanager.config import CurationConfig, RunConfig
+from datamanager.config import CurationConfig
 from datamanager.events import publish_on_commit
 from datamanager.models import (
     SCORED_STATUSES,
@@ -75,7 +75,7 @@ def default_step_cap(task: Task, cfg: CurationConfig) -> int:
 @transaction.atomic
 def taskstats_ensure(*, run: Run) -> int:
     """Create the run's TaskStat rows (once) for the selected tasks. Returns their count."""
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     tasks = task_list(selection=cfg.tasks)
     if not tasks:
         raise NoTasks(
@@ -184,7 +184,7 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
             return None  # every task retired, or the claims left are being taken
     group = TaskGroup.objects.get(run=run, task_id=stat.task_id, index=stat.group_index)
     TaskGroup.objects.filter(pk=group.pk).update(claimed=F("claimed") + 1)
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     seed = curation.group_seed(
         run_seed=cfg.seed,
         group_pk=group.pk,
@@ -432,7 +432,7 @@ def trajectory_finish(
     )
     # The run's curation settings, parsed once for the rules below (a group's run is its
     # members' run).
-    cfg = RunConfig.from_dict(traj.run.config).curation if traj.run is not None else None
+    cfg = traj.run.cfg.curation if traj.run is not None else None
     if cfg is not None and traj.purpose == Purpose.TRAIN and status in SCORED_STATUSES:
         _update_stat(traj, cfg)
     if cfg is not None and traj.group_id:

@@ -275,6 +275,5 @@ def test_the_evaluation_slot_hands_over_between_episodes_and_the_others_keep_tra
 
 
 def run_silent_after(run: Run) -> float:
-    from datamanager.config import RunConfig
 
-    return RunConfig.from_dict(run.config).env.silent_after_s
+    return run.cfg.env.silent_after_s

@@ -120,7 +120,7 @@ def test_run_page_says_what_its_versions_take_on_disk(ada_client, researcher):
     from django.utils import timezone
 
     run = make_run(owner=researcher)
-    cfg = RunConfig.from_dict(run.config).to_dict()
+    cfg = run.cfg.to_dict()
     cfg["trainer"].update(versions_kept=2, versions_keep_every=10, optimizer_states_kept=1)
     Run.objects.filter(pk=run.pk).update(config=cfg)
     mb = 2**20
@@ -179,7 +179,7 @@ def test_run_form_creates_the_run_with_resolved_config(ada_client, researcher):
     assert run.config["trainer"]["lr"] == 3e-5
     assert run.config["tasks"]["names"] == ["click-button"]
     assert run.config["curation"]["high_entropy"] is False
-    assert run.config == RunConfig.from_dict(run.config).to_dict()
+    assert run.config == run.cfg.to_dict()
 
 
 @pytest.mark.parametrize(

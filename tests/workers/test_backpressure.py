@@ -45,14 +45,13 @@ def test_a_slot_holds_while_the_trainer_is_behind_and_claims_again_after_an_upda
     settings, ada_client, live_work_keys_cleared
 ):
     from core.samples import UpdateMetrics
-    from datamanager.config import RunConfig
     from datamanager.selectors.flow import training_backlog
     from datamanager.services.batches import batch_collect, batch_commit
     from workers import slot_worker
 
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
     run = _sim_run(backpressure=1.0)  # hold at 6 ready steps
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     served = threading.Thread(
         target=slot_worker.serve_slot,
         kwargs={"run_id": run.pk, "backend": "sim", "index": 0, "max_seconds": 8.0},

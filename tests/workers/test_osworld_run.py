@@ -12,7 +12,6 @@ import pytest
 import torch
 from django.core.management import call_command
 
-from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, PolicyVersion, Task, TrainUpdate, Trajectory
 from datamanager.services import env_slots, episodes
 from rollout.local_server import LocalPolicyServer
@@ -122,7 +121,7 @@ def test_an_evaluator_failure_is_an_error_on_the_trajectory_and_the_slot(
         name="t:1:osworld:0", host="t", backend="osworld", run_id=run.pk
     )
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("osworld",))
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     slot_worker._run_claim(claim, slot.pk, "osworld", cfg, client=None, index=0)
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
     assert traj.status == "error" and traj.reward is None

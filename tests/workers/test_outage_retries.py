@@ -295,7 +295,7 @@ def test_a_bucket_that_is_gone_ends_the_episode_as_storage_not_the_environment(
     assert claim is not None
     s3_screenshots.client().delete_bucket(Bucket="shots")
     env = process_env("sim")
-    cfg = RunConfig.from_dict(run.config)
+    cfg = run.cfg
     assert slot_worker._run_claim(claim, slot.pk, "sim", cfg, client=None) is False
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
     assert traj.status == "error" and traj.error.startswith("storage: NoSuchBucket")
@@ -403,7 +403,7 @@ def test_a_full_disk_under_the_screenshots_ends_the_episode_and_pauses_the_run(
     claim = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("sim",))
     assert claim is not None
     env = process_env("sim")
-    slot_worker._run_claim(claim, slot.pk, "sim", RunConfig.from_dict(run.config), client=None)
+    slot_worker._run_claim(claim, slot.pk, "sim", run.cfg, client=None)
     traj = Trajectory.objects.get(pk=claim.trajectory_id)
     assert traj.status == "error" and traj.error.startswith("disk full: [Errno 28] No space left")
     run.refresh_from_db()

@@ -8,7 +8,6 @@ from django.core.files.storage import default_storage
 
 from core.lora import is_adapter_dir
 from core.policy import load_policy
-from datamanager.config import RunConfig
 from datamanager.models import (
     GroupStatus,
     PolicyVersion,
@@ -151,7 +150,7 @@ def test_resume_after_crash_continues_from_the_published_version(run_on_tiny):
         status=RunStatus.RUNNING,
     )
     run.refresh_from_db()
-    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    resumed = training_loop.get_trainer(run, run.cfg)
     assert (resumed.state.updates, resumed.state.version) == (1, 1)
     for name, value in resumed.policy.model.state_dict().items():
         assert torch.equal(value, weights[name]), f"{name} differs from the published version"
@@ -190,7 +189,7 @@ def test_versions_go_to_the_store_and_a_trainer_on_another_host_resumes_from_it(
     settings.CHECKPOINT_ROOT = tmp_path / "host-b" / "checkpoints"
     settings.DARTBOARD_ARTIFACT_CACHE = tmp_path / "host-b" / "cache"
     run.refresh_from_db()
-    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    resumed = training_loop.get_trainer(run, run.cfg)
     assert (resumed.state.updates, resumed.state.version) == (1, 1)
     assert (settings.DARTBOARD_ARTIFACT_CACHE / ref.digest).is_dir()
     for name, value in resumed.policy.model.state_dict().items():
@@ -254,9 +253,8 @@ def test_two_trainer_replicas_take_the_one_process_update(run_on_tiny, mode):
 
 
 def _cfg(run):
-    from datamanager.config import RunConfig
 
-    return RunConfig.from_dict(run.config)
+    return run.cfg
 
 
 def _store_demos(tasks) -> None:
@@ -440,7 +438,7 @@ def test_only_the_newest_versions_keep_their_optimizer_state_here_and_in_the_sto
               skip=SERVING_SKIPS)  # fmt: skip
     assert kept == {1: (False, False), 2: (True, True), 3: (True, True)}
     training_loop.trainers_forget_all()
-    resumed = training_loop.get_trainer(run, RunConfig.from_dict(run.config))
+    resumed = training_loop.get_trainer(run, run.cfg)
     assert (resumed.state.updates, resumed.state.version) == (3, 3)
 
 

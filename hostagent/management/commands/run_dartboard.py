@@ -25,7 +25,6 @@ from django.core.management.base import BaseCommand, CommandError
 from dartboard.embedded_redis import EmbeddedRedis
 from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
 from dartboard.preflight import Port, port_problem, preflight_problems
-from datamanager.config import RunConfig
 from datamanager.models import PlacementState, Run, RunStatus
 from datamanager.policies import policy_path
 from datamanager.services.placement import placement_queue
@@ -163,7 +162,7 @@ class Command(BaseCommand):
                 ]
                 if not shell_only:
                     run = prepare_main_run(write=self.stdout.write, preset=preset)
-                    vllm = RunConfig.from_dict(run.config).rollout.backend == "vllm"
+                    vllm = run.cfg.rollout.backend == "vllm"
                     if vllm and (missing := vllm_missing()):
                         raise CommandError(missing)
             elif shell_only:
@@ -172,7 +171,7 @@ class Command(BaseCommand):
                 )
             else:
                 run = prepare_main_run(write=self.stdout.write, preset=preset)
-                cfg = RunConfig.from_dict(run.config)
+                cfg = run.cfg
                 version, checkpoint = run_current_policy(run=run)
                 workers = [Port("127.0.0.1", router_port + 1 + i, f"inference worker {i}",
                                 "--router-port") for i in range(cfg.rollout.inference_workers)]  # fmt: skip

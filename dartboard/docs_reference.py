@@ -7,7 +7,6 @@ when a page differs from what the code gives (tests/test_docs.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import re
@@ -20,6 +19,7 @@ from django.core.management import get_commands, load_command_class
 from core.actions import format_action_call
 from core.protocol import Action, ActionType
 from dartboard.api.reference import api_page, openapi_yaml
+from dartboard.forms import config_fields, section_title, sections
 from dartboard.main_job import main_run_config
 from datamanager.config import RunConfig
 from datamanager.demos.pyautogui import READ_CALLS, REFUSED_CALLS, pyautogui_code
@@ -43,33 +43,44 @@ def _value(value: Any) -> str:
     return f"`{value!r}`" if not isinstance(value, str) else f"`{value}`" if value else "`''`"
 
 
-def _rows(node: Any, main: Any, prefix: str) -> list[str]:
-    rows = []
-    hints = typing.get_type_hints(type(node))
-    for f in dataclasses.fields(node):
-        value, preset = getattr(node, f.name), getattr(main, f.name)
-        if dataclasses.is_dataclass(value):
-            rows += _rows(value, preset, f"{prefix}{f.name}.")
-            continue
-        ours = _value(preset) if preset != value else ""
-        help_text = f.metadata.get("help", "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | {_value(value)} | "
-                    f"{ours} | {help_text} |")  # fmt: skip
-    return rows
+def setting_names() -> list[str]:
+    """Every run setting's dotted name (`trainer.lr`), in RunConfig's order. Each is its anchor
+    on the settings page: `reference/settings.md#trainer.lr`."""
+    return [name for _, name, _, _ in config_fields()]
+
+
+def _setting(config: RunConfig, name: str) -> Any:
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def settings_page() -> str:
-    """Every run setting: dotted name, type, default, `make run`'s value where it differs."""
-    rows = _rows(RunConfig(), main_run_config("miniwob"), "")
-    return "\n".join([
+    """Every run setting, a table per section: dotted name (its anchor), type, default, help,
+    and `make run`'s value where it differs."""
+    default, preset = RunConfig(), main_run_config("miniwob")
+    lines = [
         "# Run settings", "", GENERATED, "",
         "A run's configuration (`datamanager/config.py`, `RunConfig`), as the run form, the "
         "run's JSON and `bench/mainjob.py --set KEY=JSON` name it. *make run* is the main "
         "preset's value where it differs from the default (`dartboard/main_job.py`). A value "
         "out of range is refused with the setting's name and the reason.", "",
-        "| setting | type | default | make run | what it does |",
-        "|---|---|---|---|---|", *rows, "",
-    ])  # fmt: skip
+        "Each setting's dotted name is its anchor on this page: "
+        "[`trainer.lr`](#trainer.lr) is `reference/settings.md#trainer.lr`.", "",
+    ]  # fmt: skip
+    for section in ["", *sections()]:
+        lines += [f"## {section_title(section)}", "",
+                  "| setting | type | default | what it does |", "|---|---|---|---|"]  # fmt: skip
+        for _, name, tp, f in (field for field in config_fields() if field[0] == section):
+            value, ours = _setting(default, name), _setting(preset, name)
+            help_text = f.metadata.get("help", "").replace("|", "\\|")
+            if ours != value:
+                help_text += f" *make run*: {_value(ours)}."
+            lines.append(f'| <a id="{name}"></a>`{name}` | {_type_name(tp)} | {_value(value)} '
+                         f"| {help_text} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:

@@ -10,12 +10,17 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
 
 import pytest
+import yaml
 from django.core.management import get_commands, load_command_class
 
-from dartboard.docs_reference import make_targets, pages
+from dartboard.docs_reference import make_targets, pages, setting_names
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -23,14 +28,154 @@ CODE = ["core", "envmanager", "rollout", "training", "datamanager", "workers", "
         "dartboard_client"]  # fmt: skip
 
 
-def test_the_docs_site_builds_in_strict_mode(tmp_path):
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BuiltPage]:
+    """The docs site, built once in strict mode: every nav page's article, by source path."""
+    out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--site-dir",
-         str(tmp_path / "site")],
+        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Before you start" in (tmp_path / "site" / "index.html").read_text()  # the README's
+    pages = {}
+    for source in nav_titles():
+        html = out / _url(source).lstrip("/") / "index.html"
+        article = re.search(r'<article class="md-content__inner md-typeset">(.*?)</article>',
+                            html.read_text(), re.S)  # fmt: skip
+        assert article, f"{html}: no article (the theme's layout moved)"
+        pages[source] = BuiltPage.read(article.group(1))
+    return pages
+
+
+def nav_titles() -> dict[str, str]:
+    """mkdocs.yml's nav: each page's source path (under docs/) and its title there."""
+
+    def walk(entries: list) -> Iterator[tuple[str, str]]:
+        for entry in entries:
+            for title, value in entry.items():
+                yield from walk(value) if isinstance(value, list) else [(value, title)]
+
+    return dict(walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+
+
+@dataclass
+class BuiltPage:
+    """What the tests read of a built page's article (its HTML parsed once)."""
+
+    headings: list[tuple[int, str, str]] = field(default_factory=list)  # level, id, text
+    paragraphs: list[str] = field(default_factory=list)  # each <p>'s text
+    prose: list[tuple[str, bool]] = field(default_factory=list)  # (text, emphasized) outside
+    # code, code blocks and links
+    code_spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, inside a link)
+    hrefs: list[str] = field(default_factory=list)
+    images: list[tuple[str, str | None]] = field(default_factory=list)  # (src, enclosing href)
+
+    @classmethod
+    def read(cls, html: str) -> BuiltPage:
+        reader = _ArticleReader()
+        reader.feed(html)
+        reader.close()
+        return reader.page
+
+
+class _ArticleReader(HTMLParser):
+    VOID = {"img", "br", "hr", "input", "meta", "link", "wbr", "source"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.page = BuiltPage()
+        self.open: list[tuple[str, dict[str, str | None]]] = []
+        self.texts: list[list[str]] = []  # the text of each open <p>, <code>, heading
+
+    def _inside(self, *tags: str) -> bool:
+        return any(tag in tags for tag, _ in self.open)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "a" and attributes.get("href"):
+            self.page.hrefs.append(attributes["href"] or "")
+        if tag == "img":
+            link = next((a.get("href") for t, a in reversed(self.open) if t == "a"), None)
+            self.page.images.append((attributes.get("src") or "", link))
+        if tag in self.VOID:
+            return
+        if tag == "a" and "headerlink" in (attributes.get("class") or ""):
+            tag = "permalink"  # the heading's ¶, not its text
+        self.open.append((tag, attributes))
+        if tag in ("p", "code", "h1", "h2", "h3", "h4"):
+            self.texts.append([])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.VOID:
+            return
+        while self.open:
+            opened, attributes = self.open.pop()
+            if opened in ("p", "code", "h1", "h2", "h3", "h4"):
+                text = "".join(self.texts.pop())
+                if opened == "p":
+                    self.page.paragraphs.append(text)
+                elif opened == "code" and not self._inside("pre"):
+                    self.page.code_spans.append((text, self._inside("a")))
+                elif opened.startswith("h"):
+                    self.page.headings.append((int(opened[1]), attributes.get("id") or "",
+                                               text.strip()))  # fmt: skip
+            if opened == tag or (opened == "permalink" and tag == "a"):
+                break
+
+    def handle_data(self, data: str) -> None:
+        if self._inside("permalink"):
+            return
+        for text in self.texts:
+            text.append(data)
+        if not self._inside("code", "pre", "a", "script", "style"):
+            self.page.prose.append((data, self._inside("em", "strong")))
+
+
+def test_the_docs_site_builds_in_strict_mode(site):
+    assert "Before you start" in {text for _, _, text in site["index.md"].headings}  # the README's
+
+
+def test_every_long_page_is_split_into_sections(site):
+    """A page longer than a screen or two has `##` headings: its contents list is not empty."""
+    unsplit = []
+    for source, page in site.items():
+        lines = len((ROOT / "docs" / source).read_text().splitlines())
+        if lines > 60 and sum(level == 2 for level, _, _ in page.headings) < 2:
+            unsplit.append(f"{source}: {lines} lines and fewer than two `##` headings")
+    assert not unsplit, "\n".join(unsplit)
+
+
+def _url(source: str) -> str:
+    """Where mkdocs serves a page: docs/x.md at /x/, docs/index.md at /."""
+    return "/" + ("" if source == "index.md" else source.removesuffix(".md") + "/")
+
+
+def _targets(source: str, page: BuiltPage) -> set[tuple[str, str]]:
+    """(page URL, anchor) of every link on the page, resolved against the page's own URL."""
+    out = set()
+    for href in page.hrefs:
+        target = urlsplit(urljoin("http://site" + _url(source), href))
+        if target.netloc == "site":
+            out.add((target.path, unquote(target.fragment)))
+    return out
+
+
+def test_every_setting_a_page_names_links_to_its_reference(site):
+    """A page naming a run setting in code (`curation.staleness_k`, `trainer.lora_rank 8`,
+    `trainer.lr=1e-5`) links it to its row of the settings reference at least once
+    (reference/settings.md#curation.staleness_k)."""
+    names = set(setting_names())
+    unlinked = []
+    for source, page in site.items():
+        if source == "reference/settings.md":
+            continue  # where the anchors are
+        linked = {anchor for url, anchor in _targets(source, page)
+                  if url == _url("reference/settings.md")}  # fmt: skip
+        named = {m.group(1) for span, _ in page.code_spans
+                 if (m := re.match(r"([a-z_]+(?:\.[a-z0-9_]+)?)(?:$| ?= ?\S*$| \S+$)", span))}  # fmt: skip
+        unlinked += [f"{source}: `{name}` without a link to reference/settings.md#{name}"
+                     for name in sorted(named & names - linked)]  # fmt: skip
+    assert not unlinked, "\n".join(unlinked)
 
 
 def test_the_reference_pages_are_what_the_code_gives():

@@ -20,7 +20,6 @@ from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.utils import timezone
 
-from dartboard.viewmodels import SERVING_STATUSES
 from datamanager.models import (
     FailureKind,
     Run,
@@ -38,7 +37,7 @@ from datamanager.selectors.aggregates import (
     outcome_rows,
 )
 from datamanager.selectors.labels import label_counts_by_host
-from datamanager.selectors.runs import current_slots
+from datamanager.selectors.runs import LOST, SERVING_STATUSES, current_slots, slot_silence
 
 WINDOW = timedelta(minutes=15)  # the health map's and the alerts' recent window
 MIN_ROLLOUTS = 5  # fewer rollouts in the window raise no alert: one error is not a rate
@@ -142,7 +141,7 @@ class HostHealth:
         ok."""
         live = sum(n for status, n in self.slots.items() if status in SERVING_STATUSES)
         if not live:
-            return "down" if self.slots.get("lost") else "waiting"
+            return "down" if self.slots.get(LOST) else "waiting"
         rate = self.error_rate or 0.0
         if self.alert_rate and self.rollouts >= MIN_ROLLOUTS and rate > self.alert_rate:
             return "degraded"
@@ -153,8 +152,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
     """Every host that served the run: the slots it serves now (each of the run's slots on
     the host of the worker that served it last), recent errors, env-bug labels, reset time."""
     env_cfg = run.cfg.env
-    lost_after = env_cfg.silent_after_s
-    cutoff = timezone.now() - timedelta(seconds=lost_after)
+    lost_after, now = env_cfg.silent_after_s, timezone.now()
     slots: dict[str, dict[str, int]] = {}
     last_error: dict[str, str] = {}
     unlimited: dict[str, str] = {}
@@ -165,8 +163,8 @@ def host_map(*, run: Run) -> list[HostHealth]:
     ):
         if note:
             unlimited[host] = note
-        if status in SERVING_STATUSES and heartbeat is not None and heartbeat < cutoff:
-            status = "lost"
+        if slot_silence(status, heartbeat, lost_after=lost_after, now=now) is not None:
+            status = LOST
         counts = slots.setdefault(host, {})
         counts[status] = counts.get(status, 0) + 1
         if error:

@@ -9,7 +9,7 @@ from any process. A Redis outage is said on the page (`live_work_rows`), never r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import redis
 from django.conf import settings
@@ -36,7 +36,14 @@ from datamanager.models import (
     TrajectoryStatus,
 )
 from datamanager.selectors.flow import step_flow, step_flow_windows, training_backlog
-from datamanager.selectors.runs import checkpoint_disk, current_slots
+from datamanager.selectors.runs import (
+    LOST,
+    SERVING_STATUSES,
+    checkpoint_disk,
+    current_slots,
+    lost_slots_q,
+    slot_silence,
+)
 from workers.leases import LiveWork, redis_client
 from workers.runs import run_live_work
 
@@ -63,16 +70,6 @@ def _busy_share(slot: EnvSlot) -> float | None:
     alive = (slot.last_heartbeat - slot.created_at).total_seconds()
     return min(1.0, slot.env_busy_s / alive) if alive > 0 else None
 
-
-# A live worker reports these; a slot in one of them whose heartbeat stopped shows as `lost`.
-SERVING_STATUSES = (
-    SlotStatus.STARTING,
-    SlotStatus.IDLE,
-    SlotStatus.BUSY,
-    SlotStatus.RECOVERING,
-    SlotStatus.HELD,
-)
-LOST = "lost"  # not a stored status: the wall's name for a silent serving slot
 
 WALL_STATUSES = (
     *SERVING_STATUSES,
@@ -101,11 +98,6 @@ class SlotWall:
         return not self.status and not self.query and self.pages <= 1
 
 
-def _lost(lost_after: float) -> Q:
-    cutoff = timezone.now() - timedelta(seconds=lost_after)
-    return Q(status__in=SERVING_STATUSES, last_heartbeat__lt=cutoff)
-
-
 def run_slots(
     *, run: Run, status: str = "", query: str = "", page: int | str = 1, per_page: int = 60
 ) -> SlotWall:
@@ -119,7 +111,7 @@ def run_slots(
     killed worker cannot say so itself); `released` when its time slice ended and the slot
     waits for the next env worker (behind evaluation shards, say)."""
     lost_after = run.cfg.env.silent_after_s
-    lost = _lost(lost_after)
+    lost = lost_slots_q(lost_after=lost_after)
     rows = current_slots(run=run)
     counts = dict(
         rows.exclude(lost).values_list("status").annotate(n=Count("pk")).order_by("status")
@@ -150,8 +142,8 @@ def run_slots(
     tiles = []
     for s in slots:
         shown, error = s.status, s.last_error
-        silent = (now - s.last_heartbeat).total_seconds() if s.last_heartbeat else None
-        if shown in SERVING_STATUSES and silent is not None and silent > lost_after:
+        silent = slot_silence(s.status, s.last_heartbeat, lost_after=lost_after, now=now)
+        if silent is not None:
             shown = LOST
             error = f"no heartbeat for {silent:.0f} s: its worker stopped"
         elif shown == SlotStatus.RELEASED:

@@ -8,9 +8,11 @@ queries, not a row per trajectory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.db.models import Count, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 from datamanager.models import (
     SCORED_STATUSES,
@@ -20,6 +22,7 @@ from datamanager.models import (
     PolicyVersion,
     Run,
     RunPlacement,
+    SlotStatus,
     TaskGroup,
     TaskStat,
     TaskStatHistory,
@@ -59,6 +62,35 @@ def runs_overview() -> QuerySet[Run]:
         )
         .order_by("-created_at")
     )
+
+
+# A live worker reports these; a slot in one of them whose heartbeat stopped is lost.
+SERVING_STATUSES = (
+    SlotStatus.STARTING,
+    SlotStatus.IDLE,
+    SlotStatus.BUSY,
+    SlotStatus.RECOVERING,
+    SlotStatus.HELD,
+)
+LOST = "lost"  # not a stored status: a serving slot whose worker went silent
+
+
+def lost_slots_q(*, lost_after: float, now: datetime | None = None) -> Q:
+    """The slots whose worker stopped heart-beating while serving (a killed worker cannot
+    say so itself): silent for over `lost_after` seconds (the run's env.silent_after_s)."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=lost_after)
+    return Q(status__in=SERVING_STATUSES, last_heartbeat__lt=cutoff)
+
+
+def slot_silence(
+    status: str, heartbeat: datetime | None, *, lost_after: float, now: datetime
+) -> float | None:
+    """Seconds a serving slot has been silent when that makes it lost (the same rule as
+    `lost_slots_q`, for a row already read); None when it is not lost."""
+    if status not in SERVING_STATUSES or heartbeat is None:
+        return None
+    silent = (now - heartbeat).total_seconds()
+    return silent if silent > lost_after else None
 
 
 def current_slots(*, run: Run) -> QuerySet[EnvSlot]:

@@ -178,6 +178,17 @@ def test_every_setting_a_page_names_links_to_its_reference(site):
     assert not unlinked, "\n".join(unlinked)
 
 
+def test_every_screenshot_links_to_its_full_image(site):
+    """A screenshot shown small (in a table of the dashboard page) opens whole on a click."""
+    unlinked = []
+    for source, page in site.items():
+        for src, href in page.images:
+            full = urljoin("http://site" + _url(source), src)
+            if href is None or urljoin("http://site" + _url(source), href) != full:
+                unlinked.append(f"{source}: the image {src} is no link to the same file")
+    assert not unlinked, "\n".join(unlinked)
+
+
 def test_the_reference_pages_are_what_the_code_gives():
     for path, text in pages().items():
         assert path.exists() and path.read_text() == text, (
@@ -191,7 +202,7 @@ def _code_spans() -> list[tuple[str, str]]:
     spans = []
     for path in DOCS:
         text = path.read_text()
-        fences = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+        fences = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)  # ```bash, ```{.text .diagram}
         spans += [(path.name, line) for block in fences for line in block.splitlines()]
         text = re.sub(r"```.*?```", "", text, flags=re.S)
         spans += [(path.name, s) for s in re.findall(r"`([^`\n]+)`", text)]

@@ -189,6 +189,19 @@ def test_every_screenshot_links_to_its_full_image(site):
     assert not unlinked, "\n".join(unlinked)
 
 
+def test_no_list_renders_as_a_paragraph(site):
+    """A list needs a blank line before it: without one, markdown keeps its items in the
+    paragraph above, each with a literal "- "."""
+    glued = []
+    for source, page in site.items():
+        for text in page.paragraphs:
+            if m := re.search(r"(?:^|\n)\s*(?:[-+*]|\d+\.) \S.*", text):
+                glued.append(f"{source}: {m.group().strip()[:70]!r}")
+    assert not glued, "a list item inside a paragraph (add a blank line before the list):\n" + (
+        "\n".join(glued)
+    )
+
+
 def test_the_reference_pages_are_what_the_code_gives():
     for path, text in pages().items():
         assert path.exists() and path.read_text() == text, (

@@ -202,6 +202,16 @@ def test_no_list_renders_as_a_paragraph(site):
     )
 
 
+def test_every_page_is_titled_as_the_navigation_names_it():
+    """A page's `# ` heading is its title in mkdocs.yml's nav: the sidebar and the page agree."""
+    wrong = []
+    for source, title in nav_titles().items():
+        first = re.search(r"^# (.+)$", (ROOT / "docs" / source).read_text(), re.M)
+        if first is None or first.group(1).strip() != title:
+            wrong.append(f"{source}: {first and first.group(1)!r}, the nav says {title!r}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_reference_pages_are_what_the_code_gives():
     for path, text in pages().items():
         assert path.exists() and path.read_text() == text, (

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from datamanager.curation import INSTANCE_SEED_BASE
 from datamanager.models import EnvKind
-from training.ranges import Aggregation, LossType, range_error
+from training.ranges import UPDATE_DEFAULTS, Aggregation, LossType, range_error
 
 # UI-TARS-1.5's replies and screenshots (`rollout.prompt` ui-tars-1.5): a Thought and an
 # Action run to hundreds of tokens; a 1920x1080 screenshot is 2,691 prompt tokens.
@@ -300,7 +300,7 @@ class TrainerConfig:
     )
     lr_min_ratio: float = knob(0.1, "Where a decaying schedule ends, as a share of lr.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
-    grad_clip: float = knob(1.0, "Gradient norm clipping.")
+    grad_clip: float = knob(UPDATE_DEFAULTS.max_grad_norm, "Gradient norm clipping.")
     stale_serving_alert: int = knob(
         3,
         "Alert on the run page when an episode under way is still sampled from a version this "
@@ -318,26 +318,44 @@ class TrainerConfig:
         "minutes (environment errors, aborted, rejected or labelled as environment bugs, or "
         "steps too stale to train) exceeds this (0: off).",
     )
-    micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
+    micro_batch: int = knob(
+        UPDATE_DEFAULTS.micro_batch, "Steps per forward/backward (gradient accumulation unit)."
+    )
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
-    loss_type: LossType = knob("ppo", "Token-level PPO clipping or GSPO sequence ratio.")
+    loss_type: LossType = knob(
+        UPDATE_DEFAULTS.loss_type, "Token-level PPO clipping or GSPO sequence ratio."
+    )
     loss_aggregation: Aggregation = knob(
-        "trajectory",
+        UPDATE_DEFAULTS.aggregation,
         "Every trajectory weighs the same, or DART's mean over all tokens (long episodes dominate).",
     )
-    clip_low: float = knob(0.2, "PPO: the token ratio is clipped below at 1 - clip_low.")
-    clip_high: float = knob(0.28, "PPO: the token ratio is clipped above at 1 + clip_high.")
-    gspo_clip_low: float = knob(3e-4, "GSPO: the sequence ratio's lower clip range.")
-    gspo_clip_high: float = knob(4e-4, "GSPO: the sequence ratio's upper clip range.")
-    ppo_epochs: int = knob(1, "Passes over each batch (>1 lets the policy drift from pi_old).")
-    mini_batches: int = knob(1, "Optimizer steps per pass (the batch split into this many).")
+    clip_low: float = knob(
+        UPDATE_DEFAULTS.clip_low, "PPO: the token ratio is clipped below at 1 - clip_low."
+    )
+    clip_high: float = knob(
+        UPDATE_DEFAULTS.clip_high, "PPO: the token ratio is clipped above at 1 + clip_high."
+    )
+    gspo_clip_low: float = knob(
+        UPDATE_DEFAULTS.gspo_clip_low, "GSPO: the sequence ratio's lower clip range."
+    )
+    gspo_clip_high: float = knob(
+        UPDATE_DEFAULTS.gspo_clip_high, "GSPO: the sequence ratio's upper clip range."
+    )
+    ppo_epochs: int = knob(
+        UPDATE_DEFAULTS.ppo_epochs, "Passes over each batch (>1 lets the policy drift from pi_old)."
+    )
+    mini_batches: int = knob(
+        UPDATE_DEFAULTS.mini_batches, "Optimizer steps per pass (the batch split into this many)."
+    )
     kl_coef: float = knob(
-        0.1,
+        UPDATE_DEFAULTS.kl_coef,
         "KL to the initial policy (0 disables and frees the reference model; under LoRA the "
         "reference is the base with the adapters off, no second copy).",
     )
-    bc_weight: float = knob(0.0, "Weight of the behaviour-cloning loss on experience-pool demos.")
+    bc_weight: float = knob(
+        UPDATE_DEFAULTS.bc_weight, "Weight of the behaviour-cloning loss on experience-pool demos."
+    )
     pool_mix_steps: int = knob(
         0,
         "Experience-pool demo steps (a new draw each update) mixed into every RL update and "
@@ -486,12 +504,17 @@ class CurationConfig:
     )
     pool_ratio: float = knob(0.25, "Share of a failed group replaced by pool trajectories.")
     high_entropy: bool = knob(True, "Train only on the highest-entropy steps.")
-    entropy_top_q: float = knob(0.8, "Fraction of steps kept by the entropy filter.")
-    entropy_recenter: bool = knob(
-        True, "Re-centre the kept steps' advantages per group (the filter favours failures)."
+    entropy_top_q: float = knob(
+        UPDATE_DEFAULTS.entropy_top_q, "Fraction of steps kept by the entropy filter."
     )
-    truncated_is: bool = knob(True, "Truncated importance sampling for rollout/trainer mismatch.")
-    is_cap: float = knob(1.0, "Truncation C of the IS weight.")
+    entropy_recenter: bool = knob(
+        UPDATE_DEFAULTS.entropy_recenter,
+        "Re-centre the kept steps' advantages per group (the filter favours failures).",
+    )
+    truncated_is: bool = knob(
+        UPDATE_DEFAULTS.truncated_is, "Truncated importance sampling for rollout/trainer mismatch."
+    )
+    is_cap: float = knob(UPDATE_DEFAULTS.is_cap, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
     # Two: one update in training and one waiting keep the trainer fed; a step collected

@@ -1,9 +1,10 @@
-"""The valid values of each update knob, in one place, each with its one message.
+"""The update's knobs, in one place: their defaults (`UpdateConfig`) and their valid values,
+each with its one message.
 
-`UpdateConfig` (training/update.py) checks its fields here, and the run config
-(datamanager/config.py) checks the trainer and curation knobs that become them here too, so
-a bad value is refused with the same words wherever it is set; the caller puts the setting's
-name in front ("UpdateConfig.clip_low must be in (0, 1) ...", "trainer.clip_low: must be in
+`UpdateConfig` checks its fields here; the run config (datamanager/config.py) takes the
+defaults of its trainer and curation knobs that become them from `UPDATE_DEFAULTS`, and
+checks them here too, so a bad value is refused with the same words wherever it is set;
+the caller puts the setting's name in front ("UpdateConfig.clip_low must be in (0, 1) ...", "trainer.clip_low: must be in
 (0, 1) ..."). No torch here: the web process validates run forms with it.
 
     .venv/bin/python -c "from training.ranges import range_error as e; print(e('is_cap', 0))"
@@ -67,3 +68,51 @@ def range_error(knob: str, value: Any, *, name: str = "") -> str | None:
     if valid.ok(value):
         return None
     return f"{valid.rule.format(name=name or knob)}, got {value!r}"
+
+
+@dataclass
+class UpdateConfig:
+    """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here).
+    Their valid values are training.ranges' (the run config checks its knobs there too)."""
+
+    loss_type: LossType = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
+    # "trajectory": every trajectory weighs the same (its steps averaged, each step a token
+    # mean); "token": DART's mean over all tokens, so long (mostly failed) episodes dominate.
+    aggregation: Aggregation = "trajectory"
+    clip_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_low.
+    clip_high: float = 0.28  # PPO: ratio clipped above at 1 + clip_high (clip-higher).
+    gspo_clip_low: float = 3e-4  # GSPO: sequence ratio clipped below at 1 - gspo_clip_low.
+    gspo_clip_high: float = 4e-4  # GSPO: sequence ratio clipped above at 1 + gspo_clip_high.
+    kl_coef: float = 0.1  # Weight of the k3 KL to the reference policy (0: no ref model needed).
+    bc_weight: float = 0.0  # Weight of behaviour cloning on experience-pool (demo) steps.
+    entropy_top_q: float = 0.8  # Train on this top fraction of steps by entropy (1.0: all).
+    # Re-centre the kept steps' advantages per group after the entropy filter (see
+    # losses.recenter_kept_advantages); False trains DART's uncentred advantages.
+    entropy_recenter: bool = True
+    truncated_is: bool = True  # Multiply the loss by min(pi_old / pi_rollout, is_cap).
+    is_cap: float = 1.0  # Truncation C of the importance weight.
+    adv_eps: float = 1e-6  # Added to the group reward std before dividing.
+    micro_batch: int = 8  # Samples per forward/backward (gradient accumulation unit).
+    mini_batches: int = 1  # Optimizer steps per epoch (the batch split into this many parts).
+    ppo_epochs: int = 1  # Passes over the batch; >1 makes pi_theta drift from pi_old.
+    max_grad_norm: float = 1.0  # Gradient norm clipping before each optimizer step.
+    lr: float | None = None  # This update's learning rate (a schedule's); None: the optimizer's.
+
+    def __post_init__(self) -> None:
+        for knob in UPDATE_RANGES:
+            value = getattr(self, knob)
+            if knob == "lr" and value is None:
+                continue  # the optimizer's own
+            message = range_error(knob, value)
+            if message:
+                raise ValueError(f"UpdateConfig.{knob} {message}")
+
+    @property
+    def pg_clip(self) -> tuple[float, float]:
+        """(clip_low, clip_high) of the configured loss type."""
+        if self.loss_type == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_low, self.clip_high
+
+
+UPDATE_DEFAULTS = UpdateConfig()  # the run config's defaults for the knobs above

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from core.lora import LoraSpec
 from core.procutil import die_with_parent, terminate_pid
 from core.samples import samples_read
+from training.ranges import UPDATE_DEFAULTS
 from training.replicas import Replicas
 from training.trainer import PolicyTrainer
 
@@ -49,7 +50,7 @@ class TrainerSpec:
     run_dir: str
     lr: float
     weight_decay: float = 0.0
-    kl_coef: float = 0.1
+    kl_coef: float = UPDATE_DEFAULTS.kl_coef
     bf16: bool = True
     published_versions: list[int] = field(default_factory=list)
     lora: dict[str, int | bool] | None = None  # LoraSpec's fields

@@ -46,6 +46,7 @@ from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
+from training.ranges import UPDATE_DEFAULTS
 from training.replicas import Replicas
 from training.sharding import (
     full_model_state,
@@ -169,7 +170,7 @@ class PolicyTrainer:
         run_dir: Path,
         lr: float,
         weight_decay: float = 0.0,
-        kl_coef: float = 0.1,
+        kl_coef: float = UPDATE_DEFAULTS.kl_coef,
         device: str = "cpu",
         bf16: bool = True,
         published_versions: Sequence[int] = (),

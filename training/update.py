@@ -42,7 +42,7 @@ from core.losses import (
     truncated_is_weights,
 )
 from core.samples import TrainSample, UpdateMetrics
-from training.ranges import UPDATE_RANGES, Aggregation, LossType, range_error
+from training.ranges import UpdateConfig
 from training.replicas import Replicas
 
 logger = logging.getLogger(__name__)
@@ -67,51 +67,6 @@ def _check_stop(stop: Callable[[], bool] | None, steps_taken: int) -> None:
             )
             + ")"
         )
-
-
-@dataclass
-class UpdateConfig:
-    """Knobs of one policy update (the trainer maps the run's TrainerConfig/CurationConfig here).
-    Their valid values are training.ranges' (the run config checks its knobs there too)."""
-
-    loss_type: LossType = "ppo"  # "ppo": token-level clipped ratio; "gspo": sequence-level ratio.
-    # "trajectory": every trajectory weighs the same (its steps averaged, each step a token
-    # mean); "token": DART's mean over all tokens, so long (mostly failed) episodes dominate.
-    aggregation: Aggregation = "trajectory"
-    clip_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_low.
-    clip_high: float = 0.28  # PPO: ratio clipped above at 1 + clip_high (clip-higher).
-    gspo_clip_low: float = 3e-4  # GSPO: sequence ratio clipped below at 1 - gspo_clip_low.
-    gspo_clip_high: float = 4e-4  # GSPO: sequence ratio clipped above at 1 + gspo_clip_high.
-    kl_coef: float = 0.1  # Weight of the k3 KL to the reference policy (0: no ref model needed).
-    bc_weight: float = 0.0  # Weight of behaviour cloning on experience-pool (demo) steps.
-    entropy_top_q: float = 0.8  # Train on this top fraction of steps by entropy (1.0: all).
-    # Re-centre the kept steps' advantages per group after the entropy filter (see
-    # losses.recenter_kept_advantages); False trains DART's uncentred advantages.
-    entropy_recenter: bool = True
-    truncated_is: bool = True  # Multiply the loss by min(pi_old / pi_rollout, is_cap).
-    is_cap: float = 1.0  # Truncation C of the importance weight.
-    adv_eps: float = 1e-6  # Added to the group reward std before dividing.
-    micro_batch: int = 8  # Samples per forward/backward (gradient accumulation unit).
-    mini_batches: int = 1  # Optimizer steps per epoch (the batch split into this many parts).
-    ppo_epochs: int = 1  # Passes over the batch; >1 makes pi_theta drift from pi_old.
-    max_grad_norm: float = 1.0  # Gradient norm clipping before each optimizer step.
-    lr: float | None = None  # This update's learning rate (a schedule's); None: the optimizer's.
-
-    def __post_init__(self) -> None:
-        for knob in UPDATE_RANGES:
-            value = getattr(self, knob)
-            if knob == "lr" and value is None:
-                continue  # the optimizer's own
-            message = range_error(knob, value)
-            if message:
-                raise ValueError(f"UpdateConfig.{knob} {message}")
-
-    @property
-    def pg_clip(self) -> tuple[float, float]:
-        """(clip_low, clip_high) of the configured loss type."""
-        if self.loss_type == "gspo":
-            return self.gspo_clip_low, self.gspo_clip_high
-        return self.clip_low, self.clip_high
 
 
 @dataclass

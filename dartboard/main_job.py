@@ -25,19 +25,16 @@ MAIN_RUN_NAMES = {
 }
 MAIN_RUN_NAME = MAIN_RUN_NAMES["miniwob"]
 # MiniWoB++ click tasks where RL has room: the shipped policy solves some of their instances
-# greedily and not others (10-70% per task and seed), and RL lifted each in the three seeds
-# of the five-task run (docs/benchmarks.md). Left out: click-test (100%) and focus-text
-# (93%), already solved; click-color (80-100% on the training instances), nearly so; and
-# click-link, which asks the policy to read a word among words (0-40% of instances, 0% held
-# out, +0-1 instances in 30 minutes): their rollouts took the trainer's time and added only
-# noise to the chart.
+# greedily and not others. Left out: tasks it already solves (click-test, focus-text) or
+# nearly (click-color), and click-link, which asks it to read a word among words and which
+# RL barely moved: their rollouts would take the trainer's time and add only noise to the
+# chart (docs/benchmarks.md, *The main job, three seeds*, has the figures).
 MAIN_MINIWOB_TASKS = ["click-test-2", "click-button", "click-dialog"]
 
 # Shared by both presets. CPU-sized: 3 screenshots of context (DART uses 5) keep a 2-core
 # machine's trainer update under a minute; every curation feature is on. The tiny policy was
-# pretrained on first steps only, so one unparsable output ends an episode. lr 5e-5 with
-# fixed instances: +22 points on the training instances in 30 minutes (bench/mainjob.py);
-# 1e-4 learned no faster (docs/benchmarks.md, *What makes RL carry over to held-out seeds*).
+# pretrained on first steps only, so one unparsable output ends an episode. lr 5e-5: 1e-4
+# learned no faster (docs/benchmarks.md, *What makes RL carry over to held-out seeds*).
 _ROLLOUT = {"max_new_tokens": 48, "inference_workers": 1, "max_images": 3, "max_parse_errors": 1}
 # A version's weights (23 MB for the tiny policy) are kept for the newest 10, every 25th, the
 # best and any under evaluation: about 45 versions after 8 hours instead of ~800.
@@ -102,8 +99,8 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
     return RunConfig.from_dict(
         {
             "policy": "shipped",
-            # Fixed training instances, as DART trains on OSWorld's fixed tasks: on them
-            # bench/learning.py measured RL lifting greedy success 32% -> 60% in 30 minutes.
+            # Fixed training instances, as DART trains on OSWorld's fixed tasks: RL learns
+            # them within a 30-minute run (docs/benchmarks.md).
             "tasks": {
                 "split": "train",
                 "names": [f"miniwob/{n}" for n in MAIN_MINIWOB_TASKS],

@@ -47,7 +47,7 @@ from envmanager.xserver import SandboxedDisplay, XServer, XServerError
 WIDTH, HEIGHT = 800, 600
 SCROLL_CLICKS = 3  # wheel clicks per UI-TARS scroll
 # xdotool types ~5 ms a character: a longer text would outlast the step timeout and take the
-# desktop down with it (found by tests/security/test_fuzz_outputs.py with 20,000 characters).
+# desktop down with it (tests/security/test_fuzz_outputs.py types 20,000 characters).
 MAX_TYPE_CHARS = 1000
 SCROLL_BUTTONS = {"up": "4", "down": "5", "left": "6", "right": "7"}
 # After a keyboard-map change, how long the desktop's applications get to read the new map

@@ -160,8 +160,9 @@ def trainer_precision(device: str, *, bf16: bool) -> tuple[torch.dtype, torch.dt
 
 
 class PolicyTrainer:
-    """One run's trainer. Resume rule: the newest checkpoint whose version `accept(version)`
-    confirms (the DB knows it was published); anything newer is an orphan of a crash."""
+    """One run's trainer. Resume rule: the newest checkpoint whose version is among
+    `published_versions` (the database knows it was published); anything newer is an orphan
+    of a crash."""
 
     def __init__(
         self,

@@ -121,10 +121,10 @@ def _claim_budget(run: Run, env_kinds: tuple[str, ...]) -> TaskStat | None:
 
     Each try is a savepoint, rolled back when it takes nothing. PostgreSQL keeps the lock
     of a row that the statement locked and then left out on its recheck (its last claim was
-    taken, and committed, while the statement ran): held on, that lock deadlocked the claim,
-    which next waits for the run row, against the claim opening the next round, which holds
-    the run row and writes every task row (bench/scale.py, 3,000 slots: 32 deadlocks in 10
-    minutes; tests/datamanager/test_episode_locks.py)."""
+    taken, and committed, while the statement ran): held on, that lock would deadlock the
+    claim, which next waits for the run row, against the claim opening the next round, which
+    holds the run row and writes every task row (tests/datamanager/test_episode_locks.py;
+    bench/scale.py runs thousands of slots against it)."""
     rows = TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds, outstanding__gt=0)
     left = {
         pk: curation.Candidate(task_id, outstanding, 0.0 if retired else boost)
@@ -158,15 +158,14 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     Returns None when the run is not running, or has nothing to claim right now. Runs in one
     transaction. A claim locks only the task row it takes (`_claim_budget`: SKIP LOCKED on
     PostgreSQL; on SQLite the IMMEDIATE transaction mode serializes writers). The run row is
-    locked only to open the next round of groups, once no task has a claim left: before,
-    every claim locked it, and at 1,000 slots claims queued on it for seconds
-    (bench/scale.py).
+    locked only to open the next round of groups, once no task has a claim left: were every
+    claim to lock it, a thousand slots' claims would queue on it for seconds (bench/scale.py).
 
     The row locks here and in `trajectory_finish` are FOR NO KEY UPDATE: a plain FOR UPDATE
     also blocks the foreign-key checks of rows that point at the locked one (a finish's
-    TaskStatHistory row points at the run), and with 100 slots a claim holding the run and
-    waiting for a TaskStat row deadlocked against a finish holding that TaskStat row and
-    waiting to insert its history row (bench/scale.py: 68 deadlocks in 90 s).
+    TaskStatHistory row points at the run), so a claim holding the run and waiting for a
+    TaskStat row would deadlock against a finish holding that TaskStat row and waiting to
+    insert its history row (bench/scale.py, with 100 slots and more).
     """
     run = Run.objects.get(pk=run_id)
     if run.status != RunStatus.RUNNING:
@@ -250,9 +249,8 @@ def storable(value: Any) -> Any:
     """`value` with every NUL character of its strings (nested in lists and dicts too) made
     U+FFFD. PostgreSQL's text and jsonb refuse NUL ("text fields cannot contain NUL (0x00)
     bytes"), and an untrained policy's byte-level tokens decode to it: without this, a step
-    the model wrote NUL in ended its episode as an environment error on PostgreSQL only
-    (found by tests/workers/test_osworld_run.py). Training re-uses the token ids, not the
-    text, so nothing it learns from changes."""
+    the model wrote NUL in would end its episode as an environment error on PostgreSQL only.
+    Training re-uses the token ids, not the text, so nothing it learns from changes."""
     if isinstance(value, str):
         return value.replace("\x00", "\ufffd") if "\x00" in value else value
     if isinstance(value, dict):

@@ -64,7 +64,7 @@ class BuiltPage:
 
     headings: list[tuple[int, str, str]] = field(default_factory=list)  # level, id, text
     paragraphs: list[str] = field(default_factory=list)  # each <p>'s text
-    prose: list[tuple[str, bool]] = field(default_factory=list)  # (text, emphasized) outside
+    prose: list[tuple[str, bool]] = field(default_factory=list)  # (text, in <em>) outside
     # code, code blocks and links
     code_spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, inside a link)
     hrefs: list[str] = field(default_factory=list)
@@ -128,7 +128,7 @@ class _ArticleReader(HTMLParser):
         for text in self.texts:
             text.append(data)
         if not self._inside("code", "pre", "a", "script", "style"):
-            self.page.prose.append((data, self._inside("em", "strong")))
+            self.page.prose.append((data, self._inside("em")))
 
 
 def test_the_docs_site_builds_in_strict_mode(site):
@@ -210,6 +210,28 @@ def test_every_page_is_titled_as_the_navigation_names_it():
         if first is None or first.group(1).strip() != title:
             wrong.append(f"{source}: {first and first.group(1)!r}, the nav says {title!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_reference_to_a_page_is_a_link(site):
+    """Prose that names a docs page ("docs/benchmarks.md", "see *Security model*", "*Disk over
+    a long run*") links it: a page's file name, or a page's title (or file name in words) or a
+    section's heading in emphasis or quotes, outside code and links, is a plain-text reference
+    to resolve."""
+    titles = {title.lower() for title in nav_titles().values()}
+    titles |= {Path(source).stem.replace("-", " ") for source in site}  # *Scaling out*
+    headings = {text.lower() for page in site.values() for _, _, text in page.headings}
+    plain = []
+    for source, page in site.items():
+        for text, emphasized in page.prose:
+            for m in re.finditer(r"(?<![\w/.-])(?:docs/)?((?:reference/)?[a-z0-9-]+\.md)\b", text):
+                if m.group(1) in site:
+                    plain.append(f"{source}: {m.group()!r}, not a link to {m.group(1)}")
+            named = [text] if emphasized else []
+            named += re.findall(r"[\"“]([^\"”]+)[\"”]", text)
+            named = [" ".join(name.split()) for name in named]
+            plain += [f"{source}: {name!r}, a page or section named without a link"
+                      for name in named if name.lower() in titles | headings]  # fmt: skip
+    assert not plain, "\n".join(plain)
 
 
 def test_the_reference_pages_are_what_the_code_gives():

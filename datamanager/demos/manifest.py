@@ -1,7 +1,7 @@
 """Dartboard's own upload archive: `manifest.json` and the screenshots it names.
 
     manifest.json = [
-      {"task": "click-button",            # an existing Task name
+      {"task": "miniwob/click-button",    # an existing Task name
        "reward": 1.0,                     # number in [0, 1]
        "instruction": "Click OK",         # optional, the instruction the demo followed
        "steps": [                         # at least one

@@ -29,4 +29,4 @@ COPY . .
 RUN useradd --create-home --home-dir /var/lib/dartboard --uid 10001 dartboard
 USER dartboard
 EXPOSE 8000 8100 8101
-CMD ["python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "dartboard.asgi:application"]
+CMD ["python", "-m", "dartboard.serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -5,8 +5,8 @@ Run: `.venv/bin/python bench/pages.py [--trajectories 10000] [--steps 20] [--scr
 Fills a fresh SQLite database under a temporary DARTBOARD_HOME (bulk_create; screenshots
 are a dozen small real PNGs the steps share), then times each page with Django's test
 Client, logged in (median of --repeat requests), and prints a markdown table. With
---screenshots it also serves the same data with daphne and saves a PNG of each page
-(headless chromium via Playwright) for the README.
+--screenshots it also serves the same data with the web server (`dartboard.serve`) and
+saves a PNG of each page (headless chromium via Playwright) for the README.
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def measure(*, run_id: int, repeat: int) -> list[tuple[str, str, float, int]]:
 
 
 def screenshots(*, run_id: int, out: Path) -> None:
-    """Serve the bench database with daphne and save a PNG of each page."""
+    """Serve the bench database with the web server and save a PNG of each page."""
     from django.conf import settings
 
     from bench.capture import capture_pages
@@ -392,8 +392,7 @@ def screenshots(*, run_id: int, out: Path) -> None:
         port = s.getsockname()[1]
     with EmbeddedRedis(settings.REDIS_SOCKET):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-             "dartboard.asgi:application"],
+            [sys.executable, "-m", "dartboard.serve", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"

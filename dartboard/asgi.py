@@ -1,6 +1,6 @@
 """ASGI entry point: HTTP through Django, WebSockets through Channels (login required).
 
-Run: `daphne -b 127.0.0.1 -p 8000 dartboard.asgi:application`.
+Run: `python -m dartboard.serve --host 127.0.0.1 --port 8000` (uvicorn; serve.py says why).
 """
 
 import os

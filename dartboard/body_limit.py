@@ -2,13 +2,16 @@
 
 Django's ASGI handler reads a request's whole body into a temporary file before any view
 runs, so a size check in a form (the upload's) comes after the disk has taken all of it.
-`BodyLimit` refuses a body past its path's limit with 413 before Django sees it: at once,
-nothing read, when Content-Length declares too much; else as soon as the bytes received pass
-the limit (a chunked body). The demonstration upload may carry MAX_UPLOAD_BYTES of .zip plus
-its form; every other request is a form or a JSON call.
+`BodyLimit` counts the body as the server hands it on and refuses a body past its path's
+limit with 413: at once, nothing read, when Content-Length declares too much; else as soon as
+the bytes received pass the limit (a chunked body), and Django, told the client left, drops
+what it spooled (never more than the limit). The demonstration upload may carry
+MAX_UPLOAD_BYTES of .zip plus its form; every other request is a form or a JSON call.
 
-Daphne itself (twisted) buffers a body before it calls the application: in deployment the
-TLS proxy's limit (deploy/Caddyfile, request_body) stops a body before it reaches daphne.
+This holds under a server that passes the body on as it arrives, as `dartboard.serve`
+(uvicorn) does; daphne buffers a whole body before it calls the application, which is why the
+web does not run on daphne (serve.py). In deployment the TLS proxy (deploy/Caddyfile,
+request_body) also cuts a body at the edge, with the same limits.
 """
 
 from __future__ import annotations

@@ -250,13 +250,10 @@ CELERY = [sys.executable, "-m", "celery", "-A", "dartboard", "worker", "--loglev
 
 
 def stack_specs(*, host: str, port: int) -> list[ProcSpec]:
-    """What every launcher runs: web (daphne), the default Celery worker and Celery beat (the
-    runs watchdog)."""
+    """What every launcher runs: web (`dartboard.serve`), the default Celery worker and Celery
+    beat (the runs watchdog)."""
     return [
-        ProcSpec(
-            "web",
-            python_argv("-m", "daphne", "-b", host, "-p", str(port), "dartboard.asgi:application"),
-        ),
+        ProcSpec("web", python_argv("-m", "dartboard.serve", "--host", host, "--port", str(port))),
         ProcSpec(
             "worker-default",
             [*CELERY, "-Q", "default", "--pool=threads", "--concurrency=4", "-n", "default@%h"],

@@ -1,5 +1,6 @@
-"""The API's tests: a daphne serving the test database for the whole session (the API as a
-deployment serves it, body limit included), and people with tokens, each an httpx client."""
+"""The API's tests: the web server serving the test database for the whole session (the API
+as a deployment serves it, body limit included), and people with tokens, each an httpx
+client."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import httpx
 import pytest
 
 from tests.conftest import subprocess_environ, user_in_role
-from tests.dartboard.test_browser import running_daphne
+from tests.dartboard.test_browser import running_web
 from tests.helpers import needs
 
 
 @pytest.fixture(scope="session")
 @needs("live")
 def api_url(django_db_setup, django_db_blocker) -> Iterator[str]:
-    """The URL of a daphne on the test database, for the session."""
+    """The URL of the web server on the test database, for the session."""
     env = {**subprocess_environ(), "DARTBOARD_API_WRITES_PER_MINUTE": "100000"}
     # Its first request loads the API's URLconf and schema code: on a loaded 2-core machine
     # that took over 30 s.
-    with running_daphne(env, timeout=120) as url:
+    with running_web(env, timeout=120) as url:
         yield url
 
 

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from datamanager.models import ApiToken, Run
 from tests.api.conftest import problem_of
-from tests.dartboard.test_browser import running_daphne
+from tests.dartboard.test_browser import running_web
 
 
 def test_a_token_is_made_on_the_account_page_shown_once_and_revoked_there(api_url, api, ada_client):
@@ -80,7 +80,7 @@ def test_writes_are_limited_per_token_and_reads_are_not(subprocess_env, django_u
     ada.groups.add(role_group("operator"))
     first, second = (api_token_create(user=ada, name=n).secret for n in ("a", "b"))
     env = {**subprocess_env, "DARTBOARD_API_WRITES_PER_MINUTE": "3"}
-    with running_daphne(env) as url:
+    with running_web(env) as url:
         one = httpx.Client(base_url=f"{url}/api/v1/", headers={"Authorization": f"Bearer {first}"})
         body = {"name": "r", "config": {"policy": "oracle"}}
         codes = [one.post("runs/", json=body).status_code for _ in range(4)]

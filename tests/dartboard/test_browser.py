@@ -1,6 +1,6 @@
-"""The dashboard in a real chromium against daphne (HTTP + WebSockets), with events from the
-services an env worker calls: create and start a run, watch a tile update live, inspect the
-trajectory with the arrow keys, promote it and override its reward."""
+"""The dashboard in a real chromium against the web server (HTTP + WebSockets), with events
+from the services an env worker calls: create and start a run, watch a tile update live,
+inspect the trajectory with the arrow keys, promote it and override its reward."""
 
 from __future__ import annotations
 
@@ -48,27 +48,35 @@ def in_thread(fn, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def running_daphne(env: dict[str, str], *, timeout: float = 30) -> Iterator[str]:
-    """The dashboard served by a daphne process with `env`; its URL (once its health page
-    answers, within `timeout` seconds)."""
+def running_web(env: dict[str, str], *, timeout: float = 30) -> Iterator[str]:
+    """The dashboard served by `dartboard.serve` (as `make run` starts it) with `env`; its URL
+    (once its health page answers, within `timeout` seconds)."""
+    with running_web_process(env, timeout=timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def running_web_process(
+    env: dict[str, str], *, timeout: float = 30
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`running_web`'s URL and the server's process."""
     port = free_port()
-    with server_log("daphne") as log:
+    with server_log("web") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-             "dartboard.asgi:application"],
+            [sys.executable, "-m", "dartboard.serve", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_answering(f"{url}/health/", proc, what="daphne", log=log.name, timeout=timeout)
-        yield url
+        wait_answering(f"{url}/health/", proc, what="web", log=log.name, timeout=timeout)
+        yield url, proc
     finally:
         terminate_pid(proc.pid, timeout=10)
 
 
 @pytest.fixture
-def daphne(subprocess_env):
-    with running_daphne(subprocess_env) as url:
+def web(subprocess_env):
+    with running_web(subprocess_env) as url:
         yield url
 
 
@@ -99,7 +107,7 @@ def record(trajectory_id: int, index: int, action: dict) -> None:
     )  # fmt: skip
 
 
-def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, tiny_policy_dir):
+def test_researcher_runs_watches_inspects_and_curates(web, researcher, page, tiny_policy_dir):
     from datamanager.models import EnvSlot, Run, Task, Trajectory
     from datamanager.roles import role_group
     from datamanager.services.episodes import task_claim, taskstats_ensure, trajectory_finish
@@ -111,11 +119,11 @@ def test_researcher_runs_watches_inspects_and_curates(daphne, researcher, page, 
     # A run on a checkpoint path is an admin's to create: Ada is the lab's admin here.
     in_thread(lambda: researcher.groups.add(role_group("admin")))
 
-    page.goto(f"{daphne}/accounts/login/")
+    page.goto(f"{web}/accounts/login/")
     page.fill("input[name=username]", "ada")
     page.fill("input[name=password]", "lovelace-pass-1")
     page.click("button[type=submit]")
-    page.goto(f"{daphne}/runs/new/")
+    page.goto(f"{web}/runs/new/")
     page.fill("input[name=name]", "browser run")
     page.fill("input[name=policy]", str(tiny_policy_dir))
     page.fill("input[name='trainer.lr']", "-3")
@@ -188,7 +196,7 @@ def test_the_run_page_says_while_redis_is_down(subprocess_env, researcher, page,
     redis = EmbeddedRedis(tmp_path / "r" / "redis.sock")
     redis.start()
     try:
-        with running_daphne({**subprocess_env, "REDIS_URL": redis.url}) as url:
+        with running_web({**subprocess_env, "REDIS_URL": redis.url}) as url:
             in_thread(make_tasks, 1)
             run = in_thread(make_running_run)
             _log_in_as_ada(page, url, researcher)

@@ -1,7 +1,7 @@
-"""The review views in a real chromium against daphne: open a GRPO group from a point of the
-groups chart, compare two checkpoints' episodes, filter the trajectory list by a reward bin,
-and label three failures with the keyboard, then see a real update of the tiny policy leave
-them out."""
+"""The review views in a real chromium against the web server: open a GRPO group from a point
+of the groups chart, compare two checkpoints' episodes, filter the trajectory list by a reward
+bin, and label three failures with the keyboard, then see a real update of the tiny policy
+leave them out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from tests.dartboard.test_browser import _log_in_as_ada, in_thread, page, running_daphne  # noqa: F401
+from tests.dartboard.test_browser import _log_in_as_ada, in_thread, page, running_web  # noqa: F401
 from tests.datamanager.factories import make_running_run, make_tasks, play
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 @pytest.fixture
 def dashboard(subprocess_env, researcher, page):  # noqa: F811
-    """(page, url): Ada signed in to a daphne serving the test database."""
-    with running_daphne(subprocess_env) as url:
+    """(page, url): Ada signed in to the web server serving the test database."""
+    with running_web(subprocess_env) as url:
         _log_in_as_ada(page, url, researcher)
         page.wait_for_selector("text=Log out")
         yield page, url

@@ -1,7 +1,11 @@
 """The docs tell the truth: the site builds in strict mode (a dead link or a page missing
 from the nav fails), the generated reference matches the code, every command, script and
 flag the README and docs name exists, the documented apt list is what make installs, and
-the environment table lists exactly the variables the code reads."""
+the environment table lists exactly the variables the code reads.
+
+And they read as a site (the built pages, read once per session): a long page has sections,
+a page is titled as the navigation names it, a list renders as a list, a page or a run
+setting the prose names is a link to it, and a screenshot opens whole."""
 
 from __future__ import annotations
 
@@ -37,14 +41,14 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BuiltPage]:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    pages = {}
+    built = {}
     for source in nav_titles():
         html = out / _url(source).lstrip("/") / "index.html"
         article = re.search(r'<article class="md-content__inner md-typeset">(.*?)</article>',
                             html.read_text(), re.S)  # fmt: skip
         assert article, f"{html}: no article (the theme's layout moved)"
-        pages[source] = BuiltPage.read(article.group(1))
-    return pages
+        built[source] = BuiltPage.read(article.group(1))
+    return built
 
 
 def nav_titles() -> dict[str, str]:
@@ -66,7 +70,7 @@ class BuiltPage:
     paragraphs: list[str] = field(default_factory=list)  # each <p>'s text
     prose: list[tuple[str, bool]] = field(default_factory=list)  # (text, in <em>) outside
     # code, code blocks and links
-    code_spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, inside a link)
+    code_spans: list[str] = field(default_factory=list)  # inline code, not code blocks
     hrefs: list[str] = field(default_factory=list)
     images: list[tuple[str, str | None]] = field(default_factory=list)  # (src, enclosing href)
 
@@ -115,7 +119,7 @@ class _ArticleReader(HTMLParser):
                 if opened == "p":
                     self.page.paragraphs.append(text)
                 elif opened == "code" and not self._inside("pre"):
-                    self.page.code_spans.append((text, self._inside("a")))
+                    self.page.code_spans.append(text)
                 elif opened.startswith("h"):
                     self.page.headings.append((int(opened[1]), attributes.get("id") or "",
                                                text.strip()))  # fmt: skip
@@ -160,6 +164,10 @@ def _targets(source: str, page: BuiltPage) -> set[tuple[str, str]]:
     return out
 
 
+# A setting alone, or with its value: `trainer.lr`, `trainer.lr=1e-5`, `trainer.lora_rank 8`.
+SETTING_IN_CODE = re.compile(r"([a-z_]+(?:\.[a-z0-9_]+)?)(?:$| ?= ?\S*$| \S+$)")
+
+
 def test_every_setting_a_page_names_links_to_its_reference(site):
     """A page naming a run setting in code (`curation.staleness_k`, `trainer.lora_rank 8`,
     `trainer.lr=1e-5`) links it to its row of the settings reference at least once
@@ -171,15 +179,15 @@ def test_every_setting_a_page_names_links_to_its_reference(site):
             continue  # where the anchors are
         linked = {anchor for url, anchor in _targets(source, page)
                   if url == _url("reference/settings.md")}  # fmt: skip
-        named = {m.group(1) for span, _ in page.code_spans
-                 if (m := re.match(r"([a-z_]+(?:\.[a-z0-9_]+)?)(?:$| ?= ?\S*$| \S+$)", span))}  # fmt: skip
+        named = {m.group(1) for span in page.code_spans if (m := SETTING_IN_CODE.match(span))}
         unlinked += [f"{source}: `{name}` without a link to reference/settings.md#{name}"
                      for name in sorted(named & names - linked)]  # fmt: skip
     assert not unlinked, "\n".join(unlinked)
 
 
 def test_every_screenshot_links_to_its_full_image(site):
-    """A screenshot shown small (in a table of the dashboard page) opens whole on a click."""
+    """An image is a link to its own file: a screenshot shown small (the dashboard page's
+    tables) opens whole on a click."""
     unlinked = []
     for source, page in site.items():
         for src, href in page.images:

@@ -39,7 +39,7 @@ from core.actions import format_screen_action  # noqa: E402
 from core.imaging import ImageGeometry  # noqa: E402
 from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from rollout.client import Completion  # noqa: E402
-from rollout.episode import EpisodeConfig, ListRecorder, Outcome, run_episode  # noqa: E402
+from rollout.episode import EpisodeConfig, ListRecorder, Outcome, play_episode  # noqa: E402
 
 POLICIES = {
     "shipped": ROOT / "policies" / "tiny-grounded",
@@ -101,7 +101,7 @@ def play(env, endpoint, *, task: str, config: EpisodeConfig) -> dict:
         instruction=desktop_task(name=task).instruction,
     )
     recorder = ListRecorder()
-    result = run_episode(env=env, policy=endpoint, recorder=recorder, task=spec, config=config)
+    result = play_episode(env=env, policy=endpoint, recorder=recorder, task=spec, config=config)
     actions = [
         (s.action or {}).get("type", "unparsable") if not s.parse_error else "unparsable"
         for s in recorder.steps

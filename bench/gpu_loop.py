@@ -110,7 +110,7 @@ def run_group(url: str, screens: list[bytes], geometry, *, max_new_tokens: int,
     """EPISODES episodes at once through the episode runner, UI-TARS-1.5's prompt."""
     from core.protocol import TaskSpec
     from rollout.client import PolicyClient
-    from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+    from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 
     client = RecordingClient(PolicyClient(url, timeout=900))
     config = EpisodeConfig(step_cap=steps, max_images=SCREENS, max_prompt_tokens=32768,
@@ -120,7 +120,7 @@ def run_group(url: str, screens: list[bytes], geometry, *, max_new_tokens: int,
 
     def one(i: int) -> None:
         client.current.episode = i
-        results[i] = run_episode(env=ScreensEnv(screens, succeeds=i % 2 == 0), policy=client,
+        results[i] = play_episode(env=ScreensEnv(screens, succeeds=i % 2 == 0), policy=client,
                                  recorder=ListRecorder(), task=TaskSpec("stand-in", "sim"),
                                  config=config)  # fmt: skip
 

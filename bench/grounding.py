@@ -37,7 +37,7 @@ from core.imaging import ImageGeometry  # noqa: E402
 from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from envmanager.grounding_screens import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 from rollout.client import Completion  # noqa: E402
-from rollout.episode import EpisodeConfig, ListRecorder, Outcome, run_episode  # noqa: E402
+from rollout.episode import EpisodeConfig, ListRecorder, Outcome, play_episode  # noqa: E402
 
 SHIPPED = ROOT / "policies" / "tiny-grounded"
 
@@ -99,7 +99,7 @@ def play(env, endpoint, *, task: str, seed: int) -> dict:
     spec = TaskSpec(
         name=f"miniwob/{task}", env_kind="miniwob", env_config={"task": task}, seed=seed
     )
-    result = run_episode(env=env, policy=endpoint, recorder=recorder, task=spec, config=config)
+    result = play_episode(env=env, policy=endpoint, recorder=recorder, task=spec, config=config)
     parsed = bool(recorder.steps) and not recorder.steps[0].parse_error
     return {"success": result.status == Outcome.SUCCEEDED, "parsed": parsed}
 

@@ -5,7 +5,7 @@
 Per step, the platform writes the Step row (and updates its trajectory), stores the
 screenshot in media storage, and publishes the live-wall event to Redis after commit; the
 request to the policy also passes through the router. Each part is timed on its own and
-together (the real `step_record` service), and compared with a 100 ms environment step.
+together (the real `step_store` service), and compared with a 100 ms environment step.
 The PostgreSQL run is skipped (said so) when no server answers.
 """
 
@@ -70,6 +70,7 @@ def child(steps: int) -> dict:
     from datamanager.models import Run, RunStatus, Step, Task, Trajectory
     from datamanager.services import episodes
     from datamanager.services.runs import run_create
+    from rollout.episode import StepRecord
 
     call_command("migrate", verbosity=0)
     png = _png()
@@ -97,7 +98,8 @@ def child(steps: int) -> dict:
     head = episodes.trajectory_head(trajectory_id=traj.pk)  # read once per episode by a slot
 
     def full(i):
-        episodes.step_record(trajectory_id=traj.pk, index=i, screenshot_png=png, head=head, **kw)
+        record = StepRecord(index=i, screenshot_png=png, **kw)
+        episodes.step_store(head=head, record=record)
 
     def row_only(i):
         Step.objects.create(
@@ -120,7 +122,7 @@ def child(steps: int) -> dict:
         )
 
     return {
-        "step_record (all of it)": _timeit(full, steps),
+        "step_store (all of it)": _timeit(full, steps),
         "  database rows": _timeit(row_only, steps),
         "  screenshot storage": _timeit(storage, steps),
         "  live event publish": _timeit(event, steps),

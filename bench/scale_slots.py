@@ -104,9 +104,9 @@ class Timings:
 
 class StepWriter(threading.Thread):
     """Writes the steps the process's slots record, many per transaction
-    (datamanager.services.steps.steps_record_many): a slot hands its step over and waits
+    (datamanager.services.steps.steps_store_many): a slot hands its step over and waits
     until it is committed. With --batch-steps 0 each step is written alone on the pool
-    (episodes.step_store through the episode runner's DbRecorder), as serve_slot does."""
+    (episodes.step_store through the episode runner's DbRecorder), as serve_slice does."""
 
     def __init__(self, timings: Timings, max_batch: int) -> None:
         super().__init__(daemon=True, name="steps")
@@ -124,7 +124,7 @@ class StepWriter(threading.Thread):
     def run(self) -> None:
         from django.db import connection
 
-        from datamanager.services.steps import steps_record_many
+        from datamanager.services.steps import steps_store_many
         from workers.dbutil import db_retry
 
         while (first := self.queue.get()) is not None:
@@ -142,7 +142,7 @@ class StepWriter(threading.Thread):
             started = time.perf_counter()
             try:
                 db_retry(
-                    lambda attempt, ws=writes: steps_record_many(writes=ws, resume=attempt > 0),
+                    lambda attempt, ws=writes: steps_store_many(writes=ws, resume=attempt > 0),
                     what=f"recording {len(writes)} steps",
                 )
             except Exception as exc:
@@ -286,7 +286,7 @@ class Fleet:
         env = ObservedEnv(BusyEnv(sim, clock), oracle)
         while time.time() < args.until:
             started = time.perf_counter()
-            # As serve_slot does: a transient database error (a deadlock, a restart) is
+            # As serve_slice does: a transient database error (a deadlock, a restart) is
             # tried again (workers/dbutil.py), not the end of the slot.
             claim = pool.call(
                 partial(

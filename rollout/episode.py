@@ -147,7 +147,7 @@ def _env_call(fn, *args) -> tuple[Any, float]:
     return out, (time.perf_counter() - started) * 1000.0
 
 
-def run_episode(
+def play_episode(
     *,
     env: Env,
     policy: PolicyEndpoint,
@@ -162,7 +162,7 @@ def run_episode(
     the whole batch's resets) and the episode leaves the pacer when its last turn is over,
     before its evaluation, or when anything raises."""
     try:
-        return _run_episode(
+        return _episode_loop(
             env=env, policy=policy, recorder=recorder, task=task, config=config, pacer=pacer
         )
     finally:
@@ -170,7 +170,7 @@ def run_episode(
             pacer.leave()
 
 
-def _run_episode(
+def _episode_loop(
     *,
     env: Env,
     policy: PolicyEndpoint,

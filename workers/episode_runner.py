@@ -34,7 +34,7 @@ from core.protocol import Env, EnvUnavailable, TaskSpec
 from datamanager.models import Task, Trajectory, TrajectoryStatus
 from datamanager.services import episodes
 from rollout.client import InferenceError
-from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, StepRecord, run_episode
+from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, StepRecord, play_episode
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
 from workers.disk import is_disk_full, run_pause_for_disk
 
@@ -156,7 +156,7 @@ def episode_run(
     raises (the database away past the retry budget even then)."""
     fields: dict[str, Any] = {"reward": None}
     try:
-        result = run_episode(
+        result = play_episode(
             env=env.open(), policy=policy, recorder=recorder, task=task, config=config, pacer=pacer
         )
     except Exception as exc:

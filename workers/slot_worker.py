@@ -1,6 +1,6 @@
 """Env slots: a worker process owns one long-lived environment and runs episodes on it.
 
-`serve_slot` is called by the Celery task in `workers.tasks` (queue `env`, one solo
+`serve_slice` is called by the Celery task in `workers.tasks` (queue `env`, one solo
 worker process per slot). It claims tasks rollout-wise, runs episodes, records every step,
 and keeps a heartbeat on its `EnvSlot` row. A reset/step that raises or times out marks the
 trajectory `error` with the exception text, recreates the environment and goes on; after
@@ -137,7 +137,7 @@ def inference_urls(*, run_id: int) -> list[str]:
     return [own] if own else list(settings.DARTBOARD_INFERENCE_URLS)
 
 
-def serve_slot(
+def serve_slice(
     *,
     run_id: int,
     backend: str,
@@ -342,7 +342,7 @@ def serve_lockstep_episode(
             timeout_s=float(lockstep["timeout_s"]),
         )
     try:
-        reason = serve_slot(
+        reason = serve_slice(
             run_id=run_id,
             backend=backend,
             index=index,

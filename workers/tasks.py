@@ -18,7 +18,7 @@ from workers.dbutil import is_outage
 from workers.evaluation import eval_shard_serve
 from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
 from workers.lifecycle import shutdown_requested
-from workers.slot_worker import serve_lockstep_episode, serve_slot
+from workers.slot_worker import serve_lockstep_episode, serve_slice
 from workers.sync_loop import sync_for
 from workers.training_loop import train_for, trainer_drive
 from workers.watchdog import watchdog_pass
@@ -33,7 +33,7 @@ def slot_serve(run_id: int, backend: str, index: int) -> str:
     work = slot_work(run_id=run_id, backend=backend, index=index)
     work_started(work)
     while True:
-        outcome = serve_slot(
+        outcome = serve_slice(
             run_id=run_id, backend=backend, index=index, max_seconds=SLOT_SLICE_SECONDS
         )
         if not outcome.keep_going:

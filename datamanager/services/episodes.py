@@ -260,55 +260,6 @@ def storable(value: Any) -> Any:
     return value
 
 
-def step_record(
-    *,
-    trajectory_id: int,
-    index: int,
-    screenshot_png: bytes,
-    width: int,
-    height: int,
-    raw_output: str,
-    thought: str,
-    action: dict[str, Any] | None,
-    parse_error: str,
-    prompt_tokens: int,
-    response_tokens: int,
-    rollout_logprobs: list[float],
-    response_token_ids: list[int] | None = None,
-    mean_entropy: float | None,
-    policy_version: int | None,
-    env_ms: float | None,
-    model_ms: float | None,
-    head: TrajectoryHead | None = None,
-    resume: bool = False,
-) -> Step:
-    """`step_store` of a step given field by field (its trajectory's head read here when
-    none is given)."""
-    if head is None:
-        head = trajectory_head(trajectory_id=trajectory_id)
-    elif head.pk != trajectory_id:
-        raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
-    record = StepRecord(
-        index=index,
-        screenshot_png=screenshot_png,
-        width=width,
-        height=height,
-        raw_output=raw_output,
-        thought=thought,
-        action=action,
-        parse_error=parse_error,
-        prompt_tokens=prompt_tokens,
-        response_tokens=response_tokens,
-        rollout_logprobs=rollout_logprobs,
-        response_token_ids=response_token_ids or [],
-        mean_entropy=mean_entropy,
-        policy_version=policy_version,
-        env_ms=env_ms,
-        model_ms=model_ms,
-    )
-    return step_store(head=head, record=record, resume=resume)
-
-
 def step_store(*, head: TrajectoryHead, record: StepRecord, resume: bool = False) -> Step:
     """Store one step (the screenshot the policy saw, its output, the action taken).
 

@@ -3,7 +3,7 @@
 `episodes.step_store` stores one step in two autocommit statements, so each step costs two
 commits, and on PostgreSQL with synchronous_commit each commit waits for its WAL flush. A
 process that serves hundreds of slots (bench/scale.py's driver) collects the steps its slots
-record within a few milliseconds and writes them with `steps_record_many`: one transaction,
+record within a few milliseconds and writes them with `steps_store_many`: one transaction,
 one multi-row INSERT, one UPDATE of the trajectories' lengths, one commit. Each slot still
 waits until its step is committed, so a recorded step is a stored step, as before.
 """
@@ -28,7 +28,7 @@ class StepWrite:
     record: StepRecord
 
 
-def steps_record_many(*, writes: list[StepWrite], resume: bool = False) -> int:
+def steps_store_many(*, writes: list[StepWrite], resume: bool = False) -> int:
     """Store `writes` (steps of any trajectories, each owned by the caller's slots) in one
     transaction, each row, screenshot and dashboard event as `episodes.step_store` makes
     it. Returns how many rows were inserted.

@@ -6,12 +6,12 @@ from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, Run, Task, Trajectory
 from datamanager.services import runs as services
 from datamanager.services.episodes import (
-    step_record,
     task_claim,
     taskstats_ensure,
     trajectory_finish,
 )
 from tests.conftest import png_bytes
+from tests.datamanager.factories import step_record
 
 
 def make_run(owner=None, name="click-run", **cfg) -> Run:

@@ -96,7 +96,7 @@ def page(monkeypatch):
 
 
 def record(trajectory_id: int, index: int, action: dict) -> None:
-    from datamanager.services.episodes import step_record
+    from tests.datamanager.factories import step_record
 
     step_record(
         trajectory_id=trajectory_id, index=index, screenshot_png=png_bytes(color=(40 * index, 120, 200)),

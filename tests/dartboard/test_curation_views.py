@@ -20,12 +20,12 @@ from datamanager.services import review as curate
 from datamanager.services import runs as services
 from datamanager.services.demos import demos_import, demos_read
 from datamanager.services.episodes import (
-    step_record,
     task_claim,
     taskstats_ensure,
     trajectory_finish,
 )
 from tests.conftest import png_bytes
+from tests.datamanager.factories import step_record
 
 pytestmark = pytest.mark.django_db
 

@@ -183,7 +183,7 @@ def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
 def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worker_dies(
     ada_client, settings, live_work_keys_cleared
 ):
-    """A run's two sim slots through a time-slice hand-over (a real `serve_slot` ends its
+    """A run's two sim slots through a time-slice hand-over (a real `serve_slice` ends its
     slice), the next worker taking the slot, and a worker killed: the wall keeps one tile
     per slot and says `lost` only for the dead worker's slot; the host map counts the two
     slots the run has and says `down` only when that host's last worker is gone."""
@@ -201,7 +201,7 @@ def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worke
     Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})
     run = make_running_run({"policy": "oracle", "tasks": {"env_kinds": ["sim"]},
                             "env": {"miniwob_slots": 0, "sim_slots": 2}})  # fmt: skip
-    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=1.0)
+    outcome = slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=1.0)
     assert outcome.reason == "time slice over"
     first = EnvSlot.objects.get(run=run, key="sim:0")
     assert first.status == SlotStatus.RELEASED
@@ -256,13 +256,13 @@ def test_the_evaluation_slot_hands_over_between_episodes_and_the_others_keep_tra
         client.set(eval_shard_work(job_id=job.pk, shard=0, shards=1).pending_key, "0")
     finally:
         client.close()
-    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=5)
+    outcome = slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=5)
     assert outcome == slot_worker.SlotOutcome(
         True, f"handed over to evaluation #{job.pk} shard 1/1"
     )
     assert EnvSlot.objects.get(run=run, key="sim:0").status == SlotStatus.RELEASED
     assert not Trajectory.objects.filter(run=run, purpose="train").exists()
-    outcome = slot_worker.serve_slot(run_id=run.pk, backend="sim", index=1, max_seconds=1.0)
+    outcome = slot_worker.serve_slice(run_id=run.pk, backend="sim", index=1, max_seconds=1.0)
     assert outcome.reason == "time slice over"
     assert Trajectory.objects.filter(run=run, purpose="train").exists()
     client = redis_client()

@@ -12,7 +12,7 @@ import pytest
 from datamanager.models import PolicyVersion, TrainUpdate
 from datamanager.services import episodes
 from tests.conftest import png_bytes
-from tests.datamanager.factories import make_running_run, make_tasks
+from tests.datamanager.factories import make_running_run, make_tasks, step_record
 
 pytestmark = pytest.mark.django_db
 
@@ -59,7 +59,7 @@ def _running_episode(run, *, version: int) -> int:
     """An episode under way whose newest step was sampled from `version`."""
     claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
     assert claim is not None
-    episodes.step_record(
+    step_record(
         trajectory_id=claim.trajectory_id, index=0, screenshot_png=png_bytes(), width=160,
         height=210, raw_output="Action: wait()", thought="", action={"type": "wait"},
         parse_error="", prompt_tokens=10, response_tokens=3, rollout_logprobs=[],

@@ -4,7 +4,7 @@ Each host is a Linux network namespace of the test's own (tests/netns.py) with i
 hostname and its own DARTBOARD_HOME, and no directory in common:
 - host "svc": PostgreSQL, Redis (with a password) and moto's S3 server, listening only on
   its veth address;
-- host A: the web (daphne), the default and train workers and Celery beat (the watchdog);
+- host A: the web (`dartboard.serve`), the default and train workers and Celery beat (the watchdog);
 - host B: two env workers (real chromium, MiniWoB++);
 - host C: the router, and an inference worker that registers itself with it.
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 from datamanager.models import EnvSlot, EvalJob, Purpose, Step, TaskGroup, TrainUpdate, Trajectory
 from datamanager.services import episodes
 from tests.conftest import png_bytes
-from tests.datamanager.factories import make_running_run, make_tasks, play
+from tests.datamanager.factories import make_running_run, make_tasks, play, step_record
 
 pytestmark = pytest.mark.django_db
 
@@ -88,7 +88,7 @@ def _eval_episode(job: EvalJob, task, seed: int, actions: list[dict], success: b
         task=task, purpose=Purpose.EVAL, eval_job=job, seed=seed, status="running"
     )
     for i, action in enumerate(actions):
-        episodes.step_record(
+        step_record(
             trajectory_id=traj.pk, index=i, screenshot_png=png_bytes(color=(i * 30, 90, 200)),
             width=160, height=210, raw_output="Action: ...", thought="", action=action,
             parse_error="", prompt_tokens=10, response_tokens=3, rollout_logprobs=[],

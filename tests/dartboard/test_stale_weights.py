@@ -27,7 +27,7 @@ def _round(run, url: str, settings, admin) -> None:
     """Four episodes (one group) served by the server at `url`; half re-rewarded to 1."""
     settings.DARTBOARD_INFERENCE_URLS = [url]
     before = set(Trajectory.objects.filter(run=run).values_list("pk", flat=True))
-    outcome = slot_worker.serve_slot(
+    outcome = slot_worker.serve_slice(
         run_id=run.pk, backend="sim", index=0, max_seconds=180, max_episodes=4
     )
     assert outcome.reason == "4 episodes done", outcome

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from datamanager.config import RunConfig
-from datamanager.models import Run, RunStatus, Task
+from datamanager.models import Run, RunStatus, Step, Task
 from datamanager.services import episodes
 from datamanager.services.runs import run_create
+from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 
 
@@ -47,7 +49,7 @@ def play(
     assert claim is not None
     for i in range(steps):
         x, y = rng.randrange(10, 150), rng.randrange(60, 200)
-        episodes.step_record(
+        step_record(
             trajectory_id=claim.trajectory_id,
             index=i,
             screenshot_png=png_bytes(color=(i * 20, 90, 200)),
@@ -71,3 +73,52 @@ def play(
         reward=1.0 if success else 0.0,
     )
     return claim.trajectory_id
+
+
+def step_record(
+    *,
+    trajectory_id: int,
+    index: int,
+    screenshot_png: bytes,
+    width: int,
+    height: int,
+    raw_output: str,
+    thought: str,
+    action: dict[str, Any] | None,
+    parse_error: str,
+    prompt_tokens: int,
+    response_tokens: int,
+    rollout_logprobs: list[float],
+    response_token_ids: list[int] | None = None,
+    mean_entropy: float | None,
+    policy_version: int | None,
+    env_ms: float | None,
+    model_ms: float | None,
+    head: episodes.TrajectoryHead | None = None,
+    resume: bool = False,
+) -> Step:
+    """`episodes.step_store` of a step given field by field, as the tests write them (its
+    trajectory's head read here when none is given)."""
+    if head is None:
+        head = episodes.trajectory_head(trajectory_id=trajectory_id)
+    elif head.pk != trajectory_id:
+        raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
+    record = StepRecord(
+        index=index,
+        screenshot_png=screenshot_png,
+        width=width,
+        height=height,
+        raw_output=raw_output,
+        thought=thought,
+        action=action,
+        parse_error=parse_error,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        rollout_logprobs=rollout_logprobs,
+        response_token_ids=response_token_ids or [],
+        mean_entropy=mean_entropy,
+        policy_version=policy_version,
+        env_ms=env_ms,
+        model_ms=model_ms,
+    )
+    return episodes.step_store(head=head, record=record, resume=resume)

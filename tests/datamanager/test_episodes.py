@@ -4,7 +4,7 @@ import pytest
 
 from datamanager.models import GroupStatus, Step, TaskGroup, TaskStat, TaskStatHistory, Trajectory
 from datamanager.services import episodes
-from tests.datamanager.factories import make_running_run, make_tasks, play
+from tests.datamanager.factories import make_running_run, make_tasks, play, step_record
 
 pytestmark = pytest.mark.django_db
 
@@ -195,7 +195,7 @@ def test_a_model_output_with_nul_characters_is_stored_and_the_episode_goes_on():
     make_tasks(1)
     run = make_running_run({})
     claim = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
-    episodes.step_record(
+    step_record(
         trajectory_id=claim.trajectory_id, index=0, screenshot_png=png_bytes(), width=160,
         height=210, raw_output="Thought: \x00x\nAction: type(content='a\x00b')",
         thought="\x00x", action={"type": "type", "text": "a\x00b"}, parse_error="",

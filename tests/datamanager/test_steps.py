@@ -8,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 
 from datamanager.models import Step, Trajectory
 from datamanager.services.episodes import task_claim, trajectory_head
-from datamanager.services.steps import StepWrite, steps_record_many
+from datamanager.services.steps import StepWrite, steps_store_many
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager.factories import make_running_run, make_tasks
@@ -36,10 +36,10 @@ def _heads(n: int):
 def test_steps_of_three_trajectories_in_one_transaction() -> None:
     a, b, c = _heads(3)
     with CaptureQueriesContext(connection) as queries:
-        assert steps_record_many(writes=[_write(a, 0), _write(b, 0), _write(c, 0, version=2)]) == 3
+        assert steps_store_many(writes=[_write(a, 0), _write(b, 0), _write(c, 0, version=2)]) == 3
     statements = [q["sql"] for q in queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE"))]
     assert len(statements) == 2  # one INSERT of the three rows, one UPDATE of the lengths
-    steps_record_many(writes=[_write(a, 1, version=1), _write(b, 1)])
+    steps_store_many(writes=[_write(a, 1, version=1), _write(b, 1)])
     assert [Trajectory.objects.get(pk=h.pk).length for h in (a, b, c)] == [2, 2, 1]
     assert Trajectory.objects.get(pk=a.pk).policy_versions == [0, 1]
     assert Trajectory.objects.get(pk=c.pk).policy_versions == [2]
@@ -50,7 +50,7 @@ def test_steps_of_three_trajectories_in_one_transaction() -> None:
 
 def test_a_retried_batch_stores_each_step_once() -> None:
     a, b = _heads(2)
-    steps_record_many(writes=[_write(a, 0)])  # the first try got a's step in, then failed
-    assert steps_record_many(writes=[_write(a, 0), _write(b, 0)], resume=True) == 1
+    steps_store_many(writes=[_write(a, 0)])  # the first try got a's step in, then failed
+    assert steps_store_many(writes=[_write(a, 0), _write(b, 0)], resume=True) == 1
     assert Step.objects.filter(trajectory_id__in=[a.pk, b.pk]).count() == 2
     assert [Trajectory.objects.get(pk=h.pk).length for h in (a, b)] == [1, 1]

@@ -168,13 +168,13 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
     of asking the policy again until the step cap; an off-target click that does not end
     the task leaves the episode running."""
     from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
-    from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+    from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 
     config = EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY)
     oracle = OracleEndpoint(geometry=config.image_geometry)
     clicker = _RepeatFirstAnswer(lambda messages: oracle.complete(messages).text)
     recorder = ListRecorder()
-    result = run_episode(
+    result = play_episode(
         env=ObservedEnv(miniwob_env, oracle), policy=clicker, recorder=recorder,
         task=miniwob_spec("click-test", seed=4), config=config,
     )  # fmt: skip
@@ -185,7 +185,7 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
         lambda _: "Action: click(start_box='<|box_start|>(2,2)<|box_end|>')"
     )
     recorder = ListRecorder()
-    result = run_episode(
+    result = play_episode(
         env=miniwob_env, policy=corner, recorder=recorder,
         task=miniwob_spec("click-test", seed=4), config=config,
     )  # fmt: skip
@@ -204,7 +204,7 @@ def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
     import redis
     from django.conf import settings
 
-    from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+    from rollout.episode import EpisodeConfig, ListRecorder, play_episode
     from workers.lockstep import RedisLockstep
 
     key = f"dartboard:lockstep:test:{uuid.uuid4().hex}"
@@ -234,7 +234,7 @@ def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
 
     thread = threading.Thread(target=late_member)
     thread.start()
-    result = run_episode(
+    result = play_episode(
         env=miniwob_env, policy=Timed(), recorder=ListRecorder(),
         task=miniwob_spec("click-test", seed=4), pacer=pacer(),
         config=EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY),

@@ -13,7 +13,7 @@ from envmanager.latency import PROFILES, LatencyEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
 from envmanager.oracles import oracle_action
 from envmanager.sim_env import SimEnv, sim_task_records, target_boxes
-from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 
 
 def _task(k: int, seed: int) -> TaskSpec:
@@ -26,7 +26,7 @@ def test_the_oracle_clicks_every_box_in_order_through_the_policy_contract(k: int
     oracle = OracleEndpoint(geometry=QWEN25_VL)
     for seed in range(5):
         recorder = ListRecorder()
-        result = run_episode(
+        result = play_episode(
             env=ObservedEnv(env, oracle),
             policy=oracle,
             recorder=recorder,

@@ -16,7 +16,7 @@ from core.imaging import QWEN25_VL
 from core.protocol import TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
-from rollout.episode import EpisodeConfig, ListRecorder, run_episode
+from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 from training.tiny_policy import TINY_GEOMETRY
 
 SEEDS = [
@@ -126,7 +126,7 @@ def test_fuzzed_outputs_step_real_miniwob_and_desktop_envs_and_each_failure_is_r
             )
             started = time.monotonic()
             recorder = ListRecorder()
-            result = run_episode(
+            result = play_episode(
                 env=env, policy=Scripted(texts), recorder=recorder, task=task, config=config
             )
             recorded += recorder.steps

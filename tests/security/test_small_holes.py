@@ -34,7 +34,7 @@ from tests.conftest import png_bytes, user_in_role
 from tests.dartboard.run_helpers import make_run
 from tests.dartboard.test_curation_views import GOOD, archive, finished, upload
 from workers.evaluation import eval_job_run
-from workers.slot_worker import serve_slot
+from workers.slot_worker import serve_slice
 from workers.tasks import slot_serve
 
 pytestmark = pytest.mark.django_db
@@ -54,7 +54,7 @@ def test_a_slot_task_sent_by_hand_gets_no_desktop_for_an_operators_run(researche
         str(result.result) == f"run {run.pk} has no desktop slot 0 (it was given 0 desktop slots)"
     )
     with pytest.raises(EnvNotGranted):
-        serve_slot(run_id=run.pk, backend="desktop", index=0, max_seconds=1)
+        serve_slice(run_id=run.pk, backend="desktop", index=0, max_seconds=1)
     assert not EnvSlot.objects.filter(run=run).exists()
 
 

@@ -53,7 +53,7 @@ def test_a_slot_holds_while_the_trainer_is_behind_and_claims_again_after_an_upda
     run = _sim_run(backpressure=1.0)  # hold at 6 ready steps
     cfg = run.cfg
     served = threading.Thread(
-        target=slot_worker.serve_slot,
+        target=slot_worker.serve_slice,
         kwargs={"run_id": run.pk, "backend": "sim", "index": 0, "max_seconds": 8.0},
     )
     served.start()
@@ -100,7 +100,7 @@ def test_without_backpressure_the_slot_runs_ahead_of_the_trainer(settings, live_
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
     held, free = _sim_run(backpressure=1.0), _sim_run(backpressure=0.0)
     for run in (held, free):
-        slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=2.0)
+        slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=2.0)
 
     def ready_steps(run) -> int:
         return Step.objects.filter(

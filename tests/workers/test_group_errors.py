@@ -33,7 +33,7 @@ def test_a_crashed_member_is_replaced_and_a_group_still_missing_one_is_dropped(
         "env": {"miniwob_slots": 0, "sim_slots": 1},
         "curation": {"n_max": 2, "dynamic_budget": False, "error_retries": 1},
     })  # fmt: skip
-    slot_worker.serve_slot(run_id=run.pk, backend="sim", index=0, max_seconds=2.0)
+    slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=2.0)
 
     def first_group(task: str) -> tuple[TaskGroup, list[str]]:
         group = TaskGroup.objects.get(run=run, task__name=task, index=1)

@@ -80,7 +80,7 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
     )
     with LocalPolicyServer(tiny_policy_dir) as url:  # the test settings' inference token
         settings.DARTBOARD_INFERENCE_URLS = [url]
-        outcome = slot_worker.serve_slot(
+        outcome = slot_worker.serve_slice(
             run_id=run.pk, backend="osworld", index=0, max_seconds=180, max_episodes=2
         )
     assert outcome.reason == "2 episodes done"

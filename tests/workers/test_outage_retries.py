@@ -23,6 +23,7 @@ from datamanager.services import env_slots, episodes, evaluations
 from envmanager.oracle_policy import OracleEndpoint
 from rollout.episode import StepRecord
 from tests.conftest import png_bytes
+from tests.datamanager import factories
 from tests.datamanager.factories import make_running_run, make_tasks
 from tests.helpers import needs
 from tests.private_services import PrivateS3
@@ -161,8 +162,8 @@ def test_a_retried_step_is_stored_once_and_whole():
     trajectory_id = _claim()
     head = episodes.trajectory_head(trajectory_id=trajectory_id)
     fields = {k: v for k, v in vars(_record(0)).items() if k != "index"}
-    first = episodes.step_record(trajectory_id=trajectory_id, index=0, head=head, **fields)
-    again = episodes.step_record(
+    first = factories.step_record(trajectory_id=trajectory_id, index=0, head=head, **fields)
+    again = factories.step_record(
         trajectory_id=trajectory_id, index=0, head=head, resume=True, **fields
     )
     assert again.pk == first.pk and Step.objects.filter(trajectory_id=trajectory_id).count() == 1
@@ -171,7 +172,7 @@ def test_a_retried_step_is_stored_once_and_whole():
     orphan = Step(trajectory_id=trajectory_id, index=1)
     name = f"run-{head.run_id}/traj-{trajectory_id}/001.png"
     orphan.screenshot.save(name, _content(b"half"), save=False)
-    stored = episodes.step_record(
+    stored = factories.step_record(
         trajectory_id=trajectory_id, index=1, head=head, resume=True, **fields
     )
     assert stored.screenshot.name == orphan.screenshot.name  # the same file, not a copy

@@ -289,10 +289,23 @@ def step_store(*, head: TrajectoryHead, record: StepRecord, resume: bool = False
 
 
 def step_build(*, head: TrajectoryHead, record: StepRecord, resume: bool) -> Step:
-    """The unsaved row of `record` (text made storable), its screenshot file stored. With
-    `resume`, a file an earlier, failed try left under the same name is replaced first."""
+    """The unsaved row of a rollout's `record`, its screenshot file stored under the run's
+    trajectory. With `resume`, a file an earlier, failed try left under the same name is
+    replaced first."""
+    name = f"run-{head.run_id or 0}/traj-{head.pk}/{record.index:03d}.png"
+    return step_row(trajectory_id=head.pk, record=record, screenshot_name=name, replace=resume)
+
+
+def step_row(
+    *, trajectory_id: int, record: StepRecord, screenshot_name: str | None, replace: bool = False
+) -> Step:
+    """The one place a Step row is made from what a step was: the unsaved row of `record`
+    (text made storable) with its screenshot stored as `screenshot_name` in media storage
+    (None: no screenshot; `replace`: a file already under that name is deleted first).
+    Rollouts, imported and pre-collected demonstrations and trimmed copies all come through
+    here."""
     step = Step(
-        trajectory_id=head.pk,
+        trajectory_id=trajectory_id,
         index=record.index,
         screen_width=record.width,
         screen_height=record.height,
@@ -309,13 +322,36 @@ def step_build(*, head: TrajectoryHead, record: StepRecord, resume: bool) -> Ste
         env_ms=record.env_ms,
         model_ms=record.model_ms,
     )
-    name = f"run-{head.run_id or 0}/traj-{head.pk}/{record.index:03d}.png"
-    if resume:  # the file a failed try stored under this name, with no row to it
-        stored = step.screenshot.field.generate_filename(step, name)
+    if screenshot_name is None:
+        return step
+    if replace:  # the file a failed try stored under this name, with no row to it
+        stored = step.screenshot.field.generate_filename(step, screenshot_name)
         if step.screenshot.storage.exists(stored):
             step.screenshot.storage.delete(stored)
-    step.screenshot.save(name, ContentFile(record.screenshot_png), save=False)
+    step.screenshot.save(screenshot_name, ContentFile(record.screenshot_png), save=False)
     return step
+
+
+def step_as_record(step: Step, screenshot_png: bytes) -> StepRecord:
+    """What a stored step was, as a record (a trimmed copy is made from it)."""
+    return StepRecord(
+        index=step.index,
+        screenshot_png=screenshot_png,
+        width=step.screen_width,
+        height=step.screen_height,
+        raw_output=step.raw_output,
+        thought=step.thought,
+        action=step.action,
+        parse_error=step.parse_error,
+        prompt_tokens=step.prompt_tokens,
+        response_tokens=step.response_tokens,
+        rollout_logprobs=step.rollout_logprobs,
+        response_token_ids=step.response_token_ids,
+        mean_entropy=step.mean_entropy,
+        policy_version=step.policy_version,
+        env_ms=step.env_ms,
+        model_ms=step.model_ms,
+    )
 
 
 def head_add_version(head: TrajectoryHead, version: int | None) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from core.imaging import ImageGeometry
 from datamanager.models import Step, Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
+from datamanager.services.episodes import step_row
+from rollout.episode import StepRecord
 
 
 @dataclass(frozen=True)
@@ -62,16 +63,25 @@ def demo_store(
 
 def demo_step_store(*, trajectory: Trajectory, index: int, step: DemoStep, path: str) -> Step:
     """One pre-collected step with its screenshot saved under `path` in media storage."""
-    row = Step(
-        trajectory=trajectory,
+    record = StepRecord(
         index=index,
-        screen_width=step.width,
-        screen_height=step.height,
+        screenshot_png=step.screenshot_png,
+        width=step.width,
+        height=step.height,
         raw_output=step.raw_output,
         thought=step.thought,
         action=step.action,
+        parse_error="",
+        prompt_tokens=0,
+        response_tokens=0,
+        rollout_logprobs=[],
+        response_token_ids=[],
+        mean_entropy=None,
+        policy_version=None,
+        env_ms=None,
+        model_ms=None,
     )
-    row.screenshot.save(path, ContentFile(step.screenshot_png), save=False)
+    row = step_row(trajectory_id=trajectory.pk, record=record, screenshot_name=path)
     try:
         row.save()
     except BaseException:

@@ -8,7 +8,6 @@ Files written by a failed curation are deleted before the error propagates.
 from __future__ import annotations
 
 from django.contrib.auth.models import User
-from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
@@ -23,6 +22,7 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
+from datamanager.services.episodes import step_as_record, step_row
 
 
 class CurationError(ValueError):
@@ -131,31 +131,17 @@ def trajectory_trim(*, trajectory_id: int, keep_steps: int) -> Trajectory:
     written: list[str] = []
     try:
         for s in steps:
-            new = Step(
-                trajectory=copy,
-                index=s.index,
-                screen_width=s.screen_width,
-                screen_height=s.screen_height,
-                raw_output=s.raw_output,
-                thought=s.thought,
-                action=s.action,
-                parse_error=s.parse_error,
-                prompt_tokens=s.prompt_tokens,
-                response_tokens=s.response_tokens,
-                rollout_logprobs=s.rollout_logprobs,
-                mean_entropy=s.mean_entropy,
-                policy_version=s.policy_version,
-                env_ms=s.env_ms,
-                model_ms=s.model_ms,
-            )
             shot = s.screenshot.name  # a FieldFile is truthy exactly when it has a name
+            data, name = b"", None
             if shot and default_storage.exists(shot):
                 with default_storage.open(shot, "rb") as fh:
                     data = fh.read()
-                new.screenshot.save(
-                    f"curated/traj-{copy.pk}/{s.index:03d}.png", ContentFile(data), save=False
-                )
-                assert new.screenshot.name is not None  # save() stored it under this name
+                name = f"curated/traj-{copy.pk}/{s.index:03d}.png"
+            new = step_row(
+                trajectory_id=copy.pk, record=step_as_record(s, data), screenshot_name=name
+            )
+            if name is not None:
+                assert new.screenshot.name is not None  # step_row stored it under this name
                 written.append(new.screenshot.name)
             new.save()
     except BaseException:

@@ -46,8 +46,8 @@ def finished(run, *, steps=4, success=True) -> Trajectory:
             trajectory_id=claim.trajectory_id, index=i, screenshot_png=png_bytes(color=(i * 50, 0, 0)),
             width=160, height=210, raw_output="Action: wait()", thought=f"t{i}",
             action={"type": "click", "x": i, "y": i}, parse_error="", prompt_tokens=1,
-            response_tokens=1, rollout_logprobs=[-1.0], mean_entropy=0.5, policy_version=1,
-            env_ms=1.0, model_ms=1.0,
+            response_tokens=1, rollout_logprobs=[-1.0], response_token_ids=[7 + i],
+            mean_entropy=0.5, policy_version=1, env_ms=1.0, model_ms=1.0,
         )  # fmt: skip
     return trajectory_finish(
         trajectory_id=claim.trajectory_id,
@@ -105,7 +105,11 @@ def test_trim_makes_a_curated_copy_with_screenshots(run):
     steps = list(Step.objects.filter(trajectory=copy).order_by("index"))
     originals = list(Step.objects.filter(trajectory=traj).order_by("index"))[:3]
     assert [s.thought for s in steps] == ["t0", "t1", "t2"]
+    copied = ("index", "screen_width", "screen_height", "raw_output", "thought", "action",
+              "parse_error", "prompt_tokens", "response_tokens", "rollout_logprobs",
+              "response_token_ids", "mean_entropy", "policy_version", "env_ms", "model_ms")  # fmt: skip
     for new, old in zip(steps, originals, strict=True):
+        assert [getattr(new, f) for f in copied] == [getattr(old, f) for f in copied]
         assert new.screenshot.name != old.screenshot.name
         assert (
             default_storage.open(new.screenshot.name).read()

@@ -314,7 +314,7 @@ class Fleet:
             # The slot worker's episode runner: its trajectory's end runs on the pool.
             outcome = episode_run(
                 trajectory_id=claim.trajectory_id,
-                task=claim.task_spec(),
+                task=claim.task,
                 env=KeptEnv(env),
                 policy=oracle,
                 recorder=PooledRecorder(DbRecorder(claim.trajectory_id), self),

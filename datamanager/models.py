@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import models
 
+from core.protocol import TaskSpec
 from rollout.episode import Outcome
 
 if TYPE_CHECKING:
@@ -45,6 +46,17 @@ class Task(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def spec(self, seed: int | None) -> TaskSpec:
+        """What an environment is given for an episode of this task at `seed` (the one
+        place a TaskSpec is made from a task)."""
+        return TaskSpec(
+            name=self.name,
+            env_kind=self.env_kind,
+            env_config=self.env_config,
+            instruction=self.instruction,
+            seed=seed,
+        )
 
 
 class RunStatus(models.TextChoices):

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from core.protocol import Env, EnvUnavailable, TaskSpec
-from datamanager.models import Task, Trajectory, TrajectoryStatus
+from datamanager.models import Trajectory, TrajectoryStatus
 from datamanager.services import episodes
 from rollout.client import InferenceError
 from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, StepRecord, play_episode
@@ -90,17 +90,6 @@ def trajectory_end(trajectory_id: int, **fields: Any) -> None:
     db_retry(
         lambda _: episodes.trajectory_finish(trajectory_id=trajectory_id, **fields),
         what=f"ending trajectory {trajectory_id}",
-    )
-
-
-def task_spec(task: Task, seed: int) -> TaskSpec:
-    """What the environment is given for an episode of `task` (a row) at `seed`."""
-    return TaskSpec(
-        name=task.name,
-        env_kind=task.env_kind,
-        env_config=task.env_config,
-        instruction=task.instruction,
-        seed=seed,
     )
 
 

@@ -46,7 +46,7 @@ from rollout.episode import EpisodeConfig, PolicyEndpoint
 from rollout.local_server import LocalPolicyServer
 from workers.config_mapping import episode_config
 from workers.env_cache import TaskEnv, discard_backend_envs
-from workers.episode_runner import DbRecorder, episode_run, task_spec
+from workers.episode_runner import DbRecorder, episode_run
 from workers.leases import (
     eval_shard_work,
     holder_name,
@@ -356,7 +356,7 @@ def _one_episode(
     )
     outcome = episode_run(
         trajectory_id=traj.pk,
-        task=task_spec(task, seed),
+        task=task.spec(seed),
         env=TaskEnv(
             backend=task.env_kind,
             env_config=task.env_config,

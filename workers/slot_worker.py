@@ -206,7 +206,7 @@ def serve_slice(
             if isinstance(claim, Backlog) and not held:
                 slot_services.env_slot_set(slot_id=slot.pk, status=SlotStatus.HELD)
             held = isinstance(claim, Backlog)
-            if claim is None or held:
+            if claim is None or isinstance(claim, Backlog):
                 time.sleep(1.0)
                 continue
             quarantined = _run_claim(
@@ -298,10 +298,10 @@ def _run_claim(
         policy = oracle
     outcome = episode_run(
         trajectory_id=claim.trajectory_id,
-        task=claim.task_spec(),
+        task=claim.task,
         env=TaskEnv(
             backend=backend,
-            env_config=claim.env_config,
+            env_config=claim.task.env_config,
             env=cfg.env,
             index=index,
             timeout_s=cfg.env.step_timeout_s,

@@ -48,23 +48,11 @@ class NoTasks(Exception):
 class Claim:
     trajectory_id: int
     task_id: int
-    task_name: str
-    env_kind: str
-    env_config: dict[str, Any]
-    instruction: str
+    # What the environment is given: the claimed task at the group's seed (shared by the
+    # group, curation.group_seed).
+    task: TaskSpec
     step_cap: int
-    seed: int  # the environment's: shared by the group (curation.group_seed)
     decode_seed: int  # the policy's sampling: one per rollout
-
-    def task_spec(self) -> TaskSpec:
-        """What the environment is given: the claimed task at the group's seed."""
-        return TaskSpec(
-            name=self.task_name,
-            env_kind=self.env_kind,
-            env_config=self.env_config,
-            instruction=self.instruction,
-            seed=self.seed,
-        )
 
 
 def default_step_cap(task: Task, cfg: CurationConfig) -> int:
@@ -205,12 +193,8 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     return Claim(
         trajectory_id=traj.pk,
         task_id=stat.task_id,
-        task_name=stat.task.name,
-        env_kind=stat.task.env_kind,
-        env_config=stat.task.env_config,
-        instruction=stat.task.instruction,
+        task=stat.task.spec(seed),
         step_cap=stat.step_cap,
-        seed=seed,
         decode_seed=decode_seed,
     )
 

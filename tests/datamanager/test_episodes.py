@@ -15,7 +15,7 @@ def test_rollout_wise_claims_spread_over_tasks_without_a_barrier():
     claims = [
         episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) for _ in range(6)
     ]
-    names = [c.task_name for c in claims]
+    names = [c.task.name for c in claims]
     assert sorted(names) == ["miniwob/t0"] * 3 + ["miniwob/t1"] * 3
     # Nothing finished yet, yet a seventh claim is served: the next groups open at once.
     seventh = episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",))
@@ -35,12 +35,12 @@ def test_a_groups_rollouts_start_from_one_screen_and_sample_differently():
     make_tasks(1)
     run = make_running_run({"curation": {"n_max": 3}})
     first, second = _claims(run, 3), _claims(run, 3)
-    assert len({c.seed for c in first}) == 1 and len({c.seed for c in second}) == 1
-    assert first[0].seed != second[0].seed
+    assert len({c.task.seed for c in first}) == 1 and len({c.task.seed for c in second}) == 1
+    assert first[0].task.seed != second[0].task.seed
     decode = [c.decode_seed for c in first + second]
     assert len(set(decode)) == 6
     # What the dashboard shows for a trajectory is the screen it played.
-    assert Trajectory.objects.get(pk=first[1].trajectory_id).seed == first[0].seed
+    assert Trajectory.objects.get(pk=first[1].trajectory_id).seed == first[0].task.seed
 
 
 def test_fixed_training_instances_cycle_and_an_eval_job_can_replay_them():
@@ -48,7 +48,7 @@ def test_fixed_training_instances_cycle_and_an_eval_job_can_replay_them():
 
     make_tasks(1)
     run = make_running_run({"seed": 3, "tasks": {"instances": 2}, "curation": {"n_max": 2}})
-    seeds = [c.seed for c in _claims(run, 8)]  # four groups of two
+    seeds = [c.task.seed for c in _claims(run, 8)]  # four groups of two
     base = (INSTANCE_SEED_BASE + 3) * 1000
     assert seeds == [base, base, base + 1, base + 1, base, base, base + 1, base + 1]
 

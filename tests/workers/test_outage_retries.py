@@ -30,7 +30,7 @@ from tests.private_services import PrivateS3
 from workers import slot_worker
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
 from workers.env_cache import TaskEnv, process_env
-from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run, task_spec, trajectory_end
+from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run, trajectory_end
 from workers.evaluation import _episode_config, eval_job_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -349,7 +349,7 @@ def test_a_database_outage_ends_an_evaluation_episode_with_its_env_kept(settings
         _hold_write_lock(30.0, release=release)
         outcome = episode_run(
             trajectory_id=traj.pk,
-            task=task_spec(task, 0),
+            task=task.spec(0),
             env=TaskEnv(
                 backend="sim", env_config=task.env_config, env=RunConfig().env, oracle=oracle
             ),

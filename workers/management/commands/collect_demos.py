@@ -19,7 +19,6 @@ from datamanager.services.pool import (
 from envmanager.demo_collection import collect_demo
 from envmanager.oracles import has_oracle
 from workers.env_cache import discard_backend_envs, osworld_target, process_env
-from workers.episode_runner import task_spec
 
 
 class Command(BaseCommand):
@@ -73,7 +72,7 @@ class Command(BaseCommand):
                 env = process_env(task.env_kind, vm=vm)
                 seed = 0
                 while pool_count(task=task) < per_task and seed < per_task * 3:
-                    spec = task_spec(task, 10_000 + seed)
+                    spec = task.spec(10_000 + seed)
                     seed += 1
                     outcome = collect_demo(
                         env=env,

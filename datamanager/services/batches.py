@@ -46,7 +46,8 @@ from datamanager.models import (
     Trajectory,
 )
 from datamanager.policies import policy_geometry
-from datamanager.services.review import pool_sizes_refresh
+from datamanager.selectors.pool import pool_members
+from datamanager.services.pool import pool_refresh
 from datamanager.services.runs import run_set_message
 
 
@@ -165,7 +166,7 @@ def _readable_samples(
             rejected=True, in_pool=False, error=(traj.error + "\n" + reason).strip()
         )
         if traj.in_pool:
-            pool_sizes_refresh(task_ids={traj.task_id})
+            pool_refresh(task_ids={traj.task_id})
         batch.unreadable_ids.append(traj.pk)
         run_set_message(run_id=run.pk, message=f"trainer: trajectory {traj.pk} {reason}")
         return []
@@ -252,11 +253,7 @@ def pool_batch(
     task_ids = list(
         TaskStat.objects.filter(run=run, retired=False).values_list("task_id", flat=True)
     )
-    demos = list(
-        Trajectory.objects.filter(task_id__in=task_ids, in_pool=True, rejected=False)
-        .exclude(pk__in=exclude)
-        .order_by("pk")
-    )
+    demos = list(pool_members(task_id__in=task_ids).exclude(pk__in=exclude).order_by("pk"))
     if not demos:
         return None
     random.Random(seed).shuffle(demos)

@@ -30,8 +30,8 @@ from datamanager.demos.manifest import manifest_read
 from datamanager.demos.osworld import DemoRead, osworld_read
 from datamanager.models import Task, Trajectory, TrajectorySource, TrajectoryStatus
 from datamanager.services.batches import REPLY_FROM_ACTION
-from datamanager.services.pool import DemoStep, demo_step_store
-from datamanager.services.review import pool_sizes_refresh, screenshots_delete
+from datamanager.services.pool import DemoStep, demo_step_store, pool_refresh
+from datamanager.services.review import screenshots_delete
 
 DemoFormat = Literal["osworld", "agentnet", "dartboard"]
 DEMO_FORMATS: tuple[DemoFormat, ...] = ("osworld", "agentnet", "dartboard")
@@ -108,7 +108,7 @@ def demos_import(
                 report.notes += [f"{ep.source}: {note}" for note in ep.notes]
                 if progress is not None:
                     progress(n, len(fresh))
-            pool_sizes_refresh(task_ids={t.pk for t in tasks.values()})
+            pool_refresh(task_ids={t.pk for t in tasks.values()})
     except BaseException:
         screenshots_delete(written)
         raise

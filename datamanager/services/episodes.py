@@ -36,6 +36,7 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
+from datamanager.selectors.pool import pool_members
 from datamanager.selectors.tasks import task_list
 from rollout.episode import StepRecord
 
@@ -506,11 +507,7 @@ def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
         return
     scored = list(members.filter(status__in=SCORED_STATUSES).values_list("reward", flat=True))
     all_failed = bool(scored) and all((r or 0.0) <= 0.0 for r in scored)
-    pool = list(
-        Trajectory.objects.filter(task_id=group.task_id, in_pool=True)
-        .order_by("-pk")
-        .values_list("pk", flat=True)
-    )
+    pool = list(pool_members(task_id=group.task_id).order_by("-pk").values_list("pk", flat=True))
     n_pool = curation.pool_fill_count(
         group_size=len(scored),
         all_failed=all_failed,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Count, Q
 from django.utils import timezone
 
 from core.imaging import ImageGeometry
 from datamanager.models import Step, Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
+from datamanager.selectors.pool import pool_members, pool_sizes
 from datamanager.services.episodes import step_row
 from rollout.episode import StepRecord
 
@@ -91,19 +92,14 @@ def demo_step_store(*, trajectory: Trajectory, index: int, step: DemoStep, path:
     return row
 
 
-def pool_refresh(*, task_ids: list[int]) -> None:
-    """Recompute TaskStat.pool_size for these tasks (every run)."""
-    counts = dict(
-        Task.objects.filter(pk__in=task_ids)
-        .annotate(n=Count("trajectories", filter=Q(trajectories__in_pool=True)))
-        .values_list("pk", "n")
-    )
-    for task_id, n in counts.items():
+def pool_refresh(*, task_ids: Collection[int]) -> None:
+    """Recompute TaskStat.pool_size of these tasks, in every run that has them."""
+    for task_id, n in pool_sizes(task_ids=task_ids).items():
         TaskStat.objects.filter(task_id=task_id).update(pool_size=n)
 
 
 def pool_count(*, task: Task) -> int:
-    return Trajectory.objects.filter(task=task, in_pool=True).count()
+    return pool_members(task=task).count()
 
 
 @transaction.atomic
@@ -114,9 +110,7 @@ def pool_retire_other_geometry(*, task: Task, geometry: ImageGeometry) -> int:
     wanted = geometry.to_json()
     stale = [
         t.pk
-        for t in Trajectory.objects.filter(
-            task=task, in_pool=True, source=TrajectorySource.PRECOLLECTED
-        )
+        for t in pool_members(task=task, source=TrajectorySource.PRECOLLECTED)
         if t.details.get("image_geometry") != wanted
     ]
     Trajectory.objects.filter(pk__in=stale).update(in_pool=False)

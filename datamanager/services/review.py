@@ -23,17 +23,11 @@ from datamanager.models import (
     TrajectoryStatus,
 )
 from datamanager.services.episodes import step_as_record, step_row
+from datamanager.services.pool import pool_refresh
 
 
 class CurationError(ValueError):
     """A curation action is not allowed; the message says why."""
-
-
-def pool_sizes_refresh(*, task_ids: set[int]) -> None:
-    """TaskStat.pool_size of every run with these tasks := the tasks' pool counts."""
-    for task_id in task_ids:
-        n = Trajectory.objects.filter(task_id=task_id, in_pool=True, rejected=False).count()
-        TaskStat.objects.filter(task_id=task_id).update(pool_size=n)
 
 
 def _locked(trajectory_id: int) -> Trajectory:
@@ -65,7 +59,7 @@ def trajectory_promote(*, trajectory_id: int, user: User | None = None) -> Traje
     traj.in_pool = True
     traj.save(update_fields=["in_pool", *_reviewed(traj, user)])
     if not was_pooled:
-        pool_sizes_refresh(task_ids={traj.task_id})
+        pool_refresh(task_ids={traj.task_id})
     return traj
 
 
@@ -76,7 +70,7 @@ def trajectory_unpool(*, trajectory_id: int) -> Trajectory:
     if traj.in_pool:
         traj.in_pool = False
         traj.save(update_fields=["in_pool"])
-        pool_sizes_refresh(task_ids={traj.task_id})
+        pool_refresh(task_ids={traj.task_id})
     return traj
 
 
@@ -90,7 +84,7 @@ def trajectory_reject(*, trajectory_id: int, user: User | None = None) -> Trajec
     traj.in_pool = False
     traj.save(update_fields=["rejected", "in_pool", *_reviewed(traj, user)])
     if was_pooled:
-        pool_sizes_refresh(task_ids={traj.task_id})
+        pool_refresh(task_ids={traj.task_id})
     return traj
 
 
@@ -180,7 +174,7 @@ def trajectory_override_reward(
             traj.in_pool = False
             fields.append("in_pool")
     traj.save(update_fields=fields)
-    pool_sizes_refresh(task_ids={traj.task_id})
+    pool_refresh(task_ids={traj.task_id})
     return traj
 
 

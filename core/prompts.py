@@ -190,8 +190,13 @@ def build_messages(
     max_prompt_tokens: int | None = None,
     count_tokens: Callable[[str], int] = estimate_tokens,
     count_image_tokens: Callable[[bytes], int] | None = None,
+    step_refs: Sequence[int] | None = None,
 ) -> list[Message]:
     """The chat messages for the next turn (layout in the module docstring).
+
+    `step_refs` (one per screenshot: the step whose screen it is): the images are written as
+    references to those steps (`step_image_part`) instead of inline, the prompt as a step
+    stores it; `prompt_messages` puts the screenshots back in.
 
     `screenshots` are PNGs, oldest first, aligned from the end: the last is the current
     screen and the one before belongs to ``history[-1]``. Between 1 and len(history) + 1 may
@@ -218,6 +223,16 @@ def build_messages(
 
     def turn_image(i: int) -> bytes | None:
         return screenshots[i - offset] if i >= first_image_turn else None
+
+    def part(i: int) -> dict[str, Any]:
+        """Turn i's image part (i == n_turns: the current screen)."""
+        k = i - offset
+        return (
+            step_image_part(step_refs[k]) if step_refs is not None else image_part(screenshots[k])
+        )
+
+    if step_refs is not None and len(step_refs) != len(screenshots):
+        raise ValueError(f"{len(step_refs)} step_refs for {len(screenshots)} screenshots")
 
     head = template.first_user_message(instruction=instruction, language=language)
     first_kept = 0
@@ -247,10 +262,35 @@ def build_messages(
     for i in range(first_kept, n_turns):
         image = turn_image(i)
         if image is not None:
-            messages.append({"role": "user", "content": [image_part(image)]})
+            messages.append({"role": "user", "content": [part(i)]})
         messages.append({"role": "assistant", "content": history[i].text})
-    messages.append({"role": "user", "content": [image_part(screenshots[-1])]})
+    messages.append({"role": "user", "content": [part(n_turns)]})
     return messages
+
+
+STEP_IMAGE = "step_image"
+
+
+def step_image_part(step: int) -> dict[str, Any]:
+    """A stored prompt's image: the screenshot of the trajectory's step `step`."""
+    return {"type": STEP_IMAGE, "step": step}
+
+
+def prompt_messages(prompt: Sequence[Message], screenshots: Sequence[bytes]) -> list[Message]:
+    """A stored prompt (`build_messages` with `step_refs`) as the messages the policy was
+    given: each step reference replaced by that step's screenshot (`screenshots[step]`)."""
+    out: list[Message] = []
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                image_part(screenshots[part["step"]])
+                if isinstance(part, dict) and part.get("type") == STEP_IMAGE
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
 
 
 def _image_url(part: dict[str, Any]) -> str:

@@ -374,6 +374,13 @@ class Step(models.Model):
     action = models.JSONField(null=True, blank=True)
     parse_error = models.TextField(blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
+    prompt = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="The messages the policy was given, its images as references to the "
+        "trajectory's steps (core.prompts.prompt_messages); training reads them back. Empty "
+        "for a demonstration recorded elsewhere.",
+    )
     response_tokens = models.PositiveIntegerField(default=0)
     rollout_logprobs = models.JSONField(default=list, blank=True)
     response_token_ids = models.JSONField(

@@ -22,7 +22,13 @@ from typing import Any, Protocol
 from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
 from core.completion import Completion
 from core.imaging import ImageGeometry
-from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, image_token_counter
+from core.prompts import (
+    PROMPT_TEMPLATES,
+    HistoryTurn,
+    build_messages,
+    image_token_counter,
+    prompt_messages,
+)
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 
 
@@ -58,6 +64,10 @@ class StepRecord:
     policy_version: int | None
     env_ms: float | None
     model_ms: float | None
+    # The messages the policy was given, images as references to the trajectory's steps
+    # (core.prompts.prompt_messages puts them back); empty where no policy was asked (a
+    # demonstration recorded elsewhere).
+    prompt: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Pacer(Protocol):
@@ -195,16 +205,21 @@ def _episode_loop(
     for index in range(config.step_cap):
         if pacer is not None:
             pacer.turn(index)
-        messages = build_messages(
+        # The prompt as the step stores it (its images name their steps), then as the
+        # policy gets it: the trainer reads the stored one back, never rebuilds it.
+        shown = screenshots[-config.max_images :]
+        prompt = build_messages(
             instruction=instruction,
             history=history,
-            screenshots=screenshots[-config.max_images :],
+            screenshots=shown,
             max_images=config.max_images,
             template=PROMPT_TEMPLATES[config.prompt],
             language=config.language,
             max_prompt_tokens=config.max_prompt_tokens,
             count_image_tokens=count_image_tokens,
+            step_refs=range(len(screenshots) - len(shown), len(screenshots)),
         )
+        messages = prompt_messages(prompt, screenshots)
         completion = policy.complete(
             messages,
             max_tokens=config.max_new_tokens,
@@ -243,6 +258,7 @@ def _episode_loop(
                 policy_version=completion.policy_version,
                 env_ms=env_ms,
                 model_ms=completion.latency_ms,
+                prompt=prompt,
             )
         )
         history.append(HistoryTurn.from_output(completion.text))

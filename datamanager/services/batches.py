@@ -30,6 +30,7 @@ from core.prompts import (
     PromptTemplate,
     build_messages,
     image_token_counter,
+    prompt_messages,
 )
 from core.protocol import Action
 from core.samples import TrainSample, UpdateMetrics
@@ -106,7 +107,9 @@ def trajectory_samples(
     keep: set[int] | None = None,
     version_for_demo: int = 0,
 ) -> list[TrainSample]:
-    """One TrainSample per step, its prompt rebuilt exactly as the rollout built it."""
+    """One TrainSample per step: its prompt the one the policy was given (`Step.prompt`,
+    images read back from the steps' screenshots); a demonstration recorded elsewhere, which
+    no policy of this run was asked, gets the prompt this run's rollout would build."""
     out = []
     geometry = policy_geometry(cfg.policy)
     count_image_tokens = image_token_counter(geometry)
@@ -121,15 +124,19 @@ def trajectory_samples(
             traj, step, geometry=geometry, template=template, coords=cfg.rollout.coords
         )
         if keep is None or step.pk in keep:
-            messages = build_messages(
-                instruction=traj.instruction,
-                history=history,
-                screenshots=shots[-cfg.rollout.max_images :],
-                max_images=cfg.rollout.max_images,
-                template=template,
-                language=cfg.rollout.language,
-                max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                count_image_tokens=count_image_tokens,
+            messages = (
+                prompt_messages(step.prompt, shots)
+                if step.prompt
+                else build_messages(
+                    instruction=traj.instruction,
+                    history=history,
+                    screenshots=shots[-cfg.rollout.max_images :],
+                    max_images=cfg.rollout.max_images,
+                    template=template,
+                    language=cfg.rollout.language,
+                    max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                    count_image_tokens=count_image_tokens,
+                )
             )
             out.append(
                 TrainSample(

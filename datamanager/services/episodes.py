@@ -299,6 +299,7 @@ def step_row(
         action=storable(record.action),
         parse_error=storable(record.parse_error),
         prompt_tokens=record.prompt_tokens,
+        prompt=storable(record.prompt),
         response_tokens=record.response_tokens,
         rollout_logprobs=record.rollout_logprobs,
         response_token_ids=record.response_token_ids or [],
@@ -336,6 +337,7 @@ def step_as_record(step: Step, screenshot_png: bytes) -> StepRecord:
         policy_version=step.policy_version,
         env_ms=step.env_ms,
         model_ms=step.model_ms,
+        prompt=step.prompt,
     )
 
 

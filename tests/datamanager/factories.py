@@ -96,6 +96,7 @@ def step_record(
     model_ms: float | None,
     head: episodes.TrajectoryHead | None = None,
     resume: bool = False,
+    prompt: list[dict[str, Any]] | None = None,
 ) -> Step:
     """`episodes.step_store` of a step given field by field, as the tests write them (its
     trajectory's head read here when none is given)."""
@@ -120,5 +121,6 @@ def step_record(
         policy_version=policy_version,
         env_ms=env_ms,
         model_ms=model_ms,
+        prompt=prompt or [],
     )
     return episodes.step_store(head=head, record=record, resume=resume)

@@ -78,8 +78,8 @@ def task_target(name: str) -> tuple[int, int]:
 
 def preset_episode_config(geometry: ImageGeometry) -> EpisodeConfig:
     """`make run-desktop`'s rollout settings, greedy (as the run's evaluations decode)."""
-    from dartboard.main_job import DESKTOP_ROLLOUT
     from datamanager.config import CurationConfig
+    from hostagent.main_job import DESKTOP_ROLLOUT
 
     return EpisodeConfig(
         step_cap=CurationConfig().default_step_cap,  # a task's cap before its first success

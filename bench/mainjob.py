@@ -4,7 +4,7 @@
 
 Starts a private stack (bench/stack.py: a temporary SQLite home, the embedded Redis, the
 preset's env workers, the trainer, one inference worker behind the router), prepares the
-main run as `make run` does (`dartboard.main_job`: tasks, oracle demonstrations, the run) and
+main run as `make run` does (`hostagent.main_job`: tasks, oracle demonstrations, the run) and
 starts it. Every `--every` minutes it prints one row: policy versions, RL updates and their
 mean time, sampled success of the rollouts finished in that window, and the latest finished
 greedy evaluation (the run's own scheduled ones) on the training instances and on held-out
@@ -362,7 +362,7 @@ def main() -> None:
     with PrivateStack(slots=args.slots, policy=policy, web=web, backend=backend) as stack:
         from django.utils import timezone
 
-        from dartboard.main_job import main_run_config, prepare_main_run
+        from hostagent.main_job import main_run_config, prepare_main_run
         from workers.runs import run_apply
 
         preset = main_run_config(args.preset)

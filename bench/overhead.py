@@ -213,7 +213,7 @@ def main() -> None:
         "DJANGO_SETTINGS_MODULE": "dartboard.settings",
     }
     env.pop("DATABASE_URL", None)
-    from dartboard.embedded_redis import EmbeddedRedis
+    from hostagent.embedded_redis import EmbeddedRedis
 
     redis = EmbeddedRedis(home / "redis" / "redis.sock")
     redis.start()

@@ -377,8 +377,8 @@ def screenshots(*, run_id: int, out: Path) -> None:
 
     from bench.capture import capture_pages
     from core.procutil import terminate_pid
-    from dartboard.embedded_redis import EmbeddedRedis
     from datamanager.models import TaskStat, Trajectory, TrajectoryStatus
+    from hostagent.embedded_redis import EmbeddedRedis
 
     out.mkdir(parents=True, exist_ok=True)
     traj = (
@@ -434,7 +434,7 @@ def main() -> None:
               f"in {fill_s:.1f} s (SQLite, {home})\n")  # fmt: skip
         from django.conf import settings
 
-        from dartboard.embedded_redis import EmbeddedRedis
+        from hostagent.embedded_redis import EmbeddedRedis
 
         # The stack's Redis is up, as in a running deployment: the run page reads the slots'
         # leases there (without it, every request waits out the Redis client's retries).

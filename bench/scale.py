@@ -60,7 +60,7 @@ def _env(pg: str, db: str, home: Path, redis_url: str) -> dict[str, str]:
 
 def _one(args: argparse.Namespace, what: list[str], db: str, out: Path) -> dict[str, Any]:
     """Run a bench module on a fresh database and its own Redis; returns its JSON."""
-    from dartboard.embedded_redis import EmbeddedRedis
+    from hostagent.embedded_redis import EmbeddedRedis
 
     _psql(args.pg, f"DROP DATABASE IF EXISTS {db}")
     _psql(args.pg, f"CREATE DATABASE {db}")

@@ -68,8 +68,8 @@ class PrivateStack:
         django.setup()
         from django.core.management import call_command
 
-        from dartboard.embedded_redis import EmbeddedRedis
         from datamanager.policies import policy_path
+        from hostagent.embedded_redis import EmbeddedRedis
         from hostagent.launcher import Supervisor, default_specs, wait_http
 
         self.redis = EmbeddedRedis(self.home / "redis" / "redis.sock")

@@ -1,5 +1,9 @@
-"""The host agent: the processes each run asks for, on the host that has room for them.
+"""The host agent and the launcher: the processes each run asks for, on the host that has
+room for them.
 
 Beside the web app (it reads and writes the same database), not inside it: the launcher
-starts the stack on one machine, the agent starts and stops each run's own processes.
+(`launcher`, `run_dartboard`, with the `embedded_redis`, the `preflight` checks and the
+main job's presets, `main_job`) starts the stack on one machine; the agent (`agent`,
+`placement`) starts and stops each run's own processes. `docs_reference` writes the docs'
+generated reference pages from every layer, so it sits on top of them all.
 """

@@ -33,7 +33,7 @@ from django.conf import settings
 
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 from dartboard import config_env
-from dartboard.embedded_redis import EmbeddedRedis, RedisStartError
+from hostagent.embedded_redis import EmbeddedRedis, RedisStartError
 from rollout.auth import (
     READ_KEY_ENV,
     ROOTS_ENV,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 
-from dartboard.embedded_redis import EmbeddedRedis
+from hostagent.embedded_redis import EmbeddedRedis
 from tests.helpers import NEEDS, needs
 
 HEAVY_MARKERS = {"slow", *NEEDS}  # what `make test-fast` leaves out

@@ -22,11 +22,11 @@ from typing import Any
 
 from django.utils import timezone
 
-from dartboard.embedded_redis import EmbeddedRedis
 from datamanager.config import RunConfig
 from datamanager.models import SCORED_STATUSES, Run, Step, Task, TrainUpdate, Trajectory
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_control, run_create
+from hostagent.embedded_redis import EmbeddedRedis
 from hostagent.launcher import Supervisor, default_specs, wait_http
 
 TASKS = ("click-test-2", "click-button", "click-dialog")

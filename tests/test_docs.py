@@ -24,7 +24,7 @@ import pytest
 import yaml
 from django.core.management import get_commands, load_command_class
 
-from dartboard.docs_reference import make_targets, pages, setting_names
+from hostagent.docs_reference import make_targets, pages, setting_names
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

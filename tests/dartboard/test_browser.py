@@ -190,7 +190,7 @@ def _log_in_as_ada(page, url: str, researcher) -> None:
 def test_the_run_page_says_while_redis_is_down(subprocess_env, researcher, page, tmp_path):
     """The banner and the health line follow a Redis outage live (the page polls over
     HTTP: its WebSocket feed rides on the Redis that is down)."""
-    from dartboard.embedded_redis import EmbeddedRedis
+    from hostagent.embedded_redis import EmbeddedRedis
     from tests.datamanager.factories import make_running_run, make_tasks
 
     redis = EmbeddedRedis(tmp_path / "r" / "redis.sock")

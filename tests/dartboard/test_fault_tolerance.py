@@ -24,8 +24,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from dartboard.embedded_redis import EmbeddedRedis
 from datamanager.models import PolicyVersion, Run, ServiceOutage, Step, TrainUpdate, Trajectory
+from hostagent.embedded_redis import EmbeddedRedis
 from tests.live_stack import (
     Stack,
     create_started_run,

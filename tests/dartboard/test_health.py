@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from dartboard.embedded_redis import EmbeddedRedis
 from datamanager.models import ServiceOutage
+from hostagent.embedded_redis import EmbeddedRedis
 from tests.datamanager.factories import make_running_run, make_tasks
 from tests.helpers import free_port, needs
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from core.procutil import pid_cmdline
-from dartboard.preflight import Port, disk_problem, memory_problem, port_problem, python_problem
+from hostagent.preflight import Port, disk_problem, memory_problem, port_problem, python_problem
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

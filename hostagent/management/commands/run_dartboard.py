@@ -22,14 +22,12 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from dartboard.embedded_redis import EmbeddedRedis
-from dartboard.main_job import MAIN_RUN_NAMES, prepare_main_run
-from dartboard.preflight import Port, port_problem, preflight_problems
 from datamanager.models import PlacementState, Run, RunStatus
 from datamanager.policies import policy_path
 from datamanager.services.placement import placement_queue
 from datamanager.services.runs import run_control
 from hostagent.agent import HostAgent
+from hostagent.embedded_redis import EmbeddedRedis
 from hostagent.launcher import (
     Stopped,
     Supervisor,
@@ -40,6 +38,8 @@ from hostagent.launcher import (
     stop_on_signals,
     wait_http,
 )
+from hostagent.main_job import MAIN_RUN_NAMES, prepare_main_run
+from hostagent.preflight import Port, port_problem, preflight_problems
 from rollout.vllm_command import vllm_gpus, vllm_missing
 from workers.runs import run_apply, run_current_policy, run_start_workers
 

@@ -1,11 +1,11 @@
 """`python manage.py docs_reference`: write the docs' generated reference pages
-(`dartboard.docs_reference`); `--check` only says which are out of date."""
+(`hostagent.docs_reference`); `--check` only says which are out of date."""
 
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dartboard.docs_reference import ROOT, pages
+from hostagent.docs_reference import ROOT, pages
 
 
 class Command(BaseCommand):

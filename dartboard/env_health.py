@@ -12,7 +12,7 @@ update left out as too stale. Aggregated in SQL like `dartboard.viewmodels`: a r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Avg, Count, FloatField, QuerySet
@@ -122,12 +122,27 @@ class HostHealth:
     reset_ms: float | None  # mean reset time of the window's rollouts
     last_error: str
     sandbox_note: str  # why its sandboxes run without resource limits ("": enforced)
+    alert_rate: float  # the run's env.error_rate_alert
+    disk: tuple[int, int] | None = None  # (free, total) bytes of its home disk, newest report
+
+    @property
+    def disk_note(self) -> str:
+        """ "12.3 GB free of 50.0 GB" ("" when no worker of the host reported it)."""
+        if self.disk is None:
+            return ""
+        free, total = self.disk
+        return f"{free / 2**30:,.1f} GB free of {total / 2**30:,.1f} GB"
+
+    @property
+    def disk_low(self) -> bool:
+        """Under 1 GiB or 5% free: a run on it pauses when a write finds no space."""
+        return self.disk is not None and (
+            self.disk[0] < 2**30 or self.disk[0] < 0.05 * self.disk[1]
+        )
 
     @property
     def error_rate(self) -> float | None:
         return self.env_errors / self.rollouts if self.rollouts else None
-
-    alert_rate: float  # the run's env.error_rate_alert
 
     @property
     def error_percent(self) -> float | None:
@@ -156,13 +171,18 @@ def host_map(*, run: Run) -> list[HostHealth]:
     slots: dict[str, dict[str, int]] = {}
     last_error: dict[str, str] = {}
     unlimited: dict[str, str] = {}
+    disk: dict[str, tuple[datetime, tuple[int, int]]] = {}  # host -> (heartbeat, report)
     exist = {f"{backend}:{index}" for backend, index in env_cfg.slots()}
     rows = current_slots(run=run).filter(key__in=exist)  # slots the run has, as they are now
-    for host, status, heartbeat, error, note in rows.values_list(
-        "host", "status", "last_heartbeat", "last_error", "sandbox_note"
-    ):
+    for host, status, heartbeat, error, note, free, total in rows.values_list(
+        "host", "status", "last_heartbeat", "last_error", "sandbox_note",
+        "disk_free_bytes", "disk_total_bytes",
+    ):  # fmt: skip
         if note:
             unlimited[host] = note
+        newer = host not in disk or (heartbeat is not None and heartbeat >= disk[host][0])
+        if free is not None and heartbeat is not None and newer:
+            disk[host] = (heartbeat, (free, total))
         if slot_silence(status, heartbeat, lost_after=lost_after, now=now) is not None:
             status = LOST
         counts = slots.setdefault(host, {})
@@ -198,6 +218,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
                 last_error=last_error.get(host, ""),
                 sandbox_note=unlimited.get(host, ""),
                 alert_rate=env_cfg.error_rate_alert,
+                disk=disk[host][1] if host in disk else None,
             )
         )
     return out

@@ -490,6 +490,10 @@ class EnvSlot(models.Model):
         help_text="Why this slot's sandboxes run without their memory/pids cgroup or task "
         "quota (the admin allowed it with DARTBOARD_ALLOW_UNLIMITED_SANDBOX); empty: enforced.",
     )
+    disk_free_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="Free space on its worker's DARTBOARD_HOME disk."
+    )
+    disk_total_bytes = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

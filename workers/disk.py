@@ -63,10 +63,20 @@ def disk_paths() -> list[Path]:
     ]
 
 
-def _free_mb(path: Path) -> float:
+def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free / 2**20
+    return path
+
+
+def _free_mb(path: Path) -> float:
+    return shutil.disk_usage(_existing(path)).free / 2**20
+
+
+def home_disk() -> tuple[int, int]:
+    """(free, total) bytes of the disk this host's DARTBOARD_HOME is on (the host map)."""
+    usage = shutil.disk_usage(_existing(Path(settings.DARTBOARD_HOME)))
+    return usage.free, usage.total
 
 
 def run_pause_for_disk(*, run_id: int, what: str, exc: BaseException) -> None:

@@ -44,6 +44,7 @@ from rollout.client import PolicyClient
 from rollout.episode import Pacer, PolicyEndpoint
 from workers.config_mapping import episode_config
 from workers.dbutil import db_retry, refresh_connection
+from workers.disk import home_disk
 from workers.env_cache import TaskEnv
 from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
 from workers.evaluation import eval_lanes, eval_shard_waiting
@@ -93,7 +94,7 @@ class _Heartbeat(threading.Thread):
                 self._beat(
                     "database",
                     lambda: slot_services.env_slot_heartbeat(
-                        slot_id=self.slot_id, env_busy_s=self.busy.seconds()
+                        slot_id=self.slot_id, env_busy_s=self.busy.seconds(), disk=home_disk()
                     ),
                 )
         finally:

@@ -32,12 +32,17 @@ def env_slot_register(
     return slot
 
 
-def env_slot_heartbeat(*, slot_id: int, env_busy_s: float | None = None) -> None:
+def env_slot_heartbeat(
+    *, slot_id: int, env_busy_s: float | None = None, disk: tuple[int, int] | None = None
+) -> None:
     """The slot is alive; `env_busy_s` is the environment busy time served on this slot
-    so far (envmanager.busy), stored for utilisation figures."""
+    so far (envmanager.busy), stored for utilisation figures; `disk`, (free, total) bytes
+    of its worker's home disk, for the host map."""
     fields: dict = {"last_heartbeat": timezone.now()}
     if env_busy_s is not None:
         fields["env_busy_s"] = env_busy_s
+    if disk is not None:
+        fields["disk_free_bytes"], fields["disk_total_bytes"] = disk
     EnvSlot.objects.filter(pk=slot_id).update(**fields)
 
 

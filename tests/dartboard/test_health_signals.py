@@ -154,3 +154,23 @@ def test_the_share_left_out_of_training_is_charted_and_alerted(ada_client):
     lines = {t["name"]: t["y"] for t in figure["data"]}
     assert lines["rollouts: error, aborted or rejected"] == [0.6]
     assert lines["steps: too stale (per update)"] == [0.75]
+
+
+def test_the_host_map_shows_each_hosts_disk_from_its_workers_heartbeats(ada_client):
+    from datamanager.models import EnvSlot
+    from datamanager.services.env_slots import env_slot_heartbeat
+    from workers.disk import home_disk
+
+    make_tasks(1)
+    run = make_running_run({"env": {"miniwob_slots": 2}})
+    here = EnvSlot.objects.create(name="vm-1:1:miniwob:0", host="vm-1", backend="miniwob", run=run)
+    full = EnvSlot.objects.create(name="vm-9:1:miniwob:1", host="vm-9", backend="miniwob", run=run)
+    free, total = home_disk()  # this machine's, as a slot worker's heartbeat sends it
+    assert 0 < free <= total
+    env_slot_heartbeat(slot_id=here.pk, disk=(free, total))
+    env_slot_heartbeat(slot_id=full.pk, disk=(300 * 2**20, 50 * 2**30))
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    tile = re.search(r'<div class="host \w+" data-host="vm-1".*?</div>', page, re.S).group(0)
+    assert f"disk: {free / 2**30:,.1f} GB free of {total / 2**30:,.1f} GB" in tile
+    tile = re.search(r'<div class="host \w+" data-host="vm-9".*?</div>', page, re.S).group(0)
+    assert '<span class="disk badge failed"' in tile and "disk: 0.3 GB free of 50.0 GB" in tile

@@ -132,6 +132,8 @@ def test_two_worker_processes_run_episodes_at_once_with_heartbeats(subprocess_en
         )
         for s in EnvSlot.objects.filter(run=run):
             assert s.env_busy_s < (timezone.now() - s.created_at).total_seconds()
+            # and the disk its worker's home is on (the host map's disk line)
+            assert 0 < s.disk_free_bytes <= s.disk_total_bytes
     finally:
         _stop(run, workers)
 

@@ -19,7 +19,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods
 
-from dartboard import figures
+from dartboard import svg
 from dartboard.views import _user
 from datamanager.models import EvalJob, FailureKind, Run, Step, TaskGroup
 from datamanager.roles import CAN_CURATE, CAN_VIEW
@@ -41,7 +41,7 @@ def _with_overlays(steps: Iterable[Step], lane: str) -> list[Step]:
     shown = []
     for s in steps:
         step = cast(Any, s)  # an attribute for the template only
-        step.overlay = figures.action_overlay_svg(
+        step.overlay = svg.action_overlay_svg(
             s.action, width=s.screen_width, height=s.screen_height, uid=f"{lane}-{s.pk}"
         )
         shown.append(step)

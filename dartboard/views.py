@@ -29,7 +29,7 @@ from django.views.decorators.cache import cache_control
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import env_health, figures, viewmodels
+from dartboard import env_health, figures, svg, viewmodels
 from dartboard import flower as flower_proxy
 from dartboard import health as service_health
 from dartboard.forms import (
@@ -211,7 +211,7 @@ def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     rows = run_reads.task_board(run=run)
     for row in rows:
-        cast(Any, row).spark = figures.sparkline_svg(row.history)  # for the template only
+        cast(Any, row).spark = svg.sparkline_svg(row.history)  # for the template only
     return render(request, "dashboard/task_board.html", {"run": run, "rows": rows})
 
 
@@ -265,7 +265,7 @@ def trajectory_list(request: HttpRequest) -> HttpResponse:
     unranged = request.GET.copy()
     for key in ("page", "reward_min", "reward_max"):
         unranged.pop(key, None)
-    histogram = figures.reward_histogram_svg(
+    histogram = svg.reward_histogram_svg(
         trajectories.reward_histogram(flt=flt),
         query=unranged.urlencode(),
         selected=(flt.reward_min, flt.reward_max),
@@ -384,7 +384,7 @@ def _trajectory_context(trajectory_id: int, **forms) -> dict:
         raise Http404(f"no trajectory {trajectory_id}") from None
     for s in steps:
         shown = cast(Any, s)  # attributes for the template only
-        shown.overlay = figures.action_overlay_svg(
+        shown.overlay = svg.action_overlay_svg(
             s.action, width=s.screen_width, height=s.screen_height, uid=str(s.pk)
         )
         lp = s.rollout_logprobs or []

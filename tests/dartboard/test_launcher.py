@@ -82,9 +82,16 @@ def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
         assert len(redis_pids) == 1
         first.kill()  # SIGKILL: the launcher gets no chance to clean up
         first.wait()
-        # Parent-death signals take the children down; a restart reaps anything left.
+        # Parent-death signals take the children down; a restart reaps anything left. The
+        # old web may answer for a moment after the kill: the page counts once the second
+        # launcher's own Redis is up (it starts before the web).
         second = _launch(tmp_path, port)
         try:
+            deadline = time.monotonic() + 90
+            while not [p for p in _our_redis_pids(tmp_path) if p not in redis_pids]:
+                assert second.poll() is None, second.communicate()[0][-3000:]
+                assert time.monotonic() < deadline, "the second launcher's Redis did not start"
+                time.sleep(0.2)
             _wait_for_login_page(port)
             assert len(_our_redis_pids(tmp_path)) == 1
             assert redis_pids[0] not in _our_redis_pids(tmp_path)

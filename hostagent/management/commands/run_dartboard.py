@@ -133,16 +133,19 @@ class Command(BaseCommand):
         ports = [Port(host, port, "the dashboard", "--port")]
         if not shell_only and not per_run:
             ports.append(Port("127.0.0.1", router_port, "the inference router", "--router-port"))
+        redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
+        supervisor = Supervisor(home=home, specs=[], redis=redis)
+        # What a killed launcher left is stopped (and waited for) before the port check: its
+        # web may hold the dashboard's port for a moment after the crash, and a start right
+        # then would be refused for a port that is about to be free.
+        reaped = supervisor.reap_stale()
         if problems := preflight_problems(home=home, ports=ports):
             raise CommandError("\n\n".join(problems))
         prepare_home(home)  # a 077 umask, and logs, pids, database and secrets private
         stop_on_signals()
-        redis = EmbeddedRedis(settings.REDIS_SOCKET) if settings.REDIS_EMBEDDED else None
-        supervisor = Supervisor(home=home, specs=[], redis=redis)
         agent = HostAgent(home=home, port_base=router_port) if per_run else None
         run = None
         try:
-            reaped = supervisor.reap_stale()
             if reaped:
                 self.stdout.write(f"reaped {len(reaped)} processes left by a killed launcher")
             if redis is not None:

@@ -517,10 +517,11 @@ class CurationConfig:
     is_cap: float = knob(UPDATE_DEFAULTS.is_cap, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
-    # Two: one update in training and one waiting keep the trainer fed; a step collected
-    # beyond that would wait past staleness_k versions (docs/architecture.md, *Backpressure*).
+    # 2 holds at one update in training and one waiting: 0.4% of steps stale instead of
+    # a quarter, as many trained a minute, but it learned less in the main job's measured
+    # seeds (docs/benchmarks.md, *Backpressure on the main job*), so it is off by default.
     backpressure: float = knob(
-        2.0,
+        0.0,
         "Hold new training claims while ready, untrained steps fill this many updates "
         "(trainer.max_steps_per_update each); 0: never hold.",
     )

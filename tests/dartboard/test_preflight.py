@@ -38,6 +38,7 @@ def test_a_taken_port_names_its_process_and_the_option_that_moves_it():
     assert port_problem(Port("127.0.0.1", port, "the dashboard", "--port")) is None  # freed
 
 
+@pytest.mark.slow  # a launcher process: Django and the command start in 5-15 s
 def test_the_launcher_refuses_a_taken_port_before_starting_anything(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}

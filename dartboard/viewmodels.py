@@ -515,6 +515,8 @@ def held_note(*, run: Run) -> str:
     if run.status != RunStatus.RUNNING:
         return ""
     backlog = training_backlog(run_id=run.pk, cfg=run.cfg)
+    if not backlog.limit:  # backpressure off: no slot holds, nothing to count
+        return ""
     held = current_slots(run=run).filter(status=SlotStatus.HELD).count()
     if not backlog.held and not held:
         return ""

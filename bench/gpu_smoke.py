@@ -218,11 +218,15 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
+        busy_s = None
         try:
-            for i in range(2):  # the optimizer's moments exist from the first update on
+            # The optimizer's moments exist from the first update on: the second is timed, and
+            # with profile a third, the same work, runs under the profiler.
+            for _ in range(3 if profile else 2):
                 started = time.monotonic()
-                if profile and i == 1:
-                    _profiled(partial(trainer.update, [sample, failing], config), device=device)
+                if profile and len(times) == 2:
+                    busy_s = _profiled(partial(trainer.update, [sample, failing], config),
+                                       device=device)  # fmt: skip
                 else:
                     trainer.update([sample, failing], config)
                 times.append(time.monotonic() - started)
@@ -232,6 +236,10 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             rows.append((f"{label} update, 2 steps (second update)",
                          f"{times[1]:.1f} s ({2 * tokens / times[1]:.0f} tokens/s), "
                          f"{_peak(device)}"))  # fmt: skip
+            if busy_s is not None and device == "cuda":
+                rows.append((f"{label} update: GPU busy (kernel time / update time)",
+                             f"{busy_s:.2f} s of {times[1]:.2f} s ({busy_s / times[1]:.0%}); "
+                             f"under the profiler the update took {times[2]:.2f} s"))  # fmt: skip
         if first and device == "cuda":
             rows.append(("LoRA peak as bench/realsize.py plans it", _planned(batch)))
             rows.append(("trainer precision gap, bf16 autocast vs fp32",
@@ -249,16 +257,24 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
     return adapter, full
 
 
-def _profiled(step, *, device: str) -> None:
+def _profiled(step, *, device: str) -> float:
     """Runs step under torch's profiler and prints the 15 operators with the most time on the
-    device (on a CPU: on the CPU), so a slow update says where its time goes."""
+    device (on a CPU: on the CPU), so a slow update says where its time goes. Returns the
+    seconds the device spent in kernels (on a CPU: the operators' own CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    from torch.autograd import DeviceType
+
+    averages = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(averages.table(sort_by=key, row_limit=15, max_name_column_width=60))
+    if device != "cuda":
+        return sum(event.self_cpu_time_total for event in averages) / 1e6
+    # The kernels' and copies' own rows: an operator's row repeats the time of what it launched.
+    return sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
 
 
 def _planned(batch) -> str:

@@ -10,6 +10,12 @@ special tokens, each `<|image_pad|>` expanded to the image's token count. A resp
 the sampled tokens, ending with `<|im_end|>` when the model stopped. `core.generation`'s
 `generate` (rollout) and `encode_prompt_response` with `sequence_logprobs` (training) share
 these functions.
+
+Images: the image processor resizes and cuts each screenshot into patches on the CPU; the
+patches stay uint8 until they are where the model is, where `PixelNorm` rescales and
+normalizes them with the processor's own arithmetic. The values equal the processor's
+`pixel_values` bit for bit, a quarter of the bytes cross to the GPU, and the float work runs
+there instead of on the CPU in front of it.
 """
 
 from __future__ import annotations
@@ -27,22 +33,65 @@ from core.policy import Policy
 Message = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class PixelNorm:
+    """The image processor's rescale and normalize, done where the patches are: uint8 to
+    float64 times `scale`, to float32, then (x - mean) / std per channel in float32, as
+    transformers' numpy rescale and normalize compute them (equal bit for bit). None in a
+    field: the processor skips that step."""
+
+    scale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    channels: int = 3
+
+    @classmethod
+    def of(cls, processor: Any) -> PixelNorm:
+        normalize = bool(processor.do_normalize)
+        return cls(
+            scale=float(processor.rescale_factor) if processor.do_rescale else None,
+            mean=tuple(float(v) for v in processor.image_mean) if normalize else None,
+            std=tuple(float(v) for v in processor.image_std) if normalize else None,
+        )
+
+    def apply(self, patches: torch.Tensor) -> torch.Tensor:
+        """Float32 pixel values of uint8 patches [P, C*T*p*p] (channel-major, as patchify
+        lays them out), on the patches' device."""
+        x = patches.to(torch.float64)
+        if self.scale is not None:
+            x = x * self.scale
+        x = x.to(torch.float32)
+        if self.mean is None or self.std is None:
+            return x
+        rows = x.view(x.shape[0], self.channels, -1)
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device)[:, None]
+        std = torch.tensor(self.std, dtype=torch.float32, device=x.device)[:, None]
+        return ((rows - mean) / std).view(x.shape[0], -1)
+
+
 @dataclass
 class EncodedBatch:
     """Left-padded model inputs for B conversations (N images in total).
 
     input_ids, attention_mask, mm_token_type_ids: [B, T] (mm type 1 = image token);
-    pixel_values: [P, C*2*14*14] flattened patches of all images or None;
-    image_grid_thw: [N, 3] or None; response_mask: [B, T] bool, True on response tokens
-    (all False for prompts only).
+    patches: [P, C*2*14*14] uint8 flattened patches of all images or None, made pixel values
+    by `pixel_norm` where the model is (`pixel_values()`); image_grid_thw: [N, 3] or None;
+    response_mask: [B, T] bool, True on response tokens (all False for prompts only).
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mm_token_type_ids: torch.Tensor
-    pixel_values: torch.Tensor | None
+    patches: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     response_mask: torch.Tensor
+    pixel_norm: PixelNorm | None = None
+
+    def pixel_values(self) -> torch.Tensor | None:
+        """The model's float32 pixel values, computed on the patches' device."""
+        if self.patches is None or self.pixel_norm is None:
+            return None
+        return self.pixel_norm.apply(self.patches)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of the model's forward / generate."""
@@ -51,16 +100,32 @@ class EncodedBatch:
             "attention_mask": self.attention_mask,
             "mm_token_type_ids": self.mm_token_type_ids,
         }
-        if self.pixel_values is not None and self.image_grid_thw is not None:
-            out["pixel_values"] = self.pixel_values
+        pixels = self.pixel_values()
+        if pixels is not None and self.image_grid_thw is not None:
+            out["pixel_values"] = pixels
             out["image_grid_thw"] = self.image_grid_thw
         return out
 
     def to(self, device: torch.device | str) -> EncodedBatch:
-        def move(t: torch.Tensor | None) -> Any:
-            return None if t is None else t.to(device)
+        """The batch on `device`; the uint8 patches cross from pinned memory when CUDA is the
+        destination, without blocking the host."""
 
-        return EncodedBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+        def move(t: torch.Tensor | None) -> Any:
+            if t is None:
+                return None
+            if t.device.type == "cpu" and torch.device(device).type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return EncodedBatch(
+            input_ids=move(self.input_ids),
+            attention_mask=move(self.attention_mask),
+            mm_token_type_ids=move(self.mm_token_type_ids),
+            patches=move(self.patches),
+            image_grid_thw=move(self.image_grid_thw),
+            response_mask=move(self.response_mask),
+            pixel_norm=self.pixel_norm,
+        )
 
 
 def to_qwen_messages(messages: list[Message]) -> tuple[list[Message], list[Image.Image]]:
@@ -152,13 +217,15 @@ class PromptParts:
     update (`training.trainer`)."""
 
     ids: list[int]
-    pixel_values: torch.Tensor | None  # [P, C*2*14*14] or None
+    patches: torch.Tensor | None  # [P, C*2*14*14] uint8 or None
     image_grid_thw: torch.Tensor | None  # [N, 3] or None
 
     @property
     def nbytes(self) -> int:
-        pixels = self.pixel_values
-        return 8 * len(self.ids) + (0 if pixels is None else pixels.numel() * pixels.element_size())
+        patches = self.patches
+        return 8 * len(self.ids) + (
+            0 if patches is None else patches.numel() * patches.element_size()
+        )
 
 
 def prompt_parts(policy: Policy, messages: list[Message]) -> PromptParts:
@@ -166,8 +233,11 @@ def prompt_parts(policy: Policy, messages: list[Message]) -> PromptParts:
     qwen_messages, images = to_qwen_messages(messages)
     ids = _template_ids(policy, qwen_messages)
     if not images:
-        return PromptParts(ids=ids, pixel_values=None, image_grid_thw=None)
-    processed = policy.image_processor(images=images, return_tensors="pt")
+        return PromptParts(ids=ids, patches=None, image_grid_thw=None)
+    # Resize and patchify only: the values stay the resized uint8 pixels (exact in float32),
+    # and PixelNorm does the rest where the model is.
+    processed = policy.image_processor(images=images, return_tensors="pt", do_rescale=False,
+                                       do_normalize=False)  # fmt: skip
     grid = processed["image_grid_thw"]
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
     pad = policy.token_id("<|image_pad|>")
@@ -177,7 +247,8 @@ def prompt_parts(policy: Policy, messages: list[Message]) -> PromptParts:
     counts = iter(per_image)
     for tid in ids:
         expanded.extend([pad] * next(counts) if tid == pad else [tid])
-    return PromptParts(ids=expanded, pixel_values=processed["pixel_values"], image_grid_thw=grid)
+    patches = processed["pixel_values"].to(torch.uint8)
+    return PromptParts(ids=expanded, patches=patches, image_grid_thw=grid)
 
 
 def encode_batch(
@@ -208,8 +279,8 @@ def batch_from_parts(
         response = responses[b] if responses is not None else []
         rows.append(prompt.ids + list(response))
         resp_lens.append(len(response))
-        if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
-            pixels.append(prompt.pixel_values)
+        if prompt.patches is not None and prompt.image_grid_thw is not None:
+            pixels.append(prompt.patches)
             grids.append(prompt.image_grid_thw)
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -225,9 +296,10 @@ def batch_from_parts(
         input_ids=input_ids,
         attention_mask=attention_mask,
         mm_token_type_ids=mm_token_type_ids,
-        pixel_values=torch.cat(pixels) if pixels else None,
+        patches=torch.cat(pixels) if pixels else None,
         image_grid_thw=torch.cat(grids) if grids else None,
         response_mask=response_mask,
+        pixel_norm=PixelNorm.of(policy.image_processor) if pixels else None,
     )
 
 

@@ -249,7 +249,7 @@ def sequence_logprobs(
     batch.input_ids: token_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at
     temperature 1, token_entropy[b, t] the entropy of that distribution; both are 0 where
     mask (= batch.response_mask) is False. Call under torch.no_grad() for reference models.
-    `image_features`: the vision tower's output for batch.pixel_values, computed before
+    `image_features`: the vision tower's output for batch.pixel_values(), computed before
     (`get_image_features(..., return_dict=True)`): the images are not encoded again.
     """
     if isinstance(model, Policy):

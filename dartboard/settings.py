@@ -77,7 +77,6 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DARTBOARD_DB_RETRY_S = _db_retry_s
 
 INSTALLED_APPS = [
-    "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

@@ -301,7 +301,7 @@ def bc_batch_loss_cached(
         position_ids=position_ids[:, :, prefix_len:],
         past_key_values=cache,
         mm_token_type_ids=mm[:, prefix_len:],
-        pixel_values=enc.pixel_values,
+        pixel_values=enc.pixel_values(),
         image_grid_thw=enc.image_grid_thw,
         use_cache=True,
         output_attentions=attention_weight > 0,

@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +35,14 @@ from transformers import PreTrainedModel
 from core.artifacts import STATE_FILE
 from core.encoding import (
     EncodedBatch,
-    PromptParts,
     batch_from_parts,
-    prompt_parts,
     response_token_ids,
 )
 from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
+from training.prompt_cache import PromptCache
 from training.ranges import UPDATE_DEFAULTS
 from training.replicas import Replicas
 from training.sharding import (
@@ -82,63 +79,6 @@ def _enable_checkpointing(model: nn.Module) -> None:
     base = _hf_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
-
-
-class PromptCache:
-    """The prompts of the update in progress, encoded once (the image processor is the costly
-    part: 0.7-2.0 s for five 1920x1080 screenshots on 2 CPU cores) and reused by its other
-    passes; the least recently used are dropped past `max_bytes`, and everything when the
-    update ends. Keyed by step id: a step's prompt never changes.
-
-    It also keeps the last micro-batch's image features, for a frozen vision tower (LoRA on
-    the language model): the reference pass and the gradient pass of one micro-batch see the
-    same images through the same weights. `max_bytes` 0 keeps nothing."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._parts: OrderedDict[int, PromptParts] = OrderedDict()
-        self._bytes = 0
-        self.seconds = 0.0  # spent encoding since the last clear
-        self.reused = 0  # encodings served from the cache since the last clear
-        self.images_reused = 0  # micro-batches whose image features were reused
-        self._images: tuple[tuple[int, ...], Any] | None = None
-
-    def image_features(self, key: tuple[int, ...], compute: Callable[[], Any]) -> Any:
-        """The image features of the micro-batch of these step ids: `compute()`d, or the last
-        ones when the key is the same."""
-        if self._images is not None and self._images[0] == key:
-            self.images_reused += 1
-            return self._images[1]
-        features = compute()
-        if self.max_bytes > 0:
-            self._images = (key, features)
-        return features
-
-    def get(self, policy: Policy, sample: TrainSample) -> PromptParts:
-        parts = self._parts.get(sample.step_id)
-        if parts is not None:
-            self._parts.move_to_end(sample.step_id)
-            self.reused += 1
-            return parts
-        started = time.perf_counter()
-        parts = prompt_parts(policy, sample.messages)
-        self.seconds += time.perf_counter() - started
-        if self.max_bytes <= 0:
-            return parts
-        self._parts[sample.step_id] = parts
-        self._bytes += parts.nbytes
-        while self._bytes > self.max_bytes and len(self._parts) > 1:
-            _, dropped = self._parts.popitem(last=False)
-            self._bytes -= dropped.nbytes
-        return parts
-
-    def clear(self) -> None:
-        self._parts.clear()
-        self._bytes = 0
-        self.seconds = 0.0
-        self.reused = 0
-        self.images_reused = 0
-        self._images = None
 
 
 def version_dir(run_dir: Path, version: int) -> Path:
@@ -292,7 +232,7 @@ class PolicyTrainer:
         prompts = [self.prompts.get(self.policy, s) for s in samples]
         batch = batch_from_parts(self.policy, prompts, responses=responses)
         features = None
-        if self.vision_frozen and batch.pixel_values is not None:
+        if self.vision_frozen and batch.patches is not None:
             key = tuple(s.step_id for s in samples)
             features = self.prompts.image_features(key, lambda: self._image_features(batch))
         with self.autocast():
@@ -301,13 +241,12 @@ class PolicyTrainer:
     def _image_features(self, batch: EncodedBatch) -> Any:
         """The frozen vision tower's output for the batch's images (no gradient flows into
         it), as the model's forward takes it back (`mm_encoder_outputs`)."""
-        assert batch.pixel_values is not None and batch.image_grid_thw is not None
+        batch = batch.to(self.policy.device)
+        pixels = batch.pixel_values()
+        assert pixels is not None and batch.image_grid_thw is not None
         inner = _hf_model(self.policy.model).model
-        device = self.policy.device
         with torch.no_grad(), self.autocast():
-            return inner.get_image_features(
-                batch.pixel_values.to(device), batch.image_grid_thw.to(device), return_dict=True
-            )
+            return inner.get_image_features(pixels, batch.image_grid_thw, return_dict=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward passes' precision (`trainer_precision`): bf16 autocast on GPUs."""
@@ -349,6 +288,8 @@ class PolicyTrainer:
             for s in samples
         ]
         self.prompts.clear()
+        if torch.device(self.device).type == "cuda":  # on a CPU, encoding ahead takes its cores
+            self.prompts.prefetch(self.policy, samples, ahead=2)
         try:
             metrics = policy_update(
                 model=self.policy.model,

@@ -86,6 +86,51 @@ def test_screenshot_sizes_map_to_bounded_image_tokens(policy):
     assert int(encode_prompt(policy, desktop).mm_token_type_ids.sum()) <= 256
 
 
+@pytest.mark.parametrize("bounds", ["policy", "released"])
+def test_pixel_values_equal_the_image_processors_bit_for_bit(policy, bounds):
+    """The trainer and the server normalize uint8 patches where the model is (PixelNorm);
+    the model must still get exactly what the image processor would give it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from core.encoding import PixelNorm, prompt_parts
+    from core.imaging import QWEN25_VL
+
+    processor = policy.image_processor
+    if bounds == "released":  # Qwen2.5-VL's released bounds: a 1920x1080 screen at full size
+        processor = Qwen2VLImageProcessorPil(**{**processor.to_dict(), "size": {
+            "shortest_edge": QWEN25_VL.min_pixels, "longest_edge": QWEN25_VL.max_pixels}})  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(160, 210), (1920, 1080), (37, 500)]
+    noise = [torch.randint(0, 256, (h, w, 3), generator=generator, dtype=torch.uint8)
+             for w, h in sizes]  # fmt: skip
+    images = [Image.fromarray(a.numpy()) for a in noise] + [
+        Image.fromarray(noise[0].numpy()).convert("RGBA")
+    ]
+    expected = processor(images=images, return_tensors="pt")["pixel_values"]
+    messages = step_messages()
+    messages[1]["content"] = [{"type": "text", "text": "x"}] + [
+        {"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images
+    ]
+    swapped = policy.image_processor
+    policy.image_processor = processor
+    try:
+        parts = prompt_parts(policy, messages)
+    finally:
+        policy.image_processor = swapped
+    assert parts.patches is not None and parts.patches.dtype == torch.uint8
+    got = PixelNorm.of(processor).apply(parts.patches)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+def _data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def test_converter_rejects_remote_images_naming_the_field():
     bad = [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}

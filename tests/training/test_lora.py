@@ -207,7 +207,7 @@ def test_an_update_encodes_each_step_once_and_takes_the_step_it_took_encoding_ev
 
 
 def test_the_prompt_cache_keeps_what_its_bytes_allow_and_nothing_at_zero(tiny_policy_dir):
-    from training.trainer import PromptCache
+    from training.prompt_cache import PromptCache
 
     policy = load_policy(tiny_policy_dir)
     first, second = samples(0)[:2]
@@ -223,3 +223,32 @@ def test_the_prompt_cache_keeps_what_its_bytes_allow_and_nothing_at_zero(tiny_po
     assert reused(one, [first, first]) == 1  # room for one prompt
     assert reused(one, [first, second, first]) == 0  # the second pushed the first out
     assert reused(1 << 30, [first, second, first, second]) == 2
+
+
+def test_the_prompt_cache_encodes_ahead_on_a_thread_and_no_further_than_asked(tiny_policy_dir):
+    """On a GPU the trainer encodes the next steps while the GPU works on this one; the
+    prefetch must give the same prompts and stay `ahead` steps in front of the update."""
+    import time
+
+    from core.encoding import prompt_parts
+    from training.prompt_cache import PromptCache
+
+    policy = load_policy(tiny_policy_dir)
+    steps = samples(0)[:4]
+    cache = PromptCache(1 << 30)
+    cache.prefetch(policy, steps, ahead=2)
+    deadline = time.monotonic() + 60
+    while len(cache._parts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # room for a third, which it must not take before the update asks
+    assert sorted(cache._parts) == sorted(s.step_id for s in steps[:2])
+    for step in steps:
+        parts = cache.get(policy, step)
+        alone = prompt_parts(policy, step.messages)
+        assert parts.ids == alone.ids and torch.equal(parts.patches, alone.patches)
+    assert cache.reused == 0  # the first ask of a prefetched step is not a reuse
+    cache.get(policy, steps[0])
+    assert cache.reused == 1
+    cache.clear()
+    assert cache._thread is None and not cache._parts
+

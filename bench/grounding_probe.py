@@ -37,7 +37,7 @@ from core.generation import generate  # noqa: E402
 from core.imaging import ImageGeometry  # noqa: E402
 from core.policy import load_policy  # noqa: E402
 from core.samples import GroundingSample  # noqa: E402
-from training.pretrain import (  # noqa: E402
+from training.pretrain_io import (  # noqa: E402
     bc_batch_loss_cached,
     predicted_click,
     sample_messages,

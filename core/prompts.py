@@ -206,6 +206,9 @@ def build_messages(
     texts and `count_image_tokens` over its images (`image_token_counter` of the policy's
     geometry; required with a budget); the oldest turns are dropped until it fits. If even system + instruction + current screen do not fit, those are returned
     anyway (the server then rejects the request with its own message).
+
+    Long because the layout, the image window and the token budget decide together which
+    turns stay; split apart, each would need the others' intermediate lists.
     """
     if not screenshots:
         raise ValueError("build_messages needs at least one screenshot (the current screen)")

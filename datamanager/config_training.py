@@ -126,6 +126,8 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
+        """The section's checks, one per rule, in the order of its fields: long because the
+        rules are many, and one list reads against the fields above."""
         in_update_range(self, "lr")
         check(
             self.lr_warmup_updates >= 0,

@@ -101,7 +101,10 @@ def evaluate_task(
     limits: MetricLimits = MetricLimits(),
 ) -> Evaluation:
     """Score the VM's current state with the task's evaluator (see the module docstring).
-    Each metric call runs in a process of its own under `limits`."""
+    Each metric call runs in a process of its own under `limits`.
+
+    Long because it follows OSWorld's evaluator in its order (postconfig, the agent's give-up,
+    getters, metrics, their conjunction), each stage's failure named where it happens."""
     _refuse_unsafe(evaluator)
     postconfig = evaluator.get("postconfig") or []
     if postconfig:

@@ -151,7 +151,11 @@ def serve_slice(
     `max_episodes` episodes ran (the synchronous baseline runs one per slot per round).
     With a `pacer` (a lockstep round), a slot with nothing to claim sits the round out
     instead of waiting for a task, so the rest of the batch does not wait for it.
-    Raises EnvNotGranted (datamanager.roles) for a desktop or VM slot its run was not given."""
+    Raises EnvNotGranted (datamanager.roles) for a desktop or VM slot its run was not given.
+
+    Long because it is one slot's life in order (the lease, registration, the heartbeat, then
+    the loop: hand over to evaluation, claim, held, play, stop), and each way out sets the
+    slot's status where it happens, so the statuses a slot can end in read in one place."""
     run = Run.objects.select_related("owner").get(pk=run_id)
     # A slot task can come from anything that reaches the broker (Flower's API, say), not
     # only from the launcher: a desktop or a VM only for a run an admin gave them to.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.policy import load_policy
-from training.pretrain import (
+from training.pretrain_io import (
     attention_supervision_loss,
     bc_batch_loss_cached,
     target_image_tokens,
@@ -111,7 +111,7 @@ def test_attention_supervision_without_eager_attention_is_a_clear_error(tmp_path
 
 
 def test_cached_loss_equals_the_plain_loss_even_when_every_row_shares_the_instruction(tmp_path):
-    from training.pretrain import bc_batch_loss
+    from training.pretrain_io import bc_batch_loss
 
     torch.set_num_threads(1)
     policy = load_policy(build_tiny_policy(tmp_path / "p"))

@@ -10,7 +10,7 @@ import torch
 
 from core.imaging import ImageGeometry
 from core.policy import load_policy
-from training.pretrain import grounding_accuracy
+from training.pretrain_io import grounding_accuracy
 from training.synthetic import make_sample
 from training.tiny_policy import TINY_GEOMETRY
 

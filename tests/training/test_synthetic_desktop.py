@@ -13,7 +13,7 @@ from PIL import Image
 
 from core.actions import format_screen_action, parse_output
 from core.protocol import Action, ActionType
-from training.pretrain import (
+from training.pretrain_io import (
     action_correct,
     predicted_action,
     sample_messages,

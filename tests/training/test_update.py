@@ -12,7 +12,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.samples import TrainSample
-from training.update import UpdateConfig, plan_update, policy_update
+from training.update import UpdateConfig, policy_update
+from training.update_plan import plan_update
 
 VOCAB = "abcdefghijklmnop"  # one token per character
 

@@ -251,4 +251,3 @@ def test_the_prompt_cache_encodes_ahead_on_a_thread_and_no_further_than_asked(ti
     assert cache.reused == 1
     cache.clear()
     assert cache._thread is None and not cache._parts
-

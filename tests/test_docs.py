@@ -339,19 +339,48 @@ def test_every_dartboard_command_and_flag_the_docs_name_exists():
     assert seen >= 10  # docs/scripting.md's
 
 
-def test_every_run_config_the_docs_show_is_a_valid_run():
-    """A JSON block in the docs with a `policy` or a `trainer` is a run config: it must pass
-    the run form's validation (a renamed or removed setting fails here)."""
-    from datamanager.config import RunConfig
+def test_every_json_example_the_docs_show_is_what_the_code_takes_or_gives():
+    """Every JSON block in the docs is checked against the code that reads or writes it: a
+    run config (its keys are RunConfig's) must pass the run form's validation, a task record
+    the task importer's, an API refusal must be what the API answers for that input. A block
+    of another kind fails here until this test knows how to check it."""
+    from dataclasses import fields
 
-    shown = 0
+    from datamanager.config import ConfigInvalid, RunConfig
+    from datamanager.task_import import parse_task_record
+
+    sections = {f.name for f in fields(RunConfig)}
+    kinds: dict[str, int] = {}
     for doc in DOCS:
         for block in re.findall(r"```json\n(.*?)```", doc.read_text(), flags=re.S):
             data = json.loads(block)
-            if "policy" in data or "trainer" in data:
+            where = f"{doc.relative_to(ROOT)}: {block[:60]!r}"
+            if set(data) <= sections:
                 RunConfig.from_dict(data)
-                shown += 1
-    assert shown >= 1  # the UI-TARS recipe's
+                kind = "run config"
+            elif "env_kind" in data:
+                parse_task_record(data, where)
+                kind = "task record"
+            elif {"code", "message", "field", "errors"} <= set(data):
+                assert data["code"] == "invalid_config", where  # the one refusal shown
+                with pytest.raises(ConfigInvalid) as refused:
+                    RunConfig.from_dict(_config_with(data["field"], -1.0))
+                assert data["message"] == str(refused.value), where
+                assert data["errors"] == [
+                    {"code": "invalid_config", "message": str(p), "field": p.path}
+                    for p in refused.value.problems
+                ], where
+                kind = "refusal"
+            else:
+                raise AssertionError(f"a JSON example this test cannot check: {where}")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    assert kinds.keys() == {"run config", "task record", "refusal"}, kinds
+
+
+def _config_with(path: str, value: object) -> dict:
+    from datamanager.config import config_override
+
+    return config_override({}, path, value)
 
 
 def test_the_documented_apt_list_is_what_make_installs():

@@ -12,8 +12,9 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from dartboard import figures
 from dartboard.forms import TokenForm
-from datamanager.models import ApiToken, EvalScope, Sweep
+from datamanager.models import ApiToken, EvalScope
 from datamanager.roles import CAN_VIEW
+from datamanager.selectors.accounts import api_tokens, sweep_find, sweeps_listing
 from datamanager.selectors.metrics import sweep_curves
 from datamanager.services import tokens
 
@@ -43,7 +44,7 @@ def account(request: HttpRequest) -> HttpResponse:
                 form = TokenForm()
         else:
             status = 400
-    rows = ApiToken.objects.filter(user=user).order_by("-created_at")
+    rows = api_tokens(user=user)
     response = render(
         request,
         "dashboard/account.html",
@@ -67,7 +68,7 @@ def token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
 @require_GET
 @permission_required(CAN_VIEW, raise_exception=True)
 def sweep_list(request: HttpRequest) -> HttpResponse:
-    sweeps = Sweep.objects.select_related("owner").prefetch_related("members__run")[:200]
+    sweeps = sweeps_listing()[:200]
     return render(request, "dashboard/sweeps.html", {"sweeps": sweeps})
 
 
@@ -75,7 +76,7 @@ def sweep_list(request: HttpRequest) -> HttpResponse:
 @permission_required(CAN_VIEW, raise_exception=True)
 def sweep_detail(request: HttpRequest, sweep_id: int) -> HttpResponse:
     """A sweep's members (their values, status, latest greedy success) and their curves."""
-    sweep = Sweep.objects.select_related("owner").filter(pk=sweep_id).first()
+    sweep = sweep_find(sweep_id=sweep_id)
     if sweep is None:
         raise Http404(f"no sweep {sweep_id}")
     curves = sweep_curves(sweep_id=sweep.pk)

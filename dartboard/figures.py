@@ -3,7 +3,7 @@
 Plotly's Python `graph_objects` would validate the same dicts at a cost of milliseconds per
 trace; the chart endpoint refreshes every few seconds, so the dicts are built directly.
 `run_figures` draws the run page's charts, one function per chart, from the typed series of
-`datamanager.selectors.charts.ChartData` (and `dartboard.env_health`'s health series).
+`datamanager.selectors.charts.ChartData` (and `datamanager.selectors.env_health`'s health series).
 The small SVGs (the reward histogram, sparklines, an action drawn on its screenshot) are
 `dartboard.svg`'s.
 """
@@ -102,7 +102,7 @@ def _visible(i: int) -> bool | str:
 
 def run_figures(charts: ChartData, health: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """All run-page charts from `datamanager.selectors.charts.chart_data` and
-    `dartboard.env_health.health_chart_data`. A point's `customdata` is the page a click on
+    `datamanager.selectors.env_health.health_chart_data`. A point's `customdata` is the page a click on
     it opens (static/dartboard/charts.js): the trajectories behind it, or its group."""
     return {
         "errors_host": _errors_figure(charts, health, "per_host", "Env error rate per host"),

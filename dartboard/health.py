@@ -30,7 +30,6 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from datamanager.models import ServiceOutage
 from datamanager.selectors.runs import run_own_router
 from datamanager.services.outages import service_outage_close, service_outage_open
 from rollout.auth import bearer
@@ -287,7 +286,3 @@ def outage_banner(rows: list[ServiceHealth]) -> str:
         f"{r.label} down since {timezone.localtime(r.since):%H:%M:%S}: {r.last_error}" for r in down
     ]
     return "Outage: " + "; ".join(parts)
-
-
-def recent_outages(limit: int = 10) -> list[ServiceOutage]:
-    return list(ServiceOutage.objects.all()[:limit])

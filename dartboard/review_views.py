@@ -24,6 +24,7 @@ from dartboard.views import _user
 from datamanager.models import EvalJob, FailureKind, Run, Step, TaskGroup
 from datamanager.roles import CAN_CURATE, CAN_VIEW
 from datamanager.selectors import groups, labels
+from datamanager.selectors.trajectories import trajectory_steps
 from datamanager.services import labels as label_services
 from datamanager.services.review import CurationError
 
@@ -139,9 +140,7 @@ def label_queue(request: HttpRequest, run_id: int) -> HttpResponse:
     head = labels.label_queue_head(run_id=run.pk, scope=scope, skip=skip)
     steps: list[Step] = []
     if head.trajectory is not None:
-        steps = _with_overlays(
-            Step.objects.filter(trajectory=head.trajectory).order_by("index"), "q"
-        )
+        steps = _with_overlays(trajectory_steps(trajectory=head.trajectory), "q")
     skip_next = ",".join(map(str, (*skip, head.trajectory.pk))) if head.trajectory else ""
     return render(
         request,

@@ -10,7 +10,7 @@ from typing import IO
 
 from django.core.files.storage import default_storage
 
-from datamanager.models import Step
+from datamanager.selectors.trajectories import screenshot_referenced
 
 _SCREENSHOT_KEY = re.compile(r"screenshots/(?:[A-Za-z0-9_-]+/)*traj-([0-9]+)/[A-Za-z0-9_.-]+")
 
@@ -19,8 +19,7 @@ def screenshot_open(key: str) -> IO[bytes] | None:
     """The screenshot stored under `key`, open for reading; None unless a step has it."""
     found = _SCREENSHOT_KEY.fullmatch(key)
     if found is None or not (
-        Step.objects.filter(trajectory_id=int(found[1]), screenshot=key).exists()
-        and default_storage.exists(key)
+        screenshot_referenced(trajectory_id=int(found[1]), key=key) and default_storage.exists(key)
     ):
         return None
     return default_storage.open(key, "rb")

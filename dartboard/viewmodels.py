@@ -1,9 +1,9 @@
 """The run page's web-side view-models: the env wall (slot tiles, paged and filtered, and
 who holds each slot now from Redis leases) and the alerts and dead-time notes above it.
 
-The run, trajectory and chart reads live in `datamanager.selectors` (runs, trajectories,
-charts); these are what only the web page needs. Plain reads (no locks, no writes), safe
-from any process. A Redis outage is said on the page (`live_work_rows`), never raised.
+Its database reads are `datamanager.selectors`' (`dashboard` for the wall, the host map, the
+notes and the alerts); this module turns them into tiles and sentences, and reads the
+workers' Redis leases. A Redis outage is said on the page (`live_work_rows`), never raised.
 """
 
 from __future__ import annotations
@@ -14,26 +14,29 @@ from datetime import datetime
 import redis
 from django.conf import settings
 from django.core.paginator import Paginator
-from django.db.models import Count, F, Max, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from datamanager.models import (
     EnvSlot,
-    EvalJob,
     EvalScope,
     EvalStatus,
-    Host,
     PlacementState,
-    PolicyVersion,
     Run,
-    RunPlacement,
     RunStatus,
     SlotStatus,
-    Step,
-    TaskStat,
-    TrainUpdate,
-    Trajectory,
-    TrajectoryStatus,
+)
+from datamanager.selectors.dashboard import (
+    evaluating_version,
+    evaluations_under_way,
+    hosts_with_placements,
+    latest_logprob_gap,
+    newest_version,
+    run_placement,
+    slot_tiles,
+    stale_episodes,
+    unsolved_tasks,
+    wall_slots,
+    warm_start_durations,
 )
 from datamanager.selectors.flow import step_flow, step_flow_windows, training_backlog
 from datamanager.selectors.runs import (
@@ -41,7 +44,6 @@ from datamanager.selectors.runs import (
     SERVING_STATUSES,
     checkpoint_disk,
     current_slots,
-    lost_slots_q,
     slot_silence,
 )
 from workers.leases import LiveWork, redis_client
@@ -111,33 +113,10 @@ def run_slots(
     killed worker cannot say so itself); `released` when its time slice ended and the slot
     waits for the next env worker (behind evaluation shards, say)."""
     lost_after = run.cfg.env.silent_after_s
-    lost = lost_slots_q(lost_after=lost_after)
-    rows = current_slots(run=run)
-    counts = dict(
-        rows.exclude(lost).values_list("status").annotate(n=Count("pk")).order_by("status")
-    )
-    counts[LOST] = rows.filter(lost).count()
-    if status == LOST:
-        rows = rows.filter(lost)
-    elif status:
-        rows = rows.filter(status=status).exclude(lost)
-    if query:
-        rows = rows.filter(
-            Q(name__icontains=query) | Q(current_trajectory__task__name__icontains=query)
-        )
-    paginator = Paginator(rows.order_by("name").values_list("pk", flat=True), per_page)
+    rows, counts = wall_slots(run=run, lost_after=lost_after, status=status, query=query)
+    paginator = Paginator(rows.values_list("pk", flat=True), per_page)
     current = paginator.get_page(page)
-    last_step = Step.objects.filter(trajectory=OuterRef("current_trajectory")).order_by("-index")
-    slots = (
-        EnvSlot.objects.filter(pk__in=list(current.object_list))
-        .annotate(
-            step_index=Subquery(last_step.values("index")[:1]),
-            step_image=Subquery(last_step.values("screenshot")[:1]),
-            step_version=Subquery(last_step.values("policy_version")[:1]),
-            task_name=F("current_trajectory__task__name"),
-        )
-        .order_by("name")
-    )
+    slots = slot_tiles(pks=list(current.object_list))
     now = timezone.now()
     tiles = []
     for s in slots:
@@ -208,14 +187,10 @@ def live_work_rows(*, run: Run, fold_after: int = 20) -> list[LiveWorkRow]:
 def _evaluating(run: Run) -> str:
     """What a queued slot task waits behind on the env workers: the run's evaluation under
     way ("the evaluation of v48"), or "" when none is."""
-    running = list(
-        EvalJob.objects.filter(run=run, status=EvalStatus.RUNNING)
-        .order_by("pk")
-        .values_list("policy_version", flat=True)[:1]
-    )
-    if not running:
+    version = evaluating_version(run=run)
+    if version is None:
         return ""
-    return "the evaluation of " + ("the starting policy" if not running[0] else f"v{running[0]}")
+    return "the evaluation of " + ("the starting policy" if not version else f"v{version}")
 
 
 def _lease_answers(works: list[LiveWork]) -> list[tuple[LiveWork, tuple[bytes | None, int]]]:
@@ -287,12 +262,7 @@ def host_rows() -> list[HostRow]:
     """Every host an agent reported: GPUs with the memory its runs take of each, CPU
     inference slots in use, env kinds, and the runs placed on it."""
     rows = []
-    for host in Host.objects.all():
-        placed = list(
-            RunPlacement.objects.filter(
-                host=host, state__in=(PlacementState.STARTING, PlacementState.UP)
-            ).select_related("run")
-        )
+    for host, placed in hosts_with_placements():
         taken: dict[str, float] = {}
         cpu_used = 0
         for p in placed:
@@ -323,7 +293,7 @@ def host_rows() -> list[HostRow]:
 def placement_note(*, run: Run) -> str:
     """The run page's line on its own processes (a host agent's placement): where they run,
     on which devices, or why the run waits; "" for a run on the shared rollout service."""
-    placement = RunPlacement.objects.filter(run=run).select_related("host").first()
+    placement = run_placement(run=run)
     if placement is None:
         return ""
     plan = placement.plan or {}
@@ -346,11 +316,7 @@ def placement_note(*, run: Run) -> str:
 def unsolved_tasks_note(*, run: Run, min_attempts: int = UNSOLVED_MIN_ATTEMPTS) -> str:
     """The run page's line for the tasks still at 0% after `min_attempts` rollouts, with
     their rollout counts (RL cannot lift a task it never sees solved), or ""."""
-    stuck = list(
-        TaskStat.objects.filter(run=run, successes=0, attempts__gte=min_attempts, retired=False)
-        .order_by("task__name")
-        .values_list("task__name", "attempts")
-    )
+    stuck = unsolved_tasks(run=run, min_attempts=min_attempts)
     if not stuck:
         return ""
     tasks = ", ".join(f"{name} (0 of {n})" for name, n in stuck)
@@ -370,15 +336,11 @@ def dead_time_notes(*, run: Run) -> list[str]:
     notes = []
     cfg = run.cfg
     planned = cfg.trainer.warm_start_bc_updates
-    warm = list(
-        TrainUpdate.objects.filter(run=run, metrics__kind="warm_start").values_list(
-            "metrics__duration_s", flat=True
-        )
-    )
+    warm = warm_start_durations(run=run)
     if planned and len(warm) < planned:
         left = planned - len(warm)
         if warm:
-            per = sum(float(d or 0) for d in warm) / len(warm)
+            per = sum(warm) / len(warm)
             eta = f"about {_minutes(per * left)} left ({per:.0f} s an update so far)"
         else:
             eta = "the first update's time gives the estimate"
@@ -387,8 +349,7 @@ def dead_time_notes(*, run: Run) -> list[str]:
             f"updates done, {eta}; RL and the first RL version follow it."
         )
     now = timezone.now()
-    under_way = (EvalStatus.QUEUED, EvalStatus.RUNNING)
-    for job in EvalJob.objects.filter(run=run, status__in=under_way).order_by("pk"):
+    for job in evaluations_under_way(run=run):
         what = EvalScope(job.scope).label if job.scope else "its tasks"
         if job.done:
             per = (now - job.created_at).total_seconds() / job.done
@@ -411,12 +372,7 @@ def run_alerts(*, run: Run) -> list[str]:
     if stale:
         alerts.append(stale)
     threshold = trainer.logprob_gap_alert
-    latest = (
-        TrainUpdate.objects.filter(run=run, metrics__logprob_gap_tokens__gt=0)
-        .order_by("-number")
-        .values_list("number", "policy_version", "metrics")
-        .first()
-    )
+    latest = latest_logprob_gap(run=run)
     if threshold > 0 and latest is not None:
         number, version, metrics = latest
         gap = float(metrics.get("logprob_gap_mean", 0.0))
@@ -435,20 +391,10 @@ def _stale_serving(*, run: Run, behind: int) -> str:
     """The alert for an episode under way whose newest step was sampled `behind` or more
     versions before the newest published version, else "". Only running episodes are read
     (one per slot at most), through their newest step."""
-    newest = PolicyVersion.objects.filter(run=run).aggregate(v=Max("version"))["v"]
+    newest = newest_version(run=run)
     if not behind or newest is None:
         return ""
-    last_step = Step.objects.filter(trajectory=OuterRef("pk")).order_by("-index")
-    running = (
-        Trajectory.objects.filter(run=run, status=TrajectoryStatus.RUNNING)
-        .annotate(
-            step_version=Subquery(last_step.values("policy_version")[:1]),
-            step_at=Subquery(last_step.values("created_at")[:1]),
-        )
-        .filter(step_version__isnull=False, step_version__lte=newest - behind)
-        .select_related("env_slot")
-        .order_by("step_version", "pk")
-    )
+    running = stale_episodes(run=run, at_most=newest - behind)
     worst = running.first()
     if worst is None:
         return ""

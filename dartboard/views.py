@@ -29,7 +29,7 @@ from django.views.decorators.cache import cache_control
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from dartboard import env_health, figures, svg, viewmodels
+from dartboard import figures, svg, viewmodels
 from dartboard import flower as flower_proxy
 from dartboard import health as service_health
 from dartboard.forms import (
@@ -45,11 +45,14 @@ from dartboard.forms import (
 )
 from dartboard.screenshots import screenshot_open
 from datamanager.archive import InvalidUpload, archive_open
-from datamanager.models import EvalJob, FailureLabel, Run, RunStatus, TaskStat, Trajectory
+from datamanager.models import EvalJob, Run, RunStatus, Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
-from datamanager.selectors import charts, evaluations, groups, trajectories
+from datamanager.selectors import charts, env_health, evaluations, groups, trajectories
 from datamanager.selectors import runs as run_reads
 from datamanager.selectors.aggregates import bucket_width, outcome_rows
+from datamanager.selectors.outages import recent_outages
+from datamanager.selectors.runs import run_find, run_status, run_task_names, task_stat_find
+from datamanager.selectors.trajectories import failure_label
 from datamanager.services import demos, review
 from datamanager.services import runs as services
 from workers import runs
@@ -86,7 +89,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
         return render(request, "dashboard/run_form.html", {"form": form}, status=400)
     source = None
     if request.GET.get("from", "").isdigit():
-        source = Run.objects.filter(pk=int(request.GET["from"])).first()
+        source = run_find(run_id=int(request.GET["from"]))
     form = RunForm(
         initial={"name": f"{source.name} (copy)"} if source else {},
         from_config=source.config if source else None,
@@ -100,7 +103,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     services = service_health.BOARD.services(run_id=run.pk, trainer=run.status == RunStatus.RUNNING)
     wall = _wall(request, run)
-    task_names = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+    task_names = run_task_names(run=run)
     return render(
         request,
         "dashboard/run_detail.html",
@@ -114,7 +117,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "config_json": json.dumps(run.config, indent=2),
             "health": services,
             "outage_banner": service_health.outage_banner(services),
-            "outages": service_health.recent_outages(),
+            "outages": recent_outages(),
             "alerts": viewmodels.run_alerts(run=run) + env_health.health_alerts(run=run),
             "hosts": env_health.host_map(run=run),
             "dead_time": viewmodels.dead_time_notes(run=run),
@@ -133,7 +136,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_health(request: HttpRequest, run_id: int) -> JsonResponse:
     """The run page's health line: each service up or down since when, with its last error
     (dartboard/health.py); polled by static/dartboard/health.js."""
-    status = Run.objects.values_list("status", flat=True).filter(pk=run_id).first()
+    status = run_status(run_id=run_id)
     if status is None:
         raise Http404(f"no run {run_id}")
     services = service_health.BOARD.services(run_id=run_id, trainer=status == RunStatus.RUNNING)
@@ -179,7 +182,7 @@ def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
     """A page of the env wall as JSON (the wall's fallback when the WebSocket is down), with
     the same filters as the run page: ?status=&q=&page=."""
     run = get_object_or_404(Run, pk=run_id)
-    tasks = dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+    tasks = run_task_names(run=run)
     wall = _wall(request, run)
     return JsonResponse(
         {
@@ -218,9 +221,9 @@ def task_board(request: HttpRequest, run_id: int) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 @permission_required(CAN_CURATE, raise_exception=True)
 def task_override(request: HttpRequest, run_id: int, stat_id: int) -> HttpResponse:
-    stat = get_object_or_404(
-        TaskStat.objects.select_related("task", "run"), pk=stat_id, run_id=run_id
-    )
+    stat = task_stat_find(run_id=run_id, stat_id=stat_id)
+    if stat is None:
+        raise Http404(f"run {run_id} has no task statistics {stat_id}")
     if request.method == "POST":
         form = TaskOverrideForm(request.POST)
         if form.is_valid():
@@ -296,7 +299,7 @@ def _run_filter(request: HttpRequest) -> tuple[EvalJobFilterForm, int | None, Ru
     """The optional ?run=ID of the evaluation pages: (form, run id, the run if it exists)."""
     form = EvalJobFilterForm(request.GET)
     run_id = form.cleaned_data["run"] if form.is_valid() else None
-    return form, run_id, Run.objects.filter(pk=run_id).first() if run_id else None
+    return form, run_id, run_find(run_id=run_id) if run_id else None
 
 
 @require_GET
@@ -394,7 +397,7 @@ def _trajectory_context(trajectory_id: int, **forms) -> dict:
         "traj": traj,
         "steps": steps,
         "overrides": traj.reward_overrides.select_related("user").order_by("-created_at"),
-        "label": FailureLabel.objects.select_related("user").filter(trajectory=traj).first(),
+        "label": failure_label(trajectory=traj),
         "copies": traj.curated_copies.only("pk", "length", "source"),
         "reward_form": RewardOverrideForm(initial={"reward": traj.reward}),
         "trim_form": TrimForm(initial={"keep_steps": max(1, traj.length - 1)}),

@@ -36,7 +36,7 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.lr_min_ratio": "scheduled_lr below",
     "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts, datamanager.selectors.charts.training_metrics",
     "trainer.stale_serving_alert": "dartboard.viewmodels.run_alerts (the run page)",
-    "trainer.left_out_alert": "dartboard.env_health.health_alerts (the run page)",
+    "trainer.left_out_alert": "datamanager.selectors.env_health.health_alerts (the run page)",
     "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",
     "trainer.min_groups": "datamanager.services.batches.batch_collect",
     "trainer.max_steps_per_update": "datamanager.services.batches.batch_collect",

@@ -11,9 +11,12 @@ from rest_framework.response import Response
 from dartboard.api import schemas
 from dartboard.api.base import ApiView, get_or_404, known_params, page_of
 from dartboard.api.errors import ApiError
-from datamanager.models import EnvKind, EvalJob, Host, Run, Split, Task
+from datamanager.models import EnvKind, EvalJob, Run, Split, Task
 from datamanager.policies import EvalSetupError
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
+from datamanager.selectors.dashboard import hosts_listing
+from datamanager.selectors.evaluations import eval_jobs_listing
+from datamanager.selectors.tasks import tasks_listing
 from datamanager.services.runs import NotYourRun
 from workers.evaluation import EvalNotStartable, eval_start
 
@@ -37,7 +40,7 @@ class TasksView(ApiView):
     def get(self, request: Request) -> Response:
         """Tasks by name."""
         known_params(request, {"split", "env_kind", "q", "limit", "offset"})
-        qs = Task.objects.all()
+        qs = tasks_listing()
         for name, choices in (("split", Split.values), ("env_kind", EnvKind.values)):
             value = request.query_params.get(name)
             if value:
@@ -74,12 +77,10 @@ class EvaluationsView(ApiView):
     def get(self, request: Request) -> Response:
         """Evaluation jobs, newest first."""
         known_params(request, {"run", "limit", "offset"})
-        qs = EvalJob.objects.all()
         run = request.query_params.get("run")
-        if run:
-            if not run.isdigit():
-                raise ApiError(400, "invalid", "run must be a run's id", "run")
-            qs = qs.filter(run_id=int(run))
+        if run and not run.isdigit():
+            raise ApiError(400, "invalid", "run must be a run's id", "run")
+        qs = eval_jobs_listing(run_id=int(run) if run else None)
         count, page = page_of(request, qs)
         return Response({"count": count, "results": schemas.EvaluationOut(page, many=True).data})
 
@@ -128,7 +129,7 @@ class HostsView(ApiView):
     @extend_schema(operation_id="hosts_list", responses={200: schemas.HostOut(many=True), **ERRORS})
     def get(self, request: Request) -> Response:
         """The hosts whose agents place runs, with what they last reported."""
-        return Response(schemas.HostOut(Host.objects.all(), many=True).data)
+        return Response(schemas.HostOut(hosts_listing(), many=True).data)
 
 
 class MeView(ApiView):

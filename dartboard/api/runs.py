@@ -18,7 +18,7 @@ from dartboard.api.errors import ApiError
 from datamanager.config import config_override
 from datamanager.models import Run, RunStatus
 from datamanager.roles import CAN_CREATE
-from datamanager.selectors.runs import current_slots
+from datamanager.selectors.runs import current_slots, runs_listing
 from datamanager.services import runs as services
 from workers.runs import RunNotStartable, run_apply
 
@@ -26,7 +26,7 @@ ERRORS = schemas.ERRORS
 
 
 def runs_queryset() -> QuerySet[Run]:
-    return Run.objects.select_related("owner", "placement__host", "sweep_member")
+    return runs_listing()
 
 
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:

@@ -14,6 +14,7 @@ from dartboard.api.errors import ApiError
 from dartboard.api.runs import with_overrides
 from datamanager.models import Sweep
 from datamanager.roles import CAN_CREATE
+from datamanager.selectors.accounts import sweeps_listing
 from datamanager.services.runs import NotYourRun
 from datamanager.services.sweeps import sweep_create
 from workers.sweeps import sweep_advance, sweep_stop
@@ -22,7 +23,7 @@ ERRORS = schemas.ERRORS
 
 
 def sweeps_queryset():
-    return Sweep.objects.select_related("owner").prefetch_related("members__run")
+    return sweeps_listing()
 
 
 class SweepsView(ApiView):

@@ -20,7 +20,11 @@ from dartboard.forms import TrajectoryFilterForm
 from dartboard.screenshots import screenshot_open
 from datamanager.models import Trajectory
 from datamanager.roles import CAN_ADMINISTER, CAN_CURATE
-from datamanager.selectors.trajectories import trajectory_detail, trajectory_queryset
+from datamanager.selectors.trajectories import (
+    trajectories_with_task,
+    trajectory_detail,
+    trajectory_queryset,
+)
 from datamanager.services import labels, review
 
 ERRORS = schemas.ERRORS
@@ -66,8 +70,7 @@ class TrajectoriesView(ApiView):
             return Response(body(problems), status=400)
         count, page = page_of(request, trajectory_queryset(flt=form.trajectory_filter()))
         # The list page's queryset reads its own columns only; the API shows more of each.
-        rows = Trajectory.objects.filter(pk__in=[t.pk for t in page]).select_related("task")
-        by_pk = {t.pk: t for t in rows}
+        by_pk = trajectories_with_task(pks=[t.pk for t in page])
         ordered = [by_pk[t.pk] for t in page if t.pk in by_pk]
         return Response({"count": count, "results": schemas.TrajectoryOut(ordered, many=True).data})
 

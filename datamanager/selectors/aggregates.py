@@ -1,5 +1,5 @@
 """Time-bucketed aggregates shared by the run page's reads (`datamanager.selectors.charts`,
-`dartboard.env_health`): the bucket width, the regrouping of SQL rows into it, and one
+`datamanager.selectors.env_health`): the bucket width, the regrouping of SQL rows into it, and one
 grouped pass over a run's finished trajectories that every outcome chart folds from.
 
 Buckets are computed in SQL as whole seconds since the epoch divided by the bucket width

@@ -330,3 +330,9 @@ def eval_episode_ended(*, job_id: int, task_id: int, seed: int) -> bool:
         .exclude(status=TrajectoryStatus.RUNNING)
         .exists()
     )
+
+
+def eval_jobs_listing(*, run_id: int | None = None) -> QuerySet[EvalJob]:
+    """Evaluation jobs in the model's order (newest first), of one run or all."""
+    qs = EvalJob.objects.all()
+    return qs if run_id is None else qs.filter(run_id=run_id)

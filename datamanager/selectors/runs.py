@@ -228,3 +228,27 @@ def checkpoint_disk(*, run: Run, states_kept: int) -> CheckpointDisk | None:
         version_weights_bytes=rows[0][0],
         version_state_bytes=rows[0][1],
     )
+
+
+def run_find(*, run_id: int) -> Run | None:
+    return Run.objects.filter(pk=run_id).first()
+
+
+def run_status(*, run_id: int) -> str | None:
+    """The run's status alone (a poll that needs nothing else); None for no such run."""
+    return Run.objects.values_list("status", flat=True).filter(pk=run_id).first()
+
+
+def runs_listing() -> QuerySet[Run]:
+    """Runs with their owner, placement host and sweep membership, as the API lists them."""
+    return Run.objects.select_related("owner", "placement__host", "sweep_member")
+
+
+def run_task_names(*, run: Run) -> dict[int, str]:
+    """Task id -> name for the tasks the run has statistics for (the env wall's labels)."""
+    return dict(TaskStat.objects.filter(run=run).values_list("task_id", "task__name"))
+
+
+def task_stat_find(*, run_id: int, stat_id: int) -> TaskStat | None:
+    """One task's statistics row of a run, with its task and run."""
+    return TaskStat.objects.select_related("task", "run").filter(pk=stat_id, run_id=run_id).first()

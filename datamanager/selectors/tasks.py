@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.db.models import QuerySet
+
 from datamanager.config import TaskSelection
 from datamanager.models import Task
 from datamanager.policies import EvalSetupError
@@ -32,3 +34,8 @@ def tasks_select(*, spec: str) -> list[Task]:
     if not tasks:
         raise EvalSetupError(f"task selection {spec!r} matches no task")
     return sorted(tasks, key=lambda t: t.name)
+
+
+def tasks_listing() -> QuerySet[Task]:
+    """Every task, in the model's order (by name), for the API to filter and page."""
+    return Task.objects.all()

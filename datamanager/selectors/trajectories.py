@@ -17,7 +17,7 @@ from typing import Any
 from django.core.paginator import Page, Paginator
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
-from datamanager.models import RewardSource, Step, Trajectory, TrajectoryStatus
+from datamanager.models import FailureLabel, RewardSource, Step, Trajectory, TrajectoryStatus
 from datamanager.selectors.aggregates import env_error_q
 from rollout.episode import EndReason
 
@@ -232,3 +232,21 @@ def trajectory_detail(*, trajectory_id: int) -> tuple[Trajectory, list[Step]]:
     ).get(pk=trajectory_id)
     steps = list(Step.objects.filter(trajectory=traj).order_by("index"))
     return traj, steps
+
+
+def trajectory_steps(*, trajectory: Trajectory) -> QuerySet[Step]:
+    return Step.objects.filter(trajectory=trajectory).order_by("index")
+
+
+def trajectories_with_task(*, pks: list[int]) -> dict[int, Trajectory]:
+    """Trajectories by id with their task (the API's page of a list read by id)."""
+    return {t.pk: t for t in Trajectory.objects.filter(pk__in=pks).select_related("task")}
+
+
+def screenshot_referenced(*, trajectory_id: int, key: str) -> bool:
+    """Whether a step of the trajectory stores its screenshot under `key`."""
+    return Step.objects.filter(trajectory_id=trajectory_id, screenshot=key).exists()
+
+
+def failure_label(*, trajectory: Trajectory) -> FailureLabel | None:
+    return FailureLabel.objects.select_related("user").filter(trajectory=trajectory).first()

@@ -191,8 +191,8 @@ def test_slots_that_move_between_workers_are_one_tile_and_lost_only_when_a_worke
 
     from django.utils import timezone
 
-    from dartboard.env_health import host_map
     from datamanager.models import SlotStatus, Task
+    from datamanager.selectors.env_health import host_map
     from datamanager.services import env_slots
     from tests.datamanager.factories import make_running_run
     from workers import slot_worker

@@ -5,7 +5,7 @@ An environment error is an online rollout that ended `error` for the environment
 not the policy server's (`inference:`), the database's or the object store's (`storage:`),
 which say nothing about the host's desktops. Left out of training: rollouts that ended in
 error or aborted, or were rejected (by a curator or an `env_bug` label), and steps an
-update left out as too stale. Aggregated in SQL like `dartboard.viewmodels`: a run with
+update left out as too stale. Aggregated in SQL: a run with
 10,000 trajectories returns a few hundred rows.
 """
 

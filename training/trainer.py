@@ -288,7 +288,9 @@ class PolicyTrainer:
             for s in samples
         ]
         self.prompts.clear()
-        if torch.device(self.device).type == "cuda":  # on a CPU, encoding ahead takes its cores
+        # On a CPU, encoding ahead would take the cores the update runs on; a replica takes
+        # only its share of the micro-batches, which the prefetch's order does not know.
+        if torch.device(self.device).type == "cuda" and self.replicas is None:
             self.prompts.prefetch(self.policy, samples, ahead=2)
         try:
             metrics = policy_update(

@@ -290,12 +290,19 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
         job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
     finally:
         keeper.finish()
-    # The job's last shard ended it: the next one. (A failed job raised above with its own
-    # error; the next version's publication schedules after it.)
+    # A failed job raised above with its own error; the next version's publication
+    # schedules after it.
+    eval_job_next(job=job)
+    return f"{work.label}: {job.done}/{job.total}"
+
+
+def eval_job_next(*, job: EvalJob) -> None:
+    """What follows a run's scheduled job that has ended: the run's next evaluation, or the
+    run's end if that was the last it was waiting for. Called by the shard that ended the
+    job, and by the watchdog for a job whose last episode it ended itself."""
     if job.run_id is not None and job.status not in UNDER_WAY:
         eval_schedule_next(run_id=job.run_id)
         run_finish_if_done(run_id=job.run_id)
-    return f"{work.label}: {job.done}/{job.total}"
 
 
 def run_finish_if_done(*, run_id: int) -> bool:

@@ -8,7 +8,8 @@ For every running run it
 2. enqueues again each env slot task and the trainer task that has had neither a lease nor a
    pending message for DARTBOARD_WATCHDOG_GRACE_S, and says so on the run;
 3. does the same for each unfinished shard of a scheduled evaluation job (the shard resumes
-   where it stopped).
+   where it stopped), and finishes a job whose last episode it ended in step 1 (no shard is
+   left to write its report, and its run's next evaluation waits for it).
 
 A pending marker counts as waiting work only while its message is really in the broker's
 queue (or its countdown has not run out): after a Redis restart that lost the queue, or a
@@ -35,8 +36,10 @@ from django.conf import settings
 from datamanager.config import RunConfig
 from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
 from datamanager.selectors.evaluations import eval_shard_finished
+from datamanager.services.evaluations import eval_job_finish_if_done
 from datamanager.services.runs import run_set_message
 from workers.disk import runs_resume_after_disk
+from workers.evaluation import eval_job_next
 from workers.leases import (
     LiveWork,
     QueuedTasks,
@@ -93,9 +96,15 @@ def _evaluation_pass(client: Any, queued: QueuedTasks, now: float) -> list[str]:
         shards__gt=0, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)
     ).select_related("run")
     for job in jobs:
-        for shard in range(job.shards):
-            work = eval_shard_work(job_id=job.pk, shard=shard, shards=job.shards)
-            if eval_shard_finished(job=job, shard=shard) or not _lapsed(client, queued, work, now):
+        works = [
+            eval_shard_work(job_id=job.pk, shard=s, shards=job.shards) for s in range(job.shards)
+        ]
+        finished = [eval_shard_finished(job=job, shard=s) for s in range(job.shards)]
+        if all(finished):
+            restarted += _evaluation_close(client, job, works)
+            continue
+        for work, done in zip(works, finished, strict=True):
+            if done or not _lapsed(client, queued, work, now):
                 continue
             work_enqueue(work)
             message = (
@@ -108,6 +117,24 @@ def _evaluation_pass(client: Any, queued: QueuedTasks, now: float) -> list[str]:
                 run_set_message(run_id=job.run.pk, message=message)
             restarted.append(work.label)
     return restarted
+
+
+def _evaluation_close(client: Any, job: EvalJob, works: list[LiveWork]) -> list[str]:
+    """Finish a job whose every episode has ended while none of its shards runs. Its last
+    episode was cut by a worker's death and ended `aborted` by `run_orphans_abort`, so no
+    shard comes back to write its report (a resumed shard skips the ended episodes, and a
+    finished shard is never enqueued again). Left under way, it would hold back every later
+    scheduled evaluation of its run (one at a time, `eval_schedule_next`) and the run's end
+    at trainer.max_updates."""
+    if _held(client, works):
+        return []  # its shard is writing the report now
+    ended = eval_job_finish_if_done(job_id=job.pk)
+    eval_job_next(job=ended)
+    message = f"watchdog: evaluation #{job.pk} finished; its last episode's worker had died"
+    log.warning("%s", message)
+    if job.run is not None and job.run.status == RunStatus.RUNNING:
+        run_set_message(run_id=job.run.pk, message=message)
+    return [f"evaluation #{job.pk} finished"]
 
 
 def _trainer_done(run: Run, cfg: RunConfig) -> bool:

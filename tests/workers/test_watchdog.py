@@ -142,6 +142,50 @@ def test_a_lost_evaluation_shard_is_enqueued_again_and_a_finished_one_is_not(red
     assert watchdog_pass(now=2200.0) == [] and watchdog_pass(now=2300.0) == []  # done jobs
 
 
+def test_an_evaluation_whose_last_episode_was_cut_is_finished_and_the_next_one_scheduled(redis):
+    """A worker killed in the last episode of a scheduled evaluation: the watchdog ends that
+    episode `aborted`, and then no shard comes back to write the report (a resumed shard
+    skips ended episodes). The watchdog finishes the job, so the run's next evaluation (one
+    at a time) is scheduled instead of waiting behind it for ever. Not while its shard is
+    alive."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from datamanager.models import EvalJob, PolicyVersion, Trajectory
+    from workers.evaluation import eval_schedule_next
+    from workers.leases import eval_shard_work
+
+    tasks = make_tasks(2)
+    run = make_running_run(
+        {"env": {"miniwob_slots": 1},
+         "evaluation": {"every_n_versions": 1, "eval_split": False, "heldout_k": 1}}
+    )  # fmt: skip
+    (job,) = eval_schedule_next(run_id=run.pk)
+    EvalJob.objects.filter(pk=job.pk).update(status="running")
+    Trajectory.objects.create(task=tasks[0], run=run, eval_job=job, purpose="eval",
+                              seed=job.seed * 1000, status="succeeded")  # fmt: skip
+    cut = Trajectory.objects.create(task=tasks[1], run=run, eval_job=job, purpose="eval",
+                                    seed=job.seed * 1000)  # fmt: skip
+    Trajectory.objects.filter(pk=cut.pk).update(started_at=timezone.now() - timedelta(minutes=5))
+    PolicyVersion.objects.create(run=run, version=1, checkpoint="/ckpt/v1")
+    lease = eval_shard_work(job_id=job.pk, shard=0, shards=job.shards).lease_key
+    redis.set(lease, "h:3:evaluation", ex=60)  # its shard is alive: it writes the report
+
+    assert watchdog_pass(now=3000.0) == []
+    assert Trajectory.objects.get(pk=cut.pk).status == "aborted"
+    assert EvalJob.objects.get(pk=job.pk).status == "running"
+
+    redis.delete(lease)  # its worker was killed
+    assert watchdog_pass(now=3001.0) == [f"evaluation #{job.pk} finished"]
+    job.refresh_from_db()
+    assert (job.status, job.done, job.total) == ("finished", 2, 2)
+    following = EvalJob.objects.exclude(pk=job.pk).get(run=run)
+    assert (following.policy_version, following.status) == (1, "queued")
+    run.refresh_from_db()
+    assert run.status_message.startswith(f"watchdog: evaluation #{job.pk} finished")
+
+
 def test_a_pending_marker_whose_message_left_the_queue_is_lost_work(redis):
     """A Redis outage can strand a task: its pending marker survives, but its message was
     lost with the queue (a restart without the data) or taken by a consumer whose connection

@@ -43,7 +43,9 @@ from hostagent.preflight import Port, port_problem, preflight_problems
 from rollout.vllm_command import vllm_gpus, vllm_missing
 from workers.runs import run_apply, run_current_policy, run_start_workers
 
-WEB_UP_S = 60.0
+# How long the web may take to answer. On a restart after a crash it starts beside the
+# processes of the runs brought back (`_wait_for_web`): 25-35 s on 2 cores when idle.
+WEB_UP_S = 120.0
 
 
 def _router_port(asked: int | None) -> int:
@@ -204,7 +206,7 @@ class Command(BaseCommand):
                 )
             supervisor.start()
             web = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-            if not wait_http(web + settings.LOGIN_URL, timeout=WEB_UP_S):
+            if not self._wait_for_web(web + settings.LOGIN_URL, supervisor, agent):
                 raise CommandError(
                     f"The dashboard did not answer on {web}/ within {WEB_UP_S:.0f} s. Its log "
                     f"says why: {home / 'logs' / 'web.log'}. Then stop what holds the port, or "
@@ -231,6 +233,20 @@ class Command(BaseCommand):
                 agent.stop_all()  # the runs keep their status: the next start brings them back
             supervisor.stop()  # the embedded Redis last
             self.stdout.write("stopped")
+
+    def _wait_for_web(self, url: str, supervisor: Supervisor, agent: HostAgent | None) -> bool:
+        """Poll the dashboard until it answers (False after WEB_UP_S), and meanwhile watch
+        the children and tick the host agent: after a crash, the runs placed here get their
+        processes back while the web starts instead of after it (on 2 cores each takes about
+        25 s, and a run's processes need nothing from the web)."""
+        deadline = time.monotonic() + WEB_UP_S
+        while not wait_http(url, timeout=1.0):
+            if time.monotonic() > deadline:
+                return False
+            supervisor.watch_once()
+            if agent is not None:
+                agent.tick()
+        return True
 
     def _queue_run(self, run_id: int) -> None:
         """The preset's run starts like any other (this host's agent brings up its

@@ -15,6 +15,7 @@ from core.artifacts import is_ref
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
+from datamanager.selectors.evaluations import eval_jobs_under_way
 from datamanager.selectors.runs import run_own_router
 from datamanager.services import episodes
 from datamanager.services.placement import placement_queue
@@ -28,7 +29,15 @@ from datamanager.services.runs import (
 )
 from datamanager.services.versions import policy_version_add_reach
 from rollout.client import RouterAdmin
-from workers.leases import REDIS_DOWN, LiveWork, redis_client, slot_work, trainer_work, work_enqueue
+from workers.leases import (
+    REDIS_DOWN,
+    LiveWork,
+    eval_shard_work,
+    redis_client,
+    slot_work,
+    trainer_work,
+    work_enqueue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +140,11 @@ def run_start_workers(*, run_id: int) -> None:
 def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
     """End the episodes of env workers that stopped: no heartbeat on their slot row for
     `env.silent_after_s` and no live lease in Redis (either alone is an outage of the
-    database or of Redis, not a dead worker). With Redis away, the heartbeat decides."""
+    database or of Redis, not a dead worker). With Redis away, the heartbeat decides.
+    An evaluation episode ends only when none of its scheduled job's shards holds its lease
+    (with Redis away, none ends: it has no heartbeat to judge by)."""
     alive: set[str] = set()
+    dead_jobs: list[int] = []
     client = redis_client()
     try:
         keys = [work.lease_key for work in run_live_work(run_id=run_id, cfg=cfg)]
@@ -140,13 +152,23 @@ def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
         for holder in client.mget(keys) if keys else []:
             if holder is not None:
                 alive.add(holder.decode() if isinstance(holder, bytes) else str(holder))
+        for job_id, shards in eval_jobs_under_way(run_id=run_id):
+            leases = [
+                eval_shard_work(job_id=job_id, shard=s, shards=shards).lease_key
+                for s in range(shards)
+            ]
+            if not any(client.mget(leases)):
+                dead_jobs.append(job_id)
     except REDIS_DOWN as exc:
         log.warning("run %s: slot leases unreadable (%s); judging by heartbeats alone",
                     run_id, exc)  # fmt: skip
     finally:
         client.close()
     return episodes.trajectories_abort_orphans(
-        run_id=run_id, stale_after_s=cfg.env.silent_after_s, alive_slots=alive
+        run_id=run_id,
+        stale_after_s=cfg.env.silent_after_s,
+        alive_slots=alive,
+        dead_eval_jobs=dead_jobs,
     )
 
 

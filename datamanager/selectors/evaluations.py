@@ -336,3 +336,12 @@ def eval_jobs_listing(*, run_id: int | None = None) -> QuerySet[EvalJob]:
     """Evaluation jobs in the model's order (newest first), of one run or all."""
     qs = EvalJob.objects.all()
     return qs if run_id is None else qs.filter(run_id=run_id)
+
+
+def eval_jobs_under_way(*, run_id: int) -> list[tuple[int, int]]:
+    """(job id, shards) of the run's scheduled evaluation jobs queued or running."""
+    return list(
+        EvalJob.objects.filter(
+            run_id=run_id, shards__gt=0, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)
+        ).values_list("pk", "shards")
+    )

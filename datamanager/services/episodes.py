@@ -540,21 +540,31 @@ def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
 
 
 def trajectories_abort_orphans(
-    *, run_id: int, stale_after_s: float, alive_slots: Collection[str] = ()
+    *,
+    run_id: int,
+    stale_after_s: float,
+    alive_slots: Collection[str] = (),
+    dead_eval_jobs: Collection[int] = (),
 ) -> int:
     """Running trajectories whose slot stopped heart-beating (a killed worker) end as
     `aborted` with the reason, so their group can complete. Returns how many.
 
     `alive_slots`: names of slots known alive another way (their Redis lease is held): a
     database outage stops every heartbeat for its length, and must not abort the episodes
-    it only paused."""
+    it only paused.
+
+    An evaluation episode has no slot and no heartbeat of its own, and may rightly run for
+    minutes: it is ended only when its job is in `dead_eval_jobs` (a scheduled job none of
+    whose shards holds its lease), never for its age."""
     from datetime import timedelta
 
     from django.db.models import Q
 
     cutoff = timezone.now() - timedelta(seconds=stale_after_s)
+    slotless = Q(env_slot__isnull=True, started_at__lt=cutoff)
     orphans = Trajectory.objects.filter(run_id=run_id, status=TrajectoryStatus.RUNNING).filter(
-        Q(env_slot__isnull=True, started_at__lt=cutoff) | Q(env_slot__last_heartbeat__lt=cutoff)
+        (slotless & (Q(eval_job__isnull=True) | Q(eval_job_id__in=list(dead_eval_jobs))))
+        | Q(env_slot__last_heartbeat__lt=cutoff)
     )
     count = 0
     for traj in orphans.select_related("env_slot"):

@@ -16,7 +16,6 @@ requirements-gpu.txt). Everything runs under a temporary DARTBOARD_HOME.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -86,10 +85,7 @@ def _model(workdir: Path, *, cpu: bool) -> Path:
     save_checkpoint(policy, workdir / "mid-bf16")
     # The released model's image bounds (the tiny policy's processor keeps 256 tokens per
     # image): a 1920x1080 screenshot becomes its ~2,600 tokens, as for UI-TARS.
-    config = workdir / "mid-bf16" / "preprocessor_config.json"
-    data = json.loads(config.read_text())
-    data["size"] = {"shortest_edge": QWEN25_VL.min_pixels, "longest_edge": QWEN25_VL.max_pixels}
-    config.write_text(json.dumps(data, indent=2))
+    QWEN25_VL.processor().save_pretrained(workdir / "mid-bf16")
     return workdir / "mid-bf16"
 
 

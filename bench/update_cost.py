@@ -77,15 +77,9 @@ def build(shape: str, workdir: Path) -> Path:
 def released_processor(checkpoint: Path) -> None:
     """Give a built checkpoint Qwen2.5-VL's released processor bounds (core.imaging's
     QWEN25_VL): a 1920x1080 screen is then 10,764 patches, not the tiny policy's 256 tokens."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     from core.imaging import QWEN25_VL
 
-    Qwen2VLImageProcessorPil(
-        min_pixels=QWEN25_VL.min_pixels, max_pixels=QWEN25_VL.max_pixels
-    ).save_pretrained(checkpoint)
+    QWEN25_VL.processor().save_pretrained(checkpoint)
 
 
 def _samples(policy, n: int) -> list:

@@ -90,6 +90,21 @@ class ImageGeometry:
             raise ValueError(f"image geometry must be an object, got {data!r}")
         return cls(int(data["factor"]), int(data["min_pixels"]), int(data["max_pixels"]))
 
+    def processor(self) -> Any:
+        """The Qwen2-VL image processor of this geometry (the inverse of
+        `from_processor_config`): how a checkpoint built here gets its bounds, so the numbers
+        are written in one place."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        return Qwen2VLImageProcessorPil(
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+            patch_size=self.factor // QWEN_MERGE,
+            merge_size=QWEN_MERGE,
+        )
+
     def to_json(self) -> dict[str, int]:
         return {"factor": self.factor, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
 

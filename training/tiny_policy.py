@@ -32,9 +32,6 @@ from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-)
 
 from core.imaging import QWEN_MERGE, QWEN_PATCH, ImageGeometry
 from core.policy import QWEN2_VL_CHAT_TEMPLATE
@@ -272,12 +269,7 @@ def build_tiny_policy(
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(
-        min_pixels=TINY_GEOMETRY.min_pixels,
-        max_pixels=TINY_GEOMETRY.max_pixels,
-        patch_size=QWEN_PATCH,
-        merge_size=QWEN_MERGE,
-    ).save_pretrained(out)
+    TINY_GEOMETRY.processor().save_pretrained(out)
     # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
     (out / "chat_template.json").write_text(
         json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"

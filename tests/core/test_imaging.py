@@ -83,3 +83,13 @@ def test_a_processor_without_bounds_is_refused_with_its_file(tmp_path) -> None:
         ImageGeometry.from_policy_dir(tmp_path)
     with pytest.raises(ProcessorNotSupported, match="missing"):
         ImageGeometry.from_policy_dir(tmp_path / "nowhere")
+
+
+def test_a_geometry_builds_the_processor_it_is_read_back_from():
+    """Checkpoints built here get their image bounds from `ImageGeometry.processor`; the
+    processor's saved config must give the same geometry back."""
+    from core.imaging import QWEN25_VL
+    from training.tiny_policy import TINY_GEOMETRY
+
+    for geometry in (QWEN25_VL, TINY_GEOMETRY):
+        assert ImageGeometry.from_processor_config(geometry.processor().to_dict()) == geometry

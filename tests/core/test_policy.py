@@ -90,17 +90,12 @@ def test_screenshot_sizes_map_to_bounded_image_tokens(policy):
 def test_pixel_values_equal_the_image_processors_bit_for_bit(policy, bounds):
     """The trainer and the server normalize uint8 patches where the model is (PixelNorm);
     the model must still get exactly what the image processor would give it."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     from core.encoding import PixelNorm, prompt_parts
     from core.imaging import QWEN25_VL
 
     processor = policy.image_processor
     if bounds == "released":  # Qwen2.5-VL's released bounds: a 1920x1080 screen at full size
-        processor = Qwen2VLImageProcessorPil(**{**processor.to_dict(), "size": {
-            "shortest_edge": QWEN25_VL.min_pixels, "longest_edge": QWEN25_VL.max_pixels}})  # fmt: skip
+        processor = QWEN25_VL.processor()
     generator = torch.Generator().manual_seed(0)
     sizes = [(160, 210), (1920, 1080), (37, 500)]
     noise = [torch.randint(0, 256, (h, w, 3), generator=generator, dtype=torch.uint8)

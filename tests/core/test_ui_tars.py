@@ -9,9 +9,6 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-)
 
 from core.actions import parse_output, to_screen
 from core.imaging import QWEN25_VL
@@ -39,9 +36,7 @@ def red_centre(image: Image.Image) -> tuple[float, float]:
 
 def processor_size(image: Image.Image) -> tuple[int, int]:
     """(width, height) of the image UI-TARS-1.5's processor feeds the model."""
-    processor = Qwen2VLImageProcessorPil(
-        min_pixels=QWEN25_VL.min_pixels, max_pixels=QWEN25_VL.max_pixels
-    )
+    processor = QWEN25_VL.processor()
     _, grid_h, grid_w = processor(images=[image], return_tensors="np")["image_grid_thw"][0]
     return int(grid_w) * 14, int(grid_h) * 14
 

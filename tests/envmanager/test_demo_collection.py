@@ -23,9 +23,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "policies" / "tiny-grounded"
 
 def uitars_policy_dir(tmp_path: Path) -> Path:
     """A UI-TARS-1.5 / Qwen2.5-VL-sized image processor (its released bounds)."""
-    Qwen2VLImageProcessorPil(
-        min_pixels=QWEN25_VL.min_pixels, max_pixels=QWEN25_VL.max_pixels
-    ).save_pretrained(tmp_path)
+    QWEN25_VL.processor().save_pretrained(tmp_path)
     return tmp_path
 
 

@@ -93,17 +93,20 @@ class EncodedBatch:
             return None
         return self.pixel_norm.apply(self.patches)
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The keyword arguments of the model's forward / generate."""
+    def model_inputs(self, *, pixels: bool = True) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward / generate. `pixels` False: without
+        the pixel values (the caller hands the model the vision tower's output instead)."""
         out: dict[str, torch.Tensor] = {
             "input_ids": self.input_ids,
             "attention_mask": self.attention_mask,
             "mm_token_type_ids": self.mm_token_type_ids,
         }
-        pixels = self.pixel_values()
-        if pixels is not None and self.image_grid_thw is not None:
-            out["pixel_values"] = pixels
-            out["image_grid_thw"] = self.image_grid_thw
+        if self.image_grid_thw is None:
+            return out
+        out["image_grid_thw"] = self.image_grid_thw
+        values = self.pixel_values() if pixels else None
+        if values is not None:
+            out["pixel_values"] = values
         return out
 
     def to(self, device: torch.device | str) -> EncodedBatch:

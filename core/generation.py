@@ -8,6 +8,7 @@ compared token by token (truncated importance sampling).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -254,12 +255,13 @@ def sequence_logprobs(
     """
     if isinstance(model, Policy):
         model = model.model
+    if image_features is not None:  # the tower's output stands in: no pixels to move
+        batch = dataclasses.replace(batch, patches=None)
     batch = batch.to(next(model.parameters()).device)
     mask = batch.response_mask
     width = mask.shape[1]
-    inputs = batch.model_inputs()
+    inputs = batch.model_inputs(pixels=image_features is None)
     if image_features is not None:
-        inputs.pop("pixel_values")
         inputs["mm_encoder_outputs"] = {"image": image_features}
     # Responses end every (left-padded) row: only their K positions need logits. A real
     # prompt is ~14,000 tokens and the vocabulary ~152,000: all logits would be 4 GB in bf16.

@@ -399,9 +399,14 @@ def trajectory_finish(
     traj.finished_at = timezone.now()
     traj.env_ms = env_ms
     traj.model_ms = model_ms
-    traj.save(
-        update_fields=["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
-    )
+    fields = ["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
+    if status in (TrajectoryStatus.ABORTED, TrajectoryStatus.ERROR):
+        # A step is its row, then the trajectory's length (step_store): a worker killed, or
+        # a database lost, between the two leaves the last stored step outside the length.
+        # An episode cut short is closed with the steps it stored.
+        traj.length = Step.objects.filter(trajectory_id=traj.pk).count()
+        fields.append("length")
+    traj.save(update_fields=fields)
     # The run's curation settings, parsed once for the rules below (a group's run is its
     # members' run).
     cfg = traj.run.cfg.curation if traj.run is not None else None

@@ -174,6 +174,38 @@ def test_a_killed_workers_episode_is_aborted_with_the_reason_and_its_group_compl
     assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
 
 
+def test_an_episode_killed_between_a_step_and_its_length_is_closed_with_every_stored_step():
+    """A step is stored as its row, then the trajectory's length: a worker killed between the
+    two leaves a row past the length. The aborted trajectory counts every step it stored."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from datamanager.models import EnvSlot
+    from tests.conftest import png_bytes
+
+    make_tasks(1)
+    run = make_running_run({})
+    dead = EnvSlot.objects.create(
+        name="h:1:miniwob:0", host="h", backend="miniwob", last_heartbeat=timezone.now()
+    )
+    claim = episodes.task_claim(run_id=run.pk, slot_id=dead.pk, env_kinds=("miniwob",))
+    for index in (0, 1):
+        step_record(
+            trajectory_id=claim.trajectory_id, index=index, screenshot_png=png_bytes(),
+            width=160, height=210, raw_output="Action: wait()", thought="",
+            action={"type": "wait"}, parse_error="", prompt_tokens=3, response_tokens=2,
+            rollout_logprobs=[-0.1, -0.2], mean_entropy=0.5, policy_version=0, env_ms=1.0,
+            model_ms=1.0,
+        )  # fmt: skip
+    Trajectory.objects.filter(pk=claim.trajectory_id).update(length=1)  # the kill's lost write
+    EnvSlot.objects.filter(pk=dead.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    assert episodes.trajectories_abort_orphans(run_id=run.pk, stale_after_s=25) == 1
+    aborted = Trajectory.objects.get(pk=claim.trajectory_id)
+    assert aborted.status == "aborted"
+    assert aborted.length == Step.objects.filter(trajectory=aborted).count() == 2
+
+
 def test_a_task_may_declare_its_own_step_budget():
     (task,) = make_tasks(1)
     task.env_config = {**task.env_config, "max_steps": 4}

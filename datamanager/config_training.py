@@ -253,8 +253,9 @@ class CurationConfig:
     # seeds (docs/benchmarks.md, *Backpressure on the main job*), so it is off by default.
     backpressure: float = knob(
         0.0,
-        "Hold new training claims while ready, untrained steps fill this many updates "
-        "(trainer.max_steps_per_update each); 0: never hold.",
+        "Open no new group while ready, untrained steps fill this many updates "
+        "(trainer.max_steps_per_update each); a group already begun is still completed. "
+        "0: never hold.",
     )
     success_window: int = knob(16, "Trajectories in a task's rolling success rate.")
     error_retries: int = knob(

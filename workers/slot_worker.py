@@ -248,7 +248,8 @@ def _next_claim(
 ) -> episodes.Claim | SlotOutcome | Backlog | None:
     """The slot's next claim; else its outcome when it stops (the worker shuts down, the slot
     was taken over, the run stopped; a `paced` slot sits a round with nothing to claim out),
-    the trainer's backlog while it holds new claims (backpressure), or None: wait, then try
+    the trainer's backlog while it holds (backpressure: no new group is opened; a begun
+    group's rollouts are still claimed), or None: wait, then try
     again. A paced slot (the synchronous loop) is never held: its trainer waits for it."""
     if shutdown_requested.is_set():  # its task goes back to the queue
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.RELEASED)
@@ -263,7 +264,14 @@ def _next_claim(
             what=f"reading the training backlog for slot {backend}:{index}",
         )
         if backlog.held:
-            return backlog
+            # Held: no new group is opened, but the groups under way are completed.
+            begun = db_retry(
+                lambda _: episodes.task_claim(
+                    run_id=run_id, slot_id=slot_id, env_kinds=(backend,), begun_only=True
+                ),
+                what=f"claiming a begun group's rollout for slot {backend}:{index}",
+            )
+            return begun if begun is not None else backlog
     claim = db_retry(
         lambda _: episodes.task_claim(run_id=run_id, slot_id=slot_id, env_kinds=(backend,)),
         what=f"claiming a task for slot {backend}:{index}",

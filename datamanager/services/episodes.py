@@ -14,7 +14,7 @@ from typing import Any
 
 from django.core.files.base import ContentFile
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from core.protocol import TaskSpec
@@ -103,10 +103,13 @@ def _open_next_groups(run: Run, stats: list[TaskStat]) -> None:
         )
 
 
-def _claim_budget(run: Run, env_kinds: tuple[str, ...]) -> TaskStat | None:
+def _claim_budget(
+    run: Run, env_kinds: tuple[str, ...], *, begun_only: bool = False
+) -> TaskStat | None:
     """Take one claim of a task's open group: the candidates in `pick_task`'s order, each
     row locked with SKIP LOCKED, so concurrent claimers pass each other instead of queueing
     on one row. None: no task has a claim left, or every one that has is being claimed.
+    `begun_only`: only groups that already have a claim (see `task_claim`).
 
     Each try is a savepoint, rolled back when it takes nothing. PostgreSQL keeps the lock
     of a row that the statement locked and then left out on its recheck (its last claim was
@@ -115,6 +118,11 @@ def _claim_budget(run: Run, env_kinds: tuple[str, ...]) -> TaskStat | None:
     holds the run row and writes every task row (tests/datamanager/test_episode_locks.py;
     bench/scale.py runs thousands of slots against it)."""
     rows = TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds, outstanding__gt=0)
+    if begun_only:
+        begun = TaskGroup.objects.filter(
+            run=run, task_id=OuterRef("task_id"), index=OuterRef("group_index"), claimed__gt=0
+        )
+        rows = rows.filter(Exists(begun))
     left = {
         pk: curation.Candidate(task_id, outstanding, 0.0 if retired else boost)
         for pk, task_id, outstanding, boost, retired in rows.values_list(
@@ -141,8 +149,14 @@ def _claim_budget(run: Run, env_kinds: tuple[str, ...]) -> TaskStat | None:
 
 
 @transaction.atomic
-def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) -> Claim | None:
+def task_claim(
+    *, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...], begun_only: bool = False
+) -> Claim | None:
     """Rollout-wise sampling: the next task for a free slot, with its trajectory started.
+
+    `begun_only`: claim only from a group that already has a claim, never open one: a slot
+    held by backpressure still completes the groups under way, so a group's rollouts come
+    from versions close together (its advantage compares them with each other).
 
     Returns None when the run is not running, or has nothing to claim right now. Runs in one
     transaction. A claim locks only the task row it takes (`_claim_budget`: SKIP LOCKED on
@@ -159,7 +173,9 @@ def task_claim(*, run_id: int, slot_id: int | None, env_kinds: tuple[str, ...]) 
     run = Run.objects.get(pk=run_id)
     if run.status != RunStatus.RUNNING:
         return None
-    stat = _claim_budget(run, env_kinds)
+    stat = _claim_budget(run, env_kinds, begun_only=begun_only)
+    if stat is None and begun_only:
+        return None
     if stat is None:
         run = Run.objects.select_for_update(of=("self",), no_key=True).get(pk=run_id)
         stats = list(TaskStat.objects.filter(run=run, task__env_kind__in=env_kinds))

@@ -23,6 +23,29 @@ def test_rollout_wise_claims_spread_over_tasks_without_a_barrier():
     assert TaskGroup.objects.filter(run=run).count() == 4
 
 
+def test_a_claim_held_by_backpressure_completes_a_begun_group_and_opens_none():
+    make_tasks(2)
+    run = make_running_run({"curation": {"n_max": 2, "dynamic_budget": False}})
+
+    def claim(begun_only):
+        return episodes.task_claim(
+            run_id=run.pk, slot_id=None, env_kinds=("miniwob",), begun_only=begun_only
+        )
+
+    assert claim(True) is None  # nothing begun yet: a held slot waits
+    first = claim(False)
+    second = claim(True)  # the begun group's other rollout
+    assert second is not None and second.task_id == first.task_id
+    assert claim(True) is None  # that group is complete; the other task's is not begun
+    groups = TaskGroup.objects.filter(run=run).order_by("task_id")
+    assert [(g.task_id == first.task_id, g.claimed) for g in groups] == [(True, 2), (False, 0)]
+    assert TaskGroup.objects.filter(run=run).count() == 2  # no round opened by a held claim
+    for _ in range(2):
+        assert claim(False) is not None
+    assert claim(True) is None  # every group claimed: a held claim opens no new round
+    assert TaskGroup.objects.filter(run=run).count() == 2
+
+
 def _claims(run, n):
     return [
         episodes.task_claim(run_id=run.pk, slot_id=None, env_kinds=("miniwob",)) for _ in range(n)

@@ -9,12 +9,14 @@ import struct
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import DecodeError
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
 from datamanager.models import TaskStat, TrainUpdate, Trajectory
 from datamanager.selectors.scalars import run_scalars
+from tests.helpers import wait_until
 from tests.workers.test_training_loop import _fill, run_on_tiny  # noqa: F401  (fixture)
 from workers import exports, training_loop
 
@@ -110,6 +112,15 @@ def _wandb_offline(wandb_dir: Path) -> tuple[set[str], dict[str, str], dict[int,
     return run_ids, config, history
 
 
+def _wandb_offline_whole(wandb_dir: Path, steps: list[int]):
+    """`_wandb_offline` once its history holds `steps`, else None (a file still written)."""
+    try:
+        found = _wandb_offline(wandb_dir)
+    except DecodeError:  # a record cut by the writer
+        return None
+    return found if sorted(found[2]) == steps else None
+
+
 @pytest.fixture
 def trackers_on(settings, tmp_path, monkeypatch):
     """W&B offline under tmp_path (never a login or the network) and an MLflow file store."""
@@ -143,7 +154,13 @@ def test_updates_reach_wandb_and_mlflow_as_the_database_has_them_across_a_restar
     exports.exports_close(run.pk)
     assert result.wandb == result.mlflow == len(run_scalars(update=second)) > 10
 
-    run_ids, config, history = _wandb_offline(trackers_on / "wandb")
+    # W&B's service process writes the run file; on a loaded machine the last update's
+    # record lands there a moment after `finish()` returns.
+    run_ids, config, history = wait_until(
+        lambda: _wandb_offline_whole(trackers_on / "wandb", steps=[1, 2]),
+        timeout=30,
+        what="both updates in W&B's offline run files",
+    )
     assert run_ids == {f"dartboard-run-{run.pk}"}
     assert config["trainer.lr"] == 1e-3 and config["curation.n_max"] == 2
     assert sorted(history) == [1, 2]

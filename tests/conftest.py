@@ -125,8 +125,27 @@ def _process_state_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     if "workers.exports" in sys.modules:
         sys.modules["workers.exports"].exports_close_all()
     torch.set_num_threads(threads)
+    _no_event_loop_left(request.node.nodeid)
     if request.node.get_closest_marker("django_db") and not request.node.get_closest_marker("live"):
         _clear_live_work_keys()
+
+
+def _no_event_loop_left(nodeid: str) -> None:
+    """A test (or a fixture it started) that leaves an asyncio loop running on the test
+    thread makes every later database test on this xdist worker fail with Django's
+    SynchronousOnlyOperation, far from the cause. Playwright's sync API does this while it
+    is started: run it on a thread of its own (envmanager/threaded.py) or stop it."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    pytest.fail(
+        f"{nodeid} left an asyncio loop running on the test thread ({loop!r}): a Playwright "
+        "sync API started here and not stopped? Run it on its own thread "
+        "(envmanager.threaded.ThreadedEnv) or stop it before the test ends."
+    )
 
 
 @pytest.fixture

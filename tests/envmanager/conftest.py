@@ -12,13 +12,18 @@ import pytest
 from core.protocol import Action, Evaluation, Observation, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.threaded import ThreadedEnv
 from tests.helpers import needs
 
 
 @pytest.fixture(scope="session")
 @needs("browser")
-def miniwob_env() -> Iterator[MiniWoBEnv]:
-    env = MiniWoBEnv()
+def miniwob_env() -> Iterator[ThreadedEnv]:
+    """On a thread of its own, as a slot runs it (envmanager/threaded.py): Playwright's sync
+    API marks the thread that drives it as running an asyncio loop, and this env lives for
+    the whole session, so on the test thread every later database test would be refused
+    with SynchronousOnlyOperation. `.backend` is the MiniWoBEnv."""
+    env = ThreadedEnv(MiniWoBEnv, timeout_s=60.0)
     yield env
     env.close()
 

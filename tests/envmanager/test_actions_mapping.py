@@ -7,6 +7,7 @@ import pytest
 from core.protocol import Action, ActionNotSupported, ActionType, TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.threaded import ThreadedEnv
 
 EVERY_ACTION = {
     ActionType.CLICK: Action(type=ActionType.CLICK, x=20, y=100),
@@ -29,7 +30,7 @@ def test_the_table_covers_every_action_type() -> None:
 @pytest.mark.browser
 @pytest.mark.parametrize("action_type", list(ActionType))
 def test_miniwob_performs_every_action_type(
-    miniwob_env: MiniWoBEnv, action_type: ActionType
+    miniwob_env: ThreadedEnv, action_type: ActionType
 ) -> None:
     miniwob_env.wait_seconds = 0.05
     miniwob_env.reset(
@@ -45,7 +46,7 @@ def test_miniwob_performs_every_action_type(
 
 
 @pytest.mark.browser
-def test_miniwob_typed_text_reaches_the_focused_field(miniwob_env: MiniWoBEnv) -> None:
+def test_miniwob_typed_text_reaches_the_focused_field(miniwob_env: ThreadedEnv) -> None:
     obs = miniwob_env.reset(
         TaskSpec(
             name="miniwob/focus-text", env_kind="miniwob", env_config={"task": "focus-text"}, seed=1

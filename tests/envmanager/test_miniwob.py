@@ -18,6 +18,7 @@ from envmanager.miniwob_tasks import (
     miniwob_task_names,
     miniwob_task_records,
 )
+from envmanager.threaded import ThreadedEnv
 from training.tiny_policy import TINY_GEOMETRY
 
 
@@ -33,7 +34,7 @@ ORACLE_TASKS = [*STARTER_TASKS, "enter-text", "click-checkboxes", "login-user"]
 @pytest.mark.browser
 @pytest.mark.parametrize("subdomain", ORACLE_TASKS)
 def test_oracle_episode_reaches_reward_one(
-    miniwob_env: MiniWoBEnv, oracle_episode, subdomain: str
+    miniwob_env: ThreadedEnv, oracle_episode, subdomain: str
 ) -> None:
     for seed in (1, 2):
         evaluation, steps = oracle_episode(miniwob_env, miniwob_spec(subdomain, seed))
@@ -43,7 +44,7 @@ def test_oracle_episode_reaches_reward_one(
 
 
 @pytest.mark.browser
-def test_random_actions_score_lower_than_the_oracle(miniwob_env: MiniWoBEnv) -> None:
+def test_random_actions_score_lower_than_the_oracle(miniwob_env: ThreadedEnv) -> None:
     rng = random.Random(0)
     tasks = ["click-link", "click-button", "enter-text", "click-checkboxes", "login-user"]
     rewards = []
@@ -62,7 +63,7 @@ def test_random_actions_score_lower_than_the_oracle(miniwob_env: MiniWoBEnv) -> 
 
 
 @pytest.mark.browser
-def test_observation_has_screenshot_instruction_fields_and_dom(miniwob_env: MiniWoBEnv) -> None:
+def test_observation_has_screenshot_instruction_fields_and_dom(miniwob_env: ThreadedEnv) -> None:
     obs = miniwob_env.reset(miniwob_spec("click-button", seed=7))
     assert (obs.width, obs.height) == (160, 210)
     assert png_size(png=obs.screenshot_png) == (160, 210)
@@ -76,7 +77,7 @@ def test_observation_has_screenshot_instruction_fields_and_dom(miniwob_env: Mini
 
 
 @pytest.mark.browser
-def test_same_seed_gives_same_task_instance(miniwob_env: MiniWoBEnv) -> None:
+def test_same_seed_gives_same_task_instance(miniwob_env: ThreadedEnv) -> None:
     first = miniwob_env.reset(miniwob_spec("click-button", seed=42)).instruction
     miniwob_env.reset(miniwob_spec("click-link", seed=3))
     again = miniwob_env.reset(miniwob_spec("click-button", seed=42)).instruction
@@ -84,15 +85,15 @@ def test_same_seed_gives_same_task_instance(miniwob_env: MiniWoBEnv) -> None:
 
 
 @pytest.mark.browser
-def test_switching_tasks_reuses_one_browser(miniwob_env: MiniWoBEnv) -> None:
+def test_switching_tasks_reuses_one_browser(miniwob_env: ThreadedEnv) -> None:
     miniwob_env.reset(miniwob_spec("click-test"))
-    pid = miniwob_env.browser_pid()
+    pid = miniwob_env.backend.browser_pid()
     miniwob_env.reset(miniwob_spec("focus-text"))
-    assert pid is not None and miniwob_env.browser_pid() == pid
+    assert pid is not None and miniwob_env.backend.browser_pid() == pid
 
 
 @pytest.mark.browser
-def test_unfinished_and_failed_episodes_score_zero(miniwob_env: MiniWoBEnv) -> None:
+def test_unfinished_and_failed_episodes_score_zero(miniwob_env: ThreadedEnv) -> None:
     miniwob_env.reset(miniwob_spec("click-test-2", seed=5))
     unfinished = miniwob_env.evaluate()
     assert unfinished.reward == 0.0 and unfinished.details["reason"] == "episode not finished"
@@ -163,7 +164,7 @@ class _RepeatFirstAnswer:
         return Completion.scripted(self.text, started=started, served_by="test")
 
 
-def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None:
+def test_episode_ends_when_the_task_ends_itself(miniwob_env: ThreadedEnv) -> None:
     """A MiniWoB++ task is over after its click: the runner stops there (env_done) instead
     of asking the policy again until the step cap; an off-target click that does not end
     the task leaves the episode running."""
@@ -193,7 +194,7 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: MiniWoBEnv) -> None
 
 
 def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
-    miniwob_env: MiniWoBEnv,
+    miniwob_env: ThreadedEnv,
 ) -> None:
     """The synchronous baseline's lockstep on a real episode: a second member that reaches
     each turn 0.4 s late holds the episode's policy call of that turn until it arrives, and

@@ -15,7 +15,7 @@ from core.completion import Completion
 from core.imaging import QWEN25_VL
 from core.protocol import TaskSpec
 from envmanager.desktop_env import DesktopEnv
-from envmanager.miniwob_env import MiniWoBEnv
+from envmanager.threaded import ThreadedEnv
 from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 from training.tiny_policy import TINY_GEOMETRY
 
@@ -105,7 +105,7 @@ class Scripted:
 @pytest.mark.browser
 @pytest.mark.slow
 def test_fuzzed_outputs_step_real_miniwob_and_desktop_envs_and_each_failure_is_recorded(
-    miniwob_env: MiniWoBEnv, desktop_env: DesktopEnv
+    miniwob_env: ThreadedEnv, desktop_env: DesktopEnv
 ) -> None:
     cases = [
         (miniwob_env, TaskSpec(name="miniwob/click-test", env_kind="miniwob",

@@ -169,10 +169,10 @@ def eval_job_task_results(job: EvalJob) -> list[TaskResult]:
         Trajectory.objects.filter(eval_job=job)
         .exclude(status=TrajectoryStatus.RUNNING)
         .annotate(parse_errors=Count("steps", filter=~Q(steps__parse_error="")))
-        .values("task__name", "status", "reward", "length", "parse_errors")
+        .values("pk", "task_id", "seed", "task__name", "status", "reward", "length", "parse_errors")
     )
     by_task: dict[str, list[Episode]] = {}
-    for r in rows:
+    for r in _one_per_episode(list(rows)):
         by_task.setdefault(r["task__name"], []).append(
             Episode(
                 task=r["task__name"],
@@ -183,6 +183,30 @@ def eval_job_task_results(job: EvalJob) -> list[TaskResult]:
             )
         )
     return [task_result(name, eps, job.k) for name, eps in sorted(by_task.items())]
+
+
+def _one_per_episode(rows: list[dict]) -> list[dict]:
+    """One ended trajectory per episode (task, seed): an episode cut by a worker's death and
+    ended `aborted` may have been played again by the resumed shard; the scored one counts
+    (the newest, should there be several)."""
+    best: dict[tuple[int, int | None], dict] = {}
+    for r in sorted(rows, key=lambda r: r["pk"]):
+        key = (r["task_id"], r["seed"])
+        held = best.get(key)
+        if held is None or r["status"] in SCORED_STATUSES or held["status"] not in SCORED_STATUSES:
+            best[key] = r
+    return list(best.values())
+
+
+def _episodes_ended(trajectories: QuerySet[Trajectory]) -> int:
+    """Distinct episodes (task, seed) among `trajectories` that have ended."""
+    return (
+        trajectories.exclude(status=TrajectoryStatus.RUNNING)
+        .order_by()
+        .values("task_id", "seed")
+        .distinct()
+        .count()
+    )
 
 
 def eval_job_report(*, job_id: int) -> EvalJobReport:
@@ -282,12 +306,8 @@ def eval_compare(*, a_id: int, b_id: int) -> tuple[EvalJob, EvalJob, list[EvalCo
 
 
 def eval_job_done(*, job_id: int) -> int:
-    """Episodes of the job that have ended (any status but running)."""
-    return (
-        Trajectory.objects.filter(eval_job_id=job_id)
-        .exclude(status=TrajectoryStatus.RUNNING)
-        .count()
-    )
+    """Episodes of the job that have ended (any status but running), each counted once."""
+    return _episodes_ended(Trajectory.objects.filter(eval_job_id=job_id))
 
 
 def eval_report(*, job_id: int) -> dict:
@@ -315,11 +335,7 @@ def eval_shard_tasks(*, job: EvalJob, shard: int, shards: int) -> list[str]:
 def eval_shard_finished(*, job: EvalJob, shard: int) -> bool:
     """Whether every episode of this shard of the job has ended."""
     names = eval_shard_tasks(job=job, shard=shard, shards=job.shards)
-    ended = (
-        Trajectory.objects.filter(eval_job=job, task__name__in=names)
-        .exclude(status=TrajectoryStatus.RUNNING)
-        .count()
-    )
+    ended = _episodes_ended(Trajectory.objects.filter(eval_job=job, task__name__in=names))
     return ended >= len(names) * job.k
 
 

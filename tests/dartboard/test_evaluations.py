@@ -244,6 +244,32 @@ def test_detail_of_a_running_job_counts_finished_episodes(ada_client):
     assert ada_client.get("/evaluations/999999/").status_code == 404
 
 
+def test_an_episode_played_again_after_a_crash_counts_once_and_by_its_score():
+    """A worker killed mid-episode leaves it `aborted`; should the resumed shard play it
+    again, the job has two trajectories for one episode. It counts once, as the scored
+    one, and the job is not done before its last episode ends."""
+    from datamanager.selectors.evaluations import eval_job_done, eval_shard_finished
+    from datamanager.services.evaluations import eval_job_finish_if_done
+
+    job = make_job("resumed", [BUTTON], k=2)
+    job.shards = 1
+    job.save(update_fields=["shards"])
+    cut, running = play(job, BUTTON, "FR")
+    Trajectory.objects.filter(pk=cut).update(status="aborted", reward=None)
+    again = Trajectory.objects.get(pk=cut)
+    again.pk = None
+    again.status, again.reward = "succeeded", 1.0
+    again.save()  # the same episode (task, seed), played again
+    assert eval_job_done(job_id=job.pk) == 1
+    assert not eval_shard_finished(job=job, shard=0)
+    assert eval_job_finish_if_done(job_id=job.pk).status == EvalStatus.RUNNING
+    Trajectory.objects.filter(pk=running).update(status="failed", reward=0.0)
+    finished = eval_job_finish_if_done(job_id=job.pk)
+    assert finished.status == EvalStatus.FINISHED and finished.done == 2
+    [result] = finished.report["tasks"]
+    assert (result["episodes"], result["successes"]) == (2, 1)
+
+
 # --- matrix ------------------------------------------------------------------------------
 
 

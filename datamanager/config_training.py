@@ -248,9 +248,9 @@ class CurationConfig:
     is_cap: float = knob(UPDATE_DEFAULTS.is_cap, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
-    # 2 holds at one update in training and one waiting: 0.4% of steps stale instead of
-    # a quarter, as many trained a minute, but it learned less in the main job's measured
-    # seeds (docs/benchmarks.md, *Backpressure on the main job*), so it is off by default.
+    # Off for a run unless set: where it pays (env time scarce or costly, a trainer that
+    # falls behind) is a property of the run. `make run`'s preset sets it
+    # (hostagent/main_job.py); docs/benchmarks.md, *Backpressure on the main job*.
     backpressure: float = knob(
         0.0,
         "Open no new group while ready, untrained steps fill this many updates "

@@ -113,6 +113,10 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
             # first RL version must come within minutes (6 warm-start updates took 16 minutes
             # in the first main job). Two ready groups and 48 steps make an update.
             "trainer": {**_TRAINER, "min_groups": 2, "max_steps_per_update": 48},
+            # Three slots collect faster than one CPU trainer trains: no new group is opened
+            # while two updates' steps wait (docs/architecture.md, *Backpressure*), instead
+            # of collecting steps that would go stale.
+            "curation": {"backpressure": 2},
             # Greedy success per version on the training instances and on held-out seeds
             # (the run page's first chart): the starting policy, then the newest version
             # whenever the evaluation slot (one of three) is free; not the 23 tasks of the

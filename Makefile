@@ -99,7 +99,7 @@ run-desktop: install ## the X desktop tasks preset
 	$(PY) manage.py run_dartboard --preset desktop $(ARGS)
 
 # The whole suite, two pytest-xdist workers side by side (most live tests wait on processes).
-test: install vllm-env ## install, then the whole suite (about 22 minutes on 2 cores)
+test: install vllm-env ## install, then the whole suite (16-19 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"

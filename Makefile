@@ -98,12 +98,13 @@ run-desktop: install ## the X desktop tasks preset
 	@echo "==> starting Dartboard on the desktop preset (Ctrl-C stops everything)"
 	$(PY) manage.py run_dartboard --preset desktop $(ARGS)
 
-# The whole suite, two pytest-xdist workers side by side (most live tests wait on processes).
+# The whole suite, two pytest-xdist workers side by side, each taking the next test as it
+# frees up, heaviest first (tests/conftest.py `HEAVY_FIRST`).
 test: install vllm-env ## install, then the whole suite (16-19 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 # The quick loop: every test that needs no live stack, browser, desktop or GPU and is not
 # marked slow (markers come from the fixtures a test uses: tests/helpers.py `needs`). A test

@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -27,6 +26,9 @@ from transformers import (
 from core.encoding import EncodedBatch, Message, encode_batch
 from core.policy import Policy
 from core.replies import reply_text, stop_token_ids
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 @dataclass

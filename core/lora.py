@@ -14,13 +14,16 @@ vision tower's linear layers too (otherwise it stays frozen, like every base wei
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from safetensors.torch import load_file
-from torch import nn
+if TYPE_CHECKING:  # torch and peft (which pulls in transformers' model code) cost seconds
+    # of CPU: imported where used, so a process that only reads a LoraSpec (an env worker)
+    # never loads them
+    from peft import LoraConfig, PeftModel
+    from torch import nn
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -47,6 +50,8 @@ class LoraSpec:
             raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
 
     def config(self, base: Path) -> LoraConfig:
+        from peft import LoraConfig
+
         targets = f"({LANGUAGE_TARGETS})|({VISION_TARGETS})" if self.vision else LANGUAGE_TARGETS
         return LoraConfig(
             r=self.rank,
@@ -61,10 +66,19 @@ class LoraSpec:
 def add_adapters(model: nn.Module, spec: LoraSpec, *, base: Path) -> PeftModel:
     """Wrap `model` (loaded from `base`) with fresh, trainable adapters; base weights freeze.
     lora_B starts at zero, so the wrapped model computes exactly what the base did."""
+    from peft import get_peft_model
+
     peft_model = get_peft_model(model, spec.config(base))  # type: ignore[arg-type]
     if not any(p.requires_grad for p in peft_model.parameters()):
         raise ValueError(f"no module of {base} matches the LoRA targets")
     return peft_model
+
+
+def is_peft_model(model: object) -> TypeGuard[PeftModel]:
+    """Whether `model` is wrapped by peft, without importing peft: a process that never
+    attached an adapter never imported it, and holds no peft model."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -85,13 +99,18 @@ def adapter_base(path: str | Path) -> Path:
 
 def attach_adapter(model: nn.Module, path: str | Path, *, trainable: bool = False) -> PeftModel:
     """`model` (the adapter's base) with the adapter of `path` attached."""
+    from peft import PeftModel
+
     return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)  # type: ignore[arg-type]
 
 
-@torch.no_grad()
 def swap_adapter(model: PeftModel, path: str | Path) -> None:
     """Copy the adapter weights of `path` into `model`'s live adapter, in place. Raises
     ValueError when the adapter's shape (rank, targets) differs from the live one."""
+    import torch
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
     live = model.peft_config["default"]
     new = LoraConfig.from_pretrained(str(path))
     for field in ("r", "lora_alpha", "target_modules"):
@@ -101,7 +120,8 @@ def swap_adapter(model: PeftModel, path: str | Path) -> None:
                 f"adapter's {getattr(live, field)!r}"
             )
     state = load_file(str(Path(path) / ADAPTER_WEIGHTS))
-    result = set_peft_model_state_dict(model, state)
+    with torch.no_grad():
+        result = set_peft_model_state_dict(model, state)
     unexpected = list(getattr(result, "unexpected_keys", []))
     if unexpected:
         raise ValueError(f"{path}: adapter weights do not fit ({unexpected[:3]})")

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -35,7 +34,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from core.imaging import ImageGeometry
-from core.lora import adapter_base, attach_adapter, is_adapter_dir, swap_adapter
+from core.lora import adapter_base, attach_adapter, is_adapter_dir, is_peft_model, swap_adapter
 from core.vision_attention import use_packed_vision_attention
 
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -81,7 +80,7 @@ class Policy:
 
     @property
     def has_adapter(self) -> bool:
-        return isinstance(self.model, PeftModel)
+        return is_peft_model(self.model)
 
     def token_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)
@@ -190,7 +189,7 @@ def load_weights_into(policy: Policy, checkpoint_dir: str | Path) -> None:
     if is_adapter_dir(checkpoint_dir):
         _load_adapter_into(policy, Path(checkpoint_dir))
         return
-    if isinstance(policy.model, PeftModel):  # a full checkpoint after adapters: plain again
+    if is_peft_model(policy.model):  # a full checkpoint after adapters: plain again
         policy.model = policy.model.unload()
     model = policy.model
     fresh = type(model).from_pretrained(  # type: ignore[attr-defined]

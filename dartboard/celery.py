@@ -12,6 +12,10 @@ from celery.signals import beat_init, celeryd_init, worker_shutting_down
 from workers.lifecycle import shutdown_requested
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dartboard.settings")
+# Django's system checks import the web's URLconf and every view (about a second of CPU per
+# worker start); `manage.py migrate`, which every start runs first, and the web run them.
+# CELERY_SKIP_CHECKS= (empty) runs them in the workers too.
+os.environ.setdefault("CELERY_SKIP_CHECKS", "1")
 
 app = Celery("dartboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -50,7 +50,8 @@ DESKTOP_WARM_START = 0
 
 
 def main_run_config(preset: str = "miniwob") -> RunConfig:
-    """The run a preset starts (see docs/benchmarks.md, *The main job observed*, for what it shows)."""
+    """The run a preset starts (see docs/benchmarks.md, *The main job observed*, for what it
+    shows). Long: each preset's configuration is one literal, read whole."""
     if preset not in MAIN_RUN_NAMES:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(MAIN_RUN_NAMES)}")
     if preset == "desktop":

@@ -40,6 +40,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 kinds |= getattr(fixturedef.func, "dartboard_needs", frozenset())
         for kind in sorted(kinds):
             item.add_marker(kind)
+    items.sort(key=_heaviness)
+
+
+# Heaviest first (`slow`, then live stacks, then browsers and desktops, then the rest; a
+# stable sort, so pytest-django's database order holds within each): with `make test`'s
+# `--maxschedchunk 1` each xdist worker takes the next test when it is free, the minute-long
+# live stacks start early and side by side with light tests, and the run ends on short tests
+# on both workers rather than one long test on one.
+HEAVY_FIRST = ("slow", "live", "browser", "desktop")
+
+
+def _heaviness(item: pytest.Item) -> int:
+    for rank, marker in enumerate(HEAVY_FIRST):
+        if item.get_closest_marker(marker):
+            return rank
+    return len(HEAVY_FIRST)
 
 
 _over_budget: list[str] = []

@@ -1,6 +1,7 @@
 """The repository layout keeps the standard library importable and the deployment honest."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,37 @@ def test_importing_the_clients_loads_neither_the_router_nor_starlette():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]", f"importing rollout.client loaded {out.strip()}"
+
+
+def _loaded(setup: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The top-level packages among `prefixes` a fresh Python holds after `setup`."""
+    code = (
+        "import json, os, sys; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'dartboard.settings'); "
+        f"{setup}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(prefixes)!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("process", "setup", "heavy"),
+    [
+        # Every Celery worker (env, default, beat) imports the tasks module at start; only the
+        # train queue's task loads the trainer. torch, transformers and peft cost an env worker
+        # about 4 s of CPU per start, which a 2-core host pays for every slot and restart.
+        ("a Celery worker", "import django; django.setup(); import workers.tasks",
+         ("torch", "transformers", "peft", "scipy")),
+        ("the web", "import django; django.setup(); import dartboard.urls, dartboard.asgi",
+         ("torch", "transformers", "peft")),
+        # An inference worker needs transformers, not peft, until it is sent an adapter.
+        ("an inference worker", "import rollout.server", ("peft",)),
+    ],
+)  # fmt: skip
+def test_a_process_loads_only_the_heavy_packages_it_uses(process, setup, heavy):
+    loaded = _loaded(setup, heavy)
+    assert loaded == [], f"starting {process} loads {loaded}"
 
 
 def test_every_compose_service_runs_a_real_entry_point():

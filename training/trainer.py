@@ -25,10 +25,9 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import PeftModel
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -39,7 +38,7 @@ from core.encoding import (
     response_token_ids,
 )
 from core.generation import sequence_logprobs
-from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir
+from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir, is_peft_model
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
 from training.prompt_cache import PromptCache
@@ -53,6 +52,9 @@ from training.sharding import (
 )
 from training.update import UpdateConfig, policy_update
 
+if TYPE_CHECKING:  # peft is imported only by a run that trains adapters (core.lora)
+    from peft import PeftModel
+
 
 class _AdaptersOff(nn.Module):
     """The KL reference under LoRA: the trained model with its adapters switched off (the base
@@ -62,13 +64,13 @@ class _AdaptersOff(nn.Module):
 
     def __init__(self, peft_model: nn.Module) -> None:
         super().__init__()
-        assert isinstance(peft_model, PeftModel)
+        assert is_peft_model(peft_model)
         object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters
 
 
 def _hf_model(model: nn.Module) -> PreTrainedModel:
     """The transformers model under a peft wrapper (or the model itself)."""
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = model.get_base_model() if is_peft_model(model) else model
     assert isinstance(base, PreTrainedModel)
     return base
 
@@ -222,7 +224,7 @@ class PolicyTrainer:
         if isinstance(model, _AdaptersOff):
             with model.peft_model.disable_adapter():
                 return self.logprob_fn(model.peft_model, samples)
-        assert isinstance(model, PreTrainedModel | PeftModel)
+        assert isinstance(model, PreTrainedModel) or is_peft_model(model)
         responses = [
             list(s.response_token_ids)
             if s.response_token_ids

@@ -15,7 +15,7 @@ from core.lora import LoraSpec
 from datamanager.config import RunConfig, TrainerConfig
 from datamanager.policies import policy_geometry
 from rollout.episode import EpisodeConfig
-from training.update import UpdateConfig
+from training.ranges import UpdateConfig
 
 READ_ELSEWHERE: dict[str, str] = {
     "mode": "workers.runs.run_live_work (decoupled or the synchronous driver)",

@@ -19,8 +19,6 @@ from workers.evaluation import eval_shard_serve
 from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
 from workers.lifecycle import shutdown_requested
 from workers.slot_worker import serve_lockstep_episode, serve_slice
-from workers.sync_loop import sync_for
-from workers.training_loop import train_for, trainer_drive
 from workers.watchdog import watchdog_pass
 
 SLOT_SLICE_SECONDS = 300.0  # a slot task re-enqueues itself: no task stays unacked for long
@@ -67,12 +65,18 @@ def eval_shard(job_id: int, shard: int, shards: int) -> str:
 
 @shared_task(name="workers.tasks.train_run", acks_late=True)
 def train_run(run_id: int) -> str:
+    from workers.training_loop import train_for, trainer_drive  # the trainer's imports (torch,
+    # transformers, peft: seconds of CPU) are paid by the train queue's worker only
+
     return trainer_drive(train_for, run_id=run_id, mode="decoupled")
 
 
 @shared_task(name="workers.tasks.sync_run", acks_late=True)
 def sync_run(run_id: int) -> str:
     """The synchronous baseline's driver (queue `train`)."""
+    from workers.sync_loop import sync_for
+    from workers.training_loop import trainer_drive
+
     return trainer_drive(sync_for, run_id=run_id, mode="synchronous")
 
 

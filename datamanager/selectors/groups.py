@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from core.losses import group_advantages
 from datamanager.models import SCORED_STATUSES, EvalJob, Step, TaskGroup, Trajectory
 
 
@@ -55,6 +52,12 @@ def _expected_advantages(trajs: list[Trajectory]) -> dict[int, float]:
     ]
     if not scored:
         return {}
+    # The trainer's own function; torch loads on the first group view a web process
+    # serves, not on every web start.
+    import torch
+
+    from core.losses import group_advantages
+
     rewards = torch.tensor([float(t.reward or 0.0) for t in scored])
     advantages, _, _ = group_advantages(rewards, torch.zeros(len(scored), dtype=torch.long))
     return {t.pk: float(a) for t, a in zip(scored, advantages.tolist(), strict=True)}

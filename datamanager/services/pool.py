@@ -12,7 +12,7 @@ from django.utils import timezone
 from core.imaging import ImageGeometry
 from datamanager.models import Step, Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
 from datamanager.selectors.pool import pool_members, pool_sizes
-from datamanager.services.episodes import step_row
+from datamanager.services.step_rows import step_row
 from rollout.episode import StepRecord
 
 

@@ -22,8 +22,8 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
-from datamanager.services.episodes import step_as_record, step_row
 from datamanager.services.pool import pool_refresh
+from datamanager.services.step_rows import step_as_record, step_row
 
 
 class CurationError(ValueError):

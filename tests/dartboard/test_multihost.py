@@ -225,6 +225,8 @@ def files_under(path: Path) -> list[Path]:
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
+    """One deployment, checked stage by stage (long: the stages share it, and a deployment
+    of three hosts costs a minute to bring up)."""
     with deployment(tmp_path) as deploy:
         run = deploy.run = deploy.ask(op="start", policy=deploy.policy)["run"]
 

@@ -142,6 +142,8 @@ def test_client_skips_a_dead_worker_and_gives_up_clearly(server):
 
 
 def test_reload_bumps_version_in_place_and_loses_no_request(server, checkpoints):
+    """Before, during and after one reload, on the same server process (long: the three
+    phases are one story, and requests in flight span them)."""
     pid = httpx.get(f"{server}/health").json()["pid"]
     greedy = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
     before = httpx.post(

@@ -262,7 +262,7 @@ def sequence_logprobs(
     batch = batch.to(next(model.parameters()).device)
     mask = batch.response_mask
     width = mask.shape[1]
-    inputs = batch.model_inputs(pixels=image_features is None)
+    inputs: dict[str, Any] = dict(batch.model_inputs(pixels=image_features is None))
     if image_features is not None:
         inputs["mm_encoder_outputs"] = {"image": image_features}
     # Responses end every (left-padded) row: only their K positions need logits. A real

@@ -106,7 +106,9 @@ def xdotool_hotkey(*, key: str) -> str:
 def _parts_by_new_characters(text: str, *, limit: int) -> list[str]:
     """`text` cut into consecutive parts, each with at most `limit` distinct characters
     beyond ASCII."""
-    parts, current, seen = [], "", set()
+    parts: list[str] = []
+    current = ""
+    seen: set[str] = set()
     for ch in text:
         if not ch.isascii() and ch not in seen and len(seen) == limit:
             parts.append(current)

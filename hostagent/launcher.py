@@ -226,8 +226,11 @@ class Supervisor:
             self.redis.stop()
 
 
-class Stopped(Exception):
-    """Ctrl-C or SIGTERM reached a launcher or an agent (`stop_on_signals`)."""
+class Stopped(BaseException):
+    """Ctrl-C or SIGTERM reached a launcher or an agent (`stop_on_signals`). A BaseException,
+    as KeyboardInterrupt is: the signal lands wherever the main thread is, and a call that
+    handles its own errors (`except Exception`: a router polled, a policy read) must not
+    swallow it and leave the process running."""
 
 
 def _raise_stopped(signum: int, frame: object) -> None:

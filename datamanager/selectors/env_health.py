@@ -181,7 +181,7 @@ def host_map(*, run: Run) -> list[HostHealth]:
         if note:
             unlimited[host] = note
         newer = host not in disk or (heartbeat is not None and heartbeat >= disk[host][0])
-        if free is not None and heartbeat is not None and newer:
+        if free is not None and total is not None and heartbeat is not None and newer:
             disk[host] = (heartbeat, (free, total))
         if slot_silence(status, heartbeat, lost_after=lost_after, now=now) is not None:
             status = LOST

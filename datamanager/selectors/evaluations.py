@@ -172,7 +172,7 @@ def eval_job_task_results(job: EvalJob) -> list[TaskResult]:
         .values("pk", "task_id", "seed", "task__name", "status", "reward", "length", "parse_errors")
     )
     by_task: dict[str, list[Episode]] = {}
-    for r in _one_per_episode(list(rows)):
+    for r in _one_per_episode([dict(r) for r in rows]):
         by_task.setdefault(r["task__name"], []).append(
             Episode(
                 task=r["task__name"],

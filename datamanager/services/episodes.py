@@ -421,6 +421,7 @@ def _replace_member(traj: Trajectory, cfg: CurationConfig) -> None:
     and has retries left (`curation.error_retries`), the group gets one more claim, a new
     rollout on a fresh environment (the slot recreates its environment after an error).
     Locks the task row before the group's, as a claim does."""
+    assert traj.run_id is not None and traj.group_id is not None  # a group member's
     allowed = cfg.error_retries
     stat = TaskStat.objects.select_for_update(of=("self",), no_key=True).get(
         run_id=traj.run_id, task_id=traj.task_id
@@ -445,6 +446,7 @@ def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
     errors = members.filter(status=TrajectoryStatus.ERROR).order_by("-pk")
     if errors.count() > group.retries:  # a member is missing and was not replaced
         last = errors.values_list("pk", "error").first()
+        assert last is not None  # errors.count() > group.retries >= 0
         group.status = GroupStatus.SKIPPED
         group.note = storable(
             f"dropped: {errors.count()} members ended in an environment error and "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
-from hostagent.launcher import default_specs
+from hostagent.launcher import Stopped, default_specs, stop_on_signals
 from rollout.vllm_command import vllm_missing, vllm_python
 from tests.helpers import free_port
 
@@ -72,6 +72,23 @@ def _all_children_gone(home: Path, pids: list[int], timeout: float = 20) -> bool
 
 
 @pytest.mark.slow
+def test_a_stop_signal_is_not_swallowed_by_a_call_that_handles_its_own_errors():
+    """SIGTERM lands wherever the main thread is. In a call that handles its own errors (the
+    host agent polling a router: `except Exception`) it must still stop the process."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop_on_signals()
+    try:
+        with pytest.raises(Stopped, match="SIGTERM"):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here
+            except Exception:
+                pass  # what the router poll does with an error
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+
+
 def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
     port = free_port()
     first = _launch(tmp_path, port)

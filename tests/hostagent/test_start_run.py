@@ -93,5 +93,10 @@ def test_a_run_started_from_a_file_runs_on_the_host_agent_and_stops_with_its_pro
         assert gone == [] and Run.objects.get(pk=run.pk).status == RunStatus.STOPPED
     finally:
         agent.send_signal(signal.SIGTERM)
-        out, _ = agent.communicate(timeout=120)
+        try:
+            out, _ = agent.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            agent.kill()  # its workers die with it (die_with_parent)
+            out, _ = agent.communicate()
+            raise AssertionError(f"the agent did not stop on SIGTERM:\n{out[-3000:]}") from None
     assert "stopped" in out, out[-2000:]

@@ -29,6 +29,25 @@ class ActionNotSupported(EnvError):
     """A backend cannot perform this action (e.g. a hotkey it does not know)."""
 
 
+# A desktop types ~5 ms a character (xdotool, pyautogui): a longer text would outlast the
+# step timeout and take the desktop down with it.
+MAX_TYPE_CHARS = 1000
+
+
+def desktop_text(action: Action) -> str:
+    """The text of a `type` action, as a desktop may type it. Raises ActionNotSupported
+    naming the limit it breaks: over MAX_TYPE_CHARS characters, or one no keyboard types."""
+    text = action.text or ""
+    if len(text) > MAX_TYPE_CHARS:
+        raise ActionNotSupported(
+            f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
+        )
+    untypable = untypable_character(text)
+    if untypable:
+        raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")
+    return text
+
+
 def untypable_character(text: str) -> str:
     """The first character of `text` no keyboard types, named ("U+0007 (BEL)"), or "".
     Control characters other than newline and tab (a keyboard's Return and Tab) have no

@@ -294,6 +294,26 @@ def _staleness_figure(charts: ChartData) -> dict[str, Any]:
     )
 
 
+def _success_line(name: str, points: list[VersionPoint], *, color: str, tag: str) -> dict[str, Any]:
+    """Greedy success per policy version as one line, each point with its 95% interval and
+    its successes out of the scored episodes on hover (`tag` names the line there)."""
+    return _line(
+        name,
+        [p.version for p in points],
+        [p.rate for p in points],
+        line={"color": color},
+        text=[f"{p.ok}/{p.scored}" for p in points],
+        hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>" + tag + "</extra>",
+        error_y={
+            "type": "data",
+            "symmetric": False,
+            "array": [p.high - p.rate for p in points],
+            "arrayminus": [p.rate - p.low for p in points],
+            "color": color,
+        },
+    )
+
+
 def _versions_figure(versions: dict[str, list[VersionPoint]]) -> dict[str, Any]:
     """Greedy success per policy version on the training instances and on held-out seeds,
     each point with its 95% interval."""
@@ -305,23 +325,7 @@ def _versions_figure(versions: dict[str, list[VersionPoint]]) -> dict[str, Any]:
         points = versions.get(scope) or []
         if not points:
             continue
-        traces.append(
-            _line(
-                name,
-                [p.version for p in points],
-                [p.rate for p in points],
-                line={"color": color},
-                text=[f"{p.ok}/{p.scored}" for p in points],
-                hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>" + name + "</extra>",
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [p.high - p.rate for p in points],
-                    "arrayminus": [p.rate - p.low for p in points],
-                    "color": color,
-                },
-            )
-        )
+        traces.append(_success_line(name, points, color=color, tag=name))
     return _fig(
         "Greedy success per policy version (95% interval)",
         traces,
@@ -450,21 +454,11 @@ def sweep_figure(curves: list[SweepCurve], scope: str) -> dict[str, Any]:
         points = curve.versions.get(scope) or []
         color = SWEEP_COLORS[i % len(SWEEP_COLORS)]
         traces.append(
-            _line(
+            _success_line(
                 f"#{curve.member.run_id} {curve.label}",
-                [p.version for p in points],
-                [p.rate for p in points],
-                line={"color": color},
-                text=[f"{p.ok}/{p.scored}" for p in points],
-                hovertemplate="v%{x}: %{y:.0%} (%{text})<extra>"
-                + f"#{curve.member.run_id}</extra>",
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [p.high - p.rate for p in points],
-                    "arrayminus": [p.rate - p.low for p in points],
-                    "color": color,
-                },
+                points,
+                color=color,
+                tag=f"#{curve.member.run_id}",
             )
         )
     return _fig(

@@ -36,8 +36,8 @@ from core.protocol import (
     Evaluation,
     Observation,
     TaskSpec,
+    desktop_text,
     hotkey_parts,
-    untypable_character,
 )
 from envmanager.desktop_tasks import DARTAPP, DesktopState, Launch, WriteFile, desktop_task
 from envmanager.sandbox import AGENT_PYTHON, TASK_DIR, Sandbox
@@ -46,9 +46,6 @@ from envmanager.xserver import SandboxedDisplay, XServer, XServerError
 
 WIDTH, HEIGHT = 800, 600
 SCROLL_CLICKS = 3  # wheel clicks per UI-TARS scroll
-# xdotool types ~5 ms a character: a longer text would outlast the step timeout and take the
-# desktop down with it (tests/security/test_fuzz_outputs.py types 20,000 characters).
-MAX_TYPE_CHARS = 1000
 SCROLL_BUTTONS = {"up": "4", "down": "5", "left": "6", "right": "7"}
 # After a keyboard-map change, how long the desktop's applications get to read the new map
 # before a key on it is pressed (Tk reads it when the MappingNotify event reaches it).
@@ -412,15 +409,7 @@ class DesktopEnv(SandboxedDisplay):
         if t == ActionType.HOTKEY:
             return ["xdotool", "key", "--clearmodifiers", xdotool_hotkey(key=action.key or "")]
         if t == ActionType.TYPE:
-            text = action.text or ""
-            if len(text) > MAX_TYPE_CHARS:
-                raise ActionNotSupported(
-                    f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
-                )
-            untypable = untypable_character(text)
-            if untypable:
-                raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")
-            return ["xdotool", "type", "--delay", "5", "--", text]
+            return ["xdotool", "type", "--delay", "5", "--", desktop_text(action)]
         if t == ActionType.SCROLL:
             button = SCROLL_BUTTONS[action.direction or "down"]
             return [

@@ -22,10 +22,9 @@ with call_user (envmanager.osworld_evaluator). `wait` sleeps on Dartboard's side
 
 from __future__ import annotations
 
-from core.protocol import Action, ActionNotSupported, ActionType, untypable_character
+from core.protocol import Action, ActionNotSupported, ActionType, desktop_text
 
 SCROLL_CLICKS = 5  # wheel clicks per UI-TARS scroll (pyautogui.scroll units on X11)
-MAX_TYPE_CHARS = 1000  # as the desktop backend: a longer text outlasts the step timeout
 DRAG_SECONDS = 0.3
 
 # Dartboard/UI-TARS key names -> pyautogui's (OSWorld's KEYBOARD_KEYS).
@@ -137,14 +136,7 @@ def pyautogui_command(
         names = pyautogui_keys(action.key or "", keys=keys)
         return f"pyautogui.hotkey({', '.join(repr(n) for n in names)})"
     if t == ActionType.TYPE:
-        text = action.text or ""
-        if len(text) > MAX_TYPE_CHARS:
-            raise ActionNotSupported(
-                f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
-            )
-        untypable = untypable_character(text)
-        if untypable:
-            raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")
+        text = desktop_text(action)
         if text.isascii():
             return f"pyautogui.typewrite({text!r}, interval=0.005)"
         return _type_any_script(text)

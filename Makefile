@@ -10,7 +10,7 @@ RUN_AS_UID ?= $(shell id -u)
 SUDO_BIN ?= sudo
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils x11-xserver-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 STAMP := $(VENV)/.installed
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 ARGS ?=
 
 .PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps install torch-cuda clean flower
@@ -98,13 +98,14 @@ run-desktop: install ## the X desktop tasks preset
 	@echo "==> starting Dartboard on the desktop preset (Ctrl-C stops everything)"
 	$(PY) manage.py run_dartboard --preset desktop $(ARGS)
 
-# The whole suite, two pytest-xdist workers side by side, each taking the next test as it
-# frees up, heaviest first (tests/conftest.py `HEAVY_FIRST`).
+# The whole suite: three pytest-xdist workers (the live tests wait on their processes part of
+# the time), each taking the next whole module as it frees up, heaviest modules first
+# (tests/conftest.py `HEAVY_FIRST`).
 test: install vllm-env ## install, then the whole suite (16-19 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The quick loop: every test that needs no live stack, browser, desktop or GPU and is not
 # marked slow (markers come from the fixtures a test uses: tests/helpers.py `needs`). A test

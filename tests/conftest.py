@@ -40,14 +40,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 kinds |= getattr(fixturedef.func, "dartboard_needs", frozenset())
         for kind in sorted(kinds):
             item.add_marker(kind)
-    items.sort(key=_heaviness)
+    module_rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        module_rank[module] = min(module_rank.get(module, len(HEAVY_FIRST)), _heaviness(item))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])
 
 
-# Heaviest first (`slow`, then live stacks, then browsers and desktops, then the rest; a
-# stable sort, so pytest-django's database order holds within each): with `make test`'s
-# `--maxschedchunk 1` each xdist worker takes the next test when it is free, the minute-long
-# live stacks start early and side by side with light tests, and the run ends on short tests
-# on both workers rather than one long test on one.
+# Modules heaviest first (by their heaviest test: `slow`, then live stacks, then browsers and
+# desktops, then the rest; a stable sort, so pytest-django's database order holds within
+# each). `make test` hands each xdist worker a whole module at a time (`--dist loadscope`,
+# so a module's stack or vLLM server starts once) in this order: the minute-long live
+# modules start first, and the run ends on short modules on every worker rather than one
+# long test on one.
 HEAVY_FIRST = ("slow", "live", "browser", "desktop")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import Callable, Iterator
 
 from django.conf import settings
@@ -287,6 +288,12 @@ def eval_shard_serve(*, job_id: int, shard: int, shards: int) -> str:
     if isinstance(keeper, str):
         return f"{work.label} is held by {keeper}"
     try:
+        job = EvalJob.objects.get(pk=job_id)
+        evaluations.eval_episodes_cut_end(
+            job_id=job_id,
+            task_names=eval_shard_tasks(job=job, shard=shard, shards=shards),
+            where=f"{work.label} on {socket.gethostname()}",
+        )
         job = eval_job_run(job_id=job_id, shard=shard, shards=shards)
     finally:
         keeper.finish()

@@ -8,14 +8,20 @@ from django.db.models import Case, F, FloatField, Value, When
 from django.utils import timezone
 
 from datamanager.events import publish_on_commit
-from datamanager.models import EnvSlot, SlotStatus, slot_key
+from datamanager.models import EnvSlot, SlotStatus, Trajectory, TrajectoryStatus, slot_key
+from datamanager.services.episodes import trajectory_finish
 
 
 def env_slot_register(
     *, name: str, host: str, backend: str, run_id: int | None, sandbox_note: str = ""
 ) -> EnvSlot:
     """Create or revive the slot row of this worker process (status starting).
-    sandbox_note: why its sandboxes run without resource limits (empty: enforced)."""
+    sandbox_note: why its sandboxes run without resource limits (empty: enforced).
+
+    The caller holds the slot's lease, so no other worker runs an episode on it: an episode
+    still running there was cut by an earlier worker's death, and ends `aborted` here. The
+    watchdog ends such episodes too, but only while the slot's heartbeat is stale, and a
+    worker started again within the watchdog's grace revives the row first."""
     slot, _ = EnvSlot.objects.update_or_create(
         name=name,
         defaults={
@@ -29,6 +35,14 @@ def env_slot_register(
             "current_trajectory": None,
         },
     )
+    cut = Trajectory.objects.filter(env_slot=slot, status=TrajectoryStatus.RUNNING)
+    for trajectory_id in cut.values_list("pk", flat=True):
+        trajectory_finish(
+            trajectory_id=trajectory_id,
+            status=TrajectoryStatus.ABORTED,
+            reward=None,
+            error=f"the env worker stopped mid-episode; slot {name} was taken up again on {host}",
+        )
     return slot
 
 

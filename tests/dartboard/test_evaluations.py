@@ -270,6 +270,22 @@ def test_an_episode_played_again_after_a_crash_counts_once_and_by_its_score():
     assert (result["episodes"], result["successes"]) == (2, 1)
 
 
+def test_a_resumed_shard_ends_the_episodes_its_dead_worker_left_running():
+    """The whole stack killed and started again: the shard resumes before the watchdog found
+    its cut episode old enough to end. The shard holds the lease of its tasks' episodes, so
+    one still running there was cut: it ends `aborted`, and the shard's other work stays."""
+    from datamanager.services.evaluations import eval_episodes_cut_end
+
+    job = make_job("cut", [BUTTON, SEQUENCE], k=2)
+    [done, cut] = play(job, BUTTON, "SR")
+    [elsewhere] = play(job, SEQUENCE, "R")  # another shard's episode, under way
+    assert eval_episodes_cut_end(job_id=job.pk, task_names=[BUTTON], where="shard 1/2 on h2") == 1
+    ended = Trajectory.objects.get(pk=cut)
+    assert ended.status == "aborted" and "shard 1/2 on h2 resumed it" in ended.error
+    assert Trajectory.objects.get(pk=done).status == "succeeded"
+    assert Trajectory.objects.get(pk=elsewhere).status == "running"
+
+
 # --- matrix ------------------------------------------------------------------------------
 
 

@@ -197,6 +197,32 @@ def test_a_killed_workers_episode_is_aborted_with_the_reason_and_its_group_compl
     assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
 
 
+def test_a_worker_started_again_before_the_watchdog_looked_ends_the_cut_episode_of_its_slot():
+    """The whole stack killed and started again: the new env worker revives its slot's row
+    (a fresh heartbeat) before the watchdog found the old one stale. The episode the kill
+    cut must still end, or its group never completes."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from datamanager.models import EnvSlot
+    from datamanager.services.env_slots import env_slot_register
+
+    make_tasks(1)
+    run = make_running_run({"curation": {"n_max": 1, "n_min": 1}})
+    slot = EnvSlot.objects.create(
+        name="h:1:miniwob:0", host="h", backend="miniwob", last_heartbeat=timezone.now()
+    )
+    cut = episodes.task_claim(run_id=run.pk, slot_id=slot.pk, env_kinds=("miniwob",))
+    EnvSlot.objects.filter(pk=slot.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=2))
+    assert episodes.trajectories_abort_orphans(run_id=run.pk, stale_after_s=25) == 0  # fresh
+
+    env_slot_register(name=slot.name, host="h2", backend="miniwob", run_id=run.pk)
+    ended = Trajectory.objects.get(pk=cut.trajectory_id)
+    assert ended.status == "aborted" and f"slot {slot.name} was taken up again on h2" in ended.error
+    assert TaskGroup.objects.get(run=run, index=1).status == GroupStatus.READY
+
+
 def test_an_episode_killed_between_a_step_and_its_length_is_closed_with_every_stored_step():
     """A step is stored as its row, then the trajectory's length: a worker killed between the
     two leaves a row past the length. The aborted trajectory counts every step it stored."""

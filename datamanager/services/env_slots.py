@@ -8,8 +8,8 @@ from django.db.models import Case, F, FloatField, Value, When
 from django.utils import timezone
 
 from datamanager.events import publish_on_commit
-from datamanager.models import EnvSlot, SlotStatus, Trajectory, TrajectoryStatus, slot_key
-from datamanager.services.episodes import trajectory_finish
+from datamanager.models import EnvSlot, SlotStatus, Trajectory, slot_key
+from datamanager.services.episodes import trajectories_abort_cut
 
 
 def env_slot_register(
@@ -35,14 +35,10 @@ def env_slot_register(
             "current_trajectory": None,
         },
     )
-    cut = Trajectory.objects.filter(env_slot=slot, status=TrajectoryStatus.RUNNING)
-    for trajectory_id in cut.values_list("pk", flat=True):
-        trajectory_finish(
-            trajectory_id=trajectory_id,
-            status=TrajectoryStatus.ABORTED,
-            reward=None,
-            error=f"the env worker stopped mid-episode; slot {name} was taken up again on {host}",
-        )
+    trajectories_abort_cut(
+        Trajectory.objects.filter(env_slot=slot),
+        error=f"the env worker stopped mid-episode; slot {name} was taken up again on {host}",
+    )
     return slot
 
 

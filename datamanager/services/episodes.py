@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, F, OuterRef, QuerySet
 from django.utils import timezone
 
 from core.protocol import TaskSpec
@@ -485,6 +485,19 @@ def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
         kind="group",
         data={"task": group.task_id, "index": group.index, "pool_members": group.pool_members},
     )
+
+
+def trajectories_abort_cut(trajectories: QuerySet[Trajectory], *, error: str) -> int:
+    """End `aborted`, with `error`, the running ones of `trajectories`: episodes a worker's
+    death cut, found by whoever took up their slot or shard. Returns how many."""
+    count = 0
+    running = trajectories.filter(status=TrajectoryStatus.RUNNING)
+    for trajectory_id in running.values_list("pk", flat=True):
+        trajectory_finish(
+            trajectory_id=trajectory_id, status=TrajectoryStatus.ABORTED, reward=None, error=error
+        )
+        count += 1
+    return count
 
 
 def trajectories_abort_orphans(

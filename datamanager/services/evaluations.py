@@ -8,7 +8,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
-from datamanager.models import EvalJob, EvalStatus, Purpose, Task, Trajectory, TrajectoryStatus
+from datamanager.models import EvalJob, EvalStatus, Purpose, Task, Trajectory
 from datamanager.policies import EvalSetupError, resolve_checkpoint
 from datamanager.selectors.evaluations import eval_job_done, eval_report
 
@@ -99,18 +99,9 @@ def eval_episodes_cut_end(*, job_id: int, task_names: Collection[str], where: st
     cut by an earlier worker's death. The watchdog ends such episodes too, but only once
     they are older than the env's silence limit: a shard resumed sooner would play the
     episode again and leave the cut one running for good. Returns how many."""
-    from datamanager.services.episodes import trajectory_finish
+    from datamanager.services.episodes import trajectories_abort_cut
 
-    cut = Trajectory.objects.filter(
-        eval_job_id=job_id, task__name__in=list(task_names), status=TrajectoryStatus.RUNNING
+    return trajectories_abort_cut(
+        Trajectory.objects.filter(eval_job_id=job_id, task__name__in=list(task_names)),
+        error=f"the evaluation's worker stopped mid-episode; {where} resumed it",
     )
-    count = 0
-    for trajectory_id in cut.values_list("pk", flat=True):
-        trajectory_finish(
-            trajectory_id=trajectory_id,
-            status=TrajectoryStatus.ABORTED,
-            reward=None,
-            error=f"the evaluation's worker stopped mid-episode; {where} resumed it",
-        )
-        count += 1
-    return count

@@ -272,9 +272,21 @@ def health_alerts(*, run: Run) -> list[str]:
                 f"Stale steps left out: update {number} left out {stale} of {stale + trained} "
                 f"collected steps ({stale / (stale + trained):.0%}) as too stale to train, over "
                 f"the alert threshold {share_alert:.0%}: rollouts run too far ahead of the "
-                "trainer (raise curation.staleness_k, or add trainer capacity)."
+                f"trainer ({_stale_remedy(cfg.curation.backpressure)})."
             )
     return alerts
+
+
+def _stale_remedy(backpressure: float) -> str:
+    """What to change when the trainer falls behind. A larger `curation.staleness_k` only
+    delays the drops while the slots outpace the trainer: the backlog keeps growing and the
+    trainer then trains older steps (docs/benchmarks.md, *Stale steps trained, not dropped*)."""
+    if backpressure <= 0:
+        return "set curation.backpressure, e.g. 2, so slots hold while the trainer is behind"
+    return (
+        f"slots hold at curation.backpressure {backpressure:g} updates: "
+        "lower it, or add trainer capacity"
+    )
 
 
 def health_chart_data(*, run: Run, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:

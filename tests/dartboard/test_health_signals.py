@@ -150,6 +150,11 @@ def test_the_share_left_out_of_training_is_charted_and_alerted(ada_client):
                                metrics={"kind": "rl", "stale_steps": 30, "n_samples": 10})  # fmt: skip
     page = ada_client.get(f"/runs/{run.pk}/").content.decode()
     assert "Stale steps left out: update 1 left out 30 of 40 collected steps (75%)" in page
+    assert "(set curation.backpressure, e.g. 2, so slots hold while" in page
+    run.config = {**run.config, "curation": {**run.config["curation"], "backpressure": 2}}
+    run.save(update_fields=["config"])
+    page = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert "(slots hold at curation.backpressure 2 updates: lower it, or add" in page
     figure = ada_client.get(f"/runs/{run.pk}/charts.json").json()["left_out"]
     lines = {t["name"]: t["y"] for t in figure["data"]}
     assert lines["rollouts: error, aborted or rejected"] == [0.6]

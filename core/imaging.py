@@ -4,9 +4,9 @@ Everything that maps coordinates between the screen and the model image, or coun
 tokens, takes an `ImageGeometry`. A geometry comes from the policy's processor
 (`ImageGeometry.from_policy_dir`, or what the inference server reports, which reads the
 same processor): rollout, demos, uploads, prompts, pretraining and evaluation all agree
-with the image the model actually sees. A hand-written pixel bound elsewhere once put the
-warm start's desktop demos in 812x588 model coordinates while the shipped policy saw the
-same screens at 504x364.
+with the image the model actually sees. A pixel bound written anywhere else would drift
+from the processor's: an 800x600 desktop is 812x588 to Qwen2.5-VL's bounds and 504x364 to
+the shipped tiny policy's, and a demo's clicks must be in the one the policy sees.
 
     >>> QWEN25_VL.model_size(width=800, height=600)
     (812, 588)

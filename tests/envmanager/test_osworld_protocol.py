@@ -14,11 +14,14 @@ import pytest
 import requests
 from PIL import Image
 
+from envmanager.osworld_desktop import OSWorldDesktop
 from envmanager.osworld_wheel import wheel
 from envmanager.sandbox_limits import AGENT_UID_BASE, AGENT_UID_COUNT
 from tests.osworld_desktop import PLANTED_SECRET
 
 pytestmark = [pytest.mark.desktop]
+PAGE = ("import sys; open(sys.argv[1], 'w').write('<html><head><title>Q3 &amp;\\n figures"
+        "</title></head><body>figures</body></html>')")  # fmt: skip
 
 
 @pytest.fixture
@@ -77,6 +80,8 @@ def test_setup_controller_uploads_runs_launches_and_opens(controller, osworld_de
                 "until": {"returncode": 0}}},
             {"type": "activate_window", "parameters": {"window_name": "setup-term"}},
             {"type": "open", "parameters": {"path": "/home/user/docs/report.txt"}},
+            {"type": "execute", "parameters": {"command": ["python3", "-c", PAGE, "/home/user/q.html"]}},
+            {"type": "open", "parameters": {"path": "/home/user/q.html"}},
         ]
     )  # fmt: skip
     assert controller.get_file("/home/user/docs/report.txt") == b"quarterly figures\n"
@@ -86,6 +91,8 @@ def test_setup_controller_uploads_runs_launches_and_opens(controller, osworld_de
         "'--name', '.', 'getwindowname', '%@'], capture_output=True, text=True).stdout)"
     )["output"]
     assert "setup-term" in titles and "dartedit - report.txt" in titles
+    # A page opens once chromium has read it: its window has the page's title.
+    assert "Q3 &amp; figures" not in titles and "Q3 & figures" in titles
 
 
 @pytest.mark.parametrize(
@@ -153,3 +160,19 @@ def test_files_stay_inside_the_desktops_home(controller, osworld_desktop, tmp_pa
     assert linked.status_code == 404
     environ = requests.post(f"{url}/file", data={"file_path": "~/env.txt"}, auth=auth)
     assert PLANTED_SECRET.encode() not in environ.content
+
+
+def test_a_page_is_open_once_chromium_has_read_it():
+    """Chromium's window shows before its page (titled with its address until then): the
+    setup's next action must meet the page, so /setup/open_file waits for the page's title."""
+    desktop = OSWorldDesktop()
+    desktop.start()
+    try:
+        desktop.reset()
+        desktop.write_file("/home/user/q.html", b"<html><head><title lang=en>Q3 &amp;\n figures"
+                           b"</TITLE></head><body>figures</body></html>")  # fmt: skip
+        assert desktop.open_file("/home/user/q.html") == "Q3 & figures"
+        desktop.write_file("/home/user/plain.html", b"<html><body>no title</body></html>")
+        assert "plain.html" in desktop.open_file("/home/user/plain.html")  # its address
+    finally:
+        desktop.close()

@@ -6,9 +6,11 @@ value = wait_until(lambda: read_status() == "up", timeout=30, what="the server")
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,6 +44,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_base_for_runs() -> int:
+    """A base port for a host agent's run port blocks (17 ports a run), below the kernel's
+    ephemeral range: no other test's `free_port()` and no outgoing connection takes ports
+    there, so a run's inference worker cannot find its port taken between the agent's check
+    and its bind. The agent itself skips blocks in use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return random.randrange(10_000, low - 17 * 16)
 
 
 def wait_until(

@@ -17,7 +17,7 @@ import pytest
 from django.core.management import call_command
 
 from datamanager.models import Host, Run, RunStatus, Sweep
-from tests.helpers import free_port
+from tests.helpers import port_base_for_runs
 from workers.sweeps import ACTIVE, sweeps_advance
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def test_a_sweep_runs_its_members_one_after_another_to_the_end(
     token = api("ada").headers["Authorization"].removeprefix("Bearer ")
     agent = subprocess.Popen(
         [sys.executable, "manage.py", "host_agent", "--name", "sweep-host",
-         "--port-base", str(free_port())],
+         "--port-base", str(port_base_for_runs())],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -19,7 +19,7 @@ from datamanager.policies import policy_path
 from datamanager.services.runs import run_create
 from hostagent.agent import HostAgent
 from rollout.client import RouterAdmin
-from tests.helpers import free_port
+from tests.helpers import port_base_for_runs
 from tests.live_stack import FAST_LIVENESS, TASKS
 from workers.runs import run_apply
 
@@ -34,7 +34,7 @@ def agent(subprocess_env, settings, tmp_path, monkeypatch) -> Iterator[HostAgent
         monkeypatch.setenv(key, value)
     settings.DARTBOARD_PROCESSES = "per-run"
     settings.DARTBOARD_CPU_INFERENCE_SLOTS = 2
-    agent = HostAgent(home=tmp_path, name="test-host", port_base=free_port())
+    agent = HostAgent(home=tmp_path, name="test-host", port_base=port_base_for_runs())
     try:
         yield agent
     finally:

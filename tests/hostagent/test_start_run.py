@@ -15,7 +15,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from datamanager.models import Host, Run, RunPlacement, RunStatus, Trajectory
-from tests.helpers import free_port
+from tests.helpers import port_base_for_runs
 from workers.runs import run_apply
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_a_run_started_from_a_file_runs_on_the_host_agent_and_stops_with_its_pro
     call_command("import_builtin_tasks")
     agent = subprocess.Popen(
         [sys.executable, "manage.py", "host_agent", "--name", "agent-host",
-         "--port-base", str(free_port())],
+         "--port-base", str(port_base_for_runs())],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -26,14 +26,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.machine import busy_cpu_s  # noqa: E402
+
 HEAVY = "slow or live or browser or desktop or gpu"
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy (user, nice, system, irq, softirq, steal)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuPerTest:

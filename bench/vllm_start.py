@@ -29,13 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy (/proc/stat)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
-
-
 def chat_body(png: bytes) -> bytes:
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     content = [{"type": "image_url", "image_url": {"url": url}},
@@ -48,6 +41,7 @@ def chat_body(png: bytes) -> bytes:
 
 
 def measure(policy: Path, *, compiled: bool, repeats: int, png: bytes) -> dict[str, float]:
+    from bench.machine import busy_cpu_s
     from hostagent.launcher import vllm_specs
     from rollout.auth import VLLM_KEY_ENV, ServiceTokens
 

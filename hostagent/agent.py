@@ -50,6 +50,7 @@ from datamanager.services.placement import (
 from datamanager.services.runs import run_begin, run_fail_queued, run_set_message
 from hostagent.launcher import CELERY, ProcSpec, Supervisor, env_worker_specs, serving_specs
 from hostagent.placement import (
+    PORTS_PER_RUN,
     Gpu,
     HostInventory,
     Placement,
@@ -303,8 +304,8 @@ class HostAgent:
         are skipped by `place` itself)."""
         base = self.port_base
         used = {p.router_port for p in taken}
-        while base in used or not all(port_free(base + i) for i in range(17)):
-            base += 17
+        while base in used or not all(port_free(base + i) for i in range(PORTS_PER_RUN)):
+            base += PORTS_PER_RUN
         return base
 
     def _promote_starting(self) -> None:

@@ -47,12 +47,14 @@ def free_port() -> int:
 
 
 def port_base_for_runs() -> int:
-    """A base port for a host agent's run port blocks (17 ports a run), below the kernel's
+    """A base port for a host agent's run port blocks (`PORTS_PER_RUN` ports a run), below the kernel's
     ephemeral range: no other test's `free_port()` and no outgoing connection takes ports
     there, so a run's inference worker cannot find its port taken between the agent's check
     and its bind. The agent itself skips blocks in use."""
+    from hostagent.placement import PORTS_PER_RUN
+
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    return random.randrange(10_000, low - 17 * 16)
+    return random.randrange(10_000, low - PORTS_PER_RUN * 16)
 
 
 def wait_until(

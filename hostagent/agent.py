@@ -26,6 +26,7 @@ and Redis remain the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -44,11 +45,19 @@ from datamanager.policies import ORACLE_POLICY, policy_path
 from datamanager.services.placement import (
     host_report,
     placement_claim,
+    placement_move,
     placement_set,
     placement_wait,
 )
 from datamanager.services.runs import run_begin, run_fail_queued, run_set_message
-from hostagent.launcher import CELERY, ProcSpec, Supervisor, env_worker_specs, serving_specs
+from hostagent.launcher import (
+    CELERY,
+    ProcSpec,
+    Supervisor,
+    env_worker_specs,
+    port_free,
+    serving_specs,
+)
 from hostagent.placement import (
     PORTS_PER_RUN,
     Gpu,
@@ -57,6 +66,7 @@ from hostagent.placement import (
     RunNeeds,
     checkpoint_gib,
     place,
+    port_block,
 )
 from rollout.client import RouterAdmin, WorkerStatus
 from workers.runs import run_current_policy, run_start_workers
@@ -180,16 +190,6 @@ def _current_policy(run: Run, cfg: RunConfig) -> tuple[int, str]:
     return version, str(checkpoint)
 
 
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 class HostAgent:
     """Brings each run placed on this host to the processes it asks for (module doc)."""
 
@@ -214,6 +214,7 @@ class HostAgent:
         self._restore()
         self._place_queued()
         self._promote_starting()
+        self._move_off_taken_ports()
         for group in self.groups.values():
             group.watch_once()
 
@@ -307,6 +308,46 @@ class HostAgent:
         while base in used or not all(port_free(base + i) for i in range(PORTS_PER_RUN)):
             base += PORTS_PER_RUN
         return base
+
+    def _move_off_taken_ports(self) -> None:
+        """A run whose router or inference worker exited while another process holds its
+        port (taken after the agent checked it, or while the agent was down) moves to a free
+        block of ports: its serving processes start again there, its env workers and trainer
+        keep running (they read the router's address from the placement), and the run says
+        so. Restarted on the held port, the process would exit again and again."""
+        for run_id, group in list(self.groups.items()):
+            taken = group.ports_taken()
+            placement = self._mine().filter(run_id=run_id).first()
+            if not taken or placement is None:
+                continue
+            old = Placement.from_dict(placement.plan)
+            others = [Placement.from_dict(p.plan) for p in self._mine().exclude(run_id=run_id)]
+            blocks = [*others, old]
+            router, workers = port_block(
+                len(old.worker_ports), base=self._free_base(blocks), taken=blocks
+            )
+            plan = dataclasses.replace(old, router_port=router, worker_ports=workers)
+            run = placement.run
+            cfg = run.cfg
+            version, checkpoint = _current_policy(run, cfg)
+            specs = run_specs(
+                run_id=run_id, cfg=cfg, placement=plan, checkpoint=checkpoint, version=version
+            )
+            group.respec(specs)
+            name, port = taken[0]
+            reason = (
+                f"starting: port {port} ({name}) is held by another process on {self.name}; "
+                f"the run's router and inference workers moved to ports {router}-"
+                f"{router + PORTS_PER_RUN - 1}"
+            )
+            placement_move(
+                placement_id=placement.pk,
+                plan=plan.to_dict(),
+                router_url=f"http://127.0.0.1:{router}",
+                reason=reason,
+            )
+            run_set_message(run_id=run_id, message=reason)
+            log.warning("run %s: %s", run_id, reason)
 
     def _promote_starting(self) -> None:
         for placement in self._mine().filter(state=PlacementState.STARTING):

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,13 +72,15 @@ def prepare_home(home: Path) -> None:
 class ProcSpec:
     """One child. `env` is added to the launcher's environment when `inherit`, else it is the
     child's whole environment. `stale`: what a dead run of it may have left that would stop
-    the next from starting (a unix socket), removed before each start."""
+    the next from starting (a unix socket), removed before each start. `port`: the TCP port
+    it listens on, if any (`Supervisor.ports_taken`)."""
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     inherit: bool = True
     stale: tuple[Path, ...] = ()
+    port: int | None = None
 
 
 @dataclass
@@ -191,6 +194,31 @@ class Supervisor:
             child.restarts += 1
             self._record()
 
+    def ports_taken(self) -> list[tuple[str, int]]:
+        """(name, port) of each child that exited while another process holds its port:
+        restarted there, it would only exit again."""
+        return [
+            (name, child.spec.port)
+            for name, child in self.children.items()
+            if child.spec.port is not None
+            and child.proc.poll() is not None
+            and not port_free(child.spec.port)
+        ]
+
+    def respec(self, specs: list[ProcSpec]) -> list[str]:
+        """Take `specs` in place of the current ones: a child whose spec changed (or went) is
+        stopped and the new one started; the others keep running. The names started."""
+        new = {spec.name: spec for spec in specs}
+        for name in [n for n, c in self.children.items() if new.get(n) != c.spec]:
+            _end(self.children.pop(name))
+        started = [spec for spec in specs if spec.name not in self.children]
+        for spec in started:
+            self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
+            log.info("started %s (pid %d)", spec.name, self.children[spec.name].proc.pid)
+        self.specs = specs
+        self._record()
+        return [spec.name for spec in started]
+
     def _watch_redis(self, redis: EmbeddedRedis) -> None:
         code = redis.exited()
         if code is None:
@@ -225,6 +253,29 @@ class Supervisor:
         self.pid_file.unlink(missing_ok=True)
         if self.redis is not None:
             self.redis.stop()
+
+
+def _end(child: _Child, timeout: float = 30.0) -> None:
+    """SIGTERM one child, SIGKILL it after `timeout` seconds."""
+    if child.proc.poll() is None:
+        child.proc.send_signal(signal.SIGTERM)
+    try:
+        child.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop in time; killing it", child.spec.name)
+        child.proc.kill()
+        child.proc.wait()
+
+
+def port_free(port: int) -> bool:
+    """No process listens on 127.0.0.1:`port` (a bind with SO_REUSEADDR, as servers bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class Stopped(BaseException):
@@ -354,11 +405,13 @@ def serving_specs(
             "--port", str(wport), "--version", str(version), "--threads", "1",
             "--device", "cuda" if gpu is not None else "cpu",
         )  # fmt: skip
-        specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False))
+        specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False, port=wport))
     router = python_argv("-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port))
     for wport in worker_ports:
         router += ["--worker", f"http://127.0.0.1:{wport}"]
-    specs.append(ProcSpec(f"{prefix}router", router, env=router_env(tokens), inherit=False))
+    specs.append(
+        ProcSpec(f"{prefix}router", router, env=router_env(tokens), inherit=False, port=router_port)
+    )
     return specs
 
 
@@ -405,9 +458,9 @@ def vllm_specs(
     images_per_prompt: int | None = None,
 ) -> list[ProcSpec]:
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
-    `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can reach (its dev mode reloads weights from any
-    path, with no key), and the adapter that puts it behind the inference-worker contract on
-    `port`. The API key is a fresh one that only these two hold, in their environments.
+    `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can
+    reach (its dev mode reloads weights from any path, with no key), and the adapter that
+    puts it behind the inference-worker contract on `port`. The API key is a fresh one that only these two hold, in their environments.
     `policy` is the base checkpoint; the router's first sync loads the run's current version
     (an adapter, or full weights)."""
     sock = vllm_socket(i, prefix)
@@ -436,7 +489,7 @@ def vllm_specs(
     return [
         ProcSpec(f"{prefix}vllm-{i}", serve, env=vllm_env, inherit=False, stale=(sock,)),
         ProcSpec(f"{prefix}inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
-                 inherit=False),
+                 inherit=False, port=port),
     ]  # fmt: skip
 
 

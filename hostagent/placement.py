@@ -103,7 +103,7 @@ def _free_gib(host: HostInventory, taken: list[Placement]) -> dict[int, float]:
     return free
 
 
-def _ports(count: int, *, base: int, taken: list[Placement]) -> tuple[int, list[int]]:
+def port_block(count: int, *, base: int, taken: list[Placement]) -> tuple[int, list[int]]:
     """The first block of ports after `base` no placed run uses: (router, workers)."""
     used = {p.router_port for p in taken}
     start = base
@@ -127,7 +127,7 @@ def place(
                 f"{host.cpu_inference_slots} are free on {host.name} "
                 "(DARTBOARD_CPU_INFERENCE_SLOTS)"
             )
-        router, workers = _ports(needs.inference_workers, base=port_base, taken=taken)
+        router, workers = port_block(needs.inference_workers, base=port_base, taken=taken)
         return Placement(
             host=host.name,
             device="cpu",
@@ -177,7 +177,7 @@ def place(
             f"{want:.0f} GiB free for inference); {roomy} more "
             f"{'is' if roomy == 1 else 'are'} free on {host.name}"
         )
-    router, workers = _ports(needs.inference_workers, base=port_base, taken=taken)
+    router, workers = port_block(needs.inference_workers, base=port_base, taken=taken)
     return Placement(
         host=host.name,
         device="cuda",

@@ -89,6 +89,8 @@ def eval_job_run(
     """Run the job's episodes (this shard's tasks) here, one env per backend; whoever
     finishes the last episode writes the report."""
     job = evaluations.eval_job_start(job_id=job_id)
+    if job.status == EvalStatus.FINISHED:
+        return job
     names = eval_shard_tasks(job=job, shard=shard, shards=shards)
     by_name = {t.name: t for t in Task.objects.filter(name__in=names)}
     tasks = [by_name[n] for n in names if n in by_name]

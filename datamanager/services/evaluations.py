@@ -49,7 +49,11 @@ def eval_job_create(
 
 
 def eval_job_start(*, job_id: int) -> EvalJob:
-    EvalJob.objects.filter(pk=job_id).update(status=EvalStatus.RUNNING, error="")
+    """A shard begins: the job is running. A finished job stays finished (a shard delivered
+    again after its last episode ended, as after a restart, has nothing to run)."""
+    EvalJob.objects.filter(pk=job_id).exclude(status=EvalStatus.FINISHED).update(
+        status=EvalStatus.RUNNING, error=""
+    )
     return EvalJob.objects.get(pk=job_id)
 
 

@@ -56,6 +56,20 @@ def placement_claim(
     return True
 
 
+def placement_move(
+    *, placement_id: int, plan: dict[str, Any], router_url: str, reason: str
+) -> None:
+    """A placed run's agent moved its serving processes (`plan`'s new ports): STARTING
+    again until its router answers, saying why."""
+    RunPlacement.objects.filter(pk=placement_id).update(
+        plan=plan,
+        router_url=router_url,
+        state=PlacementState.STARTING,
+        reason=reason,
+        updated_at=timezone.now(),
+    )
+
+
 def placement_set(*, placement_id: int, state: str, reason: str = "") -> None:
     RunPlacement.objects.filter(pk=placement_id).update(
         state=state, reason=reason, updated_at=timezone.now()

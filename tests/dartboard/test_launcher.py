@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from core.procutil import pid_cmdline, terminate_pid
-from hostagent.launcher import Stopped, default_specs, stop_on_signals
+from hostagent.launcher import ProcSpec, Stopped, Supervisor, default_specs, stop_on_signals
 from rollout.vllm_command import VLLM_PYTHON_ENV, vllm_cpu_build, vllm_missing, vllm_python
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,3 +213,45 @@ def test_vllms_cpu_build_runs_eager_and_a_gpu_build_keeps_its_compilation(
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(gpu_venv / "bin" / "python"))
     assert not vllm_cpu_build()
     assert "TORCHDYNAMO_DISABLE" not in vllm_env()
+
+
+def test_a_child_whose_port_another_process_holds_is_named_and_moves_alone(tmp_path):
+    """A server that exits because its port is held elsewhere is reported with that port
+    (a crash on a free port is not); `respec` starts it on another port and leaves the
+    children whose spec did not change running."""
+
+    def server(name: str, port: int) -> ProcSpec:
+        argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+        return ProcSpec(name, argv, port=port)
+
+    held, free, other = free_port(), free_port(), free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", held))
+    squatter.listen()
+    sleeper = ProcSpec("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+    group = Supervisor(home=tmp_path, specs=[server("web", held), server("api", free), sleeper])
+    try:
+        group.start()
+        assert wait_until(group.ports_taken, timeout=30, what="web exits") == [("web", held)]
+        group.children["api"].proc.kill()  # a crash on a free port: restarted where it was
+        group.children["api"].proc.wait()
+        assert group.ports_taken() == [("web", held)]
+        sleeping = group.children["sleeper"].proc.pid
+
+        started = group.respec([server("web", other), server("api", free), sleeper])
+        assert started == ["web"]  # the crashed "api" is the supervisor's to restart
+        assert group.children["sleeper"].proc.pid == sleeping
+        body = wait_until(lambda: _get(f"http://127.0.0.1:{other}/"), timeout=30, what="web up")
+        assert "Directory listing" in body
+        assert group.ports_taken() == []
+    finally:
+        group.stop()
+        squatter.close()
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.read().decode()
+    except OSError:
+        return None

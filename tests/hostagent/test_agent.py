@@ -1,10 +1,12 @@
 """Runs own their processes: the host agent starts each run's inference worker, router,
 trainer and env worker when the run starts, keeps runs apart, queues what does not fit and
-stops a run's processes when it stops. Real processes: Celery workers with chromium, the
+stops a run's processes when it stops, and moves a run whose port another process took.
+Real processes: Celery workers with chromium, the
 transformers inference server, the router, the trainer (tiny policy, CPU)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,10 +16,20 @@ import pytest
 from django.conf import settings
 
 from datamanager.config import RunConfig
-from datamanager.models import PlacementState, PolicyVersion, Run, RunPlacement, RunStatus, Task
+from datamanager.models import (
+    PlacementState,
+    PolicyVersion,
+    Run,
+    RunPlacement,
+    RunStatus,
+    Task,
+    Trajectory,
+    TrajectoryStatus,
+)
 from datamanager.policies import policy_path
 from datamanager.services.runs import run_create
 from hostagent.agent import HostAgent
+from hostagent.placement import PORTS_PER_RUN
 from rollout.client import RouterAdmin
 from tests.helpers import port_base_for_runs
 from tests.live_stack import FAST_LIVENESS, TASKS
@@ -130,6 +142,44 @@ def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_ru
     assert not [pid for pid in pids if psutil.pid_exists(pid) and _alive(pid)]
     assert RunPlacement.objects.get(run=first).state == PlacementState.ENDED
     assert first.pk not in agent.groups and status(second) == RunStatus.RUNNING
+
+    # The agent restarts while another process holds the second run's worker port: the
+    # worker cannot bind it, so the run's router and worker move to free ports, saying so,
+    # and the run collects again through them.
+    run_apply(run_id=third.pk, action="stop")  # one run to bring back, not two
+    tick_until(agent, lambda: third.pk not in agent.groups, timeout=120, what="third stopped")
+    before = RunPlacement.objects.get(run=second)
+    held = before.plan["worker_ports"][0]
+    agent.stop_all()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old one's TIME_WAIT
+    squatter.bind(("127.0.0.1", held))
+    squatter.listen()
+    try:
+        moved = tick_until(agent, lambda: _moved(second, before.router_url), timeout=120,
+                           what="the second run moved off the held port")  # fmt: skip
+        assert status(second) == RunStatus.RUNNING
+        assert Run.objects.get(pk=second.pk).status_message == (
+            f"starting: port {held} (run-{second.pk}-inference-0) is held by another process "
+            f"on test-host; the run's router and inference workers moved to ports "
+            f"{moved.plan['router_port']}-{moved.plan['router_port'] + PORTS_PER_RUN - 1}"
+        )
+        last = Trajectory.objects.filter(run=second).order_by("-pk").first()
+        tick_until(agent, lambda: Trajectory.objects.filter(run=second, pk__gt=last.pk)
+                   .exclude(status=TrajectoryStatus.RUNNING).exists(), timeout=240,
+                   what="an episode of the second run ended after the move")  # fmt: skip
+        with RouterAdmin(moved.router_url, token=settings.DARTBOARD_ADMIN_TOKEN) as admin:
+            assert [w.url for w in admin.workers()] == [
+                f"http://127.0.0.1:{moved.plan['worker_ports'][0]}"
+            ]
+        assert held not in moved.plan["worker_ports"]
+    finally:
+        squatter.close()
+
+
+def _moved(run: Run, router_url: str) -> RunPlacement | None:
+    placement = RunPlacement.objects.get(run=run)
+    return placement if placement.router_url != router_url else None
 
 
 def _alive(pid: int) -> bool:

@@ -92,6 +92,11 @@ def test_a_stopping_worker_leaves_an_evaluation_between_episodes_and_it_resumes(
     resumed = eval_job_run(job_id=job.pk)
     assert (resumed.status, resumed.done) == ("finished", 4)
     assert Trajectory.objects.filter(eval_job=job).count() == 4  # none run twice
+    # A shard delivered again after the job finished (a restart) finds nothing to run: the
+    # job never shows as running again, and keeps its finish time.
+    again = eval_job_run(job_id=job.pk)
+    assert (again.status, again.finished_at) == ("finished", resumed.finished_at)
+    assert Trajectory.objects.filter(eval_job=job).count() == 4
 
 
 def test_a_checkpoint_of_another_model_is_scored_under_a_run_or_refused(miniwob_tasks, tmp_path):

@@ -56,7 +56,15 @@ $(STAMP): requirements.lock requirements-dev.txt requirements-osworld.txt requir
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+# The project's own bytecode, compiled ahead (compileall skips what is up to date). Where
+# nothing may write __pycache__ (PYTHONDONTWRITEBYTECODE), every Celery worker, web and
+# inference process would compile the modules it imports at each start: about 0.9 CPU
+# seconds for a Celery worker's.
+BYTECODE_DIRS := core dartboard dartboard_client datamanager envmanager hostagent rollout \
+  training workers tests manage.py
+
 install: system-deps $(STAMP) ## the system packages and .venv (pinned)
+	@$(PY) -m compileall -q -j 0 $(BYTECODE_DIRS)
 
 # GPU hosts: the same torch, built for CUDA, from PyTorch's own index (PyPI's mirror here and
 # some others serve the CPU build). The host agent refuses a GPU placement on a CPU torch.

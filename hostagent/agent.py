@@ -336,7 +336,7 @@ class HostAgent:
             group.respec(specs)
             name, port = taken[0]
             reason = (
-                f"starting: port {port} ({name}) is held by another process on {self.name}; "
+                f"port {port} ({name}) was held by another process on {self.name}: "
                 f"the run's router and inference workers moved to ports {router}-"
                 f"{router + PORTS_PER_RUN - 1}"
             )

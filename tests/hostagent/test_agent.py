@@ -160,8 +160,8 @@ def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_ru
                            what="the second run moved off the held port")  # fmt: skip
         assert status(second) == RunStatus.RUNNING
         assert Run.objects.get(pk=second.pk).status_message == (
-            f"starting: port {held} (run-{second.pk}-inference-0) is held by another process "
-            f"on test-host; the run's router and inference workers moved to ports "
+            f"port {held} (run-{second.pk}-inference-0) was held by another process "
+            f"on test-host: the run's router and inference workers moved to ports "
             f"{moved.plan['router_port']}-{moved.plan['router_port'] + PORTS_PER_RUN - 1}"
         )
         last = Trajectory.objects.filter(run=second).order_by("-pk").first()

@@ -93,21 +93,31 @@ def _held_slot(run):
     return EnvSlot.objects.filter(run=run, status=SlotStatus.HELD).first()
 
 
-@pytest.mark.slow  # two real slot workers, two seconds each
+@pytest.mark.slow  # two real slot workers, two seconds each (longer on a loaded machine)
 def test_without_backpressure_the_slot_runs_ahead_of_the_trainer(settings, live_work_keys_cleared):
     from workers import slot_worker
 
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
     held, free = _sim_run(backpressure=1.0), _sim_run(backpressure=0.0)
-    for run in (held, free):
-        slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=2.0)
 
     def ready_steps(run) -> int:
         return Step.objects.filter(
             trajectory__group__run=run, trajectory__group__status=GroupStatus.READY
         ).count()
 
-    # Held at 6 ready steps (one more group may finish while the limit is crossed); the
-    # free run's backlog grows for as long as it serves.
+    def serve(run, seconds: float) -> None:
+        slot_worker.serve_slice(run_id=run.pk, backend="sim", index=0, max_seconds=seconds)
+
+    # The free run serves until its backlog is three times the held run's (on a loaded
+    # machine that takes longer than 2 s), and the held run then as long again: held at 6
+    # ready steps however long it serves (one more group may finish while the limit is
+    # crossed), the free run's backlog grows for as long as it serves.
+    serve(held, 2.0)
+    seconds = 0.0
+    while seconds < 30.0 and (not seconds or ready_steps(free) <= 3 * ready_steps(held)):
+        serve(free, 2.0)
+        seconds += 2.0
+    if seconds > 2.0:
+        serve(held, seconds - 2.0)
     assert 6 <= ready_steps(held) <= 6 + 2 * 2 * 2
     assert ready_steps(free) > 3 * ready_steps(held)

@@ -64,8 +64,10 @@ def _loaded(setup: str, prefixes: tuple[str, ...]) -> list[str]:
          ("torch", "transformers", "peft", "scipy")),
         ("the web", "import django; django.setup(); import dartboard.urls, dartboard.asgi",
          ("torch", "transformers", "peft")),
-        # An inference worker needs transformers, not peft, until it is sent an adapter.
-        ("an inference worker", "import rollout.server", ("peft",)),
+        # An inference worker needs transformers, not peft, until it is sent an adapter. Its
+        # imports (torch and transformers) alone take some 5 s of CPU: out of the quick loop.
+        pytest.param("an inference worker", "import rollout.server", ("peft",),
+                     marks=pytest.mark.slow),
     ],
 )  # fmt: skip
 def test_a_process_loads_only_the_heavy_packages_it_uses(process, setup, heavy):

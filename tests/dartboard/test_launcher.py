@@ -90,6 +90,7 @@ def test_a_stop_signal_is_not_swallowed_by_a_call_that_handles_its_own_errors():
         signal.signal(signal.SIGINT, before[1])
 
 
+@pytest.mark.slow  # two launchers, each with its web and embedded Redis
 def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
     port = free_port()
     first = _launch(tmp_path, port)

@@ -109,7 +109,7 @@ run-desktop: install ## the X desktop tasks preset
 # The whole suite: three pytest-xdist workers (the live tests wait on their processes part of
 # the time), each taking the next whole module as it frees up, heaviest modules first
 # (tests/conftest.py `HEAVY_FIRST`).
-test: install vllm-env ## install, then the whole suite (12-14 minutes on 2 cores)
+test: install vllm-env ## install, then the whole suite (12-15 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"

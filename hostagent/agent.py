@@ -317,8 +317,8 @@ class HostAgent:
         so. Restarted on the held port, the process would exit again and again."""
         for run_id, group in list(self.groups.items()):
             taken = group.ports_taken()
-            placement = self._mine().filter(run_id=run_id).first()
-            if not taken or placement is None:
+            placement = self._mine().filter(run_id=run_id).first() if taken else None
+            if placement is None:
                 continue
             old = Placement.from_dict(placement.plan)
             others = [Placement.from_dict(p.plan) for p in self._mine().exclude(run_id=run_id)]

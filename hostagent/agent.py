@@ -55,7 +55,6 @@ from hostagent.launcher import (
     ProcSpec,
     Supervisor,
     env_worker_specs,
-    port_free,
     serving_specs,
 )
 from hostagent.placement import (
@@ -68,6 +67,7 @@ from hostagent.placement import (
     place,
     port_block,
 )
+from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
 from workers.runs import run_current_policy, run_start_workers
 
@@ -320,6 +320,20 @@ class HostAgent:
             placement = self._mine().filter(run_id=run_id).first() if taken else None
             if placement is None:
                 continue
+            name, port = taken[0]
+            run = placement.run
+            try:
+                cfg = run.cfg
+                version, checkpoint = _current_policy(run, cfg)
+            except Exception as exc:  # a policy gone from disk, a config no longer valid
+                message = (
+                    f"port {port} ({name}) is held by another process on {self.name}, and the "
+                    f"run's processes cannot be started elsewhere: {type(exc).__name__}: {exc}"
+                )
+                if run.status_message != message:
+                    run_set_message(run_id=run_id, message=message)
+                    log.error("run %s: %s", run_id, message)
+                continue
             old = Placement.from_dict(placement.plan)
             others = [Placement.from_dict(p.plan) for p in self._mine().exclude(run_id=run_id)]
             blocks = [*others, old]
@@ -327,14 +341,10 @@ class HostAgent:
                 len(old.worker_ports), base=self._free_base(blocks), taken=blocks
             )
             plan = dataclasses.replace(old, router_port=router, worker_ports=workers)
-            run = placement.run
-            cfg = run.cfg
-            version, checkpoint = _current_policy(run, cfg)
             specs = run_specs(
                 run_id=run_id, cfg=cfg, placement=plan, checkpoint=checkpoint, version=version
             )
             group.respec(specs)
-            name, port = taken[0]
             reason = (
                 f"port {port} ({name}) was held by another process on {self.name}: "
                 f"the run's router and inference workers moved to ports {router}-"

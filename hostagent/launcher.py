@@ -23,7 +23,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from django.conf import settings
 from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 from dartboard import config_env
 from hostagent.embedded_redis import EmbeddedRedis, RedisStartError
+from hostagent.preflight import port_free
 from rollout.auth import (
     READ_KEY_ENV,
     ROOTS_ENV,
@@ -164,15 +164,14 @@ class Supervisor:
     def start(self) -> None:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for spec in self.specs:
-            self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
-            log.info(
-                "started %s (pid %d), log %s",
-                spec.name,
-                self.children[spec.name].proc.pid,
-                self.log_dir / f"{spec.name}.log",
-            )
+            self._start_child(spec)
         time.sleep(0.5)  # let argv settle (the pidfile records the command line)
         self._record()
+
+    def _start_child(self, spec: ProcSpec) -> None:
+        self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
+        log.info("started %s (pid %d), log %s", spec.name, self.children[spec.name].proc.pid,
+                 self.log_dir / f"{spec.name}.log")  # fmt: skip
 
     def watch_once(self) -> None:
         """Restart the embedded Redis if it died, and any child that exited (with a backoff
@@ -213,8 +212,7 @@ class Supervisor:
             _end(self.children.pop(name))
         started = [spec for spec in specs if spec.name not in self.children]
         for spec in started:
-            self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
-            log.info("started %s (pid %d)", spec.name, self.children[spec.name].proc.pid)
+            self._start_child(spec)
         self.specs = specs
         self._record()
         return [spec.name for spec in started]
@@ -265,17 +263,6 @@ def _end(child: _Child, timeout: float = 30.0) -> None:
         log.warning("%s did not stop in time; killing it", child.spec.name)
         child.proc.kill()
         child.proc.wait()
-
-
-def port_free(port: int) -> bool:
-    """No process listens on 127.0.0.1:`port` (a bind with SO_REUSEADDR, as servers bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class Stopped(BaseException):
@@ -460,8 +447,8 @@ def vllm_specs(
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
     `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can
     reach (its dev mode reloads weights from any path, with no key), and the adapter that
-    puts it behind the inference-worker contract on `port`. The API key is a fresh one that only these two hold, in their environments.
-    `policy` is the base checkpoint; the router's first sync loads the run's current version
+    puts it behind the inference-worker contract on `port`. The API key is a fresh one that
+    only these two hold, in their environments. `policy` is the base checkpoint; the router's first sync loads the run's current version
     (an adapter, or full weights)."""
     sock = vllm_socket(i, prefix)
     key = secrets.token_urlsafe(32)

@@ -71,15 +71,27 @@ def port_holder(port: int) -> str:
     return ""
 
 
-def port_problem(port: Port) -> str | None:
-    """Whether `port` can be bound; else who holds it and the option that moves it."""
+def bind_error(host: str, port: int) -> str | None:
+    """Why `host`:`port` cannot be bound as a server binds it (SO_REUSEADDR), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((port.host, port.number))
-            return None
+            probe.bind((host, port))
         except OSError as exc:
-            reason = exc.strerror or str(exc)
+            return exc.strerror or str(exc)
+    return None
+
+
+def port_free(port: int) -> bool:
+    """No process listens on 127.0.0.1:`port`."""
+    return bind_error("127.0.0.1", port) is None
+
+
+def port_problem(port: Port) -> str | None:
+    """Whether `port` can be bound; else who holds it and the option that moves it."""
+    reason = bind_error(port.host, port.number)
+    if reason is None:
+        return None
     holder = port_holder(port.number)
     held = f" It is held by {holder}." if holder else ""
     return (

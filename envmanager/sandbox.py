@@ -51,7 +51,9 @@ from envmanager.sandbox_limits import (
     SandboxLimits,
     SandboxUnavailable,
     UidLease,
+    children,
     kill_and_remove,
+    kill_same,
     sandbox_cgroups,
     start_time,
     unlimited_allowed,
@@ -235,7 +237,8 @@ class Sandbox:
     def popen(
         self, program: list[str], *, extra_ro_binds: tuple[tuple[str, str], ...] = ()
     ) -> subprocess.Popen:
-        """Start `program` in the sandbox, in its own process group (stopped by killpg)."""
+        """Start `program` in the sandbox (stopped by `kill_sandboxed`, or with the sandbox's
+        cgroups at `close`)."""
         with seccomp_fd() as fd:
             return subprocess.Popen(
                 with_seccomp(self.argv(program, extra_ro_binds=extra_ro_binds), fd),
@@ -258,9 +261,9 @@ class Sandbox:
         max_output_bytes: int = 4 * 1024 * 1024,
     ) -> SandboxResult:
         """Run `program` in the sandbox to completion, `stdin` fed to it. Each of stdout and
-        stderr keeps at most `max_output_bytes`: past that the command's process group is
-        killed and the result says `truncated`. Raises subprocess.TimeoutExpired after
-        `timeout_s` (its process group is killed first)."""
+        stderr keeps at most `max_output_bytes`: past that the command and everything it
+        started are killed (`kill_sandboxed`) and the result says `truncated`. Raises
+        subprocess.TimeoutExpired after `timeout_s` (killed the same way first)."""
         with seccomp_fd() as fd:
             proc = subprocess.Popen(
                 with_seccomp(self.argv(program), fd),
@@ -385,11 +388,24 @@ def xauth_record(cookie: bytes) -> bytes:
     return out
 
 
+def kill_sandboxed(proc: subprocess.Popen) -> None:
+    """SIGKILL a program started under bwrap and everything it started. Killing bwrap's
+    process group does not reach the program: `--new-session` gives it a session of its
+    own, and bwrap's `--die-with-parent` does not always take the sandbox down with a killed
+    bwrap (under a loaded worker, `yes` past its output cap wrote on until its timeout).
+    bwrap's child is the init of the sandbox's PID namespace: when it dies, the kernel kills
+    every process in the namespace."""
+    inits = children(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_same(inits)
+
+
 def _communicate_capped(
     proc: subprocess.Popen, *, stdin: bytes | None, timeout_s: float, cap: int
 ) -> SandboxResult:
     """Feed stdin, read stdout and stderr up to `cap` bytes each (a reader past the cap kills
-    the process group: `yes` must not fill the worker's memory), wait up to `timeout_s`."""
+    the sandboxed program: `yes` must not fill the worker's memory), wait up to `timeout_s`."""
     chunks: dict[str, list[bytes]] = {"out": [], "err": []}
     truncated = threading.Event()
 
@@ -404,8 +420,7 @@ def _communicate_capped(
             total += len(data)
             if total > cap:
                 truncated.set()
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_sandboxed(proc)
                 while stream.read1(65536):  # drain what is left, keep nothing
                     pass
                 return
@@ -427,8 +442,7 @@ def _communicate_capped(
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # a program that forked survives kill()
+        kill_sandboxed(proc)
         proc.wait()
         for thread in threads:
             thread.join(timeout=5)

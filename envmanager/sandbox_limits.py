@@ -186,6 +186,30 @@ def start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def children(pid: int) -> list[tuple[int, str]]:
+    """The children of `pid`, each with its start time (`start_time`): read before `pid` is
+    killed, they can still be told apart once the kernel hands them to init."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append((int(entry), fields[19]))
+    return found
+
+
+def kill_same(processes: list[tuple[int, str]]) -> None:
+    """SIGKILL each (pid, start time) that is still the process it names."""
+    for pid, started in processes:
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def unmount_stale_task_dirs() -> None:
     """Unmount task-directory tmpfs mounts whose owning worker process is gone (a killed
     worker cannot unmount its own; the mount's source names its pid and start time)."""

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from core.procutil import die_with_parent
 from envmanager.sandbox import xauth_record
+from envmanager.sandbox_limits import children, kill_same
 
 if TYPE_CHECKING:
     from envmanager.sandbox import Sandbox
@@ -239,9 +240,11 @@ def _read_display_number(*, read_fd: int, timeout_s: float) -> int:
 
 
 def _stop(process: subprocess.Popen, *, grace_s: float = 2.0) -> None:
-    """SIGTERM the process group we created (start_new_session), then SIGKILL if needed."""
+    """SIGTERM the process group we created (start_new_session), then SIGKILL if needed;
+    then its children that outlived it (a sandboxed app's: see `sandbox.kill_sandboxed`)."""
     if process.poll() is not None:
         return
+    started = children(process.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -250,6 +253,7 @@ def _stop(process: subprocess.Popen, *, grace_s: float = 2.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=grace_s)
+    kill_same(started)
 
 
 class SandboxedDisplay:

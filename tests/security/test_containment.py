@@ -31,7 +31,7 @@ from envmanager.sandbox_limits import (
     host_limits_problem,
 )
 from envmanager.xserver import XServer
-from tests.helpers import needs
+from tests.helpers import needs, wait_until
 
 pytestmark = [pytest.mark.desktop]
 
@@ -230,10 +230,24 @@ def test_output_read_back_from_a_sandboxed_command_is_capped(display) -> None:
     try:
         done = jail.run(["yes"], timeout_s=30, max_output_bytes=100_000)
         assert done.truncated and len(done.stdout) == 100_000
+        # Stopped at the cap, not left writing until its timeout or the sandbox's close.
+        wait_until(lambda: not _running_as(jail.uid), timeout=10, what="`yes` to be gone")
         short = jail.run(["echo", "hi"], timeout_s=30, max_output_bytes=100_000)
         assert not short.truncated and short.stdout == b"hi\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            jail.run(["/bin/sh", "-c", "sleep 1000 & sleep 1000"], timeout_s=1)
+        wait_until(lambda: not _running_as(jail.uid), timeout=10, what="the sleeps to be gone")
     finally:
         jail.close()
+
+
+def _running_as(uid: int) -> list[str]:
+    """What still runs under `uid` (zombies aside)."""
+    running = []
+    for proc in psutil.process_iter(["uids", "status", "name"]):
+        if proc.info["uids"] and proc.info["uids"].real == uid and proc.info["status"] != "zombie":
+            running.append(proc.info["name"])
+    return running
 
 
 def test_without_a_cgroup_a_sandbox_refuses_unless_the_admin_allows(

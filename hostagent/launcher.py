@@ -35,6 +35,7 @@ from core.procutil import die_with_parent, pid_cmdline, terminate_pid
 from dartboard import config_env
 from hostagent.embedded_redis import EmbeddedRedis, RedisStartError
 from hostagent.preflight import port_free
+from rollout import zygote
 from rollout.auth import (
     READ_KEY_ENV,
     ROOTS_ENV,
@@ -86,7 +87,7 @@ class ProcSpec:
 @dataclass
 class _Child:
     spec: ProcSpec
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | zygote.ZygoteChild
     started: float
     restarts: int = 0
 
@@ -141,7 +142,7 @@ class Supervisor:
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(items))
 
-    def _spawn(self, spec: ProcSpec) -> subprocess.Popen[bytes]:
+    def _spawn(self, spec: ProcSpec) -> subprocess.Popen[bytes] | zygote.ZygoteChild:
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(
             self.log_dir / f"{spec.name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
@@ -150,7 +151,9 @@ class Supervisor:
         for path in spec.stale:
             path.unlink(missing_ok=True)
         env = {**os.environ, **spec.env} if spec.inherit else dict(spec.env)
-        proc = subprocess.Popen(
+        proc = zygote.start(
+            spec.argv, env=env, stdout=logfile, stderr=subprocess.STDOUT
+        ) or subprocess.Popen(
             spec.argv,
             stdout=logfile,
             stderr=subprocess.STDOUT,

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from core.procutil import die_with_parent, terminate_pid
+from rollout import zygote
 from rollout.auth import ADMIN_ENV, INFERENCE_ENV, ServiceTokens, service_environ
 from rollout.checkpoints import CACHE_ENV, STORE_ENV
 
@@ -52,7 +53,7 @@ class LocalPolicyServer:
         self.extra_args = extra_args or []
         self.tokens = tokens or _env_tokens() or ServiceTokens.fresh()
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | zygote.ZygoteChild | None = None
 
     @property
     def url(self) -> str:
@@ -60,33 +61,24 @@ class LocalPolicyServer:
 
     def start(self, timeout: float = 180.0) -> str:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rollout.server",
-                "--policy",
-                str(self.checkpoint),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--version",
-                str(self.version),
-                "--threads",
-                str(self.threads),
-                *self.extra_args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={
-                **service_environ(os.environ, store=os.environ.get(STORE_ENV)),
-                **{k: os.environ[k] for k in (STORE_ENV, CACHE_ENV) if k in os.environ},
-                INFERENCE_ENV: self.tokens.inference,
-                ADMIN_ENV: self.tokens.admin,
-            },
-            preexec_fn=die_with_parent,
+        argv = [
+            *(sys.executable, "-m", "rollout.server", "--policy", str(self.checkpoint)),
+            *("--host", "127.0.0.1", "--port", str(self.port), "--version", str(self.version)),
+            *("--threads", str(self.threads), *self.extra_args),
+        ]
+        env = {
+            **service_environ(os.environ, store=os.environ.get(STORE_ENV)),
+            **{k: os.environ[k] for k in (STORE_ENV, CACHE_ENV) if k in os.environ},
+            INFERENCE_ENV: self.tokens.inference,
+            ADMIN_ENV: self.tokens.admin,
+        }
+        self.proc = zygote.start(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT
+        ) or subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
         )
+        if not isinstance(log, int):
+            log.close()  # the child has its own
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

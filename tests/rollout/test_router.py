@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from core.completion import Completion
+from rollout import zygote
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import PolicyClient, RouterAdmin, WorkerStatus
 from tests.helpers import free_port, wait_until
@@ -42,16 +43,14 @@ def stop_process(proc: subprocess.Popen) -> None:
 def start_process(
     args: list[str], *, health_url: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
-    """`python -m *args` with this process's environment and `env` over it."""
+    """`python -m *args` with this process's environment and `env` over it (an inference
+    server forked from a zygote, as the launcher starts them)."""
     # stderr goes to a file: a pipe nobody reads would block a chatty server once full.
     log = tempfile.TemporaryFile()  # noqa: SIM115 - must outlive this function, like proc
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        env={**os.environ, **(env or {})},
-    )
+    argv, environ = [sys.executable, "-m", *args], {**os.environ, **(env or {})}
+    proc = zygote.start(
+        argv, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT
+    ) or subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=environ)
     deadline = time.monotonic() + 90
     while True:
         try:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +14,7 @@ from PIL import Image, ImageDraw
 from rollout.auth import ADMIN_ENV, bearer, client_token
 from rollout.client import InferenceUnavailable, PolicyClient
 from tests.helpers import free_port, needs, wait_until
+from tests.rollout.test_router import start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -49,34 +47,16 @@ ADMIN = bearer(client_token(None, ADMIN_ENV))  # and their admin token (/v1/relo
 @needs("live")
 def server(checkpoints):
     port = free_port()
-    proc = subprocess.Popen(
+    url = f"http://127.0.0.1:{port}"
+    proc = start_process(
         [
-            *(sys.executable, "-m", "rollout.server", "--policy", str(checkpoints[0])),
+            *("rollout.server", "--policy", str(checkpoints[0])),
             *("--port", str(port), "--version", "0", "--threads", "1"),
         ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        health_url=f"{url}/health",
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.2)
     yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc)
 
 
 def test_concurrent_clients_get_sampled_answers_with_policy_version(server):

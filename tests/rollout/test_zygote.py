@@ -1,0 +1,149 @@
+"""Inference servers forked from a zygote serve as `python -m rollout.server` would: each with
+its own tokens and streams, its exit status reported, and nothing left when the process that
+started them dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout import zygote
+from rollout.auth import ServiceTokens, bearer
+from rollout.local_server import LocalPolicyServer, ServerStartError
+from tests.helpers import free_port, needs, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "policies" / "tiny-grounded"
+
+
+@pytest.fixture
+@needs("live")
+def base_env() -> dict[str, str]:
+    """What an inference worker is given besides its tokens (`hostagent.launcher.inference_env`
+    has more; these are enough to start one)."""
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+
+
+def _server(port: int) -> list[str]:
+    return [
+        *(sys.executable, "-m", "rollout.server", "--policy", str(SHIPPED)),
+        *("--port", str(port), "--threads", "1"),
+    ]
+
+
+def _up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def test_two_servers_forked_from_one_zygote_each_take_only_their_own_token(
+    base_env, tmp_path
+) -> None:
+    tokens = [ServiceTokens.fresh(), ServiceTokens.fresh()]
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = []
+    try:
+        for port, token, log in zip(ports, tokens, logs, strict=True):
+            with open(log, "ab") as out:
+                proc = zygote.start(
+                    _server(port), env={**base_env, **token.environ()}, stdout=out,
+                    stderr=subprocess.STDOUT, cwd=ROOT,
+                )  # fmt: skip
+            assert proc is not None, "started without a zygote"
+            procs.append(proc)
+        for port in ports:
+            wait_until(lambda port=port: _up(port), timeout=120, what=f"the server on {port}")
+        parents = {int(_stat(proc.pid)[1]) for proc in procs}
+        assert len(parents) == 1, parents  # one zygote for both
+        (parent,) = parents
+        command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "-m rollout.zygote" in command
+        assert Path(f"/proc/{procs[0].pid}/comm").read_text().strip() == "rollout.server"
+        # Each server reads its own tokens from the environment it was given.
+        for port, own, other in ((ports[0], *tokens), (ports[1], *reversed(tokens))):
+            url = f"http://127.0.0.1:{port}/v1/models"
+            assert httpx.get(url, headers=bearer(own.inference)).status_code == 200
+            assert httpx.get(url, headers=bearer(other.inference)).status_code == 401
+        # The zygote was started without any server's tokens.
+        environ = Path(f"/proc/{parent}/environ").read_bytes()
+        for token in tokens:
+            assert token.inference.encode() not in environ
+            assert token.admin.encode() not in environ
+        # Each server's output went to its own log.
+        for port, log in zip(ports, logs, strict=True):
+            assert f"127.0.0.1:{port}" in log.read_text()
+        procs[0].kill()
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        assert procs[1].poll() is None  # its sibling serves on
+        assert _up(ports[1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_a_server_that_cannot_start_says_why_in_its_log(
+    base_env, tiny_policy_dir, tmp_path
+) -> None:
+    log = tmp_path / "server.log"
+    server = LocalPolicyServer(tmp_path / "no-such-policy", log_path=log)
+    with pytest.raises(ServerStartError, match=r"exited with [1-9]"):
+        server.start(timeout=120)
+    assert "no-such-policy" in log.read_text()
+    assert isinstance(server.proc, zygote.ZygoteChild) or server.proc is None
+    # The same process's next server starts from the same zygote and serves.
+    with LocalPolicyServer(tiny_policy_dir) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+STARTER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from rollout import zygote
+    from rollout.auth import ServiceTokens
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": sys.argv[2], **ServiceTokens.fresh().environ()}
+    argv = [sys.executable, "-m", "rollout.server", "--policy", sys.argv[1], "--port", sys.argv[3]]
+    proc = zygote.start(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(proc.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_starter_leaves_neither_its_zygote_nor_its_servers(base_env) -> None:
+    port = free_port()
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, str(SHIPPED), str(ROOT), str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        server = int(starter.stdout.readline())  # type: ignore[union-attr]
+        wait_until(lambda: _up(port), timeout=120, what="the starter's server")
+        parent = int(_stat(server)[1])
+        assert int(_stat(parent)[1]) == starter.pid  # the zygote is the starter's child
+    finally:
+        starter.kill()
+        starter.wait()
+    wait_until(lambda: not _running(parent) and not _running(server), timeout=30,
+               what="the zygote and its server to end with their starter")  # fmt: skip
+
+
+def _running(pid: int) -> bool:
+    try:
+        return _stat(pid)[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -127,9 +127,11 @@ def start(
     """`argv` (`sys.executable -m rollout.server ...`) forked from this process's zygote for
     `env`, started first if need be. stdout and stderr as subprocess takes them (None:
     this process's, a file, a descriptor, DEVNULL; stderr also STDOUT); stdin is
-    /dev/null. None where `argv` is another command, zygotes are off or one cannot start
-    (then said once in the log): the caller starts `argv` itself."""
+    /dev/null. None where `argv` is another command, a stream is a PIPE, zygotes are off
+    or one cannot start (then said in the log): the caller starts `argv` itself."""
     if argv[:3] != [sys.executable, "-m", SERVER_MODULE] or os.environ.get(ENABLE_ENV) == "0":
+        return None
+    if subprocess.PIPE in (stdout, stderr):  # a pipe to the caller: only subprocess has one
         return None
     workdir = os.path.abspath(cwd if cwd is not None else os.getcwd())
     umask = _umask()
@@ -141,7 +143,7 @@ def start(
             return None
         with _streams(stdout, stderr) as (out, err):
             return zygote.fork(argv, env=env, stdout=out, stderr=err)
-    except (OSError, ZygoteError) as exc:
+    except (OSError, ZygoteError) as exc:  # the zygote died: the next start makes another
         with _lock:
             _zygotes.pop(key, None)
         log.warning("inference server started without a zygote: %s", exc)
@@ -213,6 +215,7 @@ class _Zygote:
 
 _lock = threading.Lock()
 _zygotes: dict[tuple[str, str, int], _Zygote] = {}
+_failed: set[tuple[str, str, int]] = set()
 # PDEATHSIG fires when the thread that started a child ends: zygotes are started from this
 # thread, which lives as long as the process, so that they die with the process and not
 # with whichever thread asked first.
@@ -220,14 +223,21 @@ _keeper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefi
 
 
 def _zygote(key: tuple[str, str, int], env: dict[str, str], cwd: str, umask: int) -> _Zygote | None:
+    """The live zygote for `key`, started if need be (again if it died); None past
+    MAX_ZYGOTES, or where one could not start (said once: not tried again)."""
     with _lock:
         zygote = _zygotes.get(key)
         if zygote is not None and zygote.alive():
             return zygote
         _zygotes.pop(key, None)
-        if len(_zygotes) >= MAX_ZYGOTES:
+        if len(_zygotes) >= MAX_ZYGOTES or key in _failed:
             return None
-        zygote = _zygotes[key] = _Zygote(env, cwd, umask)
+        try:
+            zygote = _zygotes[key] = _Zygote(env, cwd, umask)
+        except (OSError, ZygoteError) as exc:
+            _failed.add(key)
+            log.warning("inference servers start without a zygote: %s", exc)
+            return None
         return zygote
 
 

@@ -147,3 +147,18 @@ def _running(pid: int) -> bool:
         return _stat(pid)[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_zygote_that_cannot_start_is_said_once_and_servers_start_without_one(
+    base_env, tmp_path, caplog, monkeypatch
+) -> None:
+    env = {**base_env, "PYTHONPATH": str(tmp_path), **ServiceTokens.fresh().environ()}
+    argv = _server(free_port())
+    # From a directory without the checkout, with no path to it: `rollout.zygote` is not found.
+    for _ in range(2):
+        assert zygote.start(argv, env=env, stdout=subprocess.DEVNULL, cwd=tmp_path) is None
+    said = [r.getMessage() for r in caplog.records if "without a zygote" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "exited with 1 while importing" in said[0]
+    monkeypatch.setenv(zygote.ENABLE_ENV, "0")
+    assert zygote.start(argv, env=base_env, cwd=ROOT) is None  # off: nothing is started

@@ -88,7 +88,9 @@ def published(run: Run) -> int:
     return PolicyVersion.objects.filter(run=run, version__gte=1).count()
 
 
-def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_run(agent):
+def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_run(
+    agent, monkeypatch
+):
     first = run_create(name="first", config=run_config("shipped"))
     second = run_create(name="second checkpoint", config=run_config("shipped-desktop"))
     third = run_create(name="third", config=run_config("shipped"))
@@ -133,22 +135,32 @@ def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_ru
     assert mine and theirs and not mine & theirs
 
     # Stopped, the first run's processes are gone, and the third starts in its place. Another
-    # process takes the third run's worker port once the agent has checked it free and
-    # started the run (the worker binds seconds later, after its imports): the worker cannot
-    # bind it, so the run's router and worker move to free ports, saying so, and it runs.
+    # process takes the third run's worker port after the agent checked it free, as the agent
+    # starts the run's processes: the worker cannot bind it, so the run's router and worker
+    # move to free ports, saying so, and it runs.
     pids = [child.proc.pid for child in agent.groups[first.pk].children.values()]
-    run_apply(run_id=first.pk, action="stop")
-    placed = tick_until(agent, lambda: _placed(third), timeout=240, what="the queued run placed")
-    held = placed.plan["worker_ports"][0]
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old one's TIME_WAIT
-    squatter.bind(("127.0.0.1", held))
-    squatter.listen()
+    held: list[int] = []
+    start_group = agent._start_group
+
+    def taken_as_it_starts(run, plan, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if run.pk == third.pk and not held:
+            held.append(plan.worker_ports[0])
+            squatter.bind(("127.0.0.1", held[0]))
+            squatter.listen()
+        start_group(run, plan, **kwargs)
+
+    monkeypatch.setattr(agent, "_start_group", taken_as_it_starts)
+    run_apply(run_id=first.pk, action="stop")
     try:
+        placed = tick_until(agent, lambda: _placed(third), timeout=240,
+                            what="the queued run placed")  # fmt: skip
+        assert held == [placed.plan["worker_ports"][0]]
         moved = tick_until(agent, lambda: _moved(third, placed.router_url), timeout=120,
                            what="the third run moved off the held port")  # fmt: skip
         assert Run.objects.get(pk=third.pk).status_message == (
-            f"port {held} (run-{third.pk}-inference-0) was held by another process "
+            f"port {held[0]} (run-{third.pk}-inference-0) was held by another process "
             f"on test-host: the run's router and inference workers moved to ports "
             f"{moved.plan['router_port']}-{moved.plan['router_port'] + PORTS_PER_RUN - 1}"
         )
@@ -158,7 +170,7 @@ def test_runs_get_their_own_processes_apart_queue_when_full_and_stop_with_the_ru
             assert [w.url for w in admin.workers()] == [
                 f"http://127.0.0.1:{moved.plan['worker_ports'][0]}"
             ]
-        assert held not in moved.plan["worker_ports"]
+        assert held[0] not in moved.plan["worker_ports"]
     finally:
         squatter.close()
     assert not [pid for pid in pids if psutil.pid_exists(pid) and _alive(pid)]

@@ -156,16 +156,17 @@ class _Zygote:
         fd = theirs.fileno()
 
         def spawn() -> subprocess.Popen[bytes]:
+            # No preexec_fn: Python code between fork and exec can deadlock on a lock another
+            # thread held at the fork. The zygote asks for its SIGTERM itself (`main`).
             old = os.umask(umask)
             try:
                 return subprocess.Popen(
-                    [sys.executable, "-m", "rollout.zygote", str(fd)],
+                    [sys.executable, "-m", "rollout.zygote", str(fd), str(os.getpid())],
                     env=env,
                     cwd=cwd,
                     pass_fds=(fd,),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
                 )
             finally:
                 os.umask(old)
@@ -288,10 +289,13 @@ def _die_with_parent() -> None:
 # -- the zygote's side ---------------------------------------------------------------------
 
 
-def main(control_fd: int) -> dict[str, Any] | None:
+def main(control_fd: int, starter: int) -> dict[str, Any] | None:
     """Import the server, say ready, fork a child per request and report each one's exit.
-    Returns only in a child, with its request; returns None when the starting process has
-    gone (its end of the socket closed)."""
+    Returns only in a child, with its request; returns None when the starting process
+    (pid `starter`) has gone: its end of the socket closed, or it died before this began."""
+    _die_with_parent()  # SIGTERM when the thread that started this one ends (`_keeper`)
+    if os.getppid() != starter:
+        return None
     control = socket.socket(fileno=control_fd)
     import numpy  # noqa: F401 - imported here, once, for every child
     import torch  # noqa: F401
@@ -381,7 +385,7 @@ def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
 
 
 if __name__ == "__main__":
-    given = main(int(sys.argv[1]))
+    given = main(int(sys.argv[1]), int(sys.argv[2]))
     if given is not None:
         from rollout.server import main as serve
 

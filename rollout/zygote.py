@@ -13,11 +13,12 @@ tests) starts them through `start`, and restarts cost what loading the model cos
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.poll(); proc.wait(timeout=10); proc.send_signal(signal.SIGTERM)
 
-As with subprocess: the child's environment is exactly `env`, and the zygote itself starts
-with `env` less the per-server tokens (`PER_SERVER`), so it holds nothing the child would
-not be given; one zygote serves each distinct environment (less those), working directory
-and umask. A child gets SIGTERM when its zygote dies, and a zygote when the process that
-started it dies (it is started from a thread that lives as long as that process).
+As with subprocess: the child's environment is exactly `env`. The zygote itself starts with
+only what is read while those modules load (`IMPORT_TIME`: the interpreter's, the loader's,
+the thread pools', torch's and Hugging Face's variables, the locale, HOME and PATH), never a
+token, key or Dartboard setting; one zygote serves each distinct such environment and
+working directory. A child gets SIGTERM when its zygote dies, and a zygote when the process
+that started it dies (it is started from a thread that lives as long as that process).
 Different: the child is the zygote's, so `ZygoteChild` reports the exit status the zygote
 saw, and the child's command line in /proc is the zygote's (`python -m rollout.zygote`; its
 name, `ps -o comm`, is `rollout.server`). DARTBOARD_ZYGOTE=0 turns zygotes off: every
@@ -44,12 +45,17 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from rollout.auth import ADMIN_ENV, INFERENCE_ENV
-
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "DARTBOARD_ZYGOTE"
-PER_SERVER = (INFERENCE_ENV, ADMIN_ENV)  # what may differ between servers of one zygote
+# Variables (by prefix) read while `rollout.server` and its imports load: the zygote starts
+# with these of a server's environment. The rest (Dartboard's settings, the tokens, the
+# store's keys) are read as the server runs, from the environment it is given.
+IMPORT_TIME = (
+    *("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA", "NVIDIA_"),
+    *("TORCH", "PYTORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "XDG_"),
+    *("LANG", "LC_", "HOME", "PATH", "TMPDIR", "TZ"),
+)
 MAX_ZYGOTES = 4  # per process; past that, servers start as their own processes
 SERVER_MODULE = "rollout.server"
 _CODE = struct.Struct("!q")
@@ -134,15 +140,14 @@ def start(
     if subprocess.PIPE in (stdout, stderr):  # a pipe to the caller: only subprocess has one
         return None
     workdir = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    umask = _umask()
-    base = {k: v for k, v in env.items() if k not in PER_SERVER}
-    key = (json.dumps(base, sort_keys=True), workdir, umask)
+    base = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    key = (json.dumps(base, sort_keys=True), workdir)
     try:
-        zygote = _zygote(key, base, workdir, umask)
+        zygote = _zygote(key, base, workdir)
         if zygote is None:
             return None
         with _streams(stdout, stderr) as (out, err):
-            return zygote.fork(argv, env=env, stdout=out, stderr=err)
+            return zygote.fork(argv, env=env, umask=_umask(), stdout=out, stderr=err)
     except (OSError, ZygoteError) as exc:  # the zygote died: the next start makes another
         with _lock:
             _zygotes.pop(key, None)
@@ -151,25 +156,21 @@ def start(
 
 
 class _Zygote:
-    def __init__(self, env: dict[str, str], cwd: str, umask: int) -> None:
+    def __init__(self, env: dict[str, str], cwd: str) -> None:
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = theirs.fileno()
 
         def spawn() -> subprocess.Popen[bytes]:
             # No preexec_fn: Python code between fork and exec can deadlock on a lock another
             # thread held at the fork. The zygote asks for its SIGTERM itself (`main`).
-            old = os.umask(umask)
-            try:
-                return subprocess.Popen(
-                    [sys.executable, "-m", "rollout.zygote", str(fd), str(os.getpid())],
-                    env=env,
-                    cwd=cwd,
-                    pass_fds=(fd,),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                )
-            finally:
-                os.umask(old)
+            return subprocess.Popen(
+                [sys.executable, "-m", "rollout.zygote", str(fd), str(os.getpid())],
+                env=env,
+                cwd=cwd,
+                pass_fds=(fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
 
         try:
             self.proc = _keeper.submit(spawn).result()
@@ -188,10 +189,10 @@ class _Zygote:
         self.control.settimeout(30)
 
     def fork(
-        self, argv: list[str], *, env: dict[str, str], stdout: int, stderr: int
+        self, argv: list[str], *, env: dict[str, str], umask: int, stdout: int, stderr: int
     ) -> ZygoteChild:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = json.dumps({"argv": argv, "env": env}).encode()
+        request = json.dumps({"argv": argv, "env": env, "umask": umask}).encode()
         try:
             with self.lock:
                 socket.send_fds(self.control, [request], [stdout, stderr, theirs.fileno()])
@@ -215,15 +216,15 @@ class _Zygote:
 
 
 _lock = threading.Lock()
-_zygotes: dict[tuple[str, str, int], _Zygote] = {}
-_failed: set[tuple[str, str, int]] = set()
+_zygotes: dict[tuple[str, str], _Zygote] = {}
+_failed: set[tuple[str, str]] = set()
 # PDEATHSIG fires when the thread that started a child ends: zygotes are started from this
 # thread, which lives as long as the process, so that they die with the process and not
 # with whichever thread asked first.
 _keeper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zygote")
 
 
-def _zygote(key: tuple[str, str, int], env: dict[str, str], cwd: str, umask: int) -> _Zygote | None:
+def _zygote(key: tuple[str, str], env: dict[str, str], cwd: str) -> _Zygote | None:
     """The live zygote for `key`, started if need be (again if it died); None past
     MAX_ZYGOTES, or where one could not start (said once: not tried again)."""
     with _lock:
@@ -231,10 +232,15 @@ def _zygote(key: tuple[str, str, int], env: dict[str, str], cwd: str, umask: int
         if zygote is not None and zygote.alive():
             return zygote
         _zygotes.pop(key, None)
-        if len(_zygotes) >= MAX_ZYGOTES or key in _failed:
+        if key in _failed:
+            return None
+        if len(_zygotes) >= MAX_ZYGOTES:
+            log.warning("%d zygotes run: inference servers for another environment start as "
+                        "their own processes", len(_zygotes))  # fmt: skip
+            _failed.add(key)
             return None
         try:
-            zygote = _zygotes[key] = _Zygote(env, cwd, umask)
+            zygote = _zygotes[key] = _Zygote(env, cwd)
         except (OSError, ZygoteError) as exc:
             _failed.add(key)
             log.warning("inference servers start without a zygote: %s", exc)
@@ -359,7 +365,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
-    """In the child: the streams, environment and arguments it was given, a fresh seed."""
+    """In the child: the streams, environment, umask and arguments it was given, a fresh
+    seed."""
     import random
 
     import numpy
@@ -378,6 +385,7 @@ def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
     _prctl(_PR_SET_NAME, SERVER_MODULE.encode())
     os.environ.clear()
     os.environ.update(request["env"])
+    os.umask(request["umask"])
     sys.argv = [request["argv"][0], *request["argv"][3:]]
     random.seed()
     numpy.random.seed()

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from datamanager.config import RunConfig
 from datamanager.models import (
@@ -238,6 +239,8 @@ def test_charts_json_has_every_chart_with_data(ada_client):
     slot = EnvSlot.objects.create(name="h:1:0", host="h", backend="miniwob", run=run)
     for i in range(6):
         episode(run, slot, steps=2, success=i % 2 == 0)
+    # In one minute's bucket: written across a minute's turn, they would make two points.
+    Trajectory.objects.filter(run=run).update(finished_at=timezone.now())
     TrainUpdate.objects.create(
         run=run,
         number=1,

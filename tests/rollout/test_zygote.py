@@ -152,6 +152,8 @@ def _running(pid: int) -> bool:
 def test_a_zygote_that_cannot_start_is_said_once_and_servers_start_without_one(
     base_env, tmp_path, caplog, monkeypatch
 ) -> None:
+    monkeypatch.setattr(zygote, "_zygotes", {})  # this process's others aside
+    monkeypatch.setattr(zygote, "_failed", set())
     env = {**base_env, "PYTHONPATH": str(tmp_path), **ServiceTokens.fresh().environ()}
     argv = _server(free_port())
     # From a directory without the checkout, with no path to it: `rollout.zygote` is not found.

@@ -151,9 +151,7 @@ class Supervisor:
         for path in spec.stale:
             path.unlink(missing_ok=True)
         env = {**os.environ, **spec.env} if spec.inherit else dict(spec.env)
-        proc = zygote.start(
-            spec.argv, env=env, stdout=logfile, stderr=subprocess.STDOUT
-        ) or subprocess.Popen(
+        proc = zygote.popen(
             spec.argv,
             stdout=logfile,
             stderr=subprocess.STDOUT,

@@ -72,9 +72,7 @@ class LocalPolicyServer:
             INFERENCE_ENV: self.tokens.inference,
             ADMIN_ENV: self.tokens.admin,
         }
-        self.proc = zygote.start(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT
-        ) or subprocess.Popen(
+        self.proc = zygote.popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
         )
         if not isinstance(log, int):

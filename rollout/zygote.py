@@ -8,10 +8,11 @@ umask and arguments it was given and runs `rollout.server.main` as `python -m ro
 would. A process that starts inference servers (the host agent, an evaluation worker, the
 tests) starts them through `start`, and restarts cost what loading the model costs.
 
-    proc = zygote.start(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if proc is None:  # not `python -m rollout.server`, or zygotes are off or failed
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = zygote.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.poll(); proc.wait(timeout=10); proc.send_signal(signal.SIGTERM)
+
+`popen` is subprocess.Popen for any other command, or where zygotes are off or one failed
+(`start` alone returns None there).
 
 As with subprocess: the child's environment is exactly `env`. The zygote itself starts with
 only what is read while those modules load (`IMPORT_TIME`: the interpreter's, the loader's,
@@ -45,6 +46,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from core.procutil import die_with_parent, pid_cmdline
+
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "DARTBOARD_ZYGOTE"
@@ -59,7 +62,7 @@ IMPORT_TIME = (
 MAX_ZYGOTES = 4  # per process; past that, servers start as their own processes
 SERVER_MODULE = "rollout.server"
 _CODE = struct.Struct("!q")
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_PR_SET_NAME = 15
 
 Stream = IO[Any] | int | None
 
@@ -105,7 +108,7 @@ class ZygoteChild:
 
     def _read(self, timeout: float) -> None:
         if self._orphaned:  # the zygote died first: the child got SIGTERM from the kernel
-            if not _alive(self.pid):
+            if pid_cmdline(self.pid) is None:  # gone, or a zombie
                 self.returncode = -signal.SIGTERM
             else:
                 time.sleep(timeout)
@@ -120,6 +123,23 @@ class ZygoteChild:
         else:
             self._status.close()
             self._orphaned = True
+
+
+def popen(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    stdout: Stream = None,
+    stderr: Stream = None,
+    cwd: str | Path | None = None,
+    **popen_kwargs: Any,
+) -> subprocess.Popen[bytes] | ZygoteChild:
+    """`argv` forked from a zygote where `start` can, else subprocess.Popen with the same
+    arguments and `popen_kwargs` (stdin, preexec_fn: a forked server's stdin is
+    /dev/null and it gets SIGTERM when its zygote ends)."""
+    return start(argv, env=env, stdout=stdout, stderr=stderr, cwd=cwd) or subprocess.Popen(
+        argv, env=env, stdout=stdout, stderr=stderr, cwd=cwd, **popen_kwargs
+    )
 
 
 def start(
@@ -276,20 +296,8 @@ def _umask() -> int:
     raise ZygoteError("no Umask in /proc/self/status")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 def _prctl(option: int, value: int | bytes) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
-
-
-def _die_with_parent() -> None:
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # -- the zygote's side ---------------------------------------------------------------------
@@ -299,7 +307,7 @@ def main(control_fd: int, starter: int) -> dict[str, Any] | None:
     """Import the server, say ready, fork a child per request and report each one's exit.
     Returns only in a child, with its request; returns None when the starting process
     (pid `starter`) has gone: its end of the socket closed, or it died before this began."""
-    _die_with_parent()  # SIGTERM when the thread that started this one ends (`_keeper`)
+    die_with_parent()  # SIGTERM when the thread that started this one ends (`_keeper`)
     if os.getppid() != starter:
         return None
     control = socket.socket(fileno=control_fd)
@@ -379,7 +387,7 @@ def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
     os.dup2(devnull, 0)
     for fd in {out, err, status, devnull}:
         os.close(fd)
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != zygote:  # the zygote died before the line above
         os._exit(1)
     _prctl(_PR_SET_NAME, SERVER_MODULE.encode())

@@ -48,9 +48,7 @@ def start_process(
     # stderr goes to a file: a pipe nobody reads would block a chatty server once full.
     log = tempfile.TemporaryFile()  # noqa: SIM115 - must outlive this function, like proc
     argv, environ = [sys.executable, "-m", *args], {**os.environ, **(env or {})}
-    proc = zygote.start(
-        argv, env=environ, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT
-    ) or subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=environ)
+    proc = zygote.popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=environ)
     deadline = time.monotonic() + 90
     while True:
         try:

@@ -201,9 +201,9 @@ def checkpoint_allowed(path: str, roots: list[Path]) -> Path:
 INHERITED = frozenset(
     {
         "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
-        "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME",
-        "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CUDA_VISIBLE_DEVICES",
-        "CUDA_HOME", ROOTS_ENV,
+        "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
+        "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+        "CUDA_VISIBLE_DEVICES", "CUDA_HOME", ROOTS_ENV,
     }
 )  # fmt: skip
 # Where an s3:// artifact store is, for a service that fetches versions from it.

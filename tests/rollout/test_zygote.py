@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,18 @@ def base_env() -> dict[str, str]:
     """What an inference worker is given besides its tokens (`hostagent.launcher.inference_env`
     has more; these are enough to start one)."""
     return {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(autouse=True)
+def own_zygotes(monkeypatch) -> Iterator[None]:
+    """Each test starts from an empty table: the zygotes this xdist worker's earlier tests
+    started (up to MAX_ZYGOTES, past which no zygote is started) are not its own. The
+    ones it started are closed after it."""
+    monkeypatch.setattr(zygote, "_zygotes", {})
+    monkeypatch.setattr(zygote, "_failed", set())
+    yield
+    for started in zygote._zygotes.values():
+        started.close()
 
 
 def _server(port: int) -> list[str]:
@@ -152,8 +165,6 @@ def _running(pid: int) -> bool:
 def test_a_zygote_that_cannot_start_is_said_once_and_servers_start_without_one(
     base_env, tmp_path, caplog, monkeypatch
 ) -> None:
-    monkeypatch.setattr(zygote, "_zygotes", {})  # this process's others aside
-    monkeypatch.setattr(zygote, "_failed", set())
     env = {**base_env, "PYTHONPATH": str(tmp_path), **ServiceTokens.fresh().environ()}
     argv = _server(free_port())
     # From a directory without the checkout, with no path to it: `rollout.zygote` is not found.

@@ -44,8 +44,7 @@ def measure(processes: int, threads: int, policy: str | None, steps: int) -> tup
     argv = [sys.executable, "-c", WORK, str(threads), str(steps)]
     started = time.monotonic()
     procs = [
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(processes)
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(processes)
     ]
     cpu = [float(p.communicate()[0]) for p in procs]
     return sum(cpu) / len(cpu), time.monotonic() - started

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -82,6 +83,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _over_budget and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Freeze the heap at the end (controller and xdist workers): the collection pytest runs
+    next and the interpreter's at exit then skip the objects of every module imported (torch,
+    transformers, the tests'), which took each such pytest process seconds to minutes of CPU
+    after its last test on 2 cores."""
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests.dartboard.test_browser import _log_in_as_ada, in_thread, page, running_web  # noqa: F401
@@ -114,7 +113,6 @@ def test_three_failures_labelled_by_keyboard_are_left_out_of_the_next_update(
 
     tab, url = dashboard
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
     run, ids = in_thread(
         _groups_of_three,
         {"policy": str(tiny_policy_dir),

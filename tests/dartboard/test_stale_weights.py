@@ -11,7 +11,6 @@ on the steps an update trains)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from datamanager.models import PolicyVersion, Task, TrainUpdate, Trajectory
 from datamanager.services import review
@@ -53,7 +52,6 @@ def test_a_worker_serving_old_weights_as_the_new_version_raises_the_gap_alert(
 ):
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.001  # sim slots take an OSWorld VM's time, scaled
-    torch.set_num_threads(2)
     Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})
     run = make_running_run(
         {

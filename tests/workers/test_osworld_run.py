@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from django.core.management import call_command
 
 from datamanager.models import EnvSlot, PolicyVersion, Task, TrainUpdate, Trajectory
@@ -57,7 +56,6 @@ def test_a_run_rolls_out_and_trains_on_an_osworld_task(
     osworld_tasks, osworld_desktop, tiny_policy_dir, settings, tmp_path, live_work_keys_cleared
 ):
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
     name = "osworld/dartboard-terminal-mkdir"
     # A pool demo (the oracle, through the real collect_demos path) for the all-failed group.
     call_command(

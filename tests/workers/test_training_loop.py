@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.django_db, pytest.mark.slow]
 @pytest.fixture
 def run_on_tiny(tiny_policy_dir, tmp_path, settings):
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
     make_tasks(2)
     return make_running_run(
         {
@@ -284,7 +283,6 @@ def test_warm_start_behaviour_clones_the_pool_and_lowers_its_loss(
     tiny_policy_dir, tmp_path, settings
 ):
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
     _store_demos(make_tasks(2))
     run = make_running_run(
         {
@@ -306,7 +304,6 @@ def test_pool_demos_are_mixed_into_an_rl_update_and_behaviour_cloned(
     """trainer.pool_mix_steps: the RL update also trains that many pool demo steps by
     behaviour cloning (the groups still give the policy-gradient signal)."""
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
-    torch.set_num_threads(2)
     tasks = make_tasks(2)
     _store_demos(tasks)
     run = make_running_run(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import zipfile
 
-import datasets
 import pytest
 from django.core.management import CommandError, call_command
 from PIL import Image
@@ -33,12 +32,19 @@ def imported(tmp_path, osworld_task) -> list[Trajectory]:
     return list(Trajectory.objects.order_by("pk"))
 
 
+def _load(out, config, cache):
+    """An export's `config` as the `datasets` library loads it (the library is imported here,
+    by the tests that read one, not at every xdist worker's collection: 0.7 s)."""
+    import datasets
+
+    return datasets.load_dataset(str(out), config, split="train", cache_dir=cache)
+
+
 def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported):
     out = tmp_path / "export"
     call_command("export_dataset", out, "--formats", "hf", "--filter", "source=precollected")
     cache = str(tmp_path / "hf-cache")  # a fresh cache: the library keys it by files, not content
-    ok = datasets.load_dataset(str(out), "successes", split="train", cache_dir=cache)
-    bad = datasets.load_dataset(str(out), "failures", split="train", cache_dir=cache)
+    ok, bad = _load(out, "successes", cache), _load(out, "failures", cache)
     assert (len(ok), len(bad)) == (3, 2)
     first = ok[0]
     assert (first["trajectory_id"], first["step_index"], first["task"]) == (
@@ -61,9 +67,7 @@ def test_hf_export_loads_with_datasets_with_images_and_a_card(tmp_path, imported
 def test_sft_view_renders_with_the_policy_s_own_chat_template(tmp_path, imported):
     out = tmp_path / "export"
     call_command("export_dataset", out, "--formats", "sft", "--filter", "status=succeeded")
-    sft = datasets.load_dataset(
-        str(out), "sft", split="train", cache_dir=str(tmp_path / "hf-cache")
-    )
+    sft = _load(out, "sft", str(tmp_path / "hf-cache"))
     assert len(sft) == 3
     row = sft[1]  # the second step: the first one's screen and reply in its history
     # Run-less demonstrations are shown as the default run config's policy sees them.

@@ -13,11 +13,10 @@ from core.protocol import Action, ActionNotSupported, ActionType
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_wheel import wheel
 
-KEYS = wheel().keyboard_keys
-
 
 def code(action: Action, scale=(1.0, 1.0)) -> str | None:
-    return pyautogui_command(action, scale=scale, keys=KEYS)
+    # The wheel is read at the first test (cached), not at every xdist worker's collection.
+    return pyautogui_command(action, scale=scale, keys=wheel().keyboard_keys)
 
 
 def test_points_are_scaled_to_the_vms_screen():

@@ -8,9 +8,9 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 from PIL import Image
 
@@ -19,6 +19,11 @@ from rollout.auth import VLLM_KEY_ENV, client_token
 from tests.conftest import png_bytes
 from tests.helpers import free_port, needs
 from tests.rollout.test_router import start_process, stop_process
+
+# The client (1.3 s of imports) is imported where it is used, so only the xdist worker
+# that runs this module loads it.
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +84,8 @@ def endpoints(tiny_policy_dir) -> Iterator[dict[str, str]]:
 
 
 def client(url: str, token: str | None = None) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(
         base_url=f"{url}/v1", api_key=token or client_token(None), max_retries=0, timeout=120
     )
@@ -162,6 +169,8 @@ def bad_messages() -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("name", ["server", "router", "adapter"])
 def test_each_bad_field_is_a_400_naming_it(endpoints, name) -> None:
+    import openai
+
     api = client(endpoints[name])
     ok = [{"role": "user", "content": "hi"}]
     for field, extra in BAD_FIELDS.items():
@@ -180,6 +189,8 @@ def test_each_bad_field_is_a_400_naming_it(endpoints, name) -> None:
 
 
 def test_the_refusals_say_what_is_too_big(endpoints) -> None:
+    import openai
+
     api = client(endpoints["server"])
     bad = bad_messages()
     with pytest.raises(openai.BadRequestError) as caught:
@@ -195,5 +206,7 @@ def test_the_refusals_say_what_is_too_big(endpoints) -> None:
 
 @pytest.mark.parametrize("name", ["server", "router", "adapter"])
 def test_a_wrong_token_is_an_authentication_error(endpoints, name) -> None:
+    import openai
+
     with pytest.raises(openai.AuthenticationError):
         client(endpoints[name], token="not-the-token-at-all-0123456789").models.list()

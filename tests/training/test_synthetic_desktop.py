@@ -5,6 +5,7 @@ the episode's earlier actions as the rollout sends them."""
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 
@@ -23,7 +24,12 @@ from training.pretrain_io import (
 from training.synthetic_desktop import AREA_COLORS, HEIGHT, SCENES, WIDTH, make_episode
 from training.tiny_policy import TINY_GEOMETRY
 
-EPISODES = [ep for seed in range(60) for ep in [make_episode(random.Random(seed))]]
+
+@functools.cache
+def _episodes() -> list:
+    """60 episodes, drawn once in the worker that runs this module (not at every worker's
+    collection: drawing them encodes a PNG per step)."""
+    return [make_episode(random.Random(seed)) for seed in range(60)]
 
 
 def _pixel(step, xy):
@@ -35,9 +41,9 @@ def _named(instruction: str) -> list[str]:
 
 
 def test_every_scene_is_drawn_at_the_desktop_size_with_its_targets_on_the_screen():
-    scenes = {ep[0].source for ep in EPISODES}
+    scenes = {ep[0].source for ep in _episodes()}
     assert scenes >= {f"desktop/{s}" for s in SCENES if s != "pad"} | {"desktop/pad-left_double"}
-    for episode in EPISODES:
+    for episode in _episodes():
         assert episode[-1].action.type == ActionType.FINISHED  # every episode ends by saying so
         for step in episode:
             assert (step.width, step.height) == (WIDTH, HEIGHT)
@@ -49,7 +55,7 @@ def test_every_scene_is_drawn_at_the_desktop_size_with_its_targets_on_the_screen
 
 def test_the_target_shows_what_the_instruction_names():
     checked = 0
-    for episode in EPISODES:
+    for episode in _episodes():
         first = episode[0]
         x, y = first.action.x, first.action.y
         if first.source.startswith("desktop/pad-"):
@@ -80,7 +86,7 @@ def test_the_target_shows_what_the_instruction_names():
 
 def test_typing_episodes_type_the_quoted_text_and_save():
     seen = set()
-    for episode in EPISODES:
+    for episode in _episodes():
         kinds = [s.action.type for s in episode]
         if episode[0].source == "desktop/editor-type":
             quoted = episode[0].instruction.split("'")[1]
@@ -105,7 +111,7 @@ def test_typing_episodes_type_the_quoted_text_and_save():
 def test_the_taught_response_lands_on_the_target_through_the_processor_geometry():
     model_size = TINY_GEOMETRY.model_size(width=WIDTH, height=HEIGHT)
     assert model_size != (WIDTH, HEIGHT)  # the model sees a resized screen: coordinates map
-    for episode in EPISODES[:30]:
+    for episode in _episodes()[:30]:
         for step in episode:
             text = sample_response(step, coords="pixel", geometry=TINY_GEOMETRY)
             model_action = parse_output(text, coords="pixel").action
@@ -136,7 +142,7 @@ def test_a_wrong_action_is_not_counted_correct():
 
 
 def test_each_step_prompt_holds_the_earlier_actions_and_only_the_current_screen():
-    (episode,) = [ep for ep in EPISODES if ep[0].source == "desktop/editor-clear"][:1]
+    (episode,) = [ep for ep in _episodes() if ep[0].source == "desktop/editor-clear"][:1]
     for i, step in enumerate(episode):
         messages = sample_messages(step, geometry=TINY_GEOMETRY)
         turns = [m for m in messages if m["role"] == "assistant"]

@@ -3,16 +3,15 @@ update of the tiny policy, then what each tool stored read back with its own rea
 offline run file, MLflow's client) and checked against the database. No network: W&B runs
 offline, MLflow on a local file store."""
 
+from __future__ import annotations
+
 import json
 import logging
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from google.protobuf.message import DecodeError
-from mlflow.tracking import MlflowClient
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from wandb.proto import wandb_internal_pb2
 
 from datamanager.models import TaskStat, TrainUpdate, Trajectory
 from datamanager.selectors.scalars import run_scalars
@@ -20,10 +19,17 @@ from tests.helpers import wait_until
 from tests.workers.test_training_loop import _fill, run_on_tiny  # noqa: F401  (fixture)
 from workers import exports, training_loop
 
+if TYPE_CHECKING:
+    from wandb.proto import wandb_internal_pb2
+
 pytestmark = [pytest.mark.django_db, pytest.mark.slow]
+# The trackers' readers (tensorboard, wandb, mlflow: about 1.5 s of imports) are imported
+# where they are used, so only the xdist worker that runs this module loads them.
 
 
 def _read(run_id: int) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(exports.tensorboard_dir(run_id)), size_guidance={"scalars": 0})
     events.Reload()
     return {
@@ -71,6 +77,8 @@ def _wandb_records(path: Path) -> list[wandb_internal_pb2.Record]:
     a 7-byte header `:W&B` + magic + version, then LevelDB-log chunks in 32 KiB blocks,
     each `crc32 (4) | length (2, little-endian) | type (1: full, 2: first, 3: middle,
     4: last)`, a record being one serialized `wandb_internal.Record`."""
+    from wandb.proto import wandb_internal_pb2
+
     block = 32 * 1024
     data = path.read_bytes()
     assert data[:4] == b":W&B"
@@ -114,6 +122,8 @@ def _wandb_offline(wandb_dir: Path) -> tuple[set[str], dict[str, str], dict[int,
 
 def _wandb_offline_whole(wandb_dir: Path, steps: list[int]):
     """`_wandb_offline` once its history holds `steps`, else None (a file still written)."""
+    from google.protobuf.message import DecodeError
+
     try:
         found = _wandb_offline(wandb_dir)
     except DecodeError:  # a record cut by the writer
@@ -169,6 +179,8 @@ def test_updates_reach_wandb_and_mlflow_as_the_database_has_them_across_a_restar
     assert history[2]["train/loss"] == 0.25 and history[2]["train/kl"] == 0.5
     for stat in TaskStat.objects.filter(run=run).select_related("task"):
         assert history[2][f"success/{stat.task.name}"] == pytest.approx(stat.success_rate)
+
+    from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"file://{trackers_on / 'mlruns'}")
     experiment = client.get_experiment_by_name("dartboard-test")

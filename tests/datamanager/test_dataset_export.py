@@ -33,8 +33,8 @@ def imported(tmp_path, osworld_task) -> list[Trajectory]:
 
 
 def _load(out, config, cache):
-    """An export's `config` as the `datasets` library loads it (the library is imported here,
-    by the tests that read one, not at every xdist worker's collection: 0.7 s)."""
+    """An export's `config` as the `datasets` library loads it (the library, slow to import, is
+    imported here, by the tests that read one, not at every xdist worker's collection)."""
     import datasets
 
     return datasets.load_dataset(str(out), config, split="train", cache_dir=cache)

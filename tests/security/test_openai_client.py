@@ -20,8 +20,9 @@ from tests.conftest import png_bytes
 from tests.helpers import free_port, needs
 from tests.rollout.test_router import start_process, stop_process
 
-# The client (1.3 s of imports) is imported where it is used, so only the xdist worker
-# that runs this module loads it.
+# The client is slow to import: it is imported where it is used, so only the xdist worker
+# that runs this module loads it (docs/tests.md, *Collection loads only what every module
+# needs*).
 if TYPE_CHECKING:
     import openai
 

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from wandb.proto import wandb_internal_pb2
 
 pytestmark = [pytest.mark.django_db, pytest.mark.slow]
-# The trackers' readers (tensorboard, wandb, mlflow: about 1.5 s of imports) are imported
-# where they are used, so only the xdist worker that runs this module loads them.
+# The trackers' readers (tensorboard, wandb, mlflow: slow to import) are imported where they
+# are used, so only the xdist worker that runs this module loads them.
 
 
 def _read(run_id: int) -> dict[str, list[tuple[int, float]]]:

@@ -12,10 +12,11 @@ _home = tempfile.mkdtemp(prefix="dartboard-test-")
 os.environ["DARTBOARD_HOME"] = _home
 os.environ.pop("DARTBOARD_ENV", None)
 # The suite runs a dozen torch processes (three xdist workers, inference servers, trainers,
-# vLLM) on a few cores, so each gets one thread: a second one finds no idle core to run on,
-# and libgomp's threads busy-wait between parallel regions, spinning away each other's time
-# (bench/omp_wait.py and docs/benchmarks.md, *Torch processes sharing two cores*). Set
-# before torch loads libgomp, and inherited by every process the tests start.
+# vLLM) on a few cores, so each gets one thread: a second one finds no idle core to run on.
+# Where a process is given more (a pretraining config's `threads`, vLLM), libgomp's threads
+# wait passively instead of busy-waiting between parallel regions, which spun away the
+# others' time (bench/omp_wait.py and docs/benchmarks.md, *Torch processes sharing two
+# cores*). Set before torch loads libgomp, and inherited by every process the tests start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The master token, and the rollout service's purpose tokens derived from it, in the

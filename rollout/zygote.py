@@ -18,12 +18,15 @@ As with subprocess: the child's environment is exactly `env`. The zygote itself 
 only what is read while those modules load (`IMPORT_TIME`: the interpreter's, the loader's,
 the thread pools', torch's and Hugging Face's variables, the locale, HOME and PATH), never a
 token, key or Dartboard setting; one zygote serves each distinct such environment and
-working directory. A child gets SIGTERM when its zygote dies, and a zygote when the process
-that started it dies (it is started from a thread that lives as long as that process).
-Different: the child is the zygote's, so `ZygoteChild` reports the exit status the zygote
-saw, and the child's command line in /proc is the zygote's (`python -m rollout.zygote`; its
-name, `ps -o comm`, is `rollout.server`). DARTBOARD_ZYGOTE=0 turns zygotes off: every
-server is then its own `python -m rollout.server`.
+working directory. What the child sets itself after the fork (`APPLIED_IN_CHILD`: its
+streams' buffering, bytecode writing, inductor's cache) and a PYTHONPATH entry that is the
+working directory do not make another zygote. A child gets SIGTERM when its zygote dies,
+and a zygote when the process that started it dies (it is started from a thread that lives
+as long as that process). Different: the child is the zygote's, so `ZygoteChild` reports
+the exit status the zygote saw, and the child's command line in /proc is the zygote's
+(`python -m rollout.zygote`; its name, `ps -o comm`, is `rollout.server`).
+DARTBOARD_ZYGOTE=0 turns zygotes off: every server is then its own `python -m
+rollout.server`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import gc
+import io
 import json
 import logging
 import os
@@ -60,6 +64,10 @@ IMPORT_TIME = (
     *("TORCH", "PYTORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "XDG_"),
     *("LANG", "LC_", "HOME", "PATH", "TMPDIR", "TZ"),
 )
+# Of those, what the child applies itself after the fork, as the interpreter would have at its
+# start (its standard streams' buffering, whether it writes bytecode) or as torch reads it
+# (inductor's cache, looked up when it compiles): a zygote serves children that differ in them.
+APPLIED_IN_CHILD = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCHINDUCTOR_CACHE_DIR")
 MAX_ZYGOTES = 4  # per process; past that, servers start as their own processes
 SERVER_MODULE = "rollout.server"
 _CODE = struct.Struct("!q")
@@ -161,7 +169,7 @@ def start(
     if subprocess.PIPE in (stdout, stderr):  # a pipe to the caller: only subprocess has one
         return None
     workdir = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    base = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    base = _import_environ(env, workdir)
     key = (json.dumps(base, sort_keys=True), workdir)
     try:
         zygote = _zygote(key, base, workdir)
@@ -174,6 +182,18 @@ def start(
             _zygotes.pop(key, None)
         log.warning("inference server started without a zygote: %s", exc)
         return None
+
+
+def _import_environ(env: dict[str, str], workdir: str) -> dict[str, str]:
+    """What of `env` the zygote imports under. PYTHONPATH loses the working directory
+    (`-m` puts it first on sys.path already), so that a server given it and one not share
+    a zygote."""
+    base = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in APPLIED_IN_CHILD}
+    path = [p for p in base.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [p for p in path if os.path.abspath(p) != workdir]
+    if path:
+        base["PYTHONPATH"] = os.pathsep.join(path)
+    return base
 
 
 class _Zygote:
@@ -398,11 +418,32 @@ def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
     _prctl(_PR_SET_NAME, SERVER_MODULE.encode())
     os.environ.clear()
     os.environ.update(request["env"])
+    _started_as(request["env"])
     os.umask(request["umask"])
     sys.argv = [request["argv"][0], *request["argv"][3:]]
     random.seed()
     numpy.random.seed()
     torch.seed()
+
+
+def _started_as(env: dict[str, str]) -> None:
+    """What the interpreter sets at its start from APPLIED_IN_CHILD, set as `env` says: the
+    standard streams unbuffered or not (stderr line-buffered, as Python makes it), and
+    whether imports write bytecode."""
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw),
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=name == "stderr" or raw.isatty(),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
 
 
 if __name__ == "__main__":

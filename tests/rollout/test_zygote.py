@@ -4,6 +4,7 @@ started them dies."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,12 +69,17 @@ def test_two_servers_forked_from_one_zygote_each_take_only_their_own_token(
     tokens = [ServiceTokens.fresh(), ServiceTokens.fresh()]
     ports = [free_port(), free_port()]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    # The second differs only in what a forked child sets itself: it shares the zygote.
+    envs = [
+        base_env,
+        {"PATH": base_env["PATH"], "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+    ]
     procs = []
     try:
-        for port, token, log in zip(ports, tokens, logs, strict=True):
+        for port, token, log, env in zip(ports, tokens, logs, envs, strict=True):
             with open(log, "ab") as out:
                 proc = zygote.start(
-                    _server(port), env={**base_env, **token.environ()}, stdout=out,
+                    _server(port), env={**env, **token.environ()}, stdout=out,
                     stderr=subprocess.STDOUT, cwd=ROOT,
                 )  # fmt: skip
             assert proc is not None, "started without a zygote"
@@ -107,6 +113,36 @@ def test_two_servers_forked_from_one_zygote_each_take_only_their_own_token(
         for proc in procs:
             proc.kill()
             proc.wait(timeout=30)
+
+
+CHILD_STREAMS = textwrap.dedent(
+    """
+    import json, sys
+    from rollout import zygote
+    zygote._started_as(json.loads(sys.argv[1]))
+    print(json.dumps([sys.stdout.write_through, sys.stderr.line_buffering,
+                      sys.dont_write_bytecode]))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}, [True, True, True]),
+     ({}, [False, True, False])],
+)  # fmt: skip
+def test_a_forked_child_sets_its_streams_and_bytecode_as_its_own_environment_says(
+    env, expected
+) -> None:
+    """What APPLIED_IN_CHILD names is set in the child as the interpreter would have set it
+    at a start under the child's environment, whatever the zygote's was (here the opposite)."""
+    opposite = {"PYTHONUNBUFFERED": "", "PYTHONDONTWRITEBYTECODE": ""} if env else {
+        "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD_STREAMS, json.dumps(env)],
+        cwd=ROOT, env={**os.environ, **opposite}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout) == expected
 
 
 def test_a_server_that_cannot_start_says_why_in_its_log(

@@ -1,13 +1,16 @@
 """Where a command's CPU goes, by kind of process: every process it starts, to its end.
 
-    .venv/bin/python bench/suite_processes.py [--top 20] [-- COMMAND ...]   (default: make test)
+    .venv/bin/python bench/suite_processes.py [--top 20] [--others 0] [-- COMMAND ...]
+    (default: make test)
 
 Runs COMMAND under the kernel's process accounting (`accton`, Debian's `acct`; root), which
 records each process's CPU time when it exits, however briefly it lived; a thread looks at
 /proc every 0.25 s for the command lines of new processes, so that Python processes can be
 told apart (a process that lived less than that is known by its name only). Prints a
 markdown table, heaviest first: the kind of process, its CPU seconds over the whole run,
-how many processes, and the CPU of one on average. Run it on an otherwise idle machine:
+how many processes, and the CPU of one on average; with `--others N`, a second table of the
+N heaviest command lines (their first 120 characters) that are of no kind. Run it on an
+otherwise idle machine:
 accounting records every process on it, not only the command's.
 """
 
@@ -50,6 +53,8 @@ KINDS = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=20, help="kinds in the table")
+    parser.add_argument("--others", type=int, default=0,
+                        help="also list the N heaviest command lines of no kind")  # fmt: skip
     parser.add_argument("command", nargs="*", default=["make", "test"])
     args = parser.parse_args()
     if shutil.which("accton") is None or os.geteuid() != 0:
@@ -69,14 +74,21 @@ def main() -> int:
         watcher.join()
     cpu: Counter[str] = Counter()
     count: Counter[str] = Counter()
+    unkinded: Counter[str] = Counter()
     for pid, name, seconds in _records(record):
         kind = _kind(commands.get(pid, ""), name)
         cpu[kind] += seconds
         count[kind] += 1
+        if kind.startswith("other: "):
+            unkinded[(commands.get(pid) or f"({name}: gone before it was seen)")[:120]] += seconds
     print(f"`{' '.join(args.command)}` exited with {code}; {sum(cpu.values()):.0f} CPU seconds")
     print("\n| process | CPU (s) | processes | CPU each (s) |\n|---|---:|---:|---:|")
     for kind, seconds in cpu.most_common(args.top):
         print(f"| {kind} | {seconds:.1f} | {count[kind]} | {seconds / count[kind]:.2f} |")
+    if args.others:
+        print("\n| command line (of no kind) | CPU (s) |\n|---|---:|")
+        for command, seconds in unkinded.most_common(args.others):
+            print(f"| `{command.strip()}` | {seconds:.1f} |")
     return code
 
 

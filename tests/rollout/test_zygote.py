@@ -69,7 +69,8 @@ def test_two_servers_forked_from_one_zygote_each_take_only_their_own_token(
     tokens = [ServiceTokens.fresh(), ServiceTokens.fresh()]
     ports = [free_port(), free_port()]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    # The second differs only in what a forked child sets itself: it shares the zygote.
+    # The second differs only in what a forked child sets itself and in a PYTHONPATH that
+    # is the working directory: it shares the zygote.
     envs = [
         base_env,
         {"PATH": base_env["PATH"], "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"},

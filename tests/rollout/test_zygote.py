@@ -137,8 +137,7 @@ def test_a_forked_child_sets_its_streams_and_bytecode_as_its_own_environment_say
 ) -> None:
     """What APPLIED_IN_CHILD names is set in the child as the interpreter would have set it
     at a start under the child's environment, whatever the zygote's was (here the opposite)."""
-    opposite = {"PYTHONUNBUFFERED": "", "PYTHONDONTWRITEBYTECODE": ""} if env else {
-        "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    opposite = {k: "" if env else "1" for k in ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")}
     out = subprocess.run(
         [sys.executable, "-c", CHILD_STREAMS, json.dumps(env)],
         cwd=ROOT, env={**os.environ, **opposite}, capture_output=True, text=True, check=True,

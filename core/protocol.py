@@ -29,19 +29,27 @@ class ActionNotSupported(EnvError):
     """A backend cannot perform this action (e.g. a hotkey it does not know)."""
 
 
-# A desktop types ~5 ms a character (xdotool, pyautogui): a longer text would outlast the
-# step timeout and take the desktop down with it.
+# Every backend types one key event a character: a desktop ~5 ms each (xdotool, pyautogui),
+# where a longer text would outlast the step timeout and take the desktop down with it; a
+# browser ~1 ms each, a slot held for seconds on text no task field wants.
 MAX_TYPE_CHARS = 1000
 
 
-def desktop_text(action: Action) -> str:
-    """The text of a `type` action, as a desktop may type it. Raises ActionNotSupported
-    naming the limit it breaks: over MAX_TYPE_CHARS characters, or one no keyboard types."""
+def typed_text(action: Action) -> str:
+    """The text of a `type` action, as any backend may type it. Raises ActionNotSupported
+    over MAX_TYPE_CHARS characters."""
     text = action.text or ""
     if len(text) > MAX_TYPE_CHARS:
         raise ActionNotSupported(
             f"type: {len(text)} characters; at most {MAX_TYPE_CHARS} in one action"
         )
+    return text
+
+
+def desktop_text(action: Action) -> str:
+    """The text of a `type` action, as a desktop may type it. Raises ActionNotSupported
+    naming the limit it breaks: over MAX_TYPE_CHARS characters, or one no keyboard types."""
+    text = typed_text(action)
     untypable = untypable_character(text)
     if untypable:
         raise ActionNotSupported(f"type: {untypable} cannot be typed on a desktop")

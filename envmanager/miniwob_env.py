@@ -51,6 +51,7 @@ from core.protocol import (
     Observation,
     TaskSpec,
     hotkey_parts,
+    typed_text,
 )
 from envmanager.sandbox_limits import ALLOW_UNLIMITED_ENV
 from envmanager.sandboxed_browser import browser_launcher
@@ -424,6 +425,8 @@ class MiniWoBEnv:
                 )
         if action.type == ActionType.HOTKEY:
             playwright_hotkey(key=action.key or "")
+        if action.type == ActionType.TYPE:
+            typed_text(action)
 
     def _perform(self, action: Action) -> None:
         mouse, keyboard = self._page.mouse, self._page.keyboard

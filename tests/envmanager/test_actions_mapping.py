@@ -85,11 +85,13 @@ def test_desktop_performs_every_action_type(
 
 
 @pytest.mark.parametrize(("make_env", "point"), [(MiniWoBEnv, (500, 20)), (DesktopEnv, (900, 20))])
-def test_off_screen_points_and_unknown_keys_are_not_supported(make_env, point) -> None:
+def test_off_screen_points_unknown_keys_and_long_texts_are_not_supported(make_env, point) -> None:
     env = make_env()  # never started: the checks happen before any browser/X call
     x, y = point
     with pytest.raises(ActionNotSupported, match=rf"click at \({x}, {y}\) is outside"):
         env.step(Action(type=ActionType.CLICK, x=x, y=y))
     with pytest.raises(ActionNotSupported, match="unknown key 'hyperspace'"):
         env.step(Action(type=ActionType.HOTKEY, key="ctrl hyperspace"))
+    with pytest.raises(ActionNotSupported, match="type: 1001 characters; at most 1000"):
+        env.step(Action(type=ActionType.TYPE, text="x" * 1001))
     env.close()

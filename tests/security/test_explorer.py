@@ -380,7 +380,8 @@ def _playwright_driver() -> Iterator[int]:
     policy's; it inherits the worker's environment as any child of it would."""
     import playwright
 
-    driver_dir = str(Path(playwright.__file__).parent / "driver")
+    # exe() is the resolved path: a virtual environment reached through a link resolves too.
+    driver_dir = str(Path(playwright.__file__).resolve().parent / "driver")
     for child in psutil.Process().children():
         try:
             if child.exe().startswith(driver_dir):

@@ -135,14 +135,23 @@ class CrashStack:
 
     def crash_when(self, pred: Callable[[], bool], *, run_id: int, timeout: float,
                    what: str) -> Cut:  # fmt: skip
-        """Crash the stack the moment `pred` holds. The process tree is read before each
-        check, so the kill follows a true check within milliseconds, not the ~100 ms a
-        read takes (an update that commits in between would not be cut)."""
+        """Crash the stack the moment `pred` holds. The process tree is stopped (SIGSTOP)
+        while `pred` is checked and killed stopped when it holds, so the kill cuts what the
+        check saw: an update that commits in the milliseconds between them is not cut."""
 
         def tree_if_ready() -> set[psutil.Process] | None:
             assert self.launcher is not None
             tree = tree_read(self.launcher)
-            return tree if pred() else None
+            for proc in tree:
+                _signal(proc, signal.SIGSTOP)
+            ready = False
+            try:
+                ready = pred()
+            finally:
+                if not ready:
+                    for proc in tree:
+                        _signal(proc, signal.SIGCONT)
+            return tree if ready else None
 
         return self.crash(run_id, tree=self.wait(tree_if_ready, timeout=timeout, what=what))
 
@@ -205,12 +214,12 @@ def tree_kill(
     session = launcher.pid
     victims = set(tree) if tree is not None else tree_read(launcher)
     for proc in victims:
-        _sigkill(proc)
+        _signal(proc, signal.SIGKILL)
     launcher.wait(timeout=10)
     deadline = time.monotonic() + 15
     while strays := _in_session(session) - victims:
         for proc in strays:
-            _sigkill(proc)
+            _signal(proc, signal.SIGKILL)
         victims |= strays
         assert time.monotonic() < deadline, f"processes keep appearing in session {session}"
     _, alive = psutil.wait_procs(list(victims), timeout=15)
@@ -230,9 +239,9 @@ def _in_session(session: int) -> set[psutil.Process]:
     return found
 
 
-def _sigkill(proc: psutil.Process) -> None:
+def _signal(proc: psutil.Process, sig: int) -> None:
     with contextlib.suppress(psutil.NoSuchProcess):
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(sig)
 
 
 def _alive(proc: psutil.Process) -> bool:

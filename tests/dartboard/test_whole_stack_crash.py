@@ -50,8 +50,9 @@ def test_the_whole_stack_killed_mid_update_and_mid_evaluation_comes_back_whole(c
     run = crash_run_create()
     stack.start()
     cut = stack.crash_when(
-        # The update's check last, just before the kill: an update ends within moments of
-        # any check (its record is one commit), an evaluation's last episode takes seconds.
+        # The update's check last: the stack is stopped while they are checked, but a commit
+        # sent just before may still land, and an update ends in one commit where an
+        # evaluation's last episode takes seconds.
         lambda: eval_last_episode_under_way(run.pk) and update_under_way(run.pk),
         run_id=run.pk,
         timeout=300,  # the two coincide by chance, later on a slower machine

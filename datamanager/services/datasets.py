@@ -29,7 +29,6 @@ from django.utils import timezone
 from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, decode_image_parts
 from core.protocol import Action
 from datamanager.config import RunConfig
-from datamanager.demos.hf import SFT_SCHEMA, STEP_SCHEMA, ShardWriter, dataset_card
 from datamanager.demos.osworld import OsworldStep, osworld_write
 from datamanager.demos.pyautogui import pyautogui_code
 from datamanager.models import DatasetExport, ExportStatus, Step, Trajectory, TrajectoryStatus
@@ -65,6 +64,10 @@ def dataset_write(
     unknown = sorted(set(formats) - set(EXPORT_FORMATS))
     if unknown or not formats:
         raise ExportError(f"formats must be some of {', '.join(EXPORT_FORMATS)}, got {formats}")
+    # pyarrow is imported here, not with this module: every worker and the web import this
+    # module at their start, and few of them ever export.
+    from datamanager.demos.hf import SFT_SCHEMA, STEP_SCHEMA, ShardWriter, dataset_card
+
     ids = list(trajectory_queryset(flt=flt).values_list("pk", flat=True))
     counts = ExportCounts()
     writers: dict[str, ShardWriter] = {}

@@ -60,9 +60,10 @@ def _loaded(setup: str, prefixes: tuple[str, ...]) -> list[str]:
         # Every Celery worker (env, default, beat) imports the tasks module at start; only the
         # train queue's task loads the trainer. torch, transformers and peft cost an env worker
         # about 4 s of CPU per start, which a 2-core host pays for every slot and restart;
-        # pyarrow (and numpy with it) only for a dataset export, which few workers ever write.
+        # pyarrow (and numpy with it) only for a dataset export, which few workers ever write;
+        # requests only for an OSWorld slot's client.
         ("a Celery worker", "import django; django.setup(); import workers.tasks",
-         ("torch", "transformers", "peft", "scipy", "pyarrow")),
+         ("torch", "transformers", "peft", "scipy", "pyarrow", "requests")),
         ("the web", "import django; django.setup(); import dartboard.urls, dartboard.asgi",
          ("torch", "transformers", "peft", "pyarrow")),
         # An inference worker needs transformers, not peft, until it is sent an adapter. Its

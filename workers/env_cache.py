@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
@@ -23,10 +23,12 @@ from envmanager.desktop_env import DesktopEnv
 from envmanager.latency import PROFILES, LatencyEnv, profile_from_settings
 from envmanager.miniwob_env import MiniWoBEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
-from envmanager.osworld_env import OSWorldEnv, Provider
 from envmanager.sim_env import sim_env
 from envmanager.threaded import ThreadedEnv
 from rollout.auth import desktop_purpose, purpose_token
+
+if TYPE_CHECKING:
+    from envmanager.osworld_env import Provider
 
 log = logging.getLogger("dartboard.slots")
 
@@ -58,6 +60,8 @@ def osworld_target(*, env_config: dict[str, Any], env: EnvConfig, index: int) ->
     i = index % len(pool)
     provider = None
     if env.osworld_provider:
+        from envmanager.osworld_env import Provider
+
         provider = Provider(
             name=env.osworld_provider,
             vm_path=env.osworld_vm_paths[i],
@@ -72,6 +76,10 @@ def make_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = Non
     if backend == "osworld":
         if vm is None:
             raise NoVMForTask("an osworld env needs a VM address")
+        # Imported here: the OSWorld client (requests, the evaluator's helpers) is an
+        # osworld slot's alone, and every worker imports this module at its start.
+        from envmanager.osworld_env import OSWorldEnv
+
         # The desktop's own token: one read inside a desktop opens no other (rollout.auth).
         token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(vm.address))
         return ThreadedEnv(

@@ -53,6 +53,8 @@ REDIS_SOCKET = config_env.embedded_redis_socket(DARTBOARD_HOME)
 MEDIA_ROOT = DARTBOARD_HOME / "media"
 CHECKPOINT_ROOT = DARTBOARD_HOME / "checkpoints"
 LOG_ROOT = DARTBOARD_HOME / "logs"
+# The files OSWorld tasks fetch by URL (envmanager.osworld_file_cache; manage.py osworld_cache).
+OSWORLD_FILE_CACHE = DARTBOARD_HOME / "osworld-files"
 
 try:
     DATABASES = {"default": dj_database_url.parse(_database_url, conn_max_age=60)}

@@ -27,6 +27,7 @@ from datamanager.config_fields import (
 from datamanager.config_training import CurationConfig, TrainerConfig
 from datamanager.curation import INSTANCE_SEED_BASE
 from datamanager.models import EnvKind
+from envmanager.osworld_needs import CAPABILITIES, OSWORLD_VM_OFFERS
 
 __all__ = [
     "ConfigError",
@@ -92,6 +93,13 @@ class EnvConfig:
     )
     osworld_snapshot: str = knob("init_state", "Snapshot the provider reverts each VM to.")
     osworld_region: str = knob("", "The provider's region (cloud providers).")
+    osworld_offers: list[str] = knob(
+        list(OSWORLD_VM_OFFERS),
+        "What the run's OSWorld VMs offer the tasks (envmanager.osworld_needs): apps "
+        "(app:chrome, ...), chrome_cdp, accessibility_tree, vlc_http; add internet, "
+        "google_drive or worker_internet only where the VMs and workers really have them. "
+        "A run whose tasks need more is refused at create.",
+    )
     step_timeout_s: float = knob(30.0, "A reset/step taking longer ends the episode as error.")
     heartbeat_s: float = knob(5.0, "Slot heartbeat period.")
     quarantine_after: int = knob(3, "Consecutive failures before a slot is quarantined.")
@@ -123,6 +131,10 @@ class EnvConfig:
 
     def _check_osworld(self) -> None:
         check(len(self.osworld_addresses) <= 256, "osworld_addresses", "at most 256 VMs")
+        unknown = sorted(set(self.osworld_offers) - set(CAPABILITIES))
+        check(not unknown, "osworld_offers", f"unknown {unknown}; use {', '.join(CAPABILITIES)}")
+        if not self.osworld_addresses:
+            unused_knob(self, "osworld_offers", "without osworld_addresses")
         for address in self.osworld_addresses:
             host, sep, port = address.rpartition(":")
             check(

@@ -58,7 +58,8 @@ def knob(default: Any, help: str) -> Any:  # noqa: A002  (help text, not builtin
 
 def unused_knob(obj: Any, name: str, why: str) -> None:
     """A knob set away from its default where it does nothing is an error, not a silent no-op."""
-    default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     check(getattr(obj, name) == default, name, f"has no effect {why}; leave it at {default}")
 
 

@@ -16,22 +16,29 @@ A malformed record raises `InvalidTaskRecord` naming the line (JSONL) or the rec
 A file holding one OSWorld task object (`evaluation_examples/examples/<app>/<id>.json`:
 `id`, `instruction`, `config`, `evaluator`, `related_apps`, ...; see envmanager/osworld_tasks.py)
 becomes one task named `osworld/<id>` of env_kind `osworld`, the whole object kept as
-env_config {"osworld": {...}}, tagged `osworld` and its related apps, split train. Everything
-Dartboard cannot run in it (a setup step type, a metric func, a getter type the wheel's
-loaded modules lack; a metric refused because it would run the agent's content in the env
-worker, named with why; a cache file name that is a path) is listed with the file and
-field, and the file imports nothing.
-`read_task_path` reads a directory as all its *.json files (OSWorld's layout).
+env_config {"osworld": {...}, "needs": [...]}, tagged `osworld` and its related apps, in the
+split the caller gives (train by default). "needs" is what it asks of the slot it runs on
+(envmanager.osworld_needs: an application, Chrome's debugging port, an accessibility tree,
+the internet, ...): a task imports whatever its needs, and a run places it only where they
+are offered. What no slot can give is refused, listed with the file and field, and the file
+imports nothing: a setup step type, a metric func or a getter type the wheel lacks (with
+the closest names), a metric or getter refused by the review because it would run the
+agent's content on the host or cannot score (named with why), a cache file name that is a
+path.
+`read_task_path` reads a directory as all its *.json files (OSWorld's layout), and lists
+every bad file, not only the first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from datamanager.models import EnvKind, Split
+from envmanager.osworld_needs import task_needs
 from envmanager.osworld_task_files import task_files
 from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
 
@@ -88,6 +95,7 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
                 f"{where}: field 'env_config.files' must map file paths to base64 contents"
             )
         _check_osworld(spec, f"{where}: env_config.osworld.", files=files)
+        env_config = {**env_config, "needs": task_needs(spec)}
     instruction = data.get("instruction", "")
     if not isinstance(instruction, str):
         raise InvalidTaskRecord(f"{where}: field 'instruction' must be a string")
@@ -119,38 +127,71 @@ def _check_osworld(
         )
 
 
-def osworld_record(spec: dict[str, Any], where: str, base_dir: Path | None = None) -> TaskRecord:
+def osworld_record(
+    spec: dict[str, Any], where: str, base_dir: Path | None = None, *, split: str = "train"
+) -> TaskRecord:
     """The task record of one OSWorld task object (checked first), carrying the files its
-    setup steps read from `base_dir`, its JSON file's directory."""
+    setup steps read from `base_dir`, its JSON file's directory, and what it needs."""
     _check_osworld(spec, f"{where}: ", base_dir=base_dir)
     apps = [a for a in spec.get("related_apps", []) if a]
     files = task_files(spec, base_dir) if base_dir is not None else {}
     return TaskRecord(
-        name=f"osworld/{spec['id'].strip()}"[:200],
+        name=osworld_task_name(spec["id"]),
         env_kind=EnvKind.OSWORLD,
-        env_config={"osworld": spec, **({"files": files} if files else {})},
+        env_config={
+            "osworld": spec,
+            "needs": task_needs(spec),
+            **({"files": files} if files else {}),
+        },
         instruction=spec["instruction"],
+        split=split,
         tags=("osworld", *dict.fromkeys(apps)),
     )
 
 
-def read_task_path(path: Path) -> list[TaskRecord]:
-    """A task file, or every *.json file of a directory (OSWorld's examples layout)."""
-    if path.is_dir():
-        files = sorted(path.rglob("*.json"))
-        if not files:
-            raise InvalidTaskRecord(f"{path}: no *.json task files in this directory")
-        records = [rec for f in files for rec in read_task_file(f)]
-        names = [r.name for r in records]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise InvalidTaskRecord(f"{path}: task {twice[0]!r} appears twice")
-        return records
-    return read_task_file(path)
+def osworld_task_name(task_id: str) -> str:
+    """The Dartboard task name of OSWorld task `task_id`."""
+    return f"osworld/{task_id.strip()}"[:200]
 
 
-def read_task_file(path: Path) -> list[TaskRecord]:
-    """Read and validate a whole file; raise on the first bad record (nothing is returned)."""
+def read_task_path(path: Path, *, split: str | None = None) -> list[TaskRecord]:
+    """A task file, or every *.json file of a directory (OSWorld's examples layout).
+    `split`: put every task in this split (OSWorld's files name none). A directory's bad
+    files are all listed in one InvalidTaskRecord, one line each."""
+    if split is not None and split not in SPLITS:
+        raise InvalidTaskRecord(f"split must be {' or '.join(SPLITS)}, got {split!r}")
+    if not path.is_dir():
+        return read_task_file(path, split=split)
+    files = sorted(path.rglob("*.json"))
+    if not files:
+        raise InvalidTaskRecord(f"{path}: no *.json task files in this directory")
+    records: list[TaskRecord] = []
+    bad: list[str] = []
+    for file in files:
+        try:
+            records += read_task_file(file, split=split)
+        except InvalidTaskRecord as exc:
+            bad.append(str(exc))
+    names = [r.name for r in records]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    bad += [f"{path}: task {name!r} appears twice" for name in twice]
+    if bad:
+        raise InvalidTaskRecord(
+            f"{len(bad)} of {len(files)} files in {path} cannot be imported:\n" + "\n".join(bad)
+        )
+    return records
+
+
+def read_task_file(path: Path, *, split: str | None = None) -> list[TaskRecord]:
+    """Read and validate a whole file; raise on the first bad record (nothing is returned).
+    `split`: put every task in this split instead of the one its record names."""
+    records = _read_task_file(path)
+    if split is not None:
+        records = [dataclasses.replace(rec, split=split) for rec in records]
+    return records
+
+
+def _read_task_file(path: Path) -> list[TaskRecord]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -3,7 +3,10 @@ envmanager.osworld_server) driven by address with OSWorld's own client from the 
 
 One env holds one VM address ("host:port"). Per episode:
 
-- reset: bring the VM back to a clean state, by the provider's snapshot revert where one is
+- reset: empty the env's cache directory (the wheel's getters and downloads use it), put in
+  it the task's own files and every file it fetches by URL, from this host's file cache
+  (envmanager.osworld_file_cache: a task whose files the cache lacks is refused here, naming
+  the URLs, and nothing opens the internet); bring the VM back to a clean state, by the provider's snapshot revert where one is
   configured (`Provider`: desktop_env's vmware / virtualbox / docker / aws / azure / aliyun /
   volcengine, the VM's path or id and the snapshot name; not tested here: no VM image can
   be fetched), else by a Dartboard desktop's `POST /dartboard/reset`; a VM with neither is
@@ -54,6 +57,7 @@ from core.protocol import (
 )
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
+from envmanager.osworld_file_cache import CacheError, FileCache, clear_directory, place_task_files
 from envmanager.osworld_task_files import steps_with_task_files
 from envmanager.osworld_wheel import wheel
 
@@ -131,12 +135,16 @@ class OSWorldEnv:
         provider: Provider | None = None,
         settle_s: float = 0.3,
         wait_seconds: float = 1.0,
+        file_cache: FileCache | None = None,
     ) -> None:
+        """`file_cache`: where the files tasks fetch by URL come from (none: a task that
+        fetches one is refused)."""
         self.address = address
         self.host, self.port = parse_address(address)
         self.provider = provider
         self.settle_s = settle_s
         self.wait_seconds = wait_seconds
+        self.file_cache = file_cache
         self._auth = ("dartboard", token) if token else None
         self._vm_ip = f"dartboard:{token}@{self.host}" if token else self.host
         self._cache = tempfile.mkdtemp(prefix="dartboard-osworld-cache-")
@@ -160,7 +168,9 @@ class OSWorldEnv:
         spec = task.env_config.get("osworld")
         if not isinstance(spec, dict):
             raise ValueError(f"{task.name}: env_config has no 'osworld' task object")
+        clear_directory(Path(self._cache))  # the last task's files and what it fetched
         spec = self._with_task_files(spec, task)
+        self._place_url_files(spec, task)
         self._restore()
         width, height = self._screen = self.screen_size()
         setup = self._setup_controller()
@@ -294,6 +304,15 @@ class OSWorldEnv:
         except ValueError as exc:
             raise ValueError(f"{task.name}: {exc}") from None
         return spec
+
+    def _place_url_files(self, spec: dict[str, Any], task: TaskSpec) -> None:
+        """Every file the task fetches by URL, from the file cache into the wheel's cache
+        directory, where its `download` step and `cloud_file` getter look first."""
+        cache = self.file_cache or FileCache(Path(self._cache) / "no-file-cache")
+        try:
+            place_task_files(spec, cache, Path(self._cache))
+        except CacheError as exc:
+            raise EnvUnavailable(f"osworld {self.address}: {task.name}: {exc}") from exc
 
     def _setup_controller(self) -> Any:
         width, height = self._screen

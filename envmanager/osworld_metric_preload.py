@@ -1,4 +1,5 @@
-"""Importing this module imports the wheel's metrics (`wheel()`); that is its only job.
+"""Importing this module imports the wheel's metrics (`wheel()`) and hardens the libraries
+they use (`harden()`); that is its only job.
 
 envmanager.osworld_metric_process names it in the forkserver's preload list, so the
 forkserver imports the wheel once and every metric process forks with it imported. Nothing
@@ -8,7 +9,9 @@ else imports it. Without the wheel it imports nothing more: the metric process t
 
 import contextlib
 
+from envmanager.osworld_metric_review import harden
 from envmanager.osworld_wheel import WheelUnavailable, wheel
 
 with contextlib.suppress(WheelUnavailable):
     wheel()
+    harden()

@@ -13,6 +13,9 @@ JSON reply (a float, the limit it hit, or an error text cut to a bound), never a
 - CPU: RLIMIT_CPU, SIGXCPU at the limit (SIGKILL a second later if it survives);
 - wall clock: the child is killed when no reply came in time (a metric stuck in a read
   uses no CPU);
+- files: the metric runs in a private scratch directory of its own (its working directory
+  and TMPDIR; removed after the call), so what some metrics write (a temp.pdf, an unpacked
+  archive, a converted image) lands nowhere else, and RLIMIT_FSIZE caps any file it writes;
 - the reply: at most `reply_bytes`; what the metric prints or logs goes to /dev/null, so
   the agent's file cannot fill the worker's log.
 
@@ -34,6 +37,7 @@ Celery worker and pytest start from modules and need nothing).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import multiprocessing
@@ -41,11 +45,15 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import signal
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from envmanager.osworld_metric_review import harden
 from envmanager.osworld_wheel import wheel
 
 PRELOAD_MODULE = "envmanager.osworld_metric_preload"
@@ -66,6 +74,8 @@ class MetricLimits:
     # Twice the CPU limit: on a loaded host a CPU second can take two, and a metric stuck
     # in a read (a FIFO, a slow filesystem) uses no CPU at all.
     wall_seconds: float = 60.0
+    # The largest file the metric may write (an archive it unpacks, a converted image).
+    file_mb: int = 256
     # The error text of a metric that raised, cut to this many characters (an exception's
     # message can quote the agent's file), and the reply's bound in bytes.
     error_chars: int = 1000
@@ -100,12 +110,28 @@ def metric_score(
                 f"the {what} value ({type(value).__name__}) cannot be sent to the metric's "
                 f"process: {type(exc).__name__}: {exc}"
             ) from exc
+    scratch = tempfile.mkdtemp(prefix="dartboard-metric-")
+    try:
+        return _run_child(name, result, expected, options, has_expected, limits, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_child(
+    name: str,
+    result: Any,
+    expected: Any,
+    options: dict[str, Any],
+    has_expected: bool,
+    limits: MetricLimits,
+    scratch: str,
+) -> float:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([PRELOAD_MODULE])
     receive, send = context.Pipe(duplex=False)
     child = context.Process(
         target=_metric_child,
-        args=(send, name, result, expected, has_expected, options, limits),
+        args=(send, name, result, expected, has_expected, options, limits, scratch),
         name=f"osworld metric {name}",
         daemon=True,
     )
@@ -164,6 +190,11 @@ def _read_reply(
                 f"{name} exceeded its {limits.memory_mb} MiB memory limit reading the "
                 "agent's result"
             )
+        case {"limit": "file"}:
+            raise MetricOverLimit(
+                f"{name} exceeded its {limits.file_mb} MiB file-size limit writing a file "
+                "from the agent's result"
+            )
         case {"error": str() as error}:
             raise MetricFailed(error)
     raise MetricFailed(f"its process sent an unreadable reply: {str(reply)[:200]}")
@@ -186,12 +217,16 @@ def _metric_child(
     has_expected: bool,
     options: dict[str, Any],
     limits: MetricLimits,
+    scratch: str,
 ) -> None:
-    """The child's side (a forkserver child): call the metric under the limits, reply JSON."""
+    """The child's side (a forkserver child): call the metric under the limits in the
+    scratch directory, reply JSON."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     try:
+        os.chdir(scratch)
+        os.environ["TMPDIR"] = tempfile.tempdir = scratch
         reply = _call_limited(
             name, (result, expected) if has_expected else (result,), options, limits
         )
@@ -205,7 +240,8 @@ def _call_limited(
     name: str, args: tuple[Any, ...], options: dict[str, Any], limits: MetricLimits
 ) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump the whole child
-    metric = wheel().metrics[name]  # imported already where the forkserver preloaded it
+    metric = wheel().metrics[name]
+    harden()  # done in the forkserver already where it preloaded the wheel  # imported already where the forkserver preloaded it
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = math.ceil(usage.ru_utime + usage.ru_stime) + limits.cpu_seconds
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -214,12 +250,16 @@ def _call_limited(
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    size = limits.file_mb * MIB  # Python ignores SIGXFSZ: a write past it raises EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     try:
         return {"score": float(metric(*args, **options))}
     except Exception as exc:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))  # room to build the reply
-        if _out_of_memory(exc):
+        if _caused_by(exc, lambda e: isinstance(e, MemoryError)):
             return {"limit": "memory"}
+        if _caused_by(exc, lambda e: isinstance(e, OSError) and e.errno == errno.EFBIG):
+            return {"limit": "file"}
         return {"error": f"{type(exc).__name__}: {exc}"[: limits.error_chars]}
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
@@ -232,11 +272,11 @@ def _mapped_bytes() -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
-def _out_of_memory(exc: BaseException | None) -> bool:
-    """Whether `exc` or an exception it was raised from or during is a MemoryError."""
+def _caused_by(exc: BaseException | None, test: Callable[[BaseException], bool]) -> bool:
+    """Whether `exc` or an exception it was raised from or during passes `test`."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, MemoryError):
+        if test(exc):
             return True
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__

@@ -28,8 +28,12 @@ MAX_FILE_BYTES = 16 * 1024 * 1024
 GOOGLEDRIVE_DEFAULT = "evaluation_examples/settings/googledrive/settings.yml"  # OSWorld's
 
 
-def host_file_refs(steps: Any, field: str) -> list[tuple[str, str]]:
-    """(field path, file path) of every host file the steps read."""
+ACCOUNT_STEPS = ("login", "googledrive")  # their file is a Google account's settings
+
+
+def host_file_refs(steps: Any, field: str, *, accounts: bool = True) -> list[tuple[str, str]]:
+    """(field path, file path) of every host file the steps read; `accounts` False leaves
+    out the account settings files of ACCOUNT_STEPS."""
     refs: list[tuple[str, str]] = []
     for i, step in enumerate(steps if isinstance(steps, list) else []):
         if not isinstance(step, dict) or not isinstance(step.get("parameters", {}), dict):
@@ -41,7 +45,7 @@ def host_file_refs(steps: Any, field: str) -> list[tuple[str, str]]:
             for j, item in enumerate(files if isinstance(files, list) else []):
                 if isinstance(item, dict):
                     refs.append((f"{where}.files[{j}].local_path", str(item.get("local_path"))))
-        elif kind in ("login", "googledrive"):
+        elif kind in ACCOUNT_STEPS and accounts:
             default = GOOGLEDRIVE_DEFAULT if kind == "googledrive" else None
             refs.append((f"{where}.settings_file", str(parameters.get("settings_file", default))))
         elif kind == "replay":
@@ -49,14 +53,21 @@ def host_file_refs(steps: Any, field: str) -> list[tuple[str, str]]:
     return refs
 
 
-def task_file_problem(path: str, base: Path | None) -> str | None:
-    """Why a setup step may not read `path` (None: it may, from `base`)."""
+def path_shape_problem(path: str) -> str | None:
+    """Why `path` cannot name a file of a task's directory (None: it can)."""
     parts = PurePosixPath(path).parts
     if not path or path == "None" or PurePosixPath(path).is_absolute() or ".." in parts:
         return (
             f"reads {path!r} from the host: a setup step may read only a file in its task's "
             "own directory, named by a relative path without '..'"
         )
+    return None
+
+
+def task_file_problem(path: str, base: Path | None) -> str | None:
+    """Why a setup step may not read `path` (None: it may, from `base`)."""
+    if why := path_shape_problem(path):
+        return why
     if base is None:
         return (
             f"reads the task's file {path!r}: import the task from its directory "
@@ -73,12 +84,26 @@ def task_file_problem(path: str, base: Path | None) -> str | None:
     return None
 
 
+def spec_file_refs(
+    spec: dict[str, Any], *, postconfig: str = "postconfig", accounts: bool = True
+) -> list[tuple[str, str]]:
+    """`host_file_refs` of a task object's setup steps and its evaluator's postconfig steps
+    (named `postconfig` in the field paths)."""
+    evaluator = spec.get("evaluator") if isinstance(spec.get("evaluator"), dict) else {}
+    return [
+        *host_file_refs(spec.get("config"), "config", accounts=accounts),
+        *host_file_refs(evaluator.get("postconfig"), postconfig, accounts=accounts),
+    ]
+
+
 def task_files(spec: dict[str, Any], base: Path) -> dict[str, str]:
-    """The bytes (base64) of every file the task's steps read, by path (checked first)."""
-    steps = [*host_file_refs(spec.get("config"), "config"),
-             *host_file_refs((spec.get("evaluator") or {}).get("postconfig"), "postconfig")]  # fmt: skip
+    """The bytes (base64) of every file the task's steps read, by path (checked first; an
+    account's settings file only where the task's directory has it)."""
+    plain = {path for _, path in spec_file_refs(spec, accounts=False)}
     return {
-        path: base64.b64encode((base.resolve() / path).read_bytes()).decode() for _, path in steps
+        path: base64.b64encode((base.resolve() / path).read_bytes()).decode()
+        for _, path in spec_file_refs(spec)
+        if path in plain or task_file_problem(path, base) is None
     }
 
 

@@ -25,20 +25,16 @@ proxy, ...) are kept as they are: the whole object is stored in the task's env_c
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
-from envmanager.osworld_task_files import host_file_refs, task_file_problem
-from envmanager.osworld_wheel import (
-    GETTER_MODULES,
-    INFEASIBLE,
-    METRIC_MODULES,
-    getter_refusal,
-    setup_step_refusal,
-    wheel,
-)
+from envmanager.osworld_metric_review import getter_review_refusal
+from envmanager.osworld_task_files import path_shape_problem, spec_file_refs, task_file_problem
+from envmanager.osworld_wheel import INFEASIBLE, getter_refusal, setup_step_refusal, wheel
 
 Problem = tuple[str, str]  # (field path, reason)
+POSTCONFIG = "evaluator.postconfig"
 
 
 def is_osworld_task(data: Any) -> bool:
@@ -71,6 +67,12 @@ def _steps(steps: Any, field: str, setup_types: frozenset[str]) -> list[Problem]
     return problems
 
 
+def closest(name: str, known: Any) -> str:
+    """' (closest: a, b)' naming the known names nearest `name`, or '' when none is near."""
+    near = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f" (closest: {', '.join(near)})" if near else ""
+
+
 def _getter(config: Any, field: str, getters: dict[str, Any]) -> list[Problem]:
     if config is None or config == {}:
         return []
@@ -80,11 +82,10 @@ def _getter(config: Any, field: str, getters: dict[str, Any]) -> list[Problem]:
         return [
             (
                 f"{field}.type",
-                f"unknown getter type {config['type']!r} (Dartboard loads "
-                f"desktop_env.evaluators.getters.{{{', '.join(GETTER_MODULES)}}})",
+                f"the wheel has no getter {config['type']!r}" + closest(config["type"], getters),
             )
         ]
-    why = getter_refusal(config)
+    why = getter_review_refusal(config["type"]) or getter_refusal(config)
     return [(field, why)] if why else []
 
 
@@ -97,14 +98,15 @@ def osworld_task_problems(
     carries instead (a Dartboard record's env_config.files)."""
     w = wheel()
     problems: list[Problem] = []
-    evaluator_steps = (
-        (data.get("evaluator") or {}) if isinstance(data.get("evaluator"), dict) else {}
-    )
-    for field, path in [*host_file_refs(data.get("config"), "config"),
-                        *host_file_refs(evaluator_steps.get("postconfig"), "evaluator.postconfig")]:  # fmt: skip
+    plain = {field for field, _ in spec_file_refs(data, postconfig=POSTCONFIG, accounts=False)}
+    for field, path in spec_file_refs(data, postconfig=POSTCONFIG):
         if files is not None and path in files:
             continue
-        if why := task_file_problem(path, base_dir):
+        if field not in plain:  # an account's settings: the task needs google_drive
+            why = path_shape_problem(path)
+        else:
+            why = task_file_problem(path, base_dir)
+        if why:
             problems.append((field, why))
     if not isinstance(data.get("id"), str) or not data["id"].strip():
         problems.append(("id", "must be a non-empty string"))
@@ -129,13 +131,8 @@ def osworld_task_problems(
         if name in w.refused_metrics:
             problems.append((where, f"metric {name!r} is refused: {w.refused_metrics[name]}"))
         elif name not in w.metrics:
-            problems.append(
-                (
-                    where,
-                    f"unknown metric func {name!r} (Dartboard loads "
-                    f"desktop_env.evaluators.metrics.{{{', '.join(METRIC_MODULES)}}})",
-                )
-            )
+            known = [*w.metrics, *w.refused_metrics]
+            problems.append((where, f"the wheel has no metric {name!r}" + closest(name, known)))
     if evaluator.get("conj", "and") not in ("and", "or"):
         problems.append(("evaluator.conj", "must be 'and' or 'or'"))
     for key in ("result", "expected", "options"):

@@ -1,29 +1,30 @@
-"""The parts of OSWorld's `desktop-env` wheel Dartboard uses, imported without the rest.
+"""The parts of OSWorld's `desktop-env` wheel Dartboard uses: its client controllers and
+every getter and metric of its evaluators.
 
 The wheel (requirements-osworld.txt, installed with --no-deps) ships OSWorld's client: the
 `PythonController` and `SetupController` that speak to the in-VM server, the evaluators'
-metric and getter functions, and the VM providers. Its package `__init__`s import
-everything: `desktop_env.evaluators.metrics` pulls in the GIMP, LibreOffice, PDF, VLC and
-slides metrics (OpenCV, scikit-image, librosa, ...), `desktop_env.evaluators.getters` the
-Chrome getters, none of which are installed here. `desktop_env/__init__.py`,
-`controllers/__init__.py` and `evaluators/__init__.py` are empty.
-
-So `wheel()` registers those two packages in `sys.modules` as bare packages (a module whose
-`__path__` is the package directory, as Python's import system would make it, minus the
-`__init__` code) and then imports only the submodules listed in METRIC_MODULES and
-GETTER_MODULES with the normal import machinery. Their own imports (requests, lxml, pandas,
-formulas, openpyxl, ...) are installed and pinned in requirements.lock. A metric or getter
-from any other submodule is "not available here", and the task importer says so by name.
+metric and getter functions, and the VM providers. `wheel()` loads every module of
+`desktop_env.evaluators.metrics` and `getters`, and takes from each the names that package's
+own `__init__` exports (read from its source: where two modules define a name, the later
+import wins, as in the package), so a task names a metric or getter exactly as OSWorld
+does. What those modules import (OpenCV, scikit-image, librosa, python-pptx, PyMuPDF,
+odfpy, ...) is pinned in requirements.lock. The packages' `__init__` code itself is not
+run: `_bare_package` registers each as a bare package (its directory as `__path__`) and the
+modules are imported one by one with the normal import machinery, so that one module's
+import (docs.py imports easyocr, which needs torchvision and downloads model weights on
+first use; Dartboard installs neither) cannot take the others down: while easyocr is not
+installed, `import easyocr` in docs.py binds a module that raises on first use, and the
+one metric that uses it is refused by the review (envmanager.osworld_metric_review).
 Nothing is re-implemented: every function called is the wheel's.
 
-The metrics run outside any sandbox, on files the agent wrote (a getter fetches them from
-the desktop), each call in a child process of the env worker under memory, CPU and time
-limits (envmanager.osworld_metric_process). So only the metrics read line by line and
-found to be pure data comparisons (SAFE_METRICS: they compare values, or read the fetched
-files with data-only parsers, and write, import and run nothing) are callable through
-`wheel().metrics`. The ones read and refused are in REFUSED_METRICS with the reason, and
-any other function those modules define (a newer wheel's) is refused as not reviewed: the
-task importer names the metric and why, and the evaluator refuses it again at run time.
+The metrics run outside the desktop's sandbox, on files the agent wrote (a getter fetches
+them from the desktop), each call in a child process under memory, CPU, file-size and time
+limits in a private scratch directory (envmanager.osworld_metric_process). Each exported
+metric was read line by line and given a verdict (envmanager.osworld_metric_review): data
+only, or writing only scratch files and running a fixed program, both callable through
+`wheel().metrics`; or refused with the reason, in `wheel().refused_metrics`, which the task
+importer names and the evaluator refuses again at run time. A name no review covers (a
+newer wheel's) is refused as not reviewed.
 Getters write what they fetch under the evaluator's cache directory at a name the task
 gives (`dest`), and so do the execute setup steps (`stdout`): `getter_refusal` and
 `setup_step_refusal` refuse a name that is a path (see GETTER_CACHE_NAMES).
@@ -33,91 +34,36 @@ Importing `controllers.setup` runs two side effects of the wheel's own: `dotenv.
 that evaluation_examples/settings/proxy/dataimpulse.json is missing). Both happen on the
 first `wheel()` call, never at Dartboard's import time.
 
-    .venv/bin/python -c "from envmanager.osworld_wheel import wheel; print(sorted(wheel().metrics)[:5])"
+    .venv/bin/python -c "from envmanager.osworld_wheel import wheel; print(len(wheel().metrics))"
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
-import inspect
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-METRIC_MODULES = ("general", "vscode")  # desktop_env.evaluators.metrics.<name>
-GETTER_MODULES = ("file", "general", "misc", "info")  # desktop_env.evaluators.getters.<name>
-INFEASIBLE = "infeasible"  # OSWorld's evaluator func for tasks the agent must refuse
+from envmanager.osworld_metric_review import metric_refusal
 
-# Read in desktop-env 1.0.2: each compares values, or opens the files a getter fetched with
-# data-only parsers (open/read, json, yaml.safe_load, csv, re, rapidfuzz, lxml 6 without
-# external entities, python-docx, pdfplumber, BeautifulSoup), and writes, imports and runs
-# nothing.
-SAFE_METRICS = frozenset(
-    {
-        # metrics.general
-        "check_accessibility_tree",
-        "check_csv",
-        "check_direct_json_object",
-        "check_include_exclude",
-        "check_json",
-        "check_line_number",
-        "check_list",
-        "compare_python_pure_text",
-        "compare_terminal_and_txt",
-        "compare_time_in_speedtest_results",
-        "diff_text_file",
-        "exact_match",
-        "file_contains",
-        "fuzzy_match",
-        "fuzzy_place_math",
-        "is_gold_text_included_in_pdf",
-        "is_in_list",
-        "is_included_all_json_objects",
-        "literal_match",
-        "match_in_list",
-        # metrics.vscode
-        "check_html_background_image",
-        "check_json_keybindings",
-        "check_json_settings",
-        "compare_answer",
-        "compare_config",
-        "compare_result_files",
-        "compare_text_file",
-        "is_extension_installed",
-    }
-)
-# Read in desktop-env 1.0.2 and refused: what each would do in the env worker, unsandboxed.
-REFUSED_METRICS = {
-    "check_python_file_by_test_suite": (
-        "it imports a Python test file with exec_module and calls its test function in the "
-        "env worker, outside the sandbox, with the test file's directory (where the agent's "
-        "files are) put first on sys.path: the agent's code would run on the host"
-    ),
-    "run_sqlite3": (
-        "it opens a database file the agent wrote and runs the task's SQL on it in the env "
-        "worker, outside the sandbox: the agent's views and triggers run inside that query, "
-        "with no time limit"
-    ),
-    "compare_zip_files": (
-        "it unpacks the agent's zip file whole in the env worker's memory and writes each PDF "
-        "in it to temp.pdf in the env worker's working directory (see compare_pdf_content)"
-    ),
-    "compare_pdf_content": (
-        "it writes the agent's PDF bytes to temp.pdf in the env worker's working directory, "
-        "a host file outside the sandbox shared by every evaluation"
-    ),
-    "check_python_file_by_gold_file": (
-        "its body is `pass` in desktop-env 1.0.2: it scores nothing (every call would fail)"
+METRICS = "desktop_env.evaluators.metrics"
+GETTERS = "desktop_env.evaluators.getters"
+INFEASIBLE = "infeasible"  # OSWorld's evaluator func for tasks the agent must refuse
+# Modules a wheel module imports at its top that Dartboard does not install, with why: the
+# name is bound to a module that raises on first use (`_absent_module`).
+NOT_INSTALLED = {
+    "easyocr": (
+        "easyocr is not installed: it needs torchvision (no CPU build matches torch 2.13) "
+        "and downloads its model weights from the internet on first use"
     ),
 }
-NOT_REVIEWED = (
-    "it is not among the metrics read as pure data comparisons "
-    "(envmanager.osworld_wheel.SAFE_METRICS); metrics run in the env worker, outside the sandbox"
-)
 # Files the wheel opens at os.path.join(<the evaluator's cache directory>, <a name the task
 # gives>), where an absolute name or one with '..' is any host file: the getters vm_file,
 # cloud_file and vm_wallpaper write what they fetched at `dest`, cache_file reads `path`; the
@@ -135,7 +81,7 @@ class WheelUnavailable(RuntimeError):
 class Wheel:
     python_controller: type  # desktop_env.controllers.python.PythonController
     setup_controller: type  # desktop_env.controllers.setup.SetupController
-    metrics: dict[str, Callable[..., Any]]  # func name -> metric function (SAFE_METRICS only)
+    metrics: dict[str, Callable[..., Any]]  # func name -> metric (the review's safe and scratch)
     refused_metrics: dict[str, str]  # func name -> why it does not run here
     getters: dict[str, Callable[..., Any]]  # getter type ("vm_file") -> get_vm_file
     setup_types: frozenset[str]  # config step types SetupController has a _<type>_setup for
@@ -158,13 +104,6 @@ def _bare_package(name: str) -> None:
     setattr(sys.modules[parent], child, module)
 
 
-def metric_refusal(name: str) -> str | None:
-    """Why metric `name` of the wheel's modules may not run here; None for a SAFE_METRICS one."""
-    if name in SAFE_METRICS:
-        return None
-    return REFUSED_METRICS.get(name, NOT_REVIEWED)
-
-
 def _cache_name_refusal(key: str, value: Any, action: str) -> str | None:
     for name in value if isinstance(value, list) else [value]:
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
@@ -183,6 +122,12 @@ def getter_refusal(config: dict[str, Any]) -> str | None:
             why = _cache_name_refusal(key, config[key], f"{config.get('type')} {action}")
             if why:
                 return why
+    time_format = config.get("time_format", "")
+    if config.get("time_suffix") and (not isinstance(time_format, str) or "/" in time_format):
+        return (  # vm_file puts the formatted time into its dest's file name
+            f"time_format {time_format!r} must be a string without '/': vm_file puts the "
+            "time it formats into the name of the file it writes in the cache directory"
+        )
     return None
 
 
@@ -196,37 +141,62 @@ def setup_step_refusal(parameters: dict[str, Any]) -> str | None:
     return None
 
 
-def _public_functions(module: types.ModuleType, prefix: str = "") -> dict[str, Callable]:
-    return {
-        name.removeprefix(prefix): fn
-        for name, fn in vars(module).items()
-        if inspect.isfunction(fn)
-        and fn.__module__ == module.__name__
-        and name.startswith(prefix)
-        and not name.startswith("_")
-    }
+class _AbsentModule(types.ModuleType):
+    """Bound to a name a wheel module imports that is not installed: any use raises."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(name)
+        self.__why = why
+
+    def __getattr__(self, attribute: str) -> Any:
+        raise ModuleNotFoundError(f"{self.__name__}.{attribute}: {self.__why}")
+
+
+def _absent_module(name: str, why: str) -> None:
+    if name not in sys.modules and importlib.util.find_spec(name) is None:
+        sys.modules[name] = _AbsentModule(name, why)
+
+
+def exported_names(package: str) -> dict[str, str]:
+    """Name -> submodule for every `from .submodule import name` of `package`'s
+    `__init__.py`, read from its source (the later import of a name wins, as when it runs)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise WheelUnavailable(f"{package} is not an installed package")
+    names: dict[str, str] = {}
+    for node in ast.parse(Path(spec.origin).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                names[alias.asname or alias.name] = node.module
+    return names
+
+
+def _functions(package: str, prefix: str = "") -> dict[str, Callable[..., Any]]:
+    """The functions `package` exports, by name less `prefix`, imported module by module."""
+    functions = {}
+    for name, module_name in exported_names(package).items():
+        module = importlib.import_module(f"{package}.{module_name}")
+        if name.startswith(prefix):
+            functions[name.removeprefix(prefix)] = getattr(module, name)
+    return functions
 
 
 @lru_cache(maxsize=1)
 def wheel() -> Wheel:
-    """Import the controllers, metrics and getters Dartboard uses (once per process)."""
+    """Import the controllers and every exported metric and getter (once per process)."""
     try:
         importlib.import_module("desktop_env.evaluators")
-        _bare_package("desktop_env.evaluators.metrics")
-        _bare_package("desktop_env.evaluators.getters")
+        _bare_package(METRICS)
+        _bare_package(GETTERS)
         python = importlib.import_module("desktop_env.controllers.python")
         setup = importlib.import_module("desktop_env.controllers.setup")
         actions = importlib.import_module("desktop_env.actions")
-        metrics: dict[str, Callable] = {}
-        for name in METRIC_MODULES:
-            metrics |= _public_functions(
-                importlib.import_module(f"desktop_env.evaluators.metrics.{name}")
-            )
-        getters: dict[str, Callable] = {}
-        for name in GETTER_MODULES:
-            getters |= _public_functions(
-                importlib.import_module(f"desktop_env.evaluators.getters.{name}"), "get_"
-            )
+        for name, why in NOT_INSTALLED.items():
+            _absent_module(name, why)
+        with warnings.catch_warnings():  # pdf.py's `import fitz`: PyMuPDF's old name warns
+            warnings.filterwarnings("ignore", category=FutureWarning, module="fitz")
+            metrics = _functions(METRICS)
+            getters = _functions(GETTERS, "get_")
     except ImportError as exc:
         raise WheelUnavailable(
             f"OSWorld's desktop-env cannot be imported ({exc}): `make install` installs it "

@@ -79,11 +79,17 @@ def make_env(backend: str, *, timeout_s: float = 30.0, vm: VMTarget | None = Non
         # Imported here: the OSWorld client (requests, the evaluator's helpers) is an
         # osworld slot's alone, and every worker imports this module at its start.
         from envmanager.osworld_env import OSWorldEnv
+        from envmanager.osworld_file_cache import FileCache
 
         # The desktop's own token: one read inside a desktop opens no other (rollout.auth).
         token = purpose_token(settings.DARTBOARD_SERVICE_TOKEN, desktop_purpose(vm.address))
         return ThreadedEnv(
-            lambda: OSWorldEnv(address=vm.address, token=token, provider=vm.provider),
+            lambda: OSWorldEnv(
+                address=vm.address,
+                token=token,
+                provider=vm.provider,
+                file_cache=FileCache(settings.OSWORLD_FILE_CACHE),
+            ),
             timeout_s=timeout_s,
         )
     if backend == "miniwob":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from django.db.models import QuerySet
 
 from datamanager.config import TaskSelection
-from datamanager.models import Task
+from datamanager.models import EnvKind, Task
 from datamanager.policies import EvalSetupError
+from envmanager.osworld_file_cache import FileCache, task_urls
+from envmanager.osworld_needs import lacking, task_needs
 
 
 def task_list(*, selection: TaskSelection) -> list[Task]:
@@ -39,3 +43,47 @@ def tasks_select(*, spec: str) -> list[Task]:
 def tasks_listing() -> QuerySet[Task]:
     """Every task, in the model's order (by name), for the API to filter and page."""
     return Task.objects.all()
+
+
+@dataclass(frozen=True)
+class OSWorldPlacement:
+    """Whether an OSWorld task can run on a run's VMs: what it needs that they lack, and the
+    URLs of its files the file cache lacks (both empty: it can)."""
+
+    task: str
+    lacks: list[str]
+    missing_files: list[str]
+
+    @property
+    def runnable(self) -> bool:
+        return not self.lacks and not self.missing_files
+
+
+def osworld_task_needs(task: Task) -> list[str]:
+    """What an osworld task needs of its slot: recorded at import (computed for a task
+    stored before imports recorded it)."""
+    if "needs" in task.env_config:
+        return list(task.env_config["needs"])
+    spec = task.env_config.get("osworld")
+    return task_needs(spec) if isinstance(spec, dict) else []
+
+
+def osworld_placements(
+    *, tasks: list[Task], offers: list[str], cache: FileCache
+) -> list[OSWorldPlacement]:
+    """For each osworld task of `tasks`, what keeps it off VMs offering `offers` with this
+    host's file cache `cache`."""
+    placements = []
+    for task in tasks:
+        if task.env_kind != EnvKind.OSWORLD:
+            continue
+        spec = task.env_config.get("osworld")
+        urls = task_urls(spec) if isinstance(spec, dict) else []
+        placements.append(
+            OSWorldPlacement(
+                task=task.name,
+                lacks=lacking(osworld_task_needs(task), offers),
+                missing_files=cache.missing(urls),
+            )
+        )
+    return placements

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
@@ -13,7 +14,9 @@ from datamanager.config import ConfigError, ConfigInvalid, RunConfig
 from datamanager.models import Run, RunAction, RunStatus, Task
 from datamanager.policies import NAMED_POLICIES
 from datamanager.roles import CAN_ADMINISTER
+from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord
+from envmanager.osworld_file_cache import FileCache
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -62,9 +65,50 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
             problems.append(
                 ConfigError("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
             )
+    problems += _osworld_problems(config)
     if problems:
         raise ConfigInvalid(problems)
     return config
+
+
+def _listed(items: list[str], limit: int = 10) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _osworld_problems(config: RunConfig) -> list[ConfigError]:
+    """The run's OSWorld tasks that no slot of it can host: what they need that the run's
+    VMs do not offer (env.osworld_offers), and the files this host's cache lacks."""
+    if "osworld" not in config.tasks.env_kinds:
+        return []
+    placements = osworld_placements(
+        tasks=task_list(selection=config.tasks),
+        offers=config.env.osworld_offers,
+        cache=FileCache(settings.OSWORLD_FILE_CACHE),
+    )
+    problems = []
+    lacking = [f"{p.task} needs {', '.join(p.lacks)}" for p in placements if p.lacks]
+    if lacking:
+        problems.append(
+            ConfigError(
+                "env.osworld_offers",
+                f"{len(lacking)} OSWorld task(s) need what the run's VMs do not offer: "
+                + _listed(lacking)
+                + " (leave those tasks out, or add to osworld_offers what the VMs have)",
+            )
+        )
+    files = [f"{p.task}: {', '.join(p.missing_files)}" for p in placements if p.missing_files]
+    if files:
+        problems.append(
+            ConfigError(
+                "tasks",
+                f"{len(files)} OSWorld task(s) fetch files the file cache "
+                f"({settings.OSWORLD_FILE_CACHE}) lacks: "
+                + _listed(files, limit=5)
+                + " (`manage.py osworld_cache fetch` or `osworld_cache add DIR` fills it)",
+            )
+        )
+    return problems
 
 
 def run_control_check(*, run: Run, user: User | None) -> None:

@@ -70,12 +70,6 @@ def test_a_file_in_the_tasks_directory_travels_with_the_task_and_is_read_from_th
             [{"type": "login", "parameters": {"settings_file": "/etc/shadow"}}],
             r"config\[0\].parameters.settings_file: reads '/etc/shadow' from the host",
         ),
-        # googledrive's default settings file is a path relative to the worker's directory
-        (
-            [{"type": "googledrive", "parameters": {}}],
-            r"settings_file: reads 'evaluation_examples/settings/googledrive/settings.yml', "
-            r"which is not a file",
-        ),
     ],
 )
 def test_a_setup_step_reading_a_host_file_is_refused_at_import_with_the_step_named(
@@ -85,6 +79,18 @@ def test_a_setup_step_reading_a_host_file_is_refused_at_import_with_the_step_nam
     (directory / "link.txt").symlink_to("/etc/hostname")
     with pytest.raises(InvalidTaskRecord, match=message):
         read_task_path(directory)
+
+
+def test_a_google_account_step_imports_needing_an_account_and_carries_no_host_file(tmp_path):
+    # googledrive's default settings file is a path relative to the worker's directory: an
+    # operator's Google account, not a file of the task. The task imports, needing one,
+    # carries nothing, and a reset that reached the step would refuse it.
+    directory = write_task(tmp_path / "tasks", task([{"type": "googledrive", "parameters": {}}]))
+    (record,) = read_task_path(directory)
+    assert "google_drive" in record.env_config["needs"]
+    assert "files" not in record.env_config
+    with pytest.raises(ValueError, match=r"settings_file reads 'evaluation_examples/settings/"):
+        steps_with_task_files(record.env_config["osworld"]["config"], {}, tmp_path)
 
 
 def test_a_task_without_its_directory_or_its_files_is_refused(tmp_path):

@@ -35,8 +35,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-import requests
-
 MAX_FILE_BYTES = 2 * 1024**3  # OSWorld's largest task files are videos of a few hundred MiB
 FETCH_TIMEOUT_S = 60.0
 # OSWorld's file cache on Hugging Face: a URL below this prefix names its file by
@@ -161,6 +159,10 @@ class FileCache:
         """Download `url` into the cache (the one place Dartboard opens a task's URL)."""
         if urlparse(url).scheme not in ("http", "https"):
             raise CacheError(f"{url}: only http and https URLs can be fetched")
+        # Imported here for start-up cost: every worker imports this module (a run's check at
+        # create reads the cache), only the fetch command downloads.
+        import requests
+
         try:
             with requests.get(url, stream=True, timeout=timeout) as answer:
                 answer.raise_for_status()

@@ -15,7 +15,7 @@ from datamanager.models import Run, RunAction, RunStatus, Task
 from datamanager.policies import NAMED_POLICIES
 from datamanager.roles import CAN_ADMINISTER
 from datamanager.selectors.tasks import osworld_placements, task_list
-from datamanager.task_import import TaskRecord
+from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
 
 # A run's status after which nothing more happens to it on its own.
@@ -144,6 +144,23 @@ def tasks_import(*, records: Iterable[TaskRecord]) -> tuple[int, int]:
         created += was_created
         updated += not was_created
     return created, updated
+
+
+@transaction.atomic
+def tasks_set_split(*, names: Iterable[str], split: str, others: str | None = None) -> list[str]:
+    """Put the tasks named in `split` (an OSWorld task id names `osworld/<id>`), and, with
+    `others`, every other task in that one. Returns the names that match no task (then
+    nothing is written)."""
+    names = list(dict.fromkeys(names))
+    known = set(Task.objects.values_list("name", flat=True))
+    resolved = [n if n in known else osworld_task_name(n) for n in names]
+    unknown = [n for n, r in zip(names, resolved, strict=True) if r not in known]
+    if unknown:
+        return unknown
+    if others is not None:
+        Task.objects.exclude(name__in=resolved).update(split=others)
+    Task.objects.filter(name__in=resolved).update(split=split)
+    return []
 
 
 def run_create(*, name: str, config: RunConfig, owner: User | None = None) -> Run:

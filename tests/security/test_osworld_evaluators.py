@@ -18,6 +18,7 @@ import json
 import re
 import struct
 import sys
+import tarfile
 import time
 import tokenize
 import zipfile
@@ -337,3 +338,82 @@ def test_a_value_that_cannot_reach_the_metric_process_is_named():
             options={},
             has_expected=True,
         )
+
+
+def _archive_task(suffix: str) -> dict:
+    return {
+        "func": "compare_archive",
+        "result": {"type": "cache_file", "path": f"agent{suffix}"},
+        "expected": {"type": "cache_file", "path": f"gold{suffix}"},
+    }
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_an_image_that_is_postscript_is_never_handed_to_ghostscript(tmp_path):
+    # Pillow opens a file starting with %!PS as EPS and runs Ghostscript on it to read its
+    # pixels; the metric process has that plugin off, so the file is no image at all.
+    (tmp_path / "gold.png").write_bytes(_png_bytes())
+    (tmp_path / "agent.png").write_text(
+        "%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\nnewpath 0 0 moveto showpage\n"
+    )
+    images = {"func": "compare_images",
+              "result": {"type": "cache_file", "path": "agent.png"},
+              "expected": {"type": "cache_file", "path": "gold.png"}}  # fmt: skip
+    with pytest.raises(EnvUnavailable, match=r"compare_images failed: UnidentifiedImageError"):
+        evaluate_task(images, env=_env(tmp_path), last_action=None)
+
+
+def _png_bytes() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), "white").save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_tar_member_leading_out_of_its_folder_is_not_written(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _tar(cache / "gold.tar", {"a.txt": b"gold"})
+    _tar(cache / "agent.tar", {"a.txt": b"gold", "../../escaped.txt": b"the agent's file"})
+    with pytest.raises(EnvUnavailable, match=r"compare_archive failed: OutsideDestinationError"):
+        evaluate_task(_archive_task(".tar"), env=_env(cache), last_action=None)
+    assert not (tmp_path / "escaped.txt").exists()
+    _tar(cache / "agent.tar", {"a.txt": b"gold"})  # the same archive, inside its folder: 1
+    assert evaluate_task(_archive_task(".tar"), env=_env(cache), last_action=None).reward == 1.0
+
+
+def test_what_a_metric_writes_stays_in_its_scratch_directory_and_under_its_size_limit(
+    tmp_path, monkeypatch
+):
+    # compare_zip_files writes each PDF of the zips to temp.pdf in its working directory.
+    worker_dir = tmp_path / "worker"
+    worker_dir.mkdir()
+    monkeypatch.chdir(worker_dir)
+    _write_pdf_of_operators(tmp_path / "page.pdf", operators=10)
+    for name in ("agent.zip", "gold.zip"):
+        with zipfile.ZipFile(tmp_path / name, "w") as archive:
+            archive.write(tmp_path / "page.pdf", "report.pdf")
+    zips = {"func": "compare_zip_files",
+            "result": {"type": "cache_file", "path": "agent.zip"},
+            "expected": {"type": "cache_file", "path": "gold.zip"}}  # fmt: skip
+    assert evaluate_task(zips, env=_env(tmp_path), last_action=None).reward == 1.0
+    assert list(worker_dir.iterdir()) == []  # no temp.pdf where the worker runs
+    # An archive that unpacks past the file-size limit is the agent's doing: a score of 0.
+    _tar(tmp_path / "gold.tar", {"big.bin": b"0"})
+    _tar(tmp_path / "agent.tar", {"big.bin": bytes(3 * 1024 * 1024)})
+    evaluation = evaluate_task(
+        _archive_task(".tar"), env=_env(tmp_path), last_action=None,
+        limits=MetricLimits(file_mb=1),
+    )  # fmt: skip
+    assert evaluation.reward == 0.0
+    assert evaluation.details["reason"] == (
+        "compare_archive exceeded its 1 MiB file-size limit writing a file from the agent's result"
+    )

@@ -485,8 +485,15 @@ def evaluation(ctx: Context, job_id: int) -> None:
 @click.option("--limit", type=int, default=100, show_default=True)
 @pass_ctx
 def tasks(ctx: Context, split: str | None, query: str | None, limit: int) -> None:
+    """Tasks by name; an osworld task with what it needs of its slot and the files the
+    file cache lacks."""
     for t in ctx.client.tasks(split=split, q=query, limit=limit)["results"]:
-        click.echo(f"#{t['id']} {t['name']} ({t['env_kind']}, {t['split']})")
+        line = f"#{t['id']} {t['name']} ({t['env_kind']}, {t['split']})"
+        if t.get("needs"):
+            line += f" needs: {', '.join(t['needs'])}"
+        if t.get("missing_files"):
+            line += f"; {len(t['missing_files'])} file(s) not in the file cache"
+        click.echo(line)
 
 
 @main.command()

@@ -22,7 +22,8 @@ from envmanager.osworld_needs import lacking
 class DomainCoverage:
     tasks: int = 0
     imported: int = 0
-    runnable: int = 0
+    offered: int = 0  # imported, and the slots offer all it needs (its files aside)
+    runnable: int = 0  # offered, and the file cache has its files
 
 
 @dataclass
@@ -35,7 +36,10 @@ class Coverage:
     def total(self) -> DomainCoverage:
         rows = self.domains.values()
         return DomainCoverage(
-            sum(r.tasks for r in rows), sum(r.imported for r in rows), sum(r.runnable for r in rows)
+            sum(r.tasks for r in rows),
+            sum(r.imported for r in rows),
+            sum(r.offered for r in rows),
+            sum(r.runnable for r in rows),
         )
 
 
@@ -64,5 +68,6 @@ def osworld_coverage(files: list[Path], *, offers: list[str], cache: FileCache) 
         missing = cache.missing(task_urls(record.env_config.get("osworld", {})))
         coverage.lacking.update(lacks)
         coverage.missing_files += bool(missing)
+        row.offered += not lacks
         row.runnable += not lacks and not missing
     return coverage

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from datamanager.models import EnvKind, Split
+from envmanager.env_configs import env_config_problems
 from envmanager.osworld_needs import task_needs
 from envmanager.osworld_task_files import task_files
 from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
@@ -83,6 +84,8 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     env_config = data.get("env_config", {})
     if not isinstance(env_config, dict):
         raise InvalidTaskRecord(f"{where}: field 'env_config' must be an object")
+    for key, reason in env_config_problems(env_kind, env_config):
+        raise InvalidTaskRecord(f"{where}: field 'env_config.{key}' {reason}")
     if env_kind == "osworld":
         spec = env_config.get("osworld")
         if not isinstance(spec, dict):

@@ -149,6 +149,8 @@ class _AbsentModule(types.ModuleType):
         self.__why = why
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):  # what tools probe modules for (__file__, __spec__, ...)
+            raise AttributeError(attribute)
         raise ModuleNotFoundError(f"{self.__name__}.{attribute}: {self.__why}")
 
 

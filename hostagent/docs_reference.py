@@ -22,6 +22,7 @@ from dartboard.api.reference import api_page, openapi_yaml
 from dartboard.forms import config_fields, section_title, sections
 from datamanager.config import RunConfig
 from datamanager.demos.pyautogui import READ_CALLS, REFUSED_CALLS, pyautogui_code
+from envmanager.env_configs import ENV_CONFIG_KEYS
 from hostagent.main_job import main_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,8 +168,31 @@ def actions_page() -> str:
     ])  # fmt: skip
 
 
+def env_config_page() -> str:
+    """Each environment kind's env_config keys (envmanager.env_configs), a table per kind."""
+    lines = [
+        "# Task env_config",
+        "",
+        GENERATED,
+        "",
+        "A task's `env_config` (a task file's `env_config` field) holds what its environment "
+        "kind reads, nothing else: the importer refuses another key, or a value of another "
+        "type, with the record and the key named. How to write tasks: "
+        "[Your own tasks](../tasks.md).",
+        "",
+    ]  # fmt: skip  (the page's lines one after another, as they print)
+    for kind, keys in ENV_CONFIG_KEYS.items():
+        lines += [f"## {kind}", "", "| key | type | what it does |", "|---|---|---|"]
+        for key in keys:
+            required = " Required." if key.required else ""
+            lines.append(f"| `{key.name}` | {key.type_name} | {key.help}{required} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def pages() -> dict[Path, str]:
     return {
+        REFERENCE / "env-config.md": env_config_page(),
         REFERENCE / "settings.md": settings_page(),
         REFERENCE / "commands.md": commands_page(),
         REFERENCE / "actions.md": actions_page(),

@@ -31,6 +31,7 @@ from datamanager.models import (
     Task,
     Trajectory,
 )
+from datamanager.selectors.tasks import osworld_task_missing_files, osworld_task_needs
 
 MAX_PAGE = 500
 
@@ -358,9 +359,35 @@ class TrajectoryDetailOut(TrajectoryOut):
 
 
 class TaskOut(serializers.ModelSerializer):
+    needs = serializers.SerializerMethodField(
+        help_text="What an osworld task needs of its slot (app:chrome, internet, ...); "
+        "a run places it only on VMs offering all of it (env.osworld_offers)."
+    )
+    missing_files = serializers.SerializerMethodField(
+        help_text="URLs of an osworld task's files that this host's file cache lacks "
+        "(`manage.py osworld_cache fetch`); a run with the task is refused until it has them."
+    )
+
     class Meta:
         model = Task
-        fields = ["id", "name", "env_kind", "split", "tags", "instruction"]
+        fields = [
+            "id",
+            "name",
+            "env_kind",
+            "split",
+            "tags",
+            "instruction",
+            "needs",
+            "missing_files",
+        ]
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_needs(self, task: Task) -> list[str]:
+        return osworld_task_needs(task)
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_missing_files(self, task: Task) -> list[str]:
+        return osworld_task_missing_files(task)
 
 
 class TaskListOut(serializers.Serializer):

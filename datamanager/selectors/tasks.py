@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import QuerySet
 
 from datamanager.config import TaskSelection
@@ -61,11 +62,21 @@ class OSWorldPlacement:
 
 def osworld_task_needs(task: Task) -> list[str]:
     """What an osworld task needs of its slot: recorded at import (computed for a task
-    stored before imports recorded it)."""
+    stored before imports recorded it); [] for a task of another kind."""
+    if task.env_kind != EnvKind.OSWORLD:
+        return []
     if "needs" in task.env_config:
         return list(task.env_config["needs"])
     spec = task.env_config.get("osworld")
     return task_needs(spec) if isinstance(spec, dict) else []
+
+
+def osworld_task_missing_files(task: Task) -> list[str]:
+    """The URLs of an osworld task's files that this host's file cache lacks."""
+    spec = task.env_config.get("osworld")
+    if task.env_kind != EnvKind.OSWORLD or not isinstance(spec, dict):
+        return []
+    return FileCache(settings.OSWORLD_FILE_CACHE).missing(task_urls(spec))
 
 
 def osworld_placements(

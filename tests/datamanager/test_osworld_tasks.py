@@ -189,9 +189,9 @@ def test_coverage_counts_per_domain_what_imports_and_what_can_run(
     )
     call_command("osworld_coverage", str(examples), "--list", str(listing))
     out = capsys.readouterr().out
-    assert "chrome                      2       2         1" in out
-    assert "libreoffice_calc            2       1         0" in out
-    assert "total                       4       3         1" in out
+    assert "chrome                      2       2        1         1" in out
+    assert "libreoffice_calc            2       1        1         0" in out
+    assert "total                       4       3        2         1" in out
     assert "evaluator.func: the wheel has no metric 'compare_tables' (closest: compare_table" in out
     assert "     1  internet" in out
     assert "fetching files the file cache lacks: 1 tasks" in out

@@ -60,11 +60,11 @@ class Command(BaseCommand):
         coverage = osworld_coverage(files, offers=wanted, cache=cache)
         out = self.stdout.write
         out(f"slots offer: {', '.join(wanted)}; file cache: {cache.root}")
-        out(f"{'domain':<22}{'tasks':>7}{'import':>8}{'runnable':>10}")
-        for name, row in sorted(coverage.domains.items()):
-            out(f"{name:<22}{row.tasks:>7}{row.imported:>8}{row.runnable:>10}")
-        total = coverage.total()
-        out(f"{'total':<22}{total.tasks:>7}{total.imported:>8}{total.runnable:>10}")
+        out(f"{'domain':<22}{'tasks':>7}{'import':>8}{'offered':>9}{'runnable':>10}")
+        rows = [*sorted(coverage.domains.items()), ("total", coverage.total())]
+        for name, row in rows:
+            out(f"{name:<22}{row.tasks:>7}{row.imported:>8}{row.offered:>9}{row.runnable:>10}")
+        out("offered: the slots offer all the task needs; runnable: and its files are cached")
         if coverage.refusals:
             out("refused (tasks, reason):")
             for reason, n in coverage.refusals.most_common():

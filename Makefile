@@ -9,11 +9,13 @@ PY := $(VENV)/bin/python
 RUN_AS_UID ?= $(shell id -u)
 SUDO_BIN ?= sudo
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils x11-xserver-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
+# OSWorld's applications on Dartboard's desktops (docs/osworld.md): `make desktop-apps`.
+DESKTOP_APP_PACKAGES := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 3
 ARGS ?=
 
-.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps install torch-cuda clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps desktop-apps install torch-cuda clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -33,7 +35,12 @@ system-deps: ## the Debian packages Dartboard needs (apt, as root or through sud
 	    exit 1; \
 	  fi; sudo=$(SUDO_BIN); fi; \
 	echo "==> installing system packages (a few minutes):$$missing"; \
-	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing
+	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq \
+	  $(APT_FLAGS) $$missing
+
+desktop-apps: ## OSWorld's apps for the desktops: LibreOffice, GIMP, VLC, Thunderbird (apt)
+	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(DESKTOP_APP_PACKAGES)" \
+	  APT_FLAGS=--no-install-recommends
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -109,7 +116,7 @@ run-desktop: install ## the X desktop tasks preset
 # The whole suite: three pytest-xdist workers (the live tests wait on their processes part of
 # the time), each taking the next whole module as it frees up, heaviest modules first
 # (tests/conftest.py `HEAVY_FIRST`).
-test: install vllm-env ## install, then the whole suite (12-15 minutes on 2 cores)
+test: install vllm-env desktop-apps ## install, then the whole suite (12-15 minutes on 2 cores)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"

@@ -57,7 +57,41 @@ _WRAPPERS = {
         f"--window-size={WIDTH},{HEIGHT}\n"
     ),
 }
+# LibreOffice finds its profile through the passwd entry of its uid, which the sandbox's uid
+# has none of (it aborts); OSWorld's VMs keep it at ~/.config/libreoffice/4/user, where their
+# getters read it. Chrome is Debian's Chromium here, with the flags the sandbox needs.
+_OFFICE = (
+    f'exec /usr/bin/libreoffice -env:UserInstallation=file://{VM_HOME}/.config/libreoffice/4 "$@"\n'
+)
+_WRAPPERS |= {
+    "libreoffice": "#!/bin/sh\n" + _OFFICE,
+    "soffice": "#!/bin/sh\n" + _OFFICE,
+    "google-chrome": (
+        '#!/bin/sh\nexec chromium --user-data-dir="$HOME/.config/google-chrome" --no-sandbox '
+        "--disable-gpu --disable-dev-shm-usage --disable-background-networking --no-first-run "
+        '--no-default-browser-check "$@"\n'
+    ),
+}
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".csv", ".json", ".log", ".sh", ".ini", ".cfg", "")
+# A new LibreOffice profile as an OSWorld VM's is: no tip-of-the-day dialog over the
+# document, no what's-new bar (the last version seen is later than any installed).
+OFFICE_PROFILE = f"{VM_HOME}/.config/libreoffice/4/user/registrymodifications.xcu"
+_OFFICE_SETTINGS = """<?xml version="1.0" encoding="UTF-8"?>
+<oor:items xmlns:oor="http://openoffice.org/2001/registry" xmlns:xs="http://www.w3.org/2001/XMLSchema" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">
+<item oor:path="/org.openoffice.Office.Common/Misc"><prop oor:name="ShowTipOfTheDay" oor:op="fuse"><value>false</value></prop></item>
+<item oor:path="/org.openoffice.Setup/Product"><prop oor:name="ooSetupLastVersion" oor:op="fuse"><value>99.0</value></prop></item>
+</oor:items>
+"""
+# VLC's first start asks about network access in a dialog over the player; OSWorld's VMs
+# have answered it (their vlc_config getter reads this file).
+VLC_SETTINGS = f"{VM_HOME}/.config/vlc/vlcrc"
+_VLC_SETTINGS = "[qt]\nqt-privacy-ask=0\n"
+# What opens a file of these suffixes, as an OSWorld VM's desktop opens it (xdg-open there).
+OFFICE_SUFFIXES = {
+    **dict.fromkeys((".xlsx", ".xls", ".ods"), "--calc"),
+    **dict.fromkeys((".docx", ".doc", ".odt"), "--writer"),
+    **dict.fromkeys((".pptx", ".ppt", ".odp"), "--impress"),
+}
 
 # Run inside the sandbox as the agent: the file's bytes on stdout, or an exit code saying why.
 _READ = """import os, stat, sys
@@ -203,6 +237,10 @@ class OSWorldDesktop(SandboxedDisplay):
         desktop = jail.task_dir / "Desktop"
         desktop.mkdir()
         os.chown(desktop, jail.uid, jail.uid)
+        if shutil.which("libreoffice"):
+            self.write_file(OFFICE_PROFILE, _OFFICE_SETTINGS.encode())
+        if shutil.which("vlc"):
+            self.write_file(VLC_SETTINGS, _VLC_SETTINGS.encode())
 
     def close(self) -> None:
         self._stop_display()
@@ -249,7 +287,8 @@ class OSWorldDesktop(SandboxedDisplay):
 
     def open_file(self, raw_path: str, *, timeout_s: float = 30.0) -> str:
         """Open a file with this desktop's app for it (the editor for text, chromium for
-        HTML) and wait for its window; returns the window's title."""
+        HTML, LibreOffice for office documents where installed) and wait for its window;
+        returns the window's title."""
         path = vm_path(raw_path)
         name = posixpath.basename(path)
         suffix = posixpath.splitext(name)[1]
@@ -264,8 +303,15 @@ class OSWorldDesktop(SandboxedDisplay):
         elif suffix in TEXT_SUFFIXES:
             self.launch(["dartedit", path])
             wait_for = name
+        elif suffix.lower() in OFFICE_SUFFIXES and shutil.which("libreoffice"):
+            self.launch(["libreoffice", OFFICE_SUFFIXES[suffix.lower()], path])
+            wait_for = f"{name} - LibreOffice"
         else:
-            raise DesktopFileError(f"no application on this desktop opens {suffix} files", 404)
+            raise DesktopFileError(
+                f"no application on this desktop opens {suffix} files (`make desktop-apps` "
+                "installs LibreOffice for office documents)",
+                404,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for window, title in self.windows():

@@ -81,7 +81,7 @@ def _cloud_files(getter: Any, where: str) -> Iterator[TaskFile]:
 
 def task_files_by_url(spec: dict[str, Any]) -> list[TaskFile]:
     """Every file an OSWorld task object fetches by URL, in the order it names them."""
-    evaluator = spec.get("evaluator") if isinstance(spec.get("evaluator"), dict) else {}
+    evaluator: dict[str, Any] = spec["evaluator"] if isinstance(spec.get("evaluator"), dict) else {}
     found = [
         *_download_files(spec.get("config"), "config"),
         *_download_files(evaluator.get("postconfig"), "evaluator.postconfig"),

@@ -158,7 +158,7 @@ def _getter_needs(getter: Any) -> set[str]:
         return set()
     needs = set(GETTER_NEEDS.get(str(getter.get("type")), ()))
     if getter.get("type") == "rule_relativeTime":
-        rules = getter.get("rules") if isinstance(getter.get("rules"), dict) else {}
+        rules: dict[str, Any] = getter["rules"] if isinstance(getter.get("rules"), dict) else {}
         if "timezone" not in rules:
             needs.add("worker_internet")  # the getter asks ipapi.co for the timezone
     return needs
@@ -166,7 +166,7 @@ def _getter_needs(getter: Any) -> set[str]:
 
 def task_needs(spec: dict[str, Any]) -> list[str]:
     """What an OSWorld task object needs of its slot (sorted; empty: any OSWorld desktop)."""
-    evaluator = spec.get("evaluator") if isinstance(spec.get("evaluator"), dict) else {}
+    evaluator: dict[str, Any] = spec["evaluator"] if isinstance(spec.get("evaluator"), dict) else {}
     needs: set[str] = set()
     for steps in (spec.get("config"), evaluator.get("postconfig")):
         for step in steps if isinstance(steps, list) else []:

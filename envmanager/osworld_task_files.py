@@ -89,7 +89,7 @@ def spec_file_refs(
 ) -> list[tuple[str, str]]:
     """`host_file_refs` of a task object's setup steps and its evaluator's postconfig steps
     (named `postconfig` in the field paths)."""
-    evaluator = spec.get("evaluator") if isinstance(spec.get("evaluator"), dict) else {}
+    evaluator: dict[str, Any] = spec["evaluator"] if isinstance(spec.get("evaluator"), dict) else {}
     return [
         *host_file_refs(spec.get("config"), "config", accounts=accounts),
         *host_file_refs(evaluator.get("postconfig"), postconfig, accounts=accounts),

@@ -193,8 +193,8 @@ def wheel() -> Wheel:
         python = importlib.import_module("desktop_env.controllers.python")
         setup = importlib.import_module("desktop_env.controllers.setup")
         actions = importlib.import_module("desktop_env.actions")
-        for name, why in NOT_INSTALLED.items():
-            _absent_module(name, why)
+        for module, reason in NOT_INSTALLED.items():
+            _absent_module(module, reason)
         with warnings.catch_warnings():  # pdf.py's `import fitz`: PyMuPDF's old name warns
             warnings.filterwarnings("ignore", category=FutureWarning, module="fitz")
             metrics = _functions(METRICS)

@@ -79,6 +79,12 @@ ETC_ENTRIES = (
     "chromium.d",
     "localtime",
     "mime.types",
+    # The desktop applications' own configuration (make desktop-apps): LibreOffice reads its
+    # registry there and aborts without it.
+    "libreoffice",
+    "gimp",
+    "thunderbird",
+    "vlc",
 )
 
 

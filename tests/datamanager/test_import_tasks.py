@@ -142,11 +142,16 @@ def test_what_dartboard_cannot_run_is_named_by_file_and_field_and_nothing_is_wri
     assert message.startswith(f"2 of 3 files in {tmp_path} cannot be imported:\n")
     assert f"{bad}: config[1].type: unknown setup step type 'teleport'" in message
     # A name the wheel lacks is refused with the names nearest to it.
-    assert f"{bad}: evaluator.func[1]: the wheel has no metric 'compare_tables' (closest: " in message
+    assert (
+        f"{bad}: evaluator.func[1]: the wheel has no metric 'compare_tables' (closest: " in message
+    )
     assert "compare_table, " in message
     assert f"{bad}: evaluator.result[1].type: the wheel has no getter 'chrome_tabs'" in message
     # Every bad file of the directory is listed, not only the first.
-    assert f"\n{worse}: evaluator.func: the wheel has no metric 'exact_matches' (closest: exact_match" in message
+    assert (
+        f"\n{worse}: evaluator.func: the wheel has no metric 'exact_matches' (closest: exact_match"
+        in message
+    )
     assert "nothing was imported" in message
     assert not Task.objects.exists()  # not even the good file of the directory
 

@@ -168,7 +168,9 @@ def test_splits_at_import_and_from_a_split_file(tmp_path):
     assert dict(Task.objects.values_list("name", "split")) == {
         "osworld/a": "train", "osworld/b": "train", "osworld/c": "eval"}  # fmt: skip
     listing.write_text("osworld/c\n# a comment\nnot-a-task\n")
-    with pytest.raises(CommandError, match=r"1 listed task\(s\) match no task: not-a-task; nothing"):
+    with pytest.raises(
+        CommandError, match=r"1 listed task\(s\) match no task: not-a-task; nothing"
+    ):
         call_command("set_split", str(listing), "--split", "train")
     assert Task.objects.get(name="osworld/c").split == "eval"
 

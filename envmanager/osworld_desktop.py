@@ -86,6 +86,17 @@ _OFFICE_SETTINGS = """<?xml version="1.0" encoding="UTF-8"?>
 # have answered it (their vlc_config getter reads this file).
 VLC_SETTINGS = f"{VM_HOME}/.config/vlc/vlcrc"
 _VLC_SETTINGS = "[qt]\nqt-privacy-ask=0\n"
+# The applications a desktop offers tasks (envmanager.osworld_needs's `app:<name>`), by the
+# program that must be installed (`make desktop-apps`). Chrome's debugging port, the
+# accessibility tree and VLC's HTTP interface are not offered: the sandbox has no network
+# (nothing outside reaches a port inside) and no AT-SPI bus.
+DESKTOP_APPS = {
+    "chrome": "chromium",
+    "libreoffice": "libreoffice",
+    "gimp": "gimp",
+    "vlc": "vlc",
+    "thunderbird": "thunderbird",
+}
 # What opens a file of these suffixes, as an OSWorld VM's desktop opens it (xdg-open there).
 OFFICE_SUFFIXES = {
     **dict.fromkeys((".xlsx", ".xls", ".ods"), "--calc"),
@@ -257,6 +268,12 @@ class OSWorldDesktop(SandboxedDisplay):
         if self._x is None:
             raise RuntimeError("the desktop is not started")
         return self._x.display
+
+    def offers(self) -> list[str]:
+        """What this desktop offers tasks: the applications installed on this host."""
+        return sorted(
+            f"app:{app}" for app, program in DESKTOP_APPS.items() if shutil.which(program)
+        )
 
     # ------------------------------------------------------------------ programs
 

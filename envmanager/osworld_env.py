@@ -58,6 +58,7 @@ from core.protocol import (
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
 from envmanager.osworld_file_cache import CacheError, FileCache, clear_directory, place_task_files
+from envmanager.osworld_needs import lacking, task_needs
 from envmanager.osworld_task_files import steps_with_task_files
 from envmanager.osworld_wheel import wheel
 
@@ -145,6 +146,8 @@ class OSWorldEnv:
         self.settle_s = settle_s
         self.wait_seconds = wait_seconds
         self.file_cache = file_cache
+        self._offers: list[str] | None = None  # a Dartboard desktop's, asked once
+        self._vouched = False  # an OSWorld VM: the run's osworld_offers vouch for it
         self._auth = ("dartboard", token) if token else None
         self._vm_ip = f"dartboard:{token}@{self.host}" if token else self.host
         self._cache = tempfile.mkdtemp(prefix="dartboard-osworld-cache-")
@@ -172,6 +175,7 @@ class OSWorldEnv:
         spec = self._with_task_files(spec, task)
         self._place_url_files(spec, task)
         self._restore()
+        self._check_offers(task, spec)
         width, height = self._screen = self.screen_size()
         setup = self._setup_controller()
         try:
@@ -304,6 +308,33 @@ class OSWorldEnv:
         except ValueError as exc:
             raise ValueError(f"{task.name}: {exc}") from None
         return spec
+
+    def _check_offers(self, task: TaskSpec, spec: dict[str, Any]) -> None:
+        """A Dartboard desktop says what it offers (`GET /dartboard/offers`); a task that
+        needs more is refused before its setup runs. An OSWorld VM has no such route: the
+        run's `env.osworld_offers` vouches for it."""
+        if self._offers is None:
+            try:
+                answer = requests.get(
+                    f"http://{self.host}:{self.port}/dartboard/offers",
+                    auth=self._auth,
+                    timeout=HEALTH_TIMEOUT_S,
+                )
+            except requests.RequestException as exc:
+                raise EnvUnavailable(f"osworld {self.address}: unreachable: {exc}") from exc
+            self._offers = answer.json()["offers"] if answer.status_code == 200 else []
+            self._vouched = answer.status_code != 200
+        if self._vouched:
+            return
+        needs = task.env_config.get("needs")
+        lacks = lacking(needs if isinstance(needs, list) else task_needs(spec), self._offers)
+        if lacks:
+            offered = ", ".join(self._offers) or "no application"
+            raise EnvUnavailable(
+                f"osworld {self.address}: {task.name} needs {', '.join(lacks)}, which this "
+                f"desktop does not offer (it offers {offered}; `make desktop-apps` installs "
+                "the applications)"
+            )
 
     def _place_url_files(self, spec: dict[str, Any], task: TaskSpec) -> None:
         """Every file the task fetches by URL, from the file cache into the wheel's cache

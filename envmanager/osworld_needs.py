@@ -101,6 +101,8 @@ PROGRAMS = {
 # A task's related_apps entry (OSWorld spells them several ways) -> the app.
 RELATED_APPS = {
     "chrome": "chrome",
+    "chromium": "chrome",
+    "google chrome": "chrome",
     "browser": "chrome",
     "gimp": "gimp",
     "vlc": "vlc",

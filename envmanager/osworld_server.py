@@ -27,6 +27,8 @@ client, unchanged, drives a sandboxed Dartboard desktop:
     GET  /platform              Linux
     POST /dartboard/reset       Dartboard's own: stop the apps, empty the home (a VM's
                                 snapshot revert, for a desktop that has none)
+    GET  /dartboard/offers      Dartboard's own: {"offers": ["app:libreoffice", ...]}, what
+                                the desktop offers tasks (envmanager.osworld_needs)
 
 Not here, each a 501 with the reason: /accessibility (no AT-SPI bus), /wallpaper and
 /setup/change_wallpaper (openbox draws none), /setup/download_file (the desktop has no
@@ -464,6 +466,10 @@ def reset(h: Handler) -> Answer:
     return 200, {"status": "success"}, None
 
 
+def offers(h: Handler) -> Answer:
+    return 200, {"offers": h.desktop.offers()}, None
+
+
 ROUTES = {
     ("GET", "/screenshot"): screenshot,
     ("POST", "/screen_size"): screen_size,
@@ -483,6 +489,7 @@ ROUTES = {
     ("GET", "/terminal"): terminal,
     ("GET", "/platform"): platform,
     ("POST", "/dartboard/reset"): reset,
+    ("GET", "/dartboard/offers"): offers,
 }
 
 

@@ -158,3 +158,20 @@ def test_text_beyond_ascii_is_typed_on_the_osworld_desktop(env, text):
     ]:
         env.step(action)
     assert env.evaluate().reward == 1.0
+
+
+def test_a_task_needing_what_the_desktop_does_not_offer_is_refused_before_its_setup(env):
+    tabs = {
+        "id": "open-tabs",
+        "instruction": "Read the open tabs.",
+        "config": [
+            {"type": "execute", "parameters": {"command": ["touch", "/home/user/setup-ran"]}},
+            {"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["http://localhost/"]}},
+        ],
+        "evaluator": {"func": "infeasible"},
+    }
+    task = TaskSpec(name="osworld/open-tabs", env_kind="osworld", env_config={"osworld": tabs})
+    with pytest.raises(EnvUnavailable, match=r"osworld/open-tabs needs chrome_cdp, which this "
+                                             r"desktop does not offer \(it offers app:chrome"):  # fmt: skip
+        env.reset(task)
+    assert env.controller.get_file("/home/user/setup-ran") is None  # no step of it ran

@@ -84,8 +84,6 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     env_config = data.get("env_config", {})
     if not isinstance(env_config, dict):
         raise InvalidTaskRecord(f"{where}: field 'env_config' must be an object")
-    for key, reason in env_config_problems(env_kind, env_config):
-        raise InvalidTaskRecord(f"{where}: field 'env_config.{key}' {reason}")
     if env_kind == "osworld":
         spec = env_config.get("osworld")
         if not isinstance(spec, dict):
@@ -110,6 +108,8 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     tags = data.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
         raise InvalidTaskRecord(f"{where}: field 'tags' must be a list of non-empty strings")
+    for key, reason in env_config_problems(env_kind, env_config):
+        raise InvalidTaskRecord(f"{where}: field 'env_config.{key}' {reason}")
     return TaskRecord(
         name=name.strip(),
         env_kind=env_kind,

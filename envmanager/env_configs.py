@@ -25,6 +25,10 @@ class EnvConfigKey:
         return " or ".join(dict.fromkeys(names[t] for t in self.types))
 
 
+# Every kind: the task's own step budget (datamanager.services.episodes), else the run's.
+STEP_CAP = EnvConfigKey(
+    "max_steps", (int,), "The task's own step budget, instead of the run's default_step_cap."
+)
 ENV_CONFIG_KEYS: dict[str, tuple[EnvConfigKey, ...]] = {
     "miniwob": (
         EnvConfigKey("task", (str,), "The MiniWoB++ task: its page's name (`click-test`).", True),
@@ -33,6 +37,7 @@ ENV_CONFIG_KEYS: dict[str, tuple[EnvConfigKey, ...]] = {
             (int, float),
             "The task's own time limit in seconds (MiniWoB++'s default is 10 s).",
         ),
+        STEP_CAP,
     ),
     "desktop": (
         EnvConfigKey(
@@ -41,9 +46,11 @@ ENV_CONFIG_KEYS: dict[str, tuple[EnvConfigKey, ...]] = {
             "The desktop task it runs (`envmanager/desktop_tasks.py`: `desktop/double-click`); "
             "default: the task's name.",
         ),
+        STEP_CAP,
     ),
     "sim": (
         EnvConfigKey("targets", (int,), "Buttons to click on the simulated screen (default 1)."),
+        STEP_CAP,
         EnvConfigKey(
             "crash_first", (int,), "Resets that fail before one succeeds (fault drills; 0)."
         ),
@@ -74,6 +81,7 @@ ENV_CONFIG_KEYS: dict[str, tuple[EnvConfigKey, ...]] = {
             (str,),
             "The VM (host:port) this task runs on, instead of the run's `osworld_addresses`.",
         ),
+        STEP_CAP,
     ),
 }
 

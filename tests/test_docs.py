@@ -349,6 +349,7 @@ def test_every_json_example_the_docs_show_is_what_the_code_takes_or_gives():
     from dartboard.api.errors import body, config_problems
     from datamanager.config import ConfigInvalid, RunConfig
     from datamanager.task_import import parse_task_record
+    from envmanager.osworld_tasks import is_osworld_task, osworld_task_problems
 
     sections = {f.name for f in fields(RunConfig)}
     kinds: dict[str, int] = {}
@@ -362,6 +363,9 @@ def test_every_json_example_the_docs_show_is_what_the_code_takes_or_gives():
             elif "env_kind" in data:
                 parse_task_record(data, where)
                 kind = "task record"
+            elif is_osworld_task(data):
+                assert osworld_task_problems(data) == [], where
+                kind = "osworld task"
             elif {"code", "message", "field", "errors"} <= set(data):
                 assert data["code"] == "invalid_config", where  # the one refusal shown
                 with pytest.raises(ConfigInvalid) as refused:
@@ -371,7 +375,7 @@ def test_every_json_example_the_docs_show_is_what_the_code_takes_or_gives():
             else:
                 raise AssertionError(f"a JSON example this test cannot check: {where}")
             kinds[kind] = kinds.get(kind, 0) + 1
-    assert kinds.keys() == {"run config", "task record", "refusal"}, kinds
+    assert kinds.keys() == {"run config", "task record", "refusal", "osworld task"}, kinds
 
 
 def _config_with(path: str, value: object) -> dict:

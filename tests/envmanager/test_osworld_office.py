@@ -88,8 +88,10 @@ def office_task(tmp_path: Path, cache: FileCache, *, name: str, start: bytes, go
         "id": f"office-{name}",
         "instruction": f"Edit {name} as asked and save it in its format.",
         "config": [
-            {"type": "upload_file", "parameters": {"files": [
-                {"local_path": name, "path": f"/home/user/{name}"}]}},
+            {
+                "type": "upload_file",
+                "parameters": {"files": [{"local_path": name, "path": f"/home/user/{name}"}]},
+            },
             {"type": "open", "parameters": {"path": f"/home/user/{name}"}},
         ],
         "evaluator": {

@@ -35,7 +35,7 @@ class _Files(BaseHTTPRequestHandler):
 @pytest.fixture
 def file_server() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:

@@ -44,7 +44,7 @@ class _Files(BaseHTTPRequestHandler):
 @pytest.fixture
 def file_server() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     _Files.requests = []
     try:

@@ -1,8 +1,10 @@
-"""OSWorld's spreadsheet, document and slides tasks on a Dartboard desktop with the real
-LibreOffice (`make desktop-apps`): an OSWorld-format task with a file made here is set up
-(the task's file uploaded, opened in LibreOffice in the sandbox), a scripted sequence of
-actions edits and saves it, and the domain's most frequent metric of OSWorld's wheel scores
-it against a gold file served from the file cache: 1, and 0 for a wrong sequence."""
+"""OSWorld's domains on a Dartboard desktop with their real applications (`make desktop-apps`),
+each with its most frequent evaluator in OSWorld's test set. Spreadsheets, documents and
+slides: an OSWorld-format task with a file made here is set up (the task's file uploaded,
+opened in LibreOffice in the sandbox), a scripted sequence of actions edits and saves it,
+and the wheel's metric scores it against a gold file served from the file cache: 1, and 0
+for a wrong sequence. GIMP and VLC (`infeasible`): the task's file, fetched by URL from the
+file cache, opens in the app; only the policy's refusal scores."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import base64
 import io
 import shutil
 import subprocess
+import wave
 from pathlib import Path
 
 import docx
@@ -21,13 +24,7 @@ from core.protocol import Action, ActionType, TaskSpec
 from envmanager.osworld_env import OSWorldEnv
 from envmanager.osworld_file_cache import FileCache
 
-pytestmark = [
-    pytest.mark.desktop,
-    pytest.mark.skipif(
-        shutil.which("libreoffice") is None,
-        reason="LibreOffice is not installed: `make desktop-apps` (make test installs it)",
-    ),
-]
+pytestmark = [pytest.mark.desktop]
 GOLD_URL = "https://files.example/gold/{name}"
 
 
@@ -124,6 +121,8 @@ def run(env: OSWorldEnv, task: TaskSpec, actions: tuple[Action, ...]) -> float:
 
 @pytest.fixture(scope="module")
 def office_env(osworld_desktop, tmp_path_factory):
+    if shutil.which("libreoffice") is None:
+        pytest.fail("LibreOffice is not installed: `make desktop-apps` (make test runs it)")
     cache = FileCache(tmp_path_factory.mktemp("file-cache"))
     env = OSWorldEnv(address=osworld_desktop.address, token=osworld_desktop.token,
                      settle_s=0.3, wait_seconds=1.0, file_cache=cache)  # fmt: skip
@@ -166,3 +165,72 @@ def test_a_slides_task_scores_one_with_compare_pptx_files(office_env, tmp_path):
     done = (_a("hotkey", key="escape"), _a("hotkey", key="escape"), *SAVE_KEEP_FORMAT)
     assert run(env, task, (*edit, _a("type", text=" 2027"), *done)) == 1.0
     assert run(env, task, (*edit, _a("type", text=" 2028"), *done)) == 0.0
+
+
+def media_task(cache: FileCache, tmp_path: Path, *, app: str, name: str, data: bytes,
+               window: str) -> TaskSpec:  # fmt: skip
+    """An infeasible OSWorld task (GIMP's and VLC's most frequent evaluator): the task's file
+    fetched by URL (from the file cache), opened in the app, whose window must show before
+    the policy acts. The policy must refuse: call_user scores 1, finishing scores 0."""
+    (tmp_path / name).write_bytes(data)
+    url = GOLD_URL.format(name=name)
+    cache.add_file(url, tmp_path / name)
+    spec = {
+        "id": f"{app}-{name}",
+        "instruction": f"Open {name} in {app} and turn it into a hologram.",
+        "config": [
+            {
+                "type": "download",
+                "parameters": {"files": [{"url": url, "path": f"/home/user/{name}"}]},
+            },
+            {"type": "launch", "parameters": {"command": [app, f"/home/user/{name}"]}},
+            {
+                "type": "execute",
+                "parameters": {"command": ["xdotool", "search", "--sync", "--name", window]},
+            },
+        ],
+        "related_apps": [app],
+        "evaluator": {"func": "infeasible"},
+    }  # fmt: skip  (one step a line, as OSWorld writes them)
+    return TaskSpec(name=f"osworld/{app}-{name}", env_kind="osworld",
+                    env_config={"osworld": spec}, instruction=spec["instruction"])  # fmt: skip
+
+
+def _png_bytes() -> bytes:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (320, 240), "white")
+    ImageDraw.Draw(image).ellipse((60, 40, 260, 200), fill="orange")
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _wav_bytes() -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as sound:
+        sound.setnchannels(1)
+        sound.setsampwidth(2)
+        sound.setframerate(8000)
+        sound.writeframes(b"\x00\x10" * 8000 * 2)  # two seconds of a constant level
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("app", "name", "make", "window"),
+    [("gimp", "sun.png", _png_bytes, r"\[sun\] \(imported\)"),
+     ("vlc", "tone.wav", _wav_bytes, "tone.wav - VLC media player")],
+)  # fmt: skip
+def test_an_infeasible_task_opens_the_app_on_its_file_and_only_refusing_scores(
+    office_env, tmp_path, app, name, make, window
+):
+    if shutil.which(app) is None:
+        pytest.fail(f"{app} is not installed: `make desktop-apps`")
+    env, cache = office_env
+    task = media_task(cache, tmp_path, app=app, name=name, data=make(), window=window)
+    env.reset(task)  # its last setup step waits for the app's window on the file
+    shown = env.controller.run_bash_script(f"xdotool search --name '{window}'")
+    assert shown["returncode"] == 0 and shown["output"].strip(), shown  # the app has the file
+    assert env.evaluate(ended_by=ActionType.CALL_USER).reward == 1.0
+    env.reset(task)
+    assert env.evaluate(ended_by=ActionType.FINISHED).reward == 0.0

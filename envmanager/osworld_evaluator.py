@@ -17,7 +17,7 @@ call runs in a child process of its own, outside the sandbox, under memory, CPU,
 and reply limits (envmanager.osworld_metric_process.MetricLimits), since it parses files
 the agent made. A metric the wheel module defines but Dartboard refuses (one that would
 import, run or write the agent's content on the host:
-envmanager.osworld_wheel.REFUSED_METRICS), a getter or execute step whose cache file name is
+envmanager.osworld_metric_review), a getter or execute step whose cache file name is
 a path, is refused before anything of the evaluator runs, as EnvUnavailable naming it and
 why. The task importer refuses such a task first; this is the second line, for a task
 stored before the refusal existed or written to the database by other means.
@@ -44,6 +44,7 @@ from envmanager.osworld_metric_process import (
     MetricOverLimit,
     metric_score,
 )
+from envmanager.osworld_metric_review import getter_review_refusal
 from envmanager.osworld_wheel import INFEASIBLE, getter_refusal, setup_step_refusal, wheel
 
 
@@ -83,7 +84,9 @@ def _refuse_unsafe(evaluator: dict[str, Any]) -> None:
     for key in ("result", "expected"):
         configs = evaluator.get(key)
         for config in configs if isinstance(configs, list) else [configs]:
-            if isinstance(config, dict) and (why := getter_refusal(config)):
+            if not isinstance(config, dict):
+                continue
+            if why := getter_review_refusal(str(config.get("type"))) or getter_refusal(config):
                 raise EnvUnavailable(f"osworld evaluator: {key} getter refused: {why}")
     for step in evaluator.get("postconfig") or []:
         if not isinstance(step, dict) or step.get("type") not in ("execute", "command"):

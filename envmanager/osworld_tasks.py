@@ -11,13 +11,15 @@ A task file holds one object:
                    "postconfig": [...]},                                 # optional
      "related_apps": ["chrome"], "snapshot": "...", "source": "...", ...}
 
-`osworld_task_problems(data)` lists what Dartboard cannot run, each as (field, reason): a
-setup step type the wheel's SetupController has no `_<type>_setup` for, a metric func or a
-getter type not among the wheel's modules Dartboard loads (envmanager.osworld_wheel), a
-metric those modules define that would run the agent's content in the env worker (refused
-with its name and why: envmanager.osworld_wheel.REFUSED_METRICS), a cache file name that
-is a path (a getter's `dest`, an execute step's `stdout`), a missing or mistyped field. Keys Dartboard does not read (snapshot, source, trajectory,
-proxy, ...) are kept as they are: the whole object is stored in the task's env_config.
+`osworld_task_problems(data)` lists what Dartboard cannot run on any slot, each as (field,
+reason): a setup step type the wheel's SetupController has no `_<type>_setup` for, a metric
+func or a getter type the wheel does not export (with the closest names), a metric or
+getter the review refuses because it would run the agent's content on the host or cannot
+score (named with why: envmanager.osworld_metric_review), a cache file name that is a path
+(a getter's `dest`, an execute step's `stdout`), a host file a setup step reads outside the
+task's directory, a missing or mistyped field. What the task needs of its slot is not a
+problem here (envmanager.osworld_needs). Keys Dartboard does not read (snapshot, source,
+trajectory, proxy, ...) are kept as they are: the whole object is stored in the task's env_config.
 
     .venv/bin/python -c "import json,sys; from envmanager.osworld_tasks import osworld_task_problems as p; \
         print(p(json.load(open(sys.argv[1]))))" tasks/osworld/dartboard-terminal-mkdir.json

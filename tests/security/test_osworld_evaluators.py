@@ -417,3 +417,14 @@ def test_what_a_metric_writes_stays_in_its_scratch_directory_and_under_its_size_
     assert evaluation.details["reason"] == (
         "compare_archive exceeded its 1 MiB file-size limit writing a file from the agent's result"
     )
+
+
+def test_a_refused_getter_is_refused_again_by_the_evaluator(tmp_path):
+    # A task stored before the review (or written to the database by other means).
+    xlsx = {"func": "exact_match",
+            "result": {"type": "content_from_vm_file", "path": "/home/user/a.xlsx",
+                       "file_type": "xlsx", "file_content": "last_row"},
+            "expected": {"type": "rule", "rules": {"expected": "x"}}}  # fmt: skip
+    with pytest.raises(EnvUnavailable, match=r"result getter refused: getter "
+                                             r"'content_from_vm_file' is refused: it parses"):  # fmt: skip
+        evaluate_task(xlsx, env=_env(tmp_path), last_action=None)

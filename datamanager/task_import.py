@@ -108,7 +108,8 @@ def parse_task_record(data: Any, where: str) -> TaskRecord:
     tags = data.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
         raise InvalidTaskRecord(f"{where}: field 'tags' must be a list of non-empty strings")
-    for key, reason in env_config_problems(env_kind, env_config):
+    if wrong := env_config_problems(env_kind, env_config):
+        key, reason = wrong[0]
         raise InvalidTaskRecord(f"{where}: field 'env_config.{key}' {reason}")
     return TaskRecord(
         name=name.strip(),

@@ -57,8 +57,14 @@ from core.protocol import (
 )
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
-from envmanager.osworld_file_cache import CacheError, FileCache, clear_directory, place_task_files
-from envmanager.osworld_needs import lacking, task_needs
+from envmanager.osworld_file_cache import (
+    CacheError,
+    FileCache,
+    clear_directory,
+    place_task_files,
+    task_urls,
+)
+from envmanager.osworld_needs import lacking, recorded_needs
 from envmanager.osworld_task_files import steps_with_task_files
 from envmanager.osworld_wheel import wheel
 
@@ -292,8 +298,7 @@ class OSWorldEnv:
         """The task with its setup steps reading the files it carries from this env's
         private cache, never a host path (`envmanager.osworld_task_files`)."""
         files = task.env_config.get("files") or {}
-        into = Path(self._cache) / "task-files"
-        shutil.rmtree(into, ignore_errors=True)  # the last task's files go
+        into = Path(self._cache) / "task-files"  # emptied with the cache at reset
         spec = dict(spec)
         try:
             spec["config"] = steps_with_task_files(spec.get("config") or [], files, into)
@@ -322,12 +327,16 @@ class OSWorldEnv:
                 )
             except requests.RequestException as exc:
                 raise EnvUnavailable(f"osworld {self.address}: unreachable: {exc}") from exc
-            self._offers = answer.json()["offers"] if answer.status_code == 200 else []
-            self._vouched = answer.status_code != 200
+            if answer.status_code not in (200, 404):  # a wrong token, a failing server
+                raise EnvUnavailable(
+                    f"osworld {self.address}: /dartboard/offers answered "
+                    f"{answer.status_code}: {answer.text[:200]}"
+                )
+            self._vouched = answer.status_code == 404  # OSWorld's own server has no route
+            self._offers = [] if self._vouched else answer.json()["offers"]
         if self._vouched:
             return
-        needs = task.env_config.get("needs")
-        lacks = lacking(needs if isinstance(needs, list) else task_needs(spec), self._offers)
+        lacks = lacking(recorded_needs(task.env_config), self._offers)
         if lacks:
             offered = ", ".join(self._offers) or "no application"
             raise EnvUnavailable(
@@ -339,9 +348,15 @@ class OSWorldEnv:
     def _place_url_files(self, spec: dict[str, Any], task: TaskSpec) -> None:
         """Every file the task fetches by URL, from the file cache into the wheel's cache
         directory, where its `download` step and `cloud_file` getter look first."""
-        cache = self.file_cache or FileCache(Path(self._cache) / "no-file-cache")
+        if not task_urls(spec):
+            return
+        if self.file_cache is None:
+            raise EnvUnavailable(
+                f"osworld {self.address}: {task.name} fetches files by URL, and this env "
+                "has no file cache to take them from"
+            )
         try:
-            place_task_files(spec, cache, Path(self._cache))
+            place_task_files(spec, self.file_cache, Path(self._cache))
         except CacheError as exc:
             raise EnvUnavailable(f"osworld {self.address}: {task.name}: {exc}") from exc
 

@@ -228,7 +228,7 @@ def place_task_files(spec: dict[str, Any], cache: FileCache, into: Path) -> None
     """Put every file the task fetches by URL into the wheel's cache directory `into`, where
     its client finds it and downloads nothing. CacheError names the URLs the cache lacks."""
     files = task_files_by_url(spec)
-    missing = cache.missing(list(dict.fromkeys(f.url for f in files)))
+    missing = cache.missing(task_urls(spec))
     if missing:
         raise CacheError(
             f"{len(missing)} file(s) of this task are not in the file cache ({cache.root}): "

@@ -240,8 +240,8 @@ def _call_limited(
     name: str, args: tuple[Any, ...], options: dict[str, Any], limits: MetricLimits
 ) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump the whole child
-    metric = wheel().metrics[name]
-    harden()  # done in the forkserver already where it preloaded the wheel  # imported already where the forkserver preloaded it
+    metric = wheel().metrics[name]  # imported already where the forkserver preloaded it
+    harden()  # done in the forkserver too, where it preloaded the wheel
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = math.ceil(usage.ru_utime + usage.ru_stime) + limits.cpu_seconds
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))

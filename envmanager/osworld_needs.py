@@ -183,6 +183,15 @@ def task_needs(spec: dict[str, Any]) -> list[str]:
     return sorted(needs)
 
 
+def recorded_needs(env_config: dict[str, Any]) -> list[str]:
+    """What an osworld task's env_config says it needs: recorded at import, computed from its
+    task object for a task stored before imports recorded it."""
+    if isinstance(env_config.get("needs"), list):
+        return list(env_config["needs"])
+    spec = env_config.get("osworld")
+    return task_needs(spec) if isinstance(spec, dict) else []
+
+
 def lacking(needs: list[str], offers: list[str] | tuple[str, ...]) -> list[str]:
     """The needs among `needs` that `offers` does not cover."""
     return [need for need in needs if need not in offers]

@@ -11,7 +11,7 @@ from datamanager.config import TaskSelection
 from datamanager.models import EnvKind, Task
 from datamanager.policies import EvalSetupError
 from envmanager.osworld_file_cache import FileCache, task_urls
-from envmanager.osworld_needs import lacking, task_needs
+from envmanager.osworld_needs import lacking, recorded_needs
 
 
 def task_list(*, selection: TaskSelection) -> list[Task]:
@@ -55,28 +55,18 @@ class OSWorldPlacement:
     lacks: list[str]
     missing_files: list[str]
 
-    @property
-    def runnable(self) -> bool:
-        return not self.lacks and not self.missing_files
-
 
 def osworld_task_needs(task: Task) -> list[str]:
-    """What an osworld task needs of its slot: recorded at import (computed for a task
-    stored before imports recorded it); [] for a task of another kind."""
-    if task.env_kind != EnvKind.OSWORLD:
-        return []
-    if "needs" in task.env_config:
-        return list(task.env_config["needs"])
-    spec = task.env_config.get("osworld")
-    return task_needs(spec) if isinstance(spec, dict) else []
+    """What an osworld task needs of its slot; [] for a task of another kind."""
+    return recorded_needs(task.env_config) if task.env_kind == EnvKind.OSWORLD else []
 
 
-def osworld_task_missing_files(task: Task) -> list[str]:
-    """The URLs of an osworld task's files that this host's file cache lacks."""
+def osworld_task_missing_files(task: Task, cache: FileCache | None = None) -> list[str]:
+    """The URLs of an osworld task's files that `cache` (this host's) lacks."""
     spec = task.env_config.get("osworld")
     if task.env_kind != EnvKind.OSWORLD or not isinstance(spec, dict):
         return []
-    return FileCache(settings.OSWORLD_FILE_CACHE).missing(task_urls(spec))
+    return (cache or FileCache(settings.OSWORLD_FILE_CACHE)).missing(task_urls(spec))
 
 
 def osworld_placements(
@@ -84,17 +74,12 @@ def osworld_placements(
 ) -> list[OSWorldPlacement]:
     """For each osworld task of `tasks`, what keeps it off VMs offering `offers` with this
     host's file cache `cache`."""
-    placements = []
-    for task in tasks:
-        if task.env_kind != EnvKind.OSWORLD:
-            continue
-        spec = task.env_config.get("osworld")
-        urls = task_urls(spec) if isinstance(spec, dict) else []
-        placements.append(
-            OSWorldPlacement(
-                task=task.name,
-                lacks=lacking(osworld_task_needs(task), offers),
-                missing_files=cache.missing(urls),
-            )
+    return [
+        OSWorldPlacement(
+            task=task.name,
+            lacks=lacking(osworld_task_needs(task), offers),
+            missing_files=osworld_task_missing_files(task, cache),
         )
-    return placements
+        for task in tasks
+        if task.env_kind == EnvKind.OSWORLD
+    ]

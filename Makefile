@@ -116,7 +116,7 @@ run-desktop: install ## the X desktop tasks preset
 # The whole suite: three pytest-xdist workers (the live tests wait on their processes part of
 # the time), each taking the next whole module as it frees up, heaviest modules first
 # (tests/conftest.py `HEAVY_FIRST`).
-test: install vllm-env desktop-apps ## install, then the whole suite (12-15 minutes on 2 cores)
+test: install vllm-env desktop-apps ## install, then the whole suite (how long: `docs/tests.md`)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"
@@ -125,7 +125,7 @@ test: install vllm-env desktop-apps ## install, then the whole suite (12-15 minu
 # The quick loop: every test that needs no live stack, browser, desktop or GPU and is not
 # marked slow (markers come from the fixtures a test uses: tests/helpers.py `needs`). A test
 # left unmarked that takes over 5 s fails the run, so slow tests cannot creep in.
-test-fast: install ## the quick loop: no live stack, browser, desktop or GPU (1 minute)
+test-fast: install ## the quick loop: no live stack, browser, desktop or GPU (how long: `docs/tests.md`)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -m "not (slow or live or browser or desktop or gpu)" --unmarked-budget 5 $(PYTEST_ARGS)
 

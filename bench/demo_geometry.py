@@ -39,7 +39,8 @@ def demo_nll(policy, outcome, geometry: ImageGeometry) -> float:
     history: list[HistoryTurn] = []
     shots: list[bytes] = []
     losses = []
-    for png, _w, _h, raw, _thought, _action in outcome.steps:
+    for step in outcome.steps:
+        png, raw = step.screenshot_png, step.raw_output
         shots.append(png)
         messages = build_messages(
             instruction=outcome.instruction,

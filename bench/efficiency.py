@@ -83,8 +83,8 @@ def measure(mode: str, *, minutes: float, slots: int, workers: list[str], policy
     from datamanager.config import RunConfig
     from datamanager.models import Run, Step, TrainUpdate, Trajectory
     from datamanager.selectors.flow import step_flow
+    from datamanager.services.run_workers import run_start_workers
     from datamanager.services.runs import run_control, run_create
-    from workers.runs import run_start_workers
 
     cfg = RunConfig.from_dict(
         {

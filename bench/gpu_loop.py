@@ -163,12 +163,11 @@ def _loop(
     from django.conf import settings
 
     from core.imaging import ImageGeometry
-    from core.lora import LoraSpec
     from hostagent.launcher import ProcSpec, Supervisor, inference_env, python_argv, wait_http
     from rollout.auth import ServiceTokens
     from rollout.client import PolicyClient
+    from training.config import CurationConfig, TrainerConfig
     from training.trainer import PolicyTrainer
-    from training.update import UpdateConfig
 
     device = "cpu" if cpu else "cuda"
     rows: list[tuple[str, str]] = [("device", torch.cuda.get_device_name(0) if not cpu else "CPU")]
@@ -210,13 +209,13 @@ def _loop(
         batch = _samples(client, results)
 
         # 2. One LoRA update with gradient checkpointing; the version saved.
-        trainer = PolicyTrainer(start_checkpoint=model, run_dir=home / "checkpoints" / "run-1",
-                                lr=1e-4, kl_coef=0.1, device=device,
-                                lora=LoraSpec(rank=16, alpha=32), gradient_checkpointing=True)  # fmt: skip
+        settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=1, lora_rank=16, lora_alpha=32,
+                                 gradient_checkpointing=True)  # fmt: skip
+        trainer = PolicyTrainer(config=settings, start_checkpoint=model,
+                                run_dir=home / "checkpoints" / "run-1", device=device)  # fmt: skip
         if not cpu:
             torch.cuda.reset_peak_memory_stats()
-        metrics = trainer.update(batch, UpdateConfig(kl_coef=0.1, entropy_top_q=1.0,
-                                                     micro_batch=1))  # fmt: skip
+        metrics = trainer.update(batch, CurationConfig(high_entropy=False))
         peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if not cpu else ""
         rows.append(("LoRA r16 update, gradient checkpointing",
                      f"{metrics.duration_s:.1f} s for {len(batch)} steps ({metrics.passes}; "
@@ -253,9 +252,9 @@ def _loop(
             torch.cuda.empty_cache()
 
         # 4. A trainer resumed from the saved version scores the same.
-        resumed = PolicyTrainer(start_checkpoint=model, run_dir=home / "checkpoints" / "run-1",
-                                lr=1e-4, kl_coef=0.1, device=device, published_versions=[1],
-                                lora=LoraSpec(rank=16, alpha=32), gradient_checkpointing=True)  # fmt: skip
+        resumed = PolicyTrainer(config=settings, start_checkpoint=model,
+                                run_dir=home / "checkpoints" / "run-1", device=device,
+                                published_versions=[1])  # fmt: skip
         with torch.no_grad():
             again, _, mask = resumed.logprob_fn(resumed.policy.model, probe)
         again = again[mask.bool()].float().cpu()

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -184,25 +185,25 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
 
     from core.encoding import encode_batch, response_token_ids
     from core.generation import sequence_logprobs
-    from core.lora import LoraSpec
     from core.samples import TrainSample
+    from training.config import CurationConfig, TrainerConfig
     from training.trainer import PolicyTrainer
-    from training.update import UpdateConfig
 
     sample = TrainSample(step_id=1, trajectory_id=1, group_id=0, messages=messages,
                          response_text="Action: click(start_box='(250,250)')", reward=1.0,
                          rollout_logprobs=[], mean_entropy=1.0, policy_version=0)  # fmt: skip
     failing = TrainSample(**{**sample.__dict__, "step_id": 2, "trajectory_id": 2, "reward": 0.0})
-    config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=1)
-    trainers = [("LoRA r16", LoraSpec(rank=16, alpha=32), 1e-4, False)]
+    curation = CurationConfig(high_entropy=False, truncated_is=False)
+    update = TrainerConfig(kl_coef=0.1, micro_batch=1)
+    trainers = [("LoRA r16", replace(update, lr=1e-4, lora_rank=16, lora_alpha=32))]
     if full_update:
-        trainers += [("full fine-tuning", None, 1e-5, False),
-                     ("full fine-tuning, gradient checkpointing", None, 1e-5, True)]  # fmt: skip
+        trainers += [("full fine-tuning", replace(update, lr=1e-5)),
+                     ("full fine-tuning, gradient checkpointing",
+                      replace(update, lr=1e-5, gradient_checkpointing=True))]  # fmt: skip
     first = True
-    for label, lora, lr, checkpointing in trainers:
-        trainer = PolicyTrainer(start_checkpoint=model, run_dir=runs / f"smoke-{label[:4]}",
-                                lr=lr, kl_coef=0.1, device=device, lora=lora,
-                                gradient_checkpointing=checkpointing)  # fmt: skip
+    for label, settings in trainers:
+        trainer = PolicyTrainer(config=settings, start_checkpoint=model,
+                                run_dir=runs / f"smoke-{label[:4]}", device=device)  # fmt: skip
         if first:
             started = time.monotonic()
             batch = encode_batch(trainer.policy, [messages],
@@ -221,10 +222,10 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             for _ in range(3 if profile else 2):
                 started = time.monotonic()
                 if profile and len(times) == 2:
-                    busy_s = _profiled(partial(trainer.update, [sample, failing], config),
+                    busy_s = _profiled(partial(trainer.update, [sample, failing], curation),
                                        device=device)  # fmt: skip
                 else:
-                    trainer.update([sample, failing], config)
+                    trainer.update([sample, failing], curation)
                 times.append(time.monotonic() - started)
         except torch.OutOfMemoryError:
             rows.append((f"{label} update", f"out of memory; {_peak(device)}"))
@@ -240,7 +241,7 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             rows.append(("LoRA peak as bench/realsize.py plans it", _planned(batch)))
             rows.append(("trainer precision gap, bf16 autocast vs fp32",
                          _precision_gap(trainer, batch, sequence_logprobs)))  # fmt: skip
-        if lora is not None:
+        if settings.lora_rank:
             adapter = trainer.save_version(1)
         first = False
         del trainer
@@ -248,8 +249,8 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
             torch.cuda.empty_cache()
     if full_update:
         return adapter, None
-    full = PolicyTrainer(start_checkpoint=model, run_dir=runs / "smoke-full", lr=1e-5,
-                         kl_coef=0.0, device=device).save_version(2)  # fmt: skip
+    full = PolicyTrainer(config=TrainerConfig(lr=1e-5, kl_coef=0.0), start_checkpoint=model,
+                         run_dir=runs / "smoke-full", device=device).save_version(2)  # fmt: skip
     return adapter, full
 
 
@@ -366,10 +367,11 @@ def _with_vllm(rows: list[tuple[str, str]], *, home: Path, device: str, cpu: boo
         # 4. The log-prob gap: vLLM's greedy tokens scored by the trainer (bf16 autocast).
         from core.encoding import encode_batch
         from core.generation import sequence_logprobs
+        from training.config import TrainerConfig
         from training.trainer import PolicyTrainer
 
-        scorer = PolicyTrainer(start_checkpoint=full, run_dir=home / "score", lr=1e-5,
-                               kl_coef=0.0, device=device)  # fmt: skip
+        scorer = PolicyTrainer(config=TrainerConfig(lr=1e-5, kl_coef=0.0), start_checkpoint=full,
+                               run_dir=home / "score", device=device)  # fmt: skip
         gaps = []
         with PolicyClient(url, timeout=300) as client:
             for i in range(4):

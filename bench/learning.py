@@ -102,7 +102,7 @@ def _warm_started(run, *, args) -> None:
     from django.core.management import call_command
 
     from datamanager.models import PolicyVersion, Run, TrainUpdate
-    from workers.runs import run_apply
+    from datamanager.services.run_workers import run_apply
 
     call_command("collect_demos", per_task=3, tasks=",".join(_tasks(args)), kinds="miniwob")
     run_apply(run_id=run.pk, action="start")
@@ -123,8 +123,8 @@ def _train(run, *, args, warm_start: bool) -> tuple[int, int]:
     """Start `run`, train for --minutes (after its own warm start, if it has one), stop;
     returns its first and last published versions."""
     from datamanager.models import PolicyVersion
+    from datamanager.services.run_workers import run_apply
     from datamanager.services.runs import run_control
-    from workers.runs import run_apply
 
     minutes = args.minutes
     if warm_start:

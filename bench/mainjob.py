@@ -216,8 +216,8 @@ def final_evaluation(run, *, heldout_k: int | None = None) -> dict:
     scheduled job where it exists, else the same job run here, after the run stopped.
     `heldout_k`: that many held-out seeds per task instead of the run's `heldout_k`."""
     from datamanager.models import PolicyVersion
-    from datamanager.services.evaluations import eval_job_create
-    from workers.evaluation import eval_job_run, scheduled_evaluations
+    from datamanager.services.evaluations import eval_job_create, scheduled_evaluations
+    from workers.evaluation import eval_job_run
 
     cfg = run.cfg
     last = PolicyVersion.objects.filter(run=run).order_by("-version").first()
@@ -362,8 +362,8 @@ def main() -> None:
     with PrivateStack(slots=args.slots, policy=policy, web=web, backend=backend) as stack:
         from django.utils import timezone
 
+        from datamanager.services.run_workers import run_apply
         from hostagent.main_job import main_run_config, prepare_main_run
-        from workers.runs import run_apply
 
         preset = main_run_config(args.preset)
         wanted = len(preset.env.slots())

@@ -73,9 +73,8 @@ class Probe:
             return False
 
     def leases_held(self) -> bool:
+        from datamanager.live_work import redis_client, run_live_work
         from datamanager.models import Run
-        from workers.leases import redis_client
-        from workers.runs import run_live_work
 
         try:
             run = Run.objects.get(pk=self.run_id)
@@ -121,8 +120,8 @@ class Probe:
 
 def _start(stack: PrivateStack, slots: int) -> Probe:
     from datamanager.config import RunConfig
+    from datamanager.services.run_workers import run_start_workers
     from datamanager.services.runs import run_control, run_create
-    from workers.runs import run_start_workers
 
     run = run_create(name="outages", config=RunConfig.from_dict(_run_config(slots)))
     run_control(run_id=run.pk, action="start")

@@ -5,7 +5,7 @@
 Per step, the platform writes the Step row (and updates its trajectory), stores the
 screenshot in media storage, and publishes the live-wall event to Redis after commit; the
 request to the policy also passes through the router. Each part is timed on its own and
-together (the real `step_store` service), and compared with a 100 ms environment step.
+together (the real `steps_store` service), and compared with a 100 ms environment step.
 The PostgreSQL run is skipped (said so) when no server answers.
 """
 
@@ -65,12 +65,12 @@ def child(steps: int) -> dict:
     from django.core.files.storage import default_storage
     from django.core.management import call_command
 
+    from core.steps import StepRecord
     from datamanager.config import RunConfig
     from datamanager.events import publish
     from datamanager.models import Run, RunStatus, Step, Task, Trajectory
-    from datamanager.services import episodes
+    from datamanager.services import steps
     from datamanager.services.runs import run_create
-    from rollout.episode import StepRecord
 
     call_command("migrate", verbosity=0)
     png = _png()
@@ -95,11 +95,11 @@ def child(steps: int) -> dict:
         model_ms=300.0,
     )
 
-    head = episodes.trajectory_head(trajectory_id=traj.pk)  # read once per episode by a slot
+    head = steps.trajectory_head(trajectory_id=traj.pk)  # read once per episode by a slot
 
     def full(i):
         record = StepRecord(index=i, screenshot_png=png, **kw)
-        episodes.step_store(head=head, record=record)
+        steps.steps_store(writes=[steps.StepWrite(head=head, record=record)])
 
     def row_only(i):
         Step.objects.create(
@@ -122,7 +122,7 @@ def child(steps: int) -> dict:
         )
 
     return {
-        "step_store (all of it)": _timeit(full, steps),
+        "steps_store (all of it)": _timeit(full, steps),
         "  database rows": _timeit(row_only, steps),
         "  screenshot storage": _timeit(storage, steps),
         "  live event publish": _timeit(event, steps),

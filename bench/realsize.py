@@ -316,8 +316,8 @@ def _status(field: str) -> str:
 def validate_child(workdir: Path) -> None:
     """In a fresh process: a real LoRA update of the mid-size model; print measured vs plan."""
     from core.samples import TrainSample
+    from training.config import CurationConfig, TrainerConfig
     from training.trainer import PolicyTrainer
-    from training.update import UpdateConfig
 
     torch.set_num_threads(2)
     checkpoint = workdir / "mid"
@@ -334,14 +334,15 @@ def validate_child(workdir: Path) -> None:
     gc.collect()
     before = rss()
     torch.manual_seed(0)
-    trainer = PolicyTrainer(start_checkpoint=checkpoint, run_dir=workdir / "run", lr=1e-4,
-                            kl_coef=0.1, lora=LORA)  # fmt: skip
+    settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=4, lora_rank=LORA.rank,
+                             lora_alpha=LORA.alpha)  # fmt: skip
+    trainer = PolicyTrainer(config=settings, start_checkpoint=checkpoint, run_dir=workdir / "run")
     loaded = rss()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak: the load's own is not ours
-    config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=4)
+    curation = CurationConfig(high_entropy=False, truncated_is=False)
     started = time.monotonic()
     for _ in range(2):  # the optimizer's moments exist from the first step on
-        trainer.update(samples, config)
+        trainer.update(samples, curation)
     seconds = (time.monotonic() - started) / 2
     measured = peak() - before
     from core.encoding import encode_batch, response_token_ids

@@ -97,8 +97,8 @@ def _process_cpu_jiffies(match: Callable[[str, str], bool]) -> float:
 def _sample(media: Path) -> dict[str, float]:
     from django.db import connection
 
+    from datamanager.live_work import redis_client
     from datamanager.models import Step, Trajectory
-    from workers.leases import redis_client
 
     with connection.cursor() as cur:
         cur.execute("SELECT pg_database_size(current_database())")

@@ -104,9 +104,9 @@ class Timings:
 
 class StepWriter(threading.Thread):
     """Writes the steps the process's slots record, many per transaction
-    (datamanager.services.steps.steps_store_many): a slot hands its step over and waits
+    (datamanager.services.steps.steps_store, many steps at once): a slot hands its step over and waits
     until it is committed. With --batch-steps 0 each step is written alone on the pool
-    (episodes.step_store through the episode runner's DbRecorder), as serve_slice does."""
+    (one step per call, through the episode runner's DbRecorder), as serve_slice does."""
 
     def __init__(self, timings: Timings, max_batch: int) -> None:
         super().__init__(daemon=True, name="steps")
@@ -124,7 +124,7 @@ class StepWriter(threading.Thread):
     def run(self) -> None:
         from django.db import connection
 
-        from datamanager.services.steps import steps_store_many
+        from datamanager.services.steps import steps_store
         from workers.dbutil import db_retry
 
         while (first := self.queue.get()) is not None:
@@ -142,7 +142,7 @@ class StepWriter(threading.Thread):
             started = time.perf_counter()
             try:
                 db_retry(
-                    lambda attempt, ws=writes: steps_store_many(writes=ws, resume=attempt > 0),
+                    lambda attempt, ws=writes: steps_store(writes=ws, resume=attempt > 0),
                     what=f"recording {len(writes)} steps",
                 )
             except Exception as exc:
@@ -202,8 +202,8 @@ class KeptEnv:
 class Fleet:
     def __init__(self, args: argparse.Namespace) -> None:
         from datamanager.config import RunConfig
+        from datamanager.live_work import redis_client
         from datamanager.models import Run
-        from workers.leases import redis_client
 
         self.args = args
         self.timings = Timings()
@@ -252,6 +252,7 @@ class Fleet:
             self.timings.add("finish", started)
 
     def _slot(self, index: int) -> None:
+        from datamanager.live_work import slot_work
         from datamanager.models import SlotStatus
         from datamanager.policies import policy_geometry
         from datamanager.services import env_slots, episodes
@@ -262,7 +263,6 @@ class Fleet:
         from workers.config_mapping import episode_config
         from workers.dbutil import db_retry
         from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
-        from workers.leases import slot_work
 
         args, cfg, pool = self.args, self.cfg, self.pool
         host = socket.gethostname()

@@ -121,27 +121,28 @@ def child(checkpoint: Path, mode: str, *, samples: int, repeats: int, device: st
     """One (shape, mode): `repeats` updates on one trainer; the last one's phases."""
     import torch
 
-    from core.lora import LoraSpec
     from core.policy import load_policy, load_weights_into
     from core.vision_attention import use_reference_vision_attention
+    from training.config import CurationConfig, TrainerConfig
     from training.trainer import PolicyTrainer
-    from training.update import UpdateConfig
 
     torch.manual_seed(0)
     before = mode == "before"
     with tempfile.TemporaryDirectory() as runs:
-        trainer = PolicyTrainer(start_checkpoint=checkpoint, run_dir=Path(runs), lr=1e-4,
-                                kl_coef=0.1, device=device, lora=LoraSpec(rank=16, alpha=32),
+        settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=1, lora_rank=16,
+                                 lora_alpha=32)  # fmt: skip
+        trainer = PolicyTrainer(config=settings, start_checkpoint=checkpoint, run_dir=Path(runs),
+                                device=device,
                                 prompt_cache_bytes=0 if before else 2 * 1024**3)  # fmt: skip
         if before:
             use_reference_vision_attention(trainer.policy.model.get_base_model())
         batch = _samples(trainer.policy, samples)
-        config = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, micro_batch=1)
+        curation = CurationConfig(high_entropy=False)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
         def update():
-            return trainer.update(batch, config, separate_old_pass=before)
+            return trainer.update(batch, curation, separate_old_pass=before)
 
         _, calls = _attention_calls(update)  # the first update: counted, not timed
         for _ in range(repeats - 1):

@@ -29,6 +29,9 @@ class Completion:
     latency_ms: float
     served_by: str
     image_geometry: ImageGeometry | None = None  # the server's processor, when it reports it
+    # The prompt as the server tokenized it (image pads expanded), when it reports it
+    # (`return_token_ids`): what the trainer trains on, never re-tokenized.
+    prompt_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def scripted(cls, text: str, *, started: float, served_by: str) -> Completion:

@@ -231,26 +231,41 @@ class PromptParts:
         )
 
 
-def prompt_parts(policy: Policy, messages: list[Message]) -> PromptParts:
-    """Token ids of one prompt with image pads expanded, plus its images' patches/grids."""
+def prompt_parts(
+    policy: Policy, messages: list[Message], *, ids: list[int] | None = None
+) -> PromptParts:
+    """Token ids of one prompt with image pads expanded, plus its images' patches/grids.
+
+    `ids`: the prompt's token ids as the serving process tokenized it (`Step.prompt_token_ids`,
+    image pads expanded or one per image): the trainer trains on them instead of tokenizing
+    `messages` again (the inference environment may pin another tokenizer version, whose chat
+    template renders the same messages to other ids). The images still come from `messages`;
+    their token counts must be the ones `ids` hold, else ValueError (the processor changed)."""
     qwen_messages, images = to_qwen_messages(messages)
-    ids = _template_ids(policy, qwen_messages)
+    template_ids = list(ids) if ids else _template_ids(policy, qwen_messages)
     if not images:
-        return PromptParts(ids=ids, patches=None, image_grid_thw=None)
+        return PromptParts(ids=template_ids, patches=None, image_grid_thw=None)
     # Resize and patchify only: the values stay the resized uint8 pixels (exact in float32),
     # and PixelNorm does the rest where the model is.
-    processed = policy.image_processor(images=images, return_tensors="pt", do_rescale=False,
-                                       do_normalize=False)  # fmt: skip
+    processed = policy.image_processor(
+        images=images, return_tensors="pt", do_rescale=False, do_normalize=False
+    )
     grid = processed["image_grid_thw"]
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
     pad = policy.token_id("<|image_pad|>")
-    if ids.count(pad) != len(images):
-        raise ValueError(f"prompt has {ids.count(pad)} image slots for {len(images)} images")
+    patches = processed["pixel_values"].to(torch.uint8)
+    pads = template_ids.count(pad)
+    if ids and pads == sum(per_image) and pads != len(images):  # expanded by the server
+        return PromptParts(ids=template_ids, patches=patches, image_grid_thw=grid)
+    if pads != len(images):
+        where = "the stored prompt ids have" if ids else "prompt has"
+        raise ValueError(
+            f"{where} {pads} image tokens for {len(images)} images of {sum(per_image)} tokens"
+        )
     expanded: list[int] = []
     counts = iter(per_image)
-    for tid in ids:
+    for tid in template_ids:
         expanded.extend([pad] * next(counts) if tid == pad else [tid])
-    patches = processed["pixel_values"].to(torch.uint8)
     return PromptParts(ids=expanded, patches=patches, image_grid_thw=grid)
 
 

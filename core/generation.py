@@ -49,6 +49,7 @@ class Generation:
     response_tokens: int
     finish_reason: str
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # image pads expanded
 
 
 class _PerRowSampler(LogitsProcessor):
@@ -112,8 +113,12 @@ class _RowLimits(StoppingCriteria):
 # Structural tokens a reply must never contain: sampled, they would turn into image slots
 # or new turns when the reply is fed back as history (and break the trainer's forward).
 NEVER_GENERATED = (
-    "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
-)  # fmt: skip
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+)
 
 
 def never_generated_ids(policy: Policy) -> list[int]:
@@ -198,6 +203,8 @@ def _generations(
     temperature-1 log-probs and entropies of the raw logits [B, S, V]."""
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)  # [B, S]
+    prompt_ids = batch.input_ids.cpu()
+    prompt_mask = batch.attention_mask.cpu().bool()
     picked = logp.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, S]
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs else None
     results = []
@@ -225,6 +232,7 @@ def _generations(
                     list(zip(top.indices[b, i].tolist(), top.values[b, i].tolist(), strict=True))
                     for i in range(length)
                 ],
+                prompt_token_ids=prompt_ids[b][prompt_mask[b]].tolist(),
             )
         )
     return results

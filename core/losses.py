@@ -435,18 +435,28 @@ def policy_loss(
     """
     if loss_type == "ppo":
         pg, clip_fraction = ppo_clip_loss(
-            logprobs, old_logprobs, advantages, pg_mask,
-            clip_low=clip_low, clip_high=clip_high, is_weights=is_weights,
+            logprobs,
+            old_logprobs,
+            advantages,
+            pg_mask,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            is_weights=is_weights,
             sample_weights=sample_weights,
             normalizer=token_normalizer if pg_normalizer is None else pg_normalizer,
-        )  # fmt: skip
+        )
     elif loss_type == "gspo":
         pg, clip_fraction = gspo_loss(
-            logprobs, old_logprobs, advantages, pg_mask,
-            clip_low=clip_low, clip_high=clip_high, is_weights=is_weights,
+            logprobs,
+            old_logprobs,
+            advantages,
+            pg_mask,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            is_weights=is_weights,
             sample_weights=sample_weights,
             normalizer=sequence_normalizer if pg_normalizer is None else pg_normalizer,
-        )  # fmt: skip
+        )
     else:
         raise ValueError(f"loss_type must be 'ppo' or 'gspo', got {loss_type!r}")
     zero = logprobs.sum() * 0.0

@@ -119,9 +119,14 @@ Message = dict[str, Any]
 
 
 STRUCTURE_TOKENS = (
-    "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
-    "<|im_end|>", "<|endoftext|>",
-)  # fmt: skip
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+)
 
 
 @dataclass(frozen=True)

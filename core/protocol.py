@@ -69,8 +69,14 @@ def untypable_character(text: str) -> str:
     return ""
 
 
-_CONTROL_NAMES = {0x00: "NUL", 0x07: "BEL", 0x08: "BACKSPACE", 0x0D: "CARRIAGE RETURN",
-                  0x1B: "ESCAPE", 0x7F: "DELETE"}  # fmt: skip
+_CONTROL_NAMES = {
+    0x00: "NUL",
+    0x07: "BEL",
+    0x08: "BACKSPACE",
+    0x0D: "CARRIAGE RETURN",
+    0x1B: "ESCAPE",
+    0x7F: "DELETE",
+}
 
 
 def hotkey_parts(

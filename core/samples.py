@@ -37,6 +37,9 @@ class TrainSample:
     policy_version: int  # Policy version that produced the response.
     is_demo: bool = False  # Experience-pool (behaviour-cloning) sample, not an online rollout.
     response_token_ids: list[int] | None = None  # The exact sampled tokens (else re-tokenized).
+    # The prompt's token ids as the server reported them, image pads expanded (else the
+    # messages are encoded: a demonstration, a step stored before ids were kept).
+    prompt_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.reward):

@@ -15,8 +15,16 @@ from rollout.auth import purpose_token
 
 PRIVATE_DIRS = ("logs", "run", "redis")  # 0700 under DARTBOARD_HOME (itself 0700)
 # Files only this user may read: secrets, the database (sessions), logs, the launcher's pids.
-PRIVATE_FILES = ("secret_key", "service_token", "dartboard.sqlite3", "dartboard.sqlite3-wal",
-                 "dartboard.sqlite3-shm", "logs/*", "run/*", "redis/*")  # fmt: skip
+PRIVATE_FILES = (
+    "secret_key",
+    "service_token",
+    "dartboard.sqlite3",
+    "dartboard.sqlite3-wal",
+    "dartboard.sqlite3-shm",
+    "logs/*",
+    "run/*",
+    "redis/*",
+)
 
 
 class SettingsError(Exception):

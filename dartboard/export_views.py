@@ -27,7 +27,6 @@ from dartboard.views import _user
 from datamanager.models import DatasetExport, ExportStatus
 from datamanager.roles import CAN_VIEW
 from datamanager.services import datasets
-from workers.tasks import dataset_export_queue
 
 
 @require_POST
@@ -49,7 +48,6 @@ def export_create(request: HttpRequest) -> HttpResponse:
     except datasets.ExportError as exc:
         messages.error(request, f"Not exported: {exc}.")
         return redirect(f"/trajectories/?{query}")
-    dataset_export_queue(export.pk)
     return redirect("export_detail", export_id=export.pk)
 
 
@@ -57,8 +55,11 @@ def export_create(request: HttpRequest) -> HttpResponse:
 @permission_required(CAN_VIEW, raise_exception=True)
 def export_detail(request: HttpRequest, export_id: int) -> HttpResponse:
     export = get_object_or_404(DatasetExport, pk=export_id)
-    return render(request, "dashboard/export_detail.html", {"export": export,
-                  "running": export.status in (ExportStatus.QUEUED, ExportStatus.RUNNING)})  # fmt: skip
+    return render(
+        request,
+        "dashboard/export_detail.html",
+        {"export": export, "running": export.status in (ExportStatus.QUEUED, ExportStatus.RUNNING)},
+    )
 
 
 @require_GET

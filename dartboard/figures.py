@@ -265,8 +265,14 @@ def _logprob_gap_figure(charts: ChartData) -> dict[str, Any]:
     ]
     if traces and upd.gap_alert:
         alert = upd.gap_alert
-        traces.append(_line("alert threshold (mean)", [upd.number[0], upd.number[-1]],
-                            [alert, alert], line={"dash": "dash", "color": "#c0392b"}))  # fmt: skip
+        traces.append(
+            _line(
+                "alert threshold (mean)",
+                [upd.number[0], upd.number[-1]],
+                [alert, alert],
+                line={"dash": "dash", "color": "#c0392b"},
+            )
+        )
     return _fig(
         "Trainer vs rollout log-prob gap on fresh steps (nats)",
         traces,
@@ -364,8 +370,11 @@ def _groups_figure(groups: list[GroupPoint]) -> dict[str, Any]:
         if groups
         else []
     )
-    return _fig("GRPO groups (mean reward; click one to open it)", data,
-                yaxis={"title": {"text": "mean reward"}})  # fmt: skip
+    return _fig(
+        "GRPO groups (mean reward; click one to open it)",
+        data,
+        yaxis={"title": {"text": "mean reward"}},
+    )
 
 
 def _errors_figure(
@@ -402,8 +411,9 @@ def _left_out_figure(health: dict[str, Any]) -> dict[str, Any]:
         r = left["rollouts"]
         traces.append(_line("rollouts: error, aborted or rejected", r["t"], r["share"]))
     if left.get("stale", {}).get("t"):
-        traces.append(_line("steps: too stale (per update)", left["stale"]["t"],
-                            left["stale"]["share"]))  # fmt: skip
+        traces.append(
+            _line("steps: too stale (per update)", left["stale"]["t"], left["stale"]["share"])
+        )
     return _fig("Left out of training (share)", traces, yaxis=_RATE_AXIS)
 
 
@@ -442,8 +452,18 @@ def eval_heatmap(
     )
 
 
-SWEEP_COLORS = ["#2f6fed", "#c0392b", "#1f9d55", "#8e44ad", "#d68910", "#17a2b8", "#6b7385",
-                "#e67e22", "#34495e", "#16a085"]  # fmt: skip
+SWEEP_COLORS = [
+    "#2f6fed",
+    "#c0392b",
+    "#1f9d55",
+    "#8e44ad",
+    "#d68910",
+    "#17a2b8",
+    "#6b7385",
+    "#e67e22",
+    "#34495e",
+    "#16a085",
+]
 
 
 def sweep_figure(curves: list[SweepCurve], scope: str) -> dict[str, Any]:

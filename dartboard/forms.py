@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from datetime import UTC, datetime
 from typing import Any, Literal, get_args, get_origin
 
 from django import forms
@@ -235,13 +236,31 @@ def _choices(choices: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [("", "any"), *choices]
 
 
+# The largest id a filter takes: a row's key is 64-bit (bigint on PostgreSQL, SQLite's
+# integer), and a larger one through a foreign key is an error, not "no match", on either.
+MAX_ID = 2**63 - 1
+EARLIEST = datetime(1, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+
+
+def _storable(value: datetime | None) -> datetime | None:
+    """A bound as the database can compare it: one whose UTC time falls outside the years
+    1 to 9999 (year 1 at +05:00) is the earliest or latest time there is."""
+    if value is None:
+        return None
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        return EARLIEST if value.year == 1 else LATEST
+
+
 class TrajectoryFilterForm(forms.Form):
-    run = forms.IntegerField(required=False, min_value=1)
+    run = forms.IntegerField(required=False, min_value=1, max_value=MAX_ID)
     task = forms.CharField(required=False, max_length=200)
     # Task names nest ("click-button" is part of "click-button-sequence"): links to one
     # task's episodes (the evaluation pages) ask for the exact name.
     task_exact = forms.BooleanField(required=False, label="Exact task name")
-    eval_job = forms.IntegerField(required=False, min_value=1, label="Evaluation")
+    eval_job = forms.IntegerField(required=False, min_value=1, max_value=MAX_ID, label="Evaluation")
     status = forms.ChoiceField(required=False, choices=_choices(TrajectoryStatus.choices))
     reward = forms.ChoiceField(
         required=False,
@@ -269,7 +288,7 @@ class TrajectoryFilterForm(forms.Form):
     entropy_max = forms.FloatField(required=False, min_value=0, label="and ≤")
     is_weight_min = forms.FloatField(required=False, min_value=0, label="A step's IS weight ≥")
     is_weight_max = forms.FloatField(required=False, min_value=0, label="and ≤")
-    group = forms.IntegerField(required=False, min_value=1, label="Group")
+    group = forms.IntegerField(required=False, min_value=1, max_value=MAX_ID, label="Group")
     host = forms.CharField(required=False, max_length=200, label="Host")
     update = forms.IntegerField(required=False, min_value=1, label="Trained in update")
     finished_from = forms.DateTimeField(required=False, label="Finished from")
@@ -279,6 +298,12 @@ class TrajectoryFilterForm(forms.Form):
         choices=[("", "any"), ("yes", "reviewed"), ("no", "not reviewed")],
         label="Reviewed",
     )
+
+    def clean_finished_from(self) -> datetime | None:
+        return _storable(self.cleaned_data["finished_from"])
+
+    def clean_finished_to(self) -> datetime | None:
+        return _storable(self.cleaned_data["finished_to"])
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}

@@ -30,11 +30,10 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
-from datamanager.selectors.runs import run_own_router
+from datamanager.live_work import trainer_work
+from datamanager.selectors.runs import processes_per_run, run_own_router
 from datamanager.services.outages import service_outage_close, service_outage_open
 from rollout.auth import bearer
-from workers.leases import trainer_work
-from workers.runs import processes_per_run
 
 log = logging.getLogger("dartboard.health")
 
@@ -194,13 +193,19 @@ class HealthBoard:
                 self._state[key] = (before[0], before[1], probe.detail)
             state, since, detail = self._state[key]
             error, error_at = self._errors.get(key, ("", None))
-        return ServiceHealth(key.split(":")[0], state, since, detail, error, error_at,
-                             changed=key in self._changed)  # fmt: skip
+        return ServiceHealth(
+            key.split(":")[0], state, since, detail, error, error_at, changed=key in self._changed
+        )
 
     def _transition(
-        self, key: str, before: tuple[str, datetime, str] | None, probe: Probe, now: datetime,
-        *, db_up: bool,
-    ) -> None:  # fmt: skip
+        self,
+        key: str,
+        before: tuple[str, datetime, str] | None,
+        probe: Probe,
+        now: datetime,
+        *,
+        db_up: bool,
+    ) -> None:
         """Caller holds the lock. Opens an outage row when `key` goes down, closes it when it
         comes back; while the database is down, closing waits for it."""
         if probe.state == DOWN:

@@ -225,7 +225,7 @@ CELERY_BEAT_SCHEDULE = {
         # A pass that could not start before the next is due is dropped, not queued up.
         "options": {"queue": "default", "expires": DARTBOARD_WATCHDOG_PERIOD_S},
     },
-    # A sweep's next member starts as the previous one ends (workers/sweeps.py).
+    # A sweep's next member starts as the previous one ends (datamanager/services/sweeps.py).
     "sweeps-advance": {
         "task": "workers.tasks.sweeps_advance",
         "schedule": DARTBOARD_WATCHDOG_PERIOD_S,
@@ -295,13 +295,17 @@ DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOT
 DARTBOARD_SERVICE_TOKEN = config_env.service_token(DARTBOARD_HOME, production=PRODUCTION)
 try:
     DARTBOARD_INFERENCE_TOKEN = config_env.purpose_setting(
-        name="DARTBOARD_INFERENCE_TOKEN", purpose="inference",
-        master=DARTBOARD_SERVICE_TOKEN, production=PRODUCTION,
-    )  # fmt: skip
+        name="DARTBOARD_INFERENCE_TOKEN",
+        purpose="inference",
+        master=DARTBOARD_SERVICE_TOKEN,
+        production=PRODUCTION,
+    )
     DARTBOARD_ADMIN_TOKEN = config_env.purpose_setting(
-        name="DARTBOARD_ADMIN_TOKEN", purpose="router-admin",
-        master=DARTBOARD_SERVICE_TOKEN, production=PRODUCTION,
-    )  # fmt: skip
+        name="DARTBOARD_ADMIN_TOKEN",
+        purpose="router-admin",
+        master=DARTBOARD_SERVICE_TOKEN,
+        production=PRODUCTION,
+    )
 except config_env.SettingsError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 # Published versions go to the artifact store (core/artifacts.py) and are fetched by reference,
@@ -337,6 +341,10 @@ DARTBOARD_TORCH_THREADS = int(os.environ.get("DARTBOARD_TORCH_THREADS", "1"))
 # /api/v1/schema/. Writes are limited per token (per user for a session) to
 # DARTBOARD_API_WRITES_PER_MINUTE, counted in Django's cache.
 DARTBOARD_API_WRITES_PER_MINUTE = config_env.env_int("DARTBOARD_API_WRITES_PER_MINUTE", 60)
+# Tokens whose writes are not limited, by key id (`dbt_<key id>_...`, comma-separated):
+# none unless named, for a script that must write faster (a bulk import, the schema's fuzz
+# test). Read per request, so a test names its token with pytest-django's `settings`.
+DARTBOARD_API_UNLIMITED_TOKENS = config_env.env_list("DARTBOARD_API_UNLIMITED_TOKENS")
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "dartboard.api.auth.BearerTokenAuthentication",

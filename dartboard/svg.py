@@ -32,17 +32,35 @@ def reward_histogram_svg(
                 'aria-label="reward {}: {} trajectories"><rect x="{}" y="{}" width="{}" '
                 'height="{}"/><text x="{}" y="{}" class="n">{}</text><text x="{}" y="{}">{}'
                 "</text></a>",
-                link, b.low, b.high, " selected" if on else "", b.label, b.label, b.count,
-                x, _f(height - 16 - h), bar_w, _f(h), x + bar_w / 2, _f(height - 19 - h),
-                b.count, x + bar_w / 2, height - 3, b.label,
+                link,
+                b.low,
+                b.high,
+                " selected" if on else "",
+                b.label,
+                b.label,
+                b.count,
+                x,
+                _f(height - 16 - h),
+                bar_w,
+                _f(h),
+                x + bar_w / 2,
+                _f(height - 19 - h),
+                b.count,
+                x + bar_w / 2,
+                height - 3,
+                b.label,
             )
-        )  # fmt: skip
+        )
     width = len(bins) * (bar_w + gap)
     return format_html(
         '<svg class="histogram" id="reward-histogram" width="{}" height="{}" '
         'viewBox="0 0 {} {}">{}</svg>',
-        width, height, width, height, format_html_join("", "{}", ((b,) for b in bars)),
-    )  # fmt: skip
+        width,
+        height,
+        width,
+        height,
+        format_html_join("", "{}", ((b,) for b in bars)),
+    )
 
 
 def sparkline_svg(values: list[float], *, width: int = 120, height: int = 24) -> SafeString:
@@ -112,9 +130,14 @@ def action_overlay_svg(
             format_html(
                 '<line x1="{}" y1="{}" x2="{}" y2="{}" class="arrow" stroke-width="{}" '
                 'marker-end="url(#{})"/>',
-                x, y, x2, y2, _f(sw), head,
+                x,
+                y,
+                x2,
+                y2,
+                _f(sw),
+                head,
             )
-        )  # fmt: skip
+        )
         parts.append(
             format_html('<circle cx="{}" cy="{}" r="{}" class="dot"/>', x, y, _f(sw * 1.5))
         )
@@ -126,9 +149,14 @@ def action_overlay_svg(
             format_html(
                 '<line x1="{}" y1="{}" x2="{}" y2="{}" class="arrow" '
                 'stroke-width="{}" marker-end="url(#{})"/>',
-                x, y, _f(x + dx * length), _f(y + dy * length), _f(sw), head,
+                x,
+                y,
+                _f(x + dx * length),
+                _f(y + dy * length),
+                _f(sw),
+                head,
             )
-        )  # fmt: skip
+        )
     label = None
     if t == "type":
         label = f"type: {action.get('text', '')!r}"
@@ -141,9 +169,12 @@ def action_overlay_svg(
         parts.append(
             format_html(
                 '<text x="{}" y="{}" font-size="{}" class="label">{}</text>',
-                _f(fs / 2), _f(height - fs / 2), _f(fs), label,
+                _f(fs / 2),
+                _f(height - fs / 2),
+                _f(fs),
+                label,
             )
-        )  # fmt: skip
+        )
     defs = format_html(
         '<defs><marker id="{}" markerWidth="6" markerHeight="6" refX="5" refY="3" '
         'orient="auto"><path d="M0,0 L6,3 L0,6 z" class="head"/></marker></defs>',

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.core.paginator import Paginator
 from django.utils import timezone
 
+from datamanager.live_work import LiveWork, redis_client, run_live_work
 from datamanager.models import (
     EnvSlot,
     EvalScope,
@@ -46,8 +47,6 @@ from datamanager.selectors.runs import (
     current_slots,
     slot_silence,
 )
-from workers.leases import LiveWork, redis_client
-from workers.runs import run_live_work
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,8 @@ from datamanager.selectors.aggregates import bucket_width, outcome_rows
 from datamanager.selectors.outages import recent_outages
 from datamanager.selectors.runs import run_find, run_status, run_task_names, task_stat_find
 from datamanager.selectors.trajectories import failure_label
-from datamanager.services import demos, review
+from datamanager.services import demos, review, run_workers
 from datamanager.services import runs as services
-from workers import runs
 
 
 def _user(request: HttpRequest) -> User:
@@ -154,8 +153,8 @@ def run_control(request: HttpRequest, run_id: int) -> HttpResponse:
     get_object_or_404(Run, pk=run_id)
     action = request.POST.get("action", "")
     try:
-        run = runs.run_apply(run_id=run_id, action=action, user=_user(request))
-    except (services.InvalidTransition, runs.RunNotStartable, services.NotYourRun) as exc:
+        run = run_workers.run_apply(run_id=run_id, action=action, user=_user(request))
+    except (services.InvalidTransition, run_workers.RunNotStartable, services.NotYourRun) as exc:
         messages.error(request, f"Could not {action or 'change'} the run: {exc}.")
     else:
         messages.success(request, f"Run {run.name} is {run.status}.")

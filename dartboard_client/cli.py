@@ -304,9 +304,13 @@ def sweep(
     """Create a sweep: a run per grid combination and seed, started PARALLEL at a time as
     earlier ones end; its page lines up their curves."""
     made = ctx.client.sweep_create(
-        name=name or config.stem, config=read_config(config), grid=grid_of(grid),
-        seeds=seeds, parallel=parallel, overrides=overrides_of(sets),
-    )  # fmt: skip
+        name=name or config.stem,
+        config=read_config(config),
+        grid=grid_of(grid),
+        seeds=seeds,
+        parallel=parallel,
+        overrides=overrides_of(sets),
+    )
     if as_json:
         emit(made)
         return

@@ -89,9 +89,11 @@ class Client:
         except httpx.TransportError as exc:
             raise DartboardError(
                 0,
-                {"code": "unreachable",
-                 "message": f"no answer from {self.settings.url} ({exc}); set DARTBOARD_URL"},
-            ) from None  # fmt: skip
+                {
+                    "code": "unreachable",
+                    "message": f"no answer from {self.settings.url} ({exc}); set DARTBOARD_URL",
+                },
+            ) from None
         if response.is_success:
             return response
         try:
@@ -180,8 +182,14 @@ class Client:
         parallel: int = 1,
         overrides: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        body = {"name": name, "config": config or {}, "grid": grid or {}, "seeds": seeds,
-                "parallel": parallel, "overrides": overrides or {}}  # fmt: skip
+        body = {
+            "name": name,
+            "config": config or {},
+            "grid": grid or {},
+            "seeds": seeds,
+            "parallel": parallel,
+            "overrides": overrides or {},
+        }
         return self.post("sweeps/", body)
 
     def sweeps(self, **page: Any) -> dict[str, Any]:

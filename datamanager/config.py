@@ -1,7 +1,7 @@
 """Run configuration: typed dataclasses, one line of help per field, validated on creation.
 
-How a field is declared, parsed and checked is `datamanager.config_fields`'s; the trainer's
-and curation's sections are `datamanager.config_training`'s.
+How a field is declared, parsed and checked is `core.config_fields`'s; the trainer's and
+curation's sections are `training.config`'s, which the trainer takes as they are.
 
 The resolved config (every default filled in) is stored on the Run row as JSON, so a run can
 be reproduced from the database alone. `RunConfig.from_dict` reports every bad value at once,
@@ -15,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from datamanager.config_fields import (
+from django.db import models
+
+from core.config_fields import (
     ConfigError,
     ConfigInvalid,
     build_all,
@@ -24,16 +26,16 @@ from datamanager.config_fields import (
     knob,
     unused_knob,
 )
-from datamanager.config_training import CurationConfig, TrainerConfig
 from datamanager.curation import INSTANCE_SEED_BASE
-from datamanager.models import EnvKind
 from envmanager.osworld_needs import CAPABILITIES, OSWORLD_VM_OFFERS
+from training.config import CurationConfig, TrainerConfig
 
 __all__ = [
     "ConfigError",
     "ConfigInvalid",
     "CurationConfig",
     "EnvConfig",
+    "EnvKind",
     "EvaluationConfig",
     "RolloutConfig",
     "RunConfig",
@@ -41,6 +43,18 @@ __all__ = [
     "TrainerConfig",
     "config_override",
 ]
+
+
+class EnvKind(models.TextChoices):
+    """The env backends a task runs on and a run's `tasks.env_kinds` names (the Task table's
+    choices, `datamanager.models` re-exports it): here, so the models can parse a run's
+    settings without importing back into them."""
+
+    MINIWOB = "miniwob"
+    DESKTOP = "desktop"
+    SIM = "sim"
+    OSWORLD = "osworld"
+
 
 # UI-TARS-1.5's replies and screenshots (`rollout.prompt` ui-tars-1.5): a Thought and an
 # Action run to hundreds of tokens; a 1920x1080 screenshot is 2,691 prompt tokens.
@@ -138,11 +152,14 @@ class EnvConfig:
         for address in self.osworld_addresses:
             host, sep, port = address.rpartition(":")
             check(
-                bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
-                and "@" not in host and "/" not in host,
+                bool(sep and host)
+                and port.isdigit()
+                and 0 < int(port) < 65536
+                and "@" not in host
+                and "/" not in host,
                 "osworld_addresses",
                 f"{address!r} is not host:port (e.g. 10.0.0.5:5000)",
-            )  # fmt: skip
+            )
         check(
             len(set(self.osworld_addresses)) == len(self.osworld_addresses),
             "osworld_addresses",

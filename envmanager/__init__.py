@@ -13,4 +13,7 @@ sandbox every program the policy drives runs in.
 
 Env slots (which environment serves which run, their heartbeats and leases) and their Celery
 tasks are `workers.slot_worker`; an environment is built for a slot by `workers.env_cache`.
+
+May import `core` only: not `rollout` or `training`, and never Django or Celery
+(pyproject.toml's import-linter contracts).
 """

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from core.actions import CoordSpace, format_screen_action
 from core.imaging import ImageGeometry
 from core.protocol import Env, TaskSpec
+from core.steps import StepRecord
 from envmanager.oracles import oracle_action
 
 
 @dataclass(frozen=True)
 class DemoOutcome:
-    steps: list[tuple[bytes, int, int, str, str, dict]]  # png, w, h, raw_output, thought, action
+    steps: list[StepRecord]  # StepRecord.demonstration: screen, reply, screen-pixel action
     instruction: str
     reward: float
     success: bool
@@ -32,7 +33,7 @@ def collect_demo(
     text is exactly what parse_output reads back."""
     obs = env.reset(task)
     instruction = obs.instruction or task.instruction
-    steps = []
+    steps: list[StepRecord] = []
     for _ in range(max_steps):
         action = oracle_action(env_kind=task.env_kind, task_name=task.name, observation=obs)
         if action is None:
@@ -43,7 +44,17 @@ def collect_demo(
         raw = format_screen_action(
             action, screen_size=(obs.width, obs.height), geometry=geometry, coords=coords
         )
-        steps.append((obs.screenshot_png, obs.width, obs.height, raw, thought, action.to_json()))
+        steps.append(
+            StepRecord.demonstration(
+                index=len(steps),
+                screenshot_png=obs.screenshot_png,
+                width=obs.width,
+                height=obs.height,
+                raw_output=raw,
+                thought=thought,
+                action=action.to_json(),
+            )
+        )
         if action.ends_episode:
             break
         obs = env.step(action)

@@ -305,10 +305,12 @@ class DesktopEnv(SandboxedDisplay):
             chars = sorted({ch for ch in part if not ch.isascii()})
             mapped = list(zip(spare, chars, strict=False))
             self._x_run(
-                ["xmodmap", *[a for code, ch in mapped for a in
-                              ("-e", f"keycode {code} = U{ord(ch):04X}")]],
+                [
+                    "xmodmap",
+                    *[a for code, ch in mapped for a in ("-e", f"keycode {code} = U{ord(ch):04X}")],
+                ],
                 what="step(type): mapping characters",
-            )  # fmt: skip
+            )
             self._typed_keycodes = [code for code, _ in mapped]
             time.sleep(KEYMAP_SETTLE_S)
             self._x_run(["xdotool", "type", "--delay", "5", "--", part], what="step(type)")

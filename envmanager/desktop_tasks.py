@@ -240,11 +240,18 @@ _XTERM = (
 # --no-sandbox: chromium's own sandbox needs user namespaces or a setuid helper, neither of
 # which it gets inside bubblewrap; the bubblewrap sandbox around it is the isolation.
 _CHROMIUM = (
-    "chromium", "--app=file://{sandbox}/page.html", "--user-data-dir=/home/agent/.chromium",
-    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-    "--no-first-run", "--no-default-browser-check", "--window-position=0,0",
+    "chromium",
+    "--app=file://{sandbox}/page.html",
+    "--user-data-dir=/home/agent/.chromium",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--window-position=0,0",
     "--window-size=800,600",
-)  # fmt: skip
+)
 
 
 def _a(type_: str, **kw: Any) -> Action:

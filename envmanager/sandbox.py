@@ -315,6 +315,7 @@ def bwrap_argv(
     clean environment `env`, /usr and a few /etc entries read-only, its own /proc, /dev and
     sized tmpfs /tmp and home, plus `binds` (read-write) and `ro_binds`, each (host path,
     sandbox path)."""
+    # Laid out by hand: each flag beside its values, as on the command line.
     args = [
         bwrap_path(),
         "--unshare-all",  # user, pid, ipc, uts, cgroup and network namespaces

@@ -121,9 +121,12 @@ def sandbox_cgroups(*, uid: int, limits: SandboxLimits) -> list[Path]:
         ]
     else:
         plan = [
-            (base / "memory" / own.get("memory", "/").lstrip("/"), {"memory.limit_in_bytes": memory}),
+            (
+                base / "memory" / own.get("memory", "/").lstrip("/"),
+                {"memory.limit_in_bytes": memory},
+            ),
             (base / "pids" / own.get("pids", "/").lstrip("/"), {"pids.max": processes}),
-        ]  # fmt: skip
+        ]
     made: list[Path] = []
     for root, values in plan:
         group = root / name

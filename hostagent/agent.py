@@ -2,8 +2,9 @@
 it stops, on the host with room for them.
 
 With DARTBOARD_PROCESSES=per-run a started run waits as QUEUED with a queued placement
-(`workers.runs.run_apply`). Every agent (one per host; `make run`'s launcher runs one) reports
-its host (GPUs, CPU inference slots, env kinds) and, once a second (`HostAgent.tick`):
+(`datamanager.services.run_workers.run_apply`). Every agent (one per host; `make run`'s
+launcher runs one) reports its host (GPUs, CPU inference slots, env kinds) and, once a
+second (`HostAgent.tick`):
 
 - places queued runs that fit beside those already on its host (`hostagent.placement`),
   claims them in the database (one agent wins a run) and starts their processes: inference
@@ -11,7 +12,7 @@ its host (GPUs, CPU inference slots, env kinds) and, once a second (`HostAgent.t
   on the run's own queue (`train.run<id>`, its GPUs in CUDA_VISIBLE_DEVICES), one Celery env
   worker per env slot (`env.run<id>`);
 - once the run's router answers, makes the run RUNNING and starts its work
-  (`workers.runs.run_start_workers`: the router synced to its current version, its slot and
+  (`datamanager.services.run_workers.run_start_workers`: the router synced to its current version, its slot and
   trainer tasks on its queues);
 - a run that does not fit keeps waiting, with the reason on its page; it starts when a run
   before it stops;
@@ -42,6 +43,7 @@ from django.utils import timezone
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
 from datamanager.policies import ORACLE_POLICY, policy_path
+from datamanager.selectors.runs import run_current_policy
 from datamanager.services.placement import (
     host_report,
     placement_claim,
@@ -49,6 +51,7 @@ from datamanager.services.placement import (
     placement_set,
     placement_wait,
 )
+from datamanager.services.run_workers import run_start_workers
 from datamanager.services.runs import run_begin, run_fail_queued, run_set_message
 from hostagent.launcher import (
     CELERY,
@@ -69,7 +72,6 @@ from hostagent.placement import (
 )
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
-from workers.runs import run_current_policy, run_start_workers
 
 log = logging.getLogger("hostagent.agent")
 
@@ -104,8 +106,11 @@ def _nvidia_smi_gpus() -> list[Gpu]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     gpus = []
@@ -406,9 +411,15 @@ class HostAgent:
         group = Supervisor(home=self.home, specs=specs, group=f"run-{run.pk}")
         group.start()
         self.groups[run.pk] = group
-        log.info("run %s: started %d processes on %s (%s, router port %s, checkpoint %s)",
-                 run.pk, len(specs), self.name, plan.device, plan.router_port or "-",
-                 checkpoint)  # fmt: skip
+        log.info(
+            "run %s: started %d processes on %s (%s, router port %s, checkpoint %s)",
+            run.pk,
+            len(specs),
+            self.name,
+            plan.device,
+            plan.router_port or "-",
+            checkpoint,
+        )
 
     def _stop_group(self, run_id: int) -> None:
         group = self.groups.pop(run_id, None)

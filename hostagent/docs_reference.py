@@ -62,31 +62,51 @@ def settings_page() -> str:
     and `make run`'s value where it differs."""
     default, preset = RunConfig(), main_run_config("miniwob")
     lines = [
-        "# Run settings", "", GENERATED, "",
+        "# Run settings",
+        "",
+        GENERATED,
+        "",
         "A run's configuration (`datamanager/config.py`, `RunConfig`), as the run form, the "
         "run's JSON and `bench/mainjob.py --set KEY=JSON` name it. *make run* is the main "
         "preset's value where it differs from the default (`hostagent/main_job.py`). A value "
-        "out of range is refused with the setting's name and the reason.", "",
+        "out of range is refused with the setting's name and the reason.",
+        "",
         "Each setting's dotted name is its anchor on this page: "
-        "[`trainer.lr`](#trainer.lr) is `reference/settings.md#trainer.lr`.", "",
-    ]  # fmt: skip
+        "[`trainer.lr`](#trainer.lr) is `reference/settings.md#trainer.lr`.",
+        "",
+    ]
     for section in ["", *sections()]:
-        lines += [f"## {section_title(section)}", "",
-                  "| setting | type | default | what it does |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"## {section_title(section)}",
+            "",
+            "| setting | type | default | what it does |",
+            "|---|---|---|---|",
+        ]
         for _, name, tp, f in (field for field in config_fields() if field[0] == section):
             value, ours = _setting(default, name), _setting(preset, name)
             help_text = f.metadata.get("help", "").replace("|", "\\|")
             if ours != value:
                 help_text += f" *make run*: {_value(ours)}."
-            lines.append(f'| <a id="{name}"></a>`{name}` | {_type_name(tp)} | {_value(value)} '
-                         f"| {help_text} |")  # fmt: skip
+            lines.append(
+                f'| <a id="{name}"></a>`{name}` | {_type_name(tp)} | {_value(value)} '
+                f"| {help_text} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
-    skip = {"help", "version", "verbosity", "settings", "pythonpath", "traceback", "no_color",
-            "force_color", "skip_checks"}  # fmt: skip
+    skip = {
+        "help",
+        "version",
+        "verbosity",
+        "settings",
+        "pythonpath",
+        "traceback",
+        "no_color",
+        "force_color",
+        "skip_checks",
+    }
     out = []
     for action in parser._actions:  # argparse keeps them there; there is no public list
         if action.dest in skip:
@@ -102,13 +122,27 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 
 def commands_page() -> str:
     """Dartboard's management commands with their options, and the make targets."""
-    lines = ["# Commands", "", GENERATED, "", "## Make targets", "",
-             "`make` alone lists them. `ARGS='...'` passes options to the run targets.", "",
-             "| target | what it does |", "|---|---|"]  # fmt: skip
+    lines = [
+        "# Commands",
+        "",
+        GENERATED,
+        "",
+        "## Make targets",
+        "",
+        "`make` alone lists them. `ARGS='...'` passes options to the run targets.",
+        "",
+        "| target | what it does |",
+        "|---|---|",
+    ]
     for target, text in make_targets():
         lines.append(f"| `make {target}` | {text} |")
-    lines += ["", "## Management commands", "",
-              "`.venv/bin/python manage.py COMMAND --help` prints the same.", ""]  # fmt: skip
+    lines += [
+        "",
+        "## Management commands",
+        "",
+        "`.venv/bin/python manage.py COMMAND --help` prints the same.",
+        "",
+    ]
     own = sorted(n for n, app in get_commands().items() if app.split(".")[-1] in OWN_APPS)
     for name in own:
         command = load_command_class(get_commands()[name], name)
@@ -148,24 +182,41 @@ def actions_page() -> str:
     def cell(text: str) -> str:
         return "`" + text.replace("\n", "\\n").replace("|", "\\|") + "`"
 
-    rows = [f"| `{a.type.value}` | {cell(json.dumps(a.to_json()))} | {cell(format_action_call(a))} "
-            f"| {cell(pyautogui_code(a))} |" for a in EXAMPLES]  # fmt: skip
+    rows = [
+        f"| `{a.type.value}` | {cell(json.dumps(a.to_json()))} | {cell(format_action_call(a))} "
+        f"| {cell(pyautogui_code(a))} |"
+        for a in EXAMPLES
+    ]
     assert {a.type for a in EXAMPLES} == set(ActionType), "an action type has no example"
     read = ", ".join(f"`{name}`" for name in READ_CALLS)
     refused = "; ".join(f"`{name}` ({why})" for name, why in REFUSED_CALLS.items())
-    return "\n".join([
-        "# Actions", "", GENERATED, "",
-        "Every step stores one action (`core/protocol.py`, `Action`), in the pixels of the "
-        "screenshot it was chosen on. Uploads name it in JSON; the policy writes it as a reply "
-        "(UI-TARS's call syntax, shown here in screen pixels: a policy writes its own image's "
-        "coordinates); OSWorld exports write it as pyautogui code.", "",
-        "```text", doc, "```", "",
-        "| type | JSON | reply | pyautogui (OSWorld export) |", "|---|---|---|---|", *rows, "",
-        "## pyautogui calls read on import", "",
-        f"OSWorld result folders and AgentNet lines are read by parsing, never running, these "
-        f"calls (literal arguments only): {read}, and OSWorld's whole-step words `WAIT`, `DONE`, "
-        f"`FAIL`. Refused: {refused}; any other call or statement.", "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Actions",
+            "",
+            GENERATED,
+            "",
+            "Every step stores one action (`core/protocol.py`, `Action`), in the pixels of the "
+            "screenshot it was chosen on. Uploads name it in JSON; the policy writes it as a reply "
+            "(UI-TARS's call syntax, shown here in screen pixels: a policy writes its own image's "
+            "coordinates); OSWorld exports write it as pyautogui code.",
+            "",
+            "```text",
+            doc,
+            "```",
+            "",
+            "| type | JSON | reply | pyautogui (OSWorld export) |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            "## pyautogui calls read on import",
+            "",
+            f"OSWorld result folders and AgentNet lines are read by parsing, never running, these "
+            f"calls (literal arguments only): {read}, and OSWorld's whole-step words `WAIT`, `DONE`, "
+            f"`FAIL`. Refused: {refused}; any other call or statement.",
+            "",
+        ]
+    )
 
 
 def env_config_page() -> str:
@@ -180,7 +231,7 @@ def env_config_page() -> str:
         "type, with the record and the key named. How to write tasks: "
         "[Your own tasks](../tasks.md).",
         "",
-    ]  # fmt: skip  (the page's lines one after another, as they print)
+    ]
     for kind, keys in ENV_CONFIG_KEYS.items():
         lines += [f"## {kind}", "", "| key | type | what it does |", "|---|---|---|"]
         for key in keys:

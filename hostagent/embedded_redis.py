@@ -83,6 +83,7 @@ class EmbeddedRedis:
                 "(no matching pidfile); stop it or set DARTBOARD_HOME to another directory"
             )
         self.socket_path.unlink(missing_ok=True)
+        # Laid out by hand: each flag beside its values, as on the command line.
         cmd = [
             redis_server_binary(),
             "--port", str(self.port),

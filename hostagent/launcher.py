@@ -171,8 +171,12 @@ class Supervisor:
 
     def _start_child(self, spec: ProcSpec) -> None:
         self.children[spec.name] = _Child(spec, self._spawn(spec), time.monotonic())
-        log.info("started %s (pid %d), log %s", spec.name, self.children[spec.name].proc.pid,
-                 self.log_dir / f"{spec.name}.log")  # fmt: skip
+        log.info(
+            "started %s (pid %d), log %s",
+            spec.name,
+            self.children[spec.name].proc.pid,
+            self.log_dir / f"{spec.name}.log",
+        )
 
     def watch_once(self) -> None:
         """Restart the embedded Redis if it died, and any child that exited (with a backoff
@@ -222,8 +226,12 @@ class Supervisor:
         code = redis.exited()
         if code is None:
             return
-        log.warning("embedded Redis exited with %s; restarting it on %s (log %s)",
-                    code, redis.socket_path, redis.logfile)  # fmt: skip
+        log.warning(
+            "embedded Redis exited with %s; restarting it on %s (log %s)",
+            code,
+            redis.socket_path,
+            redis.logfile,
+        )
         try:
             redis.start()
         except RedisStartError as exc:  # tried again on the next watch
@@ -311,10 +319,12 @@ def env_worker_specs(count: int, *, queue: str = "env", prefix: str = "") -> lis
     """`count` solo Celery workers on an env queue: one env slot each."""
     tag = prefix.rstrip("-").replace("-", "")
     return [
-        ProcSpec(f"{prefix}worker-env-{i}",
-                 [*CELERY, "-Q", queue, "--pool=solo", "-n", f"env{tag}-{i}@%h"])
+        ProcSpec(
+            f"{prefix}worker-env-{i}",
+            [*CELERY, "-Q", queue, "--pool=solo", "-n", f"env{tag}-{i}@%h"],
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def default_specs(
@@ -374,20 +384,31 @@ def serving_specs(
     """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
     behind a router on `router_port`. `prefix` names a run's processes apart ("run-7-")."""
     if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
-        log.warning("inference workers get the artifact store's own keys, which can write: "
-                    "set %s and its secret to a read-only pair", READ_KEY_ENV)  # fmt: skip
+        log.warning(
+            "inference workers get the artifact store's own keys, which can write: "
+            "set %s and its secret to a read-only pair",
+            READ_KEY_ENV,
+        )
     tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
     specs: list[ProcSpec] = []
     for i, (wport, gpu) in enumerate(zip(worker_ports, gpus, strict=True)):
         if backend == "vllm":
-            specs += vllm_specs(i, policy, wport, tokens=tokens, gpu=gpu,
-                                gpu_memory=vllm_gpu_memory if device == "cuda" else None,
-                                prefix=prefix, max_model_len=max_model_len,
-                                images_per_prompt=images_per_prompt)  # fmt: skip
+            specs += vllm_specs(
+                i,
+                policy,
+                wport,
+                tokens=tokens,
+                gpu=gpu,
+                gpu_memory=vllm_gpu_memory if device == "cuda" else None,
+                prefix=prefix,
+                max_model_len=max_model_len,
+                images_per_prompt=images_per_prompt,
+            )
             continue
         env = inference_env(tokens)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        # Laid out by hand: each flag beside its values, as on the command line.
         argv = python_argv(
             "-m", "rollout.server", "--policy", policy, "--host", "127.0.0.1",
             "--port", str(wport), "--version", str(version), "--threads", "1",
@@ -469,6 +490,7 @@ def vllm_specs(
         "CUDA_VISIBLE_DEVICES": str(i if gpu is None else gpu),
     }
     vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on a CPU host (default 4)
+    # Laid out by hand: each flag beside its values, as on the command line.
     adapter = python_argv(
         "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
         "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
@@ -476,9 +498,14 @@ def vllm_specs(
     serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *args]
     return [
         ProcSpec(f"{prefix}vllm-{i}", serve, env=vllm_env, inherit=False, stale=(sock,)),
-        ProcSpec(f"{prefix}inference-{i}", adapter, env={**inference_env(tokens), VLLM_KEY_ENV: key},
-                 inherit=False, port=port),
-    ]  # fmt: skip
+        ProcSpec(
+            f"{prefix}inference-{i}",
+            adapter,
+            env={**inference_env(tokens), VLLM_KEY_ENV: key},
+            inherit=False,
+            port=port,
+        ),
+    ]
 
 
 def wait_http(url: str, *, timeout: float) -> bool:

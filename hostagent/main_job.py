@@ -9,6 +9,9 @@ curation feature on; the desktop preset starts from the desktop policy) or find 
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from django.core.management import call_command
 
 from datamanager.config import RunConfig
@@ -51,9 +54,15 @@ DESKTOP_WARM_START = 0
 
 def main_run_config(preset: str = "miniwob") -> RunConfig:
     """The run a preset starts (see docs/benchmarks.md, *The main job observed*, for what it
-    shows). Long: each preset's configuration is one literal, read whole."""
+    shows), parsed and checked here, once."""
     if preset not in MAIN_RUN_NAMES:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(MAIN_RUN_NAMES)}")
+    return RunConfig.from_dict(_preset_settings(preset))
+
+
+def _preset_settings(preset: str) -> dict[str, Any]:
+    """A preset's settings as the run's JSON gives them. Long: each preset's configuration
+    is one literal, read whole."""
     if preset == "desktop":
         desktop = list(
             Task.objects.filter(env_kind=EnvKind.DESKTOP, split=Split.TRAIN).values_list(
@@ -64,74 +73,70 @@ def main_run_config(preset: str = "miniwob") -> RunConfig:
         # further pretrained on synthetic desktops (bench/desktop.py measures it before RL).
         # The desktop tasks are fixed, one instance each (as OSWorld's): an evaluation plays
         # each once, greedily, on one of the two slots.
-        return RunConfig.from_dict(
-            {
-                "policy": "shipped-desktop",
-                "tasks": {
-                    "split": "train",
-                    "names": desktop,
-                    "env_kinds": ["desktop"],
-                    "instances": 1,
-                },
-                "env": {"miniwob_slots": 0, "desktop_slots": 2},
-                "rollout": DESKTOP_ROLLOUT,
-                "trainer": {
-                    **_TRAINER,
-                    "warm_start_bc_updates": DESKTOP_WARM_START,
-                    "min_groups": 2,
-                    "max_steps_per_update": 64,
-                },
-                "evaluation": {
-                    "every_n_versions": 1,
-                    "slot_share": 1 / 2,
-                    "eval_split": False,
-                    "train_instances": True,
-                },
-            }
-        )
+        return {
+            "policy": "shipped-desktop",
+            "tasks": {
+                "split": "train",
+                "names": desktop,
+                "env_kinds": ["desktop"],
+                "instances": 1,
+            },
+            "env": {"miniwob_slots": 0, "desktop_slots": 2},
+            "rollout": DESKTOP_ROLLOUT,
+            "trainer": {
+                **_TRAINER,
+                "warm_start_bc_updates": DESKTOP_WARM_START,
+                "min_groups": 2,
+                "max_steps_per_update": 64,
+            },
+            "evaluation": {
+                "every_n_versions": 1,
+                "slot_share": 1 / 2,
+                "eval_split": False,
+                "train_instances": True,
+            },
+        }
     if preset == "vllm":
         # The main job as a GPU user runs a 7B model: vLLM (its CPU build here) serves the
         # rollouts and the trainer publishes LoRA adapters, each loaded into vLLM beside the
         # serving one (no pause). A LoRA update moves less than a full one: a higher lr.
-        main = main_run_config("miniwob").to_dict()
+        main = copy.deepcopy(_preset_settings("miniwob"))
         main["rollout"]["backend"] = "vllm"
         main["trainer"].update({"lora_rank": 16, "lora_alpha": 32, "lr": 5e-4})
-        return RunConfig.from_dict(main)
-    return RunConfig.from_dict(
-        {
-            "policy": "shipped",
-            # Fixed training instances, as DART trains on OSWorld's fixed tasks: RL learns
-            # them within a 30-minute run (docs/benchmarks.md).
-            "tasks": {
-                "split": "train",
-                "names": [f"miniwob/{n}" for n in MAIN_MINIWOB_TASKS],
-                "env_kinds": ["miniwob"],
-                "instances": 10,
-            },
-            "env": {"miniwob_slots": 3},
-            "rollout": _ROLLOUT,
-            # No warm start: the shipped policy was pretrained on these screens, and the
-            # first RL version must come within minutes (6 warm-start updates took 16 minutes
-            # in the first main job). Two ready groups and 48 steps make an update.
-            "trainer": {**_TRAINER, "min_groups": 2, "max_steps_per_update": 48},
-            # Three slots collect faster than one CPU trainer trains: no new group is opened
-            # while two updates' steps wait (docs/architecture.md, *Backpressure*), instead
-            # of collecting steps that would go stale.
-            "curation": {"backpressure": 2},
-            # Greedy success per version on the training instances and on held-out seeds
-            # (the run page's first chart): the starting policy, then the newest version
-            # whenever the evaluation slot (one of three) is free; not the 23 tasks of the
-            # eval split, whose episodes would take the slots' time. 10 held-out seeds per
-            # task: 30 episodes, as many as the training instances.
-            "evaluation": {
-                "every_n_versions": 1,
-                "slot_share": 1 / 3,
-                "eval_split": False,
-                "train_instances": True,
-                "heldout_k": 10,
-            },
-        }
-    )
+        return main
+    return {
+        "policy": "shipped",
+        # Fixed training instances, as DART trains on OSWorld's fixed tasks: RL learns
+        # them within a 30-minute run (docs/benchmarks.md).
+        "tasks": {
+            "split": "train",
+            "names": [f"miniwob/{n}" for n in MAIN_MINIWOB_TASKS],
+            "env_kinds": ["miniwob"],
+            "instances": 10,
+        },
+        "env": {"miniwob_slots": 3},
+        "rollout": _ROLLOUT,
+        # No warm start: the shipped policy was pretrained on these screens, and the
+        # first RL version must come within minutes (6 warm-start updates took 16 minutes
+        # in the first main job). Two ready groups and 48 steps make an update.
+        "trainer": {**_TRAINER, "min_groups": 2, "max_steps_per_update": 48},
+        # Three slots collect faster than one CPU trainer trains: no new group is opened
+        # while two updates' steps wait (docs/architecture.md, *Backpressure*), instead
+        # of collecting steps that would go stale.
+        "curation": {"backpressure": 2},
+        # Greedy success per version on the training instances and on held-out seeds
+        # (the run page's first chart): the starting policy, then the newest version
+        # whenever the evaluation slot (one of three) is free; not the 23 tasks of the
+        # eval split, whose episodes would take the slots' time. 10 held-out seeds per
+        # task: 30 episodes, as many as the training instances.
+        "evaluation": {
+            "every_n_versions": 1,
+            "slot_share": 1 / 3,
+            "eval_split": False,
+            "train_instances": True,
+            "heldout_k": 10,
+        },
+    }
 
 
 # Oracle demonstrations per task pre-collected into the experience pool (seeds 10000+).

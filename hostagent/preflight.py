@@ -17,8 +17,8 @@ from core.procutil import pid_cmdline
 
 MIN_PYTHON = (3, 11)
 # The main job's processes (3 browsers, the trainer, an inference worker, web, Celery) take
-# about 3 GiB on this project's 2-core machine; its checkpoints and screenshots grow by
-# about 1 GiB an hour.
+# about 3 GiB on this project's 2-core machine; with the main job's version retention its
+# home stays near 2 GB over 8 hours (docs/benchmarks.md).
 MIN_MEMORY = 3 * 2**30
 MIN_DISK = 3 * 2**30
 
@@ -108,8 +108,9 @@ def disk_problem(home: Path, *, need: int = MIN_DISK) -> str | None:
         return None
     return (
         f"Only {free / 2**30:.1f} GiB are free under {where} (DARTBOARD_HOME is {home}); the "
-        f"main job needs {need / 2**30:.0f} GiB to start, and its checkpoints and screenshots "
-        "grow by about 1 GiB an hour. Free some space, or set DARTBOARD_HOME to a larger disk."
+        f"main job needs {need / 2**30:.0f} GiB to start, and keeping its newest versions its "
+        "home stays near 2 GB over 8 hours (docs/benchmarks.md, *Disk over a long run*). Free "
+        "some space, or set DARTBOARD_HOME to a larger disk."
     )
 
 
@@ -121,7 +122,8 @@ def memory_problem(*, need: int = MIN_MEMORY, meminfo: Path = Path("/proc/meminf
     return (
         f"Only {available / 2**30:.1f} GiB of memory are available; the main job needs about "
         f"{need / 2**30:.0f} GiB (three browsers, the trainer, an inference worker, the web "
-        "and Celery). Stop other programs, or start fewer env slots: `--env-slots 1`."
+        "and Celery), and every start asks for it. Stop other programs until `free -h` shows "
+        f"{need / 2**30:.0f} GiB available, then start again."
     )
 
 

@@ -13,4 +13,7 @@
 The action grammar and its parser (`core.actions`) and the prompt (`core.prompts`) live in
 `core`: the trainer builds the same prompts. The env slots that run
 episodes, and their Celery tasks, are `workers.slot_worker`.
+
+May import `core` only: not `envmanager` or `training`, and never Django or Celery
+(pyproject.toml's import-linter contracts).
 """

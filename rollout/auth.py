@@ -200,12 +200,29 @@ def checkpoint_allowed(path: str, roots: list[Path]) -> Path:
 # how to run, where models and caches are, never a secret. Everything else it is given by name.
 INHERITED = frozenset(
     {
-        "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
-        "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
-        "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-        "CUDA_VISIBLE_DEVICES", "CUDA_HOME", ROOTS_ENV,
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "OMP_NUM_THREADS",
+        "OMP_WAIT_POLICY",
+        "MKL_NUM_THREADS",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_HOME",
+        ROOTS_ENV,
     }
-)  # fmt: skip
+)
 # Where an s3:// artifact store is, for a service that fetches versions from it.
 S3_PLACE = ("AWS_S3_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CA_BUNDLE")
 # A read-only key pair for the services (they only fetch); without it they get the store's

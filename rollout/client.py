@@ -132,6 +132,9 @@ class PolicyClient(_HttpClient):
             "logprobs": True,
             # vLLM: tokens come back as "token_id:N"; rollout.server sends token_id anyway.
             "return_tokens_as_token_ids": True,
+            # The prompt's token ids in the reply (`prompt_token_ids`): the step stores
+            # them and the trainer trains on them (vLLM >= 0.10.2 and rollout.server).
+            "return_token_ids": True,
         }
         if seed is not None:
             body["seed"] = seed
@@ -259,7 +262,20 @@ def _parse_completion(body: dict[str, Any], latency_ms: float, served_by: str) -
         image_geometry=(
             ImageGeometry.from_json(body["image_geometry"]) if body.get("image_geometry") else None
         ),
+        prompt_token_ids=_prompt_token_ids(body.get("prompt_token_ids")),
     )
+
+
+def _prompt_token_ids(value: Any) -> tuple[int, ...]:
+    """The reply's prompt token ids; () when the server sent none. A list that is not all
+    integers is the server's error, not something to store and train on."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise InferenceError("the server's prompt_token_ids is not a list of token ids")
+    return tuple(value)
 
 
 def _token_id(entry: dict[str, Any]) -> int | None:

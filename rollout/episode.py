@@ -30,6 +30,7 @@ from core.prompts import (
     prompt_messages,
 )
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
+from core.steps import StepRecord
 
 
 class PolicyEndpoint(Protocol):
@@ -42,32 +43,6 @@ class PolicyEndpoint(Protocol):
         top_p: float = ...,
         seed: int | None = ...,
     ) -> Completion: ...
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step as stored: the screen the policy saw, what it said, what was done."""
-
-    index: int
-    screenshot_png: bytes
-    width: int
-    height: int
-    raw_output: str
-    thought: str
-    action: dict[str, Any] | None
-    parse_error: str
-    prompt_tokens: int
-    response_tokens: int
-    rollout_logprobs: list[float]
-    response_token_ids: list[int]
-    mean_entropy: float | None
-    policy_version: int | None
-    env_ms: float | None
-    model_ms: float | None
-    # The messages the policy was given, images as references to the trajectory's steps
-    # (core.prompts.prompt_messages puts them back); empty where no policy was asked (a
-    # demonstration recorded elsewhere).
-    prompt: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Pacer(Protocol):
@@ -259,6 +234,7 @@ def _episode_loop(
                 env_ms=env_ms,
                 model_ms=completion.latency_ms,
                 prompt=prompt,
+                prompt_token_ids=list(completion.prompt_token_ids),
             )
         )
         history.append(HistoryTurn.from_output(completion.text))

@@ -25,9 +25,11 @@ def add_registration_options(parser: argparse.ArgumentParser) -> None:
     """--register, --register-every, --advertise (the transformers server and the vLLM
     adapter take the same)."""
     parser.add_argument(
-        "--register", default=None, metavar="ROUTER_URL",
+        "--register",
+        default=None,
+        metavar="ROUTER_URL",
         help="register this worker with the router at start and every --register-every s",
-    )  # fmt: skip
+    )
     parser.add_argument("--register-every", type=float, default=30.0)
     parser.add_argument(
         "--advertise", default=None, help="this worker's URL for the router (else host:port)"
@@ -72,8 +74,13 @@ class Registration(threading.Thread):
             log.warning("router %s unreachable (%s); registering again later", self.router, exc)
             return False
         if response.status_code >= 400:
-            log.error("router %s refused registration of %s: %s %s", self.router, self.own_url,
-                      response.status_code, response.text[:300])  # fmt: skip
+            log.error(
+                "router %s refused registration of %s: %s %s",
+                self.router,
+                self.own_url,
+                response.status_code,
+                response.text[:300],
+            )
             return False
         if not self.registered.is_set():
             log.info("registered %s with the router %s", self.own_url, self.router)

@@ -8,9 +8,10 @@ Run (CPU, tiny policy built with training.tiny_policy.build_tiny_policy):
 
 Endpoints:
 - POST /v1/chat/completions: model, messages (inline data-URL images), max_tokens,
-  temperature, top_p, seed, logprobs, top_logprobs. The reply is an OpenAI
+  temperature, top_p, seed, logprobs, top_logprobs, return_token_ids. The reply is an OpenAI
   chat.completion; each logprobs entry also carries `token_id`, and the body adds
-  `policy_version` and `mean_entropy`. Log-probs are those of the model at temperature 1.
+  `policy_version` and `mean_entropy` (with return_token_ids, as vLLM does, the prompt's
+  `prompt_token_ids`, image pads expanded, and the choice's `token_ids`). Log-probs are those of the model at temperature 1.
 - POST /v1/reload {"checkpoint": dir, "version": int}: stops taking requests (503 +
   Retry-After), finishes the accepted ones, copies the new weights in, resumes. A LoRA
   adapter directory (`core.lora`) swaps only the adapter's weights (megabytes) into the live
@@ -92,6 +93,7 @@ class ChatRequest:
     seed: int | None
     logprobs: bool
     top_logprobs: int
+    return_token_ids: bool = False  # vLLM's flag: the prompt's and the reply's token ids
     images: list[Image.Image] = field(default_factory=list)  # decoded, in prompt order
     qwen_messages: list[dict[str, Any]] = field(default_factory=list)  # the template's form
     result: Any = None
@@ -141,6 +143,9 @@ def parse_chat_request(
     top_logprobs = body.get("top_logprobs") or 0
     if not _is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
         raise RequestError("top_logprobs must be an integer from 0 to 20", param="top_logprobs")
+    return_token_ids = body.get("return_token_ids", False)
+    if not isinstance(return_token_ids, bool):
+        raise RequestError("return_token_ids must be a boolean", param="return_token_ids")
     model = body.get("model", default_model)
     if not isinstance(model, str):
         raise RequestError("model must be a string", param="model")
@@ -164,6 +169,7 @@ def parse_chat_request(
         seed=seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        return_token_ids=return_token_ids,
     )
 
 
@@ -391,19 +397,18 @@ def completion_body(request: ChatRequest, result: Any, *, server: InferenceServe
             }
             content.append(entry)
         logprobs = {"content": content}
-    return {
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": gen.text},
+        "finish_reason": gen.finish_reason,
+        "logprobs": logprobs,
+    }
+    body: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": gen.text},
-                "finish_reason": gen.finish_reason,
-                "logprobs": logprobs,
-            }
-        ],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": gen.response_tokens,
@@ -415,6 +420,10 @@ def completion_body(request: ChatRequest, result: Any, *, server: InferenceServe
         # in the text mean: the client maps them back to the screen with it.
         "image_geometry": server.image_geometry,
     }
+    if request.return_token_ids:  # as vLLM lays them out
+        body["prompt_token_ids"] = gen.prompt_token_ids
+        choice["token_ids"] = gen.token_ids
+    return body
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -57,6 +57,7 @@ def vllm_serve_args(
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
+    # Laid out by hand: each flag beside its values, as on the command line.
     return [
         "--model", model_dir, "--served-model-name", "policy",
         *listen,

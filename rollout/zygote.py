@@ -276,8 +276,11 @@ def _zygote(key: tuple[str, str], env: dict[str, str], cwd: str) -> _Zygote | No
         if key in _failed:
             return None
         if len(_zygotes) >= MAX_ZYGOTES:
-            log.warning("%d zygotes run: inference servers for another environment start as "
-                        "their own processes", len(_zygotes))  # fmt: skip
+            log.warning(
+                "%d zygotes run: inference servers for another environment start as "
+                "their own processes",
+                len(_zygotes),
+            )
             _failed.add(key)
             return None
         try:

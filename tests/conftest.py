@@ -123,7 +123,7 @@ def _clean_home() -> Iterator[None]:
 
 
 def _clear_live_work_keys() -> None:
-    from workers.leases import redis_client
+    from datamanager.live_work import redis_client
 
     client = redis_client()
     try:

@@ -199,7 +199,7 @@ def trained_twice(run: Run) -> int:
 def start_workers(run: Run, stack: Stack) -> None:
     """Enqueue the run's tasks from a process of the stack's own configuration (its Redis,
     which may not be this process's)."""
-    code = f"from workers.runs import run_start_workers; run_start_workers(run_id={run.pk})"
+    code = f"from datamanager.services.run_workers import run_start_workers; run_start_workers(run_id={run.pk})"
     subprocess.run(
         [sys.executable, "manage.py", "shell", "-c", code],
         cwd=ROOT, env=stack.env, check=True, capture_output=True, timeout=120,

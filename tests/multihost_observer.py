@@ -27,9 +27,9 @@ import django
 def _start(policy: str) -> dict[str, Any]:
     import dataclasses
 
+    from datamanager.services.run_workers import run_start_workers
     from datamanager.services.runs import run_control, run_create
     from tests.live_stack import fault_run_config
-    from workers.runs import run_start_workers
 
     config = dataclasses.replace(fault_run_config(), policy=policy)
     run = run_create(name="multi-host", config=config)

@@ -30,8 +30,8 @@ def test_standard_platform_module_is_not_shadowed():
 
 
 def test_importing_the_clients_loads_neither_the_router_nor_starlette():
-    # Every Celery worker imports RouterAdmin (workers/runs.py); the router's state machine
-    # and the ASGI stack belong to the inference hosts.
+    # Every Celery worker imports RouterAdmin (datamanager/services/run_workers.py); the
+    # router's state machine and the ASGI stack belong to the inference hosts.
     code = (
         "import sys, rollout.client; print(sorted(m for m in sys.modules"
         " if m.split('.')[0] in ('starlette', 'uvicorn') or m.startswith('rollout.router')))"

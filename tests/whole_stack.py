@@ -55,10 +55,10 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
+from datamanager.services.run_workers import run_apply
 from datamanager.services.runs import run_create
 from tests.helpers import free_port
 from tests.live_stack import fault_run_config
-from workers.runs import run_apply
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -360,7 +360,7 @@ def _left_running(cut: Cut, restarted: datetime) -> list[str]:
 def _gaps(run_id: int) -> list[str]:
     """Policy versions 1..n and updates 1..m with none skipped; every stored trajectory's
     steps 0..k-1 with none missing, and its length k. A running trajectory may be read
-    between a step's row and its length (`step_store` writes them one after the other), so
+    between a step's row and its length (`steps_store` writes them one after the other), so
     its length is k or k-1. The steps and the lengths are read in one snapshot
     (`_snapshot`), so a step stored between the two reads cannot make a gap."""
     with _snapshot():

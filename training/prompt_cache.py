@@ -64,8 +64,12 @@ class PromptCache:
         if self.max_bytes <= 0 or not samples:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._prefetch, args=(policy, list(samples), ahead),
-                                        name="prompt-prefetch", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._prefetch,
+            args=(policy, list(samples), ahead),
+            name="prompt-prefetch",
+            daemon=True,
+        )
         self._thread.start()
 
     def _prefetch(self, policy: Policy, samples: list[TrainSample], ahead: int) -> None:
@@ -79,7 +83,7 @@ class PromptCache:
                 self._busy.add(sample.step_id)
             try:
                 with self._encoding:
-                    parts = prompt_parts(policy, sample.messages)
+                    parts = prompt_parts(policy, sample.messages, ids=sample.prompt_token_ids)
             except Exception:  # the update encodes it again and meets the error on its own thread
                 with self._lock:
                     self._busy.discard(sample.step_id)
@@ -114,7 +118,7 @@ class PromptCache:
             self._busy.add(sample.step_id)
         try:
             with self._encoding:
-                parts = prompt_parts(policy, sample.messages)
+                parts = prompt_parts(policy, sample.messages, ids=sample.prompt_token_ids)
         finally:
             with self._lock:
                 self._busy.discard(sample.step_id)

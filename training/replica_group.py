@@ -6,11 +6,12 @@ RANK, LOCAL_RANK, WORLD_SIZE) and rank r uses GPU r; on CPUs they use gloo on th
 device. They die with the leader's process and stop when it closes the group. Between
 updates they wait on the group's key-value store, outside any collective
 (`Replicas.await_leader`); an update's batch reaches them as a file on this host
-(`core.samples.samples_write`), the collective carrying only its name and the config.
+(`core.samples.samples_write`), the collective carrying only its name, the curation
+settings and the update count (the learning rate's schedule follows it).
 
     group = ReplicaGroup.start(spec, world=4)     # in the trainer worker
     trainer = group.trainer                       # PolicyTrainer(replicas=...), rank 0
-    trainer.update(samples, config)               # every replica takes this step
+    trainer.update(samples, curation)             # every replica takes this step
     group.close()
 """
 
@@ -30,10 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core.lora import LoraSpec
 from core.procutil import die_with_parent, terminate_pid
 from core.samples import samples_read
-from training.ranges import UPDATE_DEFAULTS
+from training.config import TrainerConfig
 from training.replicas import Replicas
 from training.trainer import PolicyTrainer
 
@@ -44,31 +44,29 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # followers starting: imports and a 
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """Everything a replica needs to build the same PolicyTrainer (JSON across processes)."""
+    """Everything a replica needs to build the same PolicyTrainer: the run's trainer settings
+    as they are, and where its weights start and go."""
 
+    config: TrainerConfig
     start_checkpoint: str
     run_dir: str
-    lr: float
-    weight_decay: float = 0.0
-    kl_coef: float = UPDATE_DEFAULTS.kl_coef
-    bf16: bool = True
     published_versions: list[int] = field(default_factory=list)
-    lora: dict[str, int | bool] | None = None  # LoraSpec's fields
-    gradient_checkpointing: bool = False
-    shard: bool = False  # FSDP2 over the replicas (`training.sharding`)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerSpec:
+        data = json.loads(text)
+        return cls(**{**data, "config": TrainerConfig(**data["config"])})
 
     def build(self, replicas: Replicas | None, *, device: str) -> PolicyTrainer:
         return PolicyTrainer(
+            config=self.config,
             start_checkpoint=Path(self.start_checkpoint),
             run_dir=Path(self.run_dir),
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            kl_coef=self.kl_coef,
             device=device,
-            bf16=self.bf16,
             published_versions=self.published_versions,
-            lora=LoraSpec(**self.lora) if self.lora else None,  # type: ignore[arg-type]
-            gradient_checkpointing=self.gradient_checkpointing,
             replicas=replicas,
         )
 
@@ -130,7 +128,7 @@ class ReplicaGroup:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         followers = [
             subprocess.Popen(
-                [sys.executable, "-m", "training.replica_group", json.dumps(asdict(spec))],
+                [sys.executable, "-m", "training.replica_group", spec.to_json()],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 preexec_fn=die_with_parent,
             )
@@ -139,8 +137,9 @@ class ReplicaGroup:
         try:
             # The rendezvous waits as long as followers take to start (importing torch and
             # loading a model); `timeout_s` bounds the collectives once all are in.
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=True,
-                                  timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
+            store = dist.TCPStore(
+                "127.0.0.1", port, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT
+            )
             dist.init_process_group(
                 setup.backend,
                 store=store,
@@ -150,7 +149,7 @@ class ReplicaGroup:
                 **setup.apply(),
             )
             trainer = spec.build(
-                Replicas(rank=0, world=world, sharded=spec.shard), device=setup.device
+                Replicas(rank=0, world=world, sharded=spec.config.shard), device=setup.device
             )
         except BaseException:
             for proc in followers:
@@ -188,11 +187,22 @@ def follow(spec: TrainerSpec) -> None:
     setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
     timeout = timedelta(seconds=float(os.environ["DARTBOARD_REPLICA_TIMEOUT_S"]))
     world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
-    dist.init_process_group(setup.backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=world, timeout=timeout, **setup.apply())  # fmt: skip
-    replicas = Replicas.from_environment(sharded=spec.shard)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+    dist.init_process_group(
+        setup.backend,
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=timeout,
+        **setup.apply(),
+    )
+    replicas = Replicas.from_environment(sharded=spec.config.shard)
     torch.set_num_threads(1)
     try:
         trainer = spec.build(replicas, device=setup.device)
@@ -205,14 +215,17 @@ def follow(spec: TrainerSpec) -> None:
                 trainer.full_state()
                 trainer.state.version = message[1]
                 continue
-            _, batch_file, config = message  # the leader's batch, on this host's disk
-            trainer.update(samples_read(Path(batch_file)), config)
+            # The leader's batch, on this host's disk, and its update count (the schedule's).
+            _, batch_file, curation, behaviour_cloning, trainer.state.updates = message
+            trainer.update(
+                samples_read(Path(batch_file)), curation, behaviour_cloning=behaviour_cloning
+            )
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    follow(TrainerSpec(**json.loads(sys.argv[1])))
+    follow(TrainerSpec.from_json(sys.argv[1]))
     # Leave without the interpreter's teardown: after a sharded run it sometimes met a torch
     # thread still joinable and aborted ("terminate called without an active exception",
     # exit -6 in CI) although the follower's work was done and its group left.

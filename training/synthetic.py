@@ -137,8 +137,12 @@ def _place(rng: random.Random, w: int, h: int, taken: list[Box], tries: int = 40
 
 
 def _button(draw: ImageDraw.ImageDraw, box: Box, text: str, size: int) -> None:
-    draw.rounded_rectangle((box[0], box[1], box[2] - 1, box[3] - 1), radius=3,
-                           fill=(239, 239, 239), outline=(118, 118, 118))  # fmt: skip
+    draw.rounded_rectangle(
+        (box[0], box[1], box[2] - 1, box[3] - 1),
+        radius=3,
+        fill=(239, 239, 239),
+        outline=(118, 118, 118),
+    )
     tw, th = _text_size(text, size)
     cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
     draw.text((cx - tw / 2, cy - th / 2 - 1), text, fill=(0, 0, 0), font=_font(size))
@@ -200,8 +204,9 @@ def _fields(rng: random.Random, draw: ImageDraw.ImageDraw) -> tuple[str, Box] | 
         w, h = rng.randint(60, 140), rng.randint(16, 24)
         if (box := _place(rng, w, h, taken)) is None:
             return None
-        draw.rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=(255, 255, 255),
-                       outline=(118, 118, 118))  # fmt: skip
+        draw.rectangle(
+            (box[0], box[1], box[2] - 1, box[3] - 1), fill=(255, 255, 255), outline=(118, 118, 118)
+        )
         boxes.append(box)
     boxes.sort(key=lambda b: (b[1], b[0]))
     i = rng.randrange(n)
@@ -245,7 +250,7 @@ def _dialog(rng: random.Random, draw: ImageDraw.ImageDraw) -> tuple[str, Box] | 
     if buttons and rng.random() < 0.5:
         word, bbox = rng.choice(buttons)
         return f'Close the dialog box by clicking the "{word}".', bbox
-    return 'Close the dialog box by clicking the "x".', close  # fmt: skip
+    return 'Close the dialog box by clicking the "x".', close
 
 
 def _colors(rng: random.Random, draw: ImageDraw.ImageDraw) -> tuple[str, Box] | None:

@@ -166,8 +166,11 @@ def _web_button(rng: random.Random) -> Scene:
     infobar = rng.random() < 0.5
     area_top = y0 + (38 if infobar else 0)
     n = rng.choice((1, 1, 2, 2, 3, 4))
-    labels = rng.sample(["Click me", "OK", "Submit", "Next", "Cancel", "Save", "Send", "Go"]
-                        + [w.title() for w in rng.sample(WORDS, 4)], n)  # fmt: skip
+    labels = rng.sample(
+        ["Click me", "OK", "Submit", "Next", "Cancel", "Save", "Send", "Go"]
+        + [w.title() for w in rng.sample(WORDS, 4)],
+        n,
+    )
     big = n == 1 and rng.random() < 0.6
     boxes: list[Box] = []
     for _ in range(60):
@@ -192,10 +195,14 @@ def _web_button(rng: random.Random) -> Scene:
         labels, boxes = labels[:1], boxes[:1]
     i = rng.randrange(len(labels))
     label = labels[i]
-    phrasing = rng.choice((
-        "Click the '{l}' button on the web page.", "Click the '{l}' button.",
-        'Click on the "{l}" button.', "Press the {l} button on the page.",
-    ))  # fmt: skip
+    phrasing = rng.choice(
+        (
+            "Click the '{l}' button on the web page.",
+            "Click the '{l}' button.",
+            'Click on the "{l}" button.',
+            "Press the {l} button on the page.",
+        )
+    )
     x, y = _centre(boxes[i])
     click = Action(type=ActionType.CLICK, x=x, y=y)
     sizes = [rng.choice((14, 18, 24, 32, 40)) if big else rng.choice((12, 14, 16)) for _ in labels]
@@ -210,8 +217,11 @@ def _web_button(rng: random.Random) -> Scene:
             draw.text((x0 + 14, y0 + 12), note, fill=(60, 60, 60), font=_font(9))
             draw.text((x1 - 20, y0 + 10), "x", fill=(60, 60, 60), font=_font(11))
         for label_, box, size in zip(labels, boxes, sizes, strict=True):
-            draw.rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=(239, 239, 239),
-                           outline=(118, 118, 118))  # fmt: skip
+            draw.rectangle(
+                (box[0], box[1], box[2] - 1, box[3] - 1),
+                fill=(239, 239, 239),
+                outline=(118, 118, 118),
+            )
             tw, th = _text_size(label_, size)
             cx, cy = _centre(box)
             draw.text((cx - tw / 2, cy - th / 2 - 2), label_, fill=(0, 0, 0), font=_font(size))
@@ -227,12 +237,18 @@ def _web_button(rng: random.Random) -> Scene:
 
 
 PAD_VERBS = {
-    ActionType.LEFT_DOUBLE: ("Double-click the {c} area.", "Double-click on the {c} area.",
-                             "Double-click the {c} box."),
-    ActionType.RIGHT_SINGLE: ("Right-click the {c} area.", "Right-click on the {c} area.",
-                              "Open the context menu of the {c} area with a right-click."),
+    ActionType.LEFT_DOUBLE: (
+        "Double-click the {c} area.",
+        "Double-click on the {c} area.",
+        "Double-click the {c} box.",
+    ),
+    ActionType.RIGHT_SINGLE: (
+        "Right-click the {c} area.",
+        "Right-click on the {c} area.",
+        "Open the context menu of the {c} area with a right-click.",
+    ),
     ActionType.CLICK: ("Click the {c} area.", "Click once on the {c} area."),
-}  # fmt: skip
+}
 PAD_LABELS = {
     ActionType.LEFT_DOUBLE: "double-click me",
     ActionType.RIGHT_SINGLE: "right-click me",
@@ -244,8 +260,15 @@ def _pad(rng: random.Random) -> Scene:
     left, top, w, h = _place_window(rng, width=(300, 800), height=(240, 585))
     win = Window(left, top, w, h, rng.choice(("dartpad", "pad", "Tk")))
     x0, y0, x1, y1 = win.client
-    kind = rng.choice((ActionType.LEFT_DOUBLE, ActionType.LEFT_DOUBLE, ActionType.RIGHT_SINGLE,
-                       ActionType.RIGHT_SINGLE, ActionType.CLICK))  # fmt: skip
+    kind = rng.choice(
+        (
+            ActionType.LEFT_DOUBLE,
+            ActionType.LEFT_DOUBLE,
+            ActionType.RIGHT_SINGLE,
+            ActionType.RIGHT_SINGLE,
+            ActionType.CLICK,
+        )
+    )
     n = rng.choice((1, 1, 1, 2, 3))
     names = rng.sample(sorted(AREA_COLORS), n)
     areas: list[Box] = []
@@ -321,17 +344,22 @@ def _drag(rng: random.Random) -> Scene:
     if rng.random() < 0.4:
         dx, dy = rng.randint(x0 + 5, x1 - side - 5), rng.randint(y0 + 5, y1 - side - 5)
         d = (dx, dy, dx + side, dy + side)
-        if all(d[2] + 8 < b[0] or b[2] + 8 < d[0] or d[3] + 8 < b[1] or b[3] + 8 < d[1]
-               for b in (square, target)):  # fmt: skip
+        if all(
+            d[2] + 8 < b[0] or b[2] + 8 < d[0] or d[3] + 8 < b[1] or b[3] + 8 < d[1]
+            for b in (square, target)
+        ):
             distractor = d
     colors = {k: rng.choice(AREA_COLORS[k])[:3] for k in names}
     colors[square_name] = AREA_COLORS[square_name][0] if rng.random() < 0.5 else colors[square_name]
     start, end = _centre(square), _centre(target)
     drag = Action(type=ActionType.DRAG, x=start[0], y=start[1], x2=end[0], y2=end[1])
-    phrasing = rng.choice((
-        "Drag the {s} square into the {b} 'drop here' box.", "Drag the {s} square into the {b} box.",
-        "Move the {s} square into the {b} 'drop here' box by dragging it.",
-    ))  # fmt: skip
+    phrasing = rng.choice(
+        (
+            "Drag the {s} square into the {b} 'drop here' box.",
+            "Drag the {s} square into the {b} box.",
+            "Move the {s} square into the {b} 'drop here' box by dragging it.",
+        )
+    )
 
     def draw_at(step: int) -> Image.Image:
         image, draw = _screen()
@@ -339,12 +367,24 @@ def _drag(rng: random.Random) -> Scene:
         _frame(draw, win)
         draw.rectangle(target, outline=colors[box_name], width=3)
         tw, _ = _text_size("drop here", 14)
-        draw.text(((target[0] + target[2] - tw) / 2, target[1] - 22), "drop here", fill=(0, 0, 0),
-                  font=_font(14))  # fmt: skip
+        draw.text(
+            ((target[0] + target[2] - tw) / 2, target[1] - 22),
+            "drop here",
+            fill=(0, 0, 0),
+            font=_font(14),
+        )
         if distractor is not None:
             draw.rectangle(distractor, fill=colors[other_name], outline=(0, 0, 0))
-        moved = square if step == 0 else (end[0] - side // 2, end[1] - side // 2,
-                                           end[0] - side // 2 + side, end[1] - side // 2 + side)  # fmt: skip
+        moved = (
+            square
+            if step == 0
+            else (
+                end[0] - side // 2,
+                end[1] - side // 2,
+                end[0] - side // 2 + side,
+                end[1] - side // 2 + side,
+            )
+        )
         draw.rectangle(moved, fill=colors[square_name], outline=(0, 0, 0))
         return image
 
@@ -362,8 +402,9 @@ def _editor_window(rng: random.Random, filename: str) -> Window:
     return Window(left, top, w, h, f"dartedit - {filename}")
 
 
-def _draw_editor(draw: ImageDraw.ImageDraw, win: Window, lines: list[str], *, selected: bool,
-                 caret: bool) -> None:  # fmt: skip
+def _draw_editor(
+    draw: ImageDraw.ImageDraw, win: Window, lines: list[str], *, selected: bool, caret: bool
+) -> None:
     x0, y0, x1, _ = win.client
     line_h = 19
     for k, line in enumerate(lines):
@@ -382,11 +423,13 @@ def _editor_type(rng: random.Random) -> Scene:
     filename = _filename(rng)
     win = _editor_window(rng, filename)
     text = rng.choice(("hello desktop", _words(rng, 2), _words(rng, 1), _words(rng, 3)))
-    phrasing = rng.choice((
-        "Type '{t}' into the editor and save the file with Ctrl+S.",
-        "Write '{t}' in the editor, then save with Ctrl+S.",
-        "Enter the text '{t}' in {f} and save it with Ctrl+S.",
-    ))  # fmt: skip
+    phrasing = rng.choice(
+        (
+            "Type '{t}' into the editor and save the file with Ctrl+S.",
+            "Write '{t}' in the editor, then save with Ctrl+S.",
+            "Enter the text '{t}' in {f} and save it with Ctrl+S.",
+        )
+    )
     centre = _centre(win.client)
     actions = [
         Action(type=ActionType.CLICK, x=centre[0], y=centre[1]),
@@ -415,11 +458,13 @@ def _editor_clear(rng: random.Random) -> Scene:
     filename = _filename(rng)
     win = _editor_window(rng, filename)
     lines = [_words(rng, rng.randint(1, 4)) for _ in range(rng.randint(1, 6))] + [""]
-    phrasing = rng.choice((
-        "Delete all the text in the editor and save the empty file with Ctrl+S.",
-        "Clear the editor and save the empty file with Ctrl+S.",
-        "Remove everything in {f} and save it with Ctrl+S.",
-    ))  # fmt: skip
+    phrasing = rng.choice(
+        (
+            "Delete all the text in the editor and save the empty file with Ctrl+S.",
+            "Clear the editor and save the empty file with Ctrl+S.",
+            "Remove everything in {f} and save it with Ctrl+S.",
+        )
+    )
     centre = _centre(win.client)
     actions = [
         Action(type=ActionType.CLICK, x=centre[0], y=centre[1]),
@@ -455,11 +500,13 @@ def _terminal(rng: random.Random) -> Scene:
     filename = _filename(rng)
     prompt = "bash-5.2$ "
     earlier = [f"{prompt}ls", _words(rng, 3)] if rng.random() < 0.3 else []
-    phrasing = rng.choice((
-        "Using the terminal, create a file named {f} containing the word {w}.",
-        "In the terminal, make a file {f} that contains {w}.",
-        "Use the terminal to write the word {w} into a new file named {f}.",
-    ))  # fmt: skip
+    phrasing = rng.choice(
+        (
+            "Using the terminal, create a file named {f} containing the word {w}.",
+            "In the terminal, make a file {f} that contains {w}.",
+            "Use the terminal to write the word {w} into a new file named {f}.",
+        )
+    )
     centre = _centre(win.client)
     command = f"echo {word} > {filename}"
     actions = [
@@ -479,8 +526,10 @@ def _terminal(rng: random.Random) -> Scene:
             draw.text((x0 + 2, y0 + 2 + k * 13), line, fill=(0, 0, 0), font=_font(10, "mono"))
         cw, _ = _text_size(lines[-1] + "x", 10, "mono")
         cx = x0 + 2 + cw - _text_size("x", 10, "mono")[0] + 1
-        draw.rectangle((cx, y0 + 3 + (len(lines) - 1) * 13, cx + 5, y0 + 13 + (len(lines) - 1) * 13),
-                       fill=(0, 0, 0))  # fmt: skip
+        draw.rectangle(
+            (cx, y0 + 3 + (len(lines) - 1) * 13, cx + 5, y0 + 13 + (len(lines) - 1) * 13),
+            fill=(0, 0, 0),
+        )
         return image
 
     return Scene(

@@ -10,9 +10,12 @@ directory (megabytes; its base is the run's start checkpoint, `core.lora`). A di
 written under a temporary name and renamed when complete, so a crash never leaves a half
 checkpoint.
 
+It takes the run's trainer settings as they are (`training.config.TrainerConfig`): they
+choose the mode, the precision and the optimizer, and set each update's learning rate.
+
 Modes: full fine-tuning (a frozen second copy is the KL reference), or LoRA adapters on the
-language model's projections (`lora=LoraSpec(...)`; base weights frozen; the KL reference is
-the same model with its adapters disabled, so nothing is held twice). Either can turn on
+language model's projections (`lora_rank` > 0; base weights frozen; the KL reference is the
+same model with its adapters disabled, so nothing is held twice). Either can turn on
 gradient checkpointing (activations recomputed in the backward pass).
 """
 
@@ -41,8 +44,8 @@ from core.generation import sequence_logprobs
 from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir, is_peft_model
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
+from training.config import CurationConfig, TrainerConfig
 from training.prompt_cache import PromptCache
-from training.ranges import UPDATE_DEFAULTS
 from training.replicas import Replicas
 from training.sharding import (
     full_model_state,
@@ -50,7 +53,7 @@ from training.sharding import (
     load_full_optimizer_state,
     shard_model,
 )
-from training.update import UpdateConfig, policy_update
+from training.update import policy_update
 
 if TYPE_CHECKING:  # peft is imported only by a run that trains adapters (core.lora)
     from peft import PeftModel
@@ -109,24 +112,21 @@ class PolicyTrainer:
     def __init__(
         self,
         *,
+        config: TrainerConfig,
         start_checkpoint: Path,
         run_dir: Path,
-        lr: float,
-        weight_decay: float = 0.0,
-        kl_coef: float = UPDATE_DEFAULTS.kl_coef,
         device: str = "cpu",
-        bf16: bool = True,
         published_versions: Sequence[int] = (),
-        lora: LoraSpec | None = None,
-        gradient_checkpointing: bool = False,
         replicas: Replicas | None = None,
         prompt_cache_bytes: int = 2 * 1024**3,
     ) -> None:
-        """`replicas`: this process is one of several data-parallel replicas (one per GPU,
-        `training.replicas`); every replica builds the trainer the same way and calls
-        `update` with the same samples, and only the leader saves versions.
-        `prompt_cache_bytes`: host memory for the update's encoded prompts (`PromptCache`;
-        0 encodes a prompt on every pass)."""
+        """`config`: the run's trainer settings. `replicas`: this process is one of several
+        data-parallel replicas (one per GPU, `training.replicas`); every replica builds the
+        trainer the same way and calls `update` with the same samples, and only the leader
+        saves versions. `prompt_cache_bytes`: host memory for the update's encoded prompts
+        (`PromptCache`; 0 encodes a prompt on every pass)."""
+        self.config = config
+        lora = config.lora()
         self.run_dir = run_dir
         self.prompts = PromptCache(prompt_cache_bytes)
         self._shared_updates = 0  # batches handed to the replicas (their file names)
@@ -135,7 +135,7 @@ class PolicyTrainer:
         if self.sharded and lora is not None:
             raise ValueError("sharding is for full fine-tuning: LoRA adapters are replicated")
         self.device = device
-        weights_dtype, self.autocast_dtype = trainer_precision(device, bf16=bf16)
+        weights_dtype, self.autocast_dtype = trainer_precision(device, bf16=config.bf16)
         self.state = TrainerState()
         resume = self._resume_dir(published_versions)
         if lora is None:
@@ -146,14 +146,14 @@ class PolicyTrainer:
             self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
         self.policy.model.train()
         self._disable_dropout(self.policy.model)
-        if gradient_checkpointing:
+        if config.gradient_checkpointing:
             _enable_checkpointing(self.policy.model)
         if self.sharded:
             shard_model(self.policy.model, compute_dtype=self.autocast_dtype)
         self.ref_model: nn.Module | None = None
-        if kl_coef > 0 and lora is not None:
+        if config.kl_coef > 0 and lora is not None:
             self.ref_model = _AdaptersOff(self.policy.model)
-        elif kl_coef > 0:
+        elif config.kl_coef > 0:
             self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -165,8 +165,10 @@ class PolicyTrainer:
         # pass of a micro-batch (`PromptCache.image_features`).
         visual = _hf_model(self.policy.model).model.visual
         self.vision_frozen = not any(p.requires_grad for p in visual.parameters())
+        # No rate given here: `_set_lr` sets the schedule's before each update, the one place
+        # the rate is set (AdamW's default is never stepped with).
         self.optimizer = torch.optim.AdamW(
-            self.trainable_parameters(), lr=lr, weight_decay=weight_decay
+            self.trainable_parameters(), weight_decay=config.weight_decay
         )
         if resume is not None:
             # weights_only: a state file is data (tensors, numbers), never code to unpickle.
@@ -256,19 +258,30 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype)
 
+    def _set_lr(self) -> None:
+        """Set the optimizer to the schedule's learning rate for the next update (after
+        `state.updates`): the one place the rate is set, before every update."""
+        lr = self.config.lr_at(self.state.updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def update(
         self,
         samples: Sequence[TrainSample],
-        config: UpdateConfig,
+        curation: CurationConfig,
         *,
+        behaviour_cloning: bool = False,
         separate_old_pass: bool = False,
         stop: Callable[[], bool] | None = None,
     ) -> UpdateMetrics:
-        """One policy update. The leader of replicas hands the followers the same samples
-        and config first (`training.replica_group`), so every replica takes this step.
-        `separate_old_pass`: see `policy_update` (a benchmark's baseline). `stop`: asked
-        between micro-batches; True raises `UpdateInterrupted` (ignored with replicas, which
-        finish the update together)."""
+        """One policy update under the trainer's settings and the run's `curation`, at the
+        schedule's learning rate. `behaviour_cloning`: a warm-start update, behaviour
+        cloning on demos alone (bc_weight 1, no KL term). The leader of replicas hands the
+        followers the same samples, settings and update count first
+        (`training.replica_group`), so every replica takes this step. `separate_old_pass`:
+        see `policy_update` (a benchmark's baseline). `stop`: asked between micro-batches;
+        True raises `UpdateInterrupted` (ignored with replicas, which finish the update
+        together)."""
         shared = None
         if self.replicas is not None and self.replicas.leader:
             # The followers are this process's children on this host: they read the batch
@@ -278,7 +291,12 @@ class PolicyTrainer:
                 self.run_dir / ".replica-batches" / f"update-{self._shared_updates}.jsonl",
                 samples,
             )
-            self.replicas.share(("update", str(shared), config))
+            message = ("update", str(shared), curation, behaviour_cloning, self.state.updates)
+            self.replicas.share(message)
+        config = self.config
+        if behaviour_cloning:
+            config = dataclasses.replace(config, bc_weight=1.0, kl_coef=0.0)
+        self._set_lr()
         # A demo's response as the tokens training sees, so every sample knows its length
         # before any pass (policy_update then needs no separate pi_old pass).
         samples = [
@@ -302,6 +320,7 @@ class PolicyTrainer:
                 samples=samples,
                 logprob_fn=self.logprob_fn,
                 config=config,
+                curation=curation,
                 policy_version=self.state.version,
                 replicas=self.replicas,
                 separate_old_pass=separate_old_pass,

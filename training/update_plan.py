@@ -17,7 +17,9 @@ from core.losses import (
     trajectory_step_weights,
 )
 from core.samples import TrainSample
-from training.ranges import UpdateConfig
+from training.config import CurationConfig, TrainerConfig
+
+ADV_EPS = 1e-6  # added to a group's reward std before dividing
 
 
 @dataclass
@@ -34,13 +36,16 @@ class UpdatePlan:
     skipped_groups: int
 
 
-def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdatePlan:
+def plan_update(
+    samples: Sequence[TrainSample], config: TrainerConfig, curation: CurationConfig
+) -> UpdatePlan:
     """Group advantages over trajectories (group = task), then the high-entropy step filter.
 
     The entropy filter ranks the online steps of non-skipped groups by their rollout-time
-    `mean_entropy` and keeps the top `entropy_top_q`; demo steps (experience pool) are always
-    kept, since their entropy was measured under another policy, if at all. Then, with
-    `entropy_recenter`, the kept steps' advantages are made zero-mean again per group.
+    `mean_entropy` and keeps the top `curation.entropy_q`; demo steps (experience pool) are
+    always kept, since their entropy was measured under another policy, if at all. Then, with
+    `entropy_recenter`, the kept steps' advantages are made zero-mean again per group; each
+    kept step's weight follows `config.loss_aggregation`.
 
     Raises:
         ValueError: steps of one trajectory in one group disagree on its reward.
@@ -64,7 +69,7 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
                 "trajectory share its reward"
             )
     traj_adv, traj_keep, skipped = group_advantages(
-        torch.tensor(rewards, dtype=torch.float64), torch.tensor(tasks), eps=config.adv_eps
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(tasks), eps=ADV_EPS
     )
     step_index = torch.tensor([traj_pos[m] for m in members], dtype=torch.long)
     advantage = broadcast_to_steps(traj_adv, step_index).tolist()
@@ -75,19 +80,19 @@ def plan_update(samples: Sequence[TrainSample], config: UpdateConfig) -> UpdateP
     entropy_kept: dict[int, bool] = {}
     if ranked:
         entropies = torch.tensor([samples[i].mean_entropy for i in ranked], dtype=torch.float64)
-        keep = high_entropy_mask(entropies, q=config.entropy_top_q).tolist()
+        keep = high_entropy_mask(entropies, q=curation.entropy_q).tolist()
         entropy_kept = {samples[i].step_id: k for i, k in zip(ranked, keep, strict=True)}
     pg_keep = [
         bool(group_keep[i]) and (s.is_demo or entropy_kept[s.step_id])
         for i, s in enumerate(samples)
     ]
     keep_t = torch.tensor(pg_keep, dtype=torch.bool)
-    if config.aggregation == "trajectory":
+    if config.loss_aggregation == "trajectory":
         member_ids = torch.tensor([traj_pos[m] for m in members], dtype=torch.long)
         weights = trajectory_step_weights(member_ids, keep_t)
     else:
         weights = keep_t.to(torch.float64)
-    if config.entropy_recenter and config.entropy_top_q < 1 and any(pg_keep):
+    if curation.entropy_recenter and curation.entropy_q < 1 and any(pg_keep):
         advantage = recenter_kept_advantages(
             torch.tensor(advantage, dtype=torch.float64),
             torch.tensor(step_group),

@@ -68,8 +68,9 @@ def checkpoint_restore(*, run: Run, run_dir: Path) -> Path | None:
     (tmp / "MANIFEST.json").unlink(missing_ok=True)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
-    log.info("run %s: version %s fetched from %s into %s", run.pk, latest.version, store.url,
-             target)  # fmt: skip
+    log.info(
+        "run %s: version %s fetched from %s into %s", run.pk, latest.version, store.url, target
+    )
     return target
 
 
@@ -107,8 +108,12 @@ def optimizer_states_prune(*, run_id: int, run_dir: Path, keep: int) -> list[int
         if had_local or artifact:
             pruned.append(version)
     if pruned:
-        log.info("run %s: optimizer state of versions %s pruned (kept the newest %s)",
-                 run_id, pruned, keep)  # fmt: skip
+        log.info(
+            "run %s: optimizer state of versions %s pruned (kept the newest %s)",
+            run_id,
+            pruned,
+            keep,
+        )
     return pruned
 
 
@@ -165,8 +170,14 @@ def versions_prune(*, run_id: int, run_dir: Path, kept: int, every: int) -> list
             )
         pruned.append(version)
     policy_versions_mark_pruned(run_id=run_id, versions=pruned)
-    log.info("run %s: weights of versions %s pruned (kept the newest %s, every %s-th, the best "
-             "and those under evaluation)", run_id, pruned, kept, every or "no")  # fmt: skip
+    log.info(
+        "run %s: weights of versions %s pruned (kept the newest %s, every %s-th, the best "
+        "and those under evaluation)",
+        run_id,
+        pruned,
+        kept,
+        every or "no",
+    )
     return pruned
 
 

@@ -1,43 +1,54 @@
-"""The one mapping from a run's config to what the DART modules take: `UpdateConfig` for the
-trainer, `EpisodeConfig` for rollout and evaluation.
+"""The one mapping from a run's config to what the DART modules take: `EpisodeConfig` for
+rollout and evaluation. The trainer takes the run's `trainer` and `curation` sections as they
+are (`training.config`): nothing to map.
 
-Every RunConfig field is either mapped here or named in `READ_ELSEWHERE` with the place that
-reads it; tests/workers/test_config_mapping.py checks both, so a new knob cannot be dropped
-on the way to the code it is meant to change.
+Every RunConfig field is either mapped here or named in `READ_ELSEWHERE` with the module that
+reads it; tests/workers/test_config_mapping.py checks both (that module reads the knob by
+name), so a new knob cannot be dropped on the way to the code it is meant to change.
 """
 
 from __future__ import annotations
 
-import math
-
 from core.imaging import ImageGeometry
-from core.lora import LoraSpec
-from datamanager.config import RunConfig, TrainerConfig
+from datamanager.config import RunConfig
 from datamanager.policies import policy_geometry
 from rollout.episode import EpisodeConfig
-from training.ranges import UpdateConfig
 
 READ_ELSEWHERE: dict[str, str] = {
-    "mode": "workers.runs.run_live_work (decoupled or the synchronous driver)",
+    "mode": "datamanager.live_work.run_live_work (decoupled or the synchronous driver)",
     "sync_lockstep": "workers.sync_loop.sync_round",
     "policy": "datamanager.policies (start checkpoint and image geometry)",
     "seed": "datamanager.services.episodes (task sampling and decode seeds)",
     "tasks.*": "datamanager.selectors.tasks.task_list",
-    "env.*": "workers.slot_worker and workers.runs (slots, timeouts, heartbeats)",
+    "env.*": "workers.slot_worker and datamanager.services.run_workers (slots, timeouts, heartbeats)",
     "rollout.request_timeout_s": "workers.slot_worker (the policy client's timeout)",
     "device": "hostagent.placement.place (the run's GPUs or the CPU)",
     "rollout.inference_workers": "hostagent.agent.run_specs (inference workers started)",
     "rollout.backend": "hostagent.agent.run_specs (which inference server it starts)",
     "rollout.vllm_gpus": "hostagent.placement.place (each vLLM worker's GPU)",
     "rollout.vllm_gpu_memory": "hostagent.launcher.vllm_specs (vLLM's --gpu-memory-utilization)",
-    "trainer.lr_schedule": "scheduled_lr below (each update's learning rate)",
-    "trainer.lr_warmup_updates": "scheduled_lr below",
-    "trainer.lr_decay_updates": "scheduled_lr below",
-    "trainer.lr_min_ratio": "scheduled_lr below",
+    # The trainer takes its section as it is (training.config.TrainerConfig).
+    "trainer.lr": "training.config.TrainerConfig.lr_at (each update's rate, PolicyTrainer._set_lr)",
+    "trainer.lr_schedule": "training.config.TrainerConfig.lr_at",
+    "trainer.lr_warmup_updates": "training.config.TrainerConfig.lr_at",
+    "trainer.lr_decay_updates": "training.config.TrainerConfig.lr_at",
+    "trainer.lr_min_ratio": "training.config.TrainerConfig.lr_at",
+    "trainer.grad_clip": "training.update (clipping before each optimizer step)",
+    "trainer.micro_batch": "training.update and training.old_logprobs (micro-batches)",
+    "trainer.loss_type": "training.update (the policy loss)",
+    "trainer.loss_aggregation": "training.update_plan and training.update (step weights)",
+    "trainer.clip_low": "training.config.TrainerConfig.pg_clip (the policy loss's clip range)",
+    "trainer.clip_high": "training.config.TrainerConfig.pg_clip",
+    "trainer.gspo_clip_low": "training.config.TrainerConfig.pg_clip",
+    "trainer.gspo_clip_high": "training.config.TrainerConfig.pg_clip",
+    "trainer.ppo_epochs": "training.update.policy_update",
+    "trainer.mini_batches": "training.update.policy_update",
+    "trainer.kl_coef": "training.update and training.trainer (the reference model)",
+    "trainer.bc_weight": "training.update (the behaviour-cloning term)",
     "trainer.logprob_gap_alert": "dartboard.viewmodels.run_alerts, datamanager.selectors.charts.training_metrics",
     "trainer.stale_serving_alert": "dartboard.viewmodels.run_alerts (the run page)",
     "trainer.left_out_alert": "datamanager.selectors.env_health.health_alerts (the run page)",
-    "trainer.weight_decay": "workers.training_loop.get_trainer (the optimizer)",
+    "trainer.weight_decay": "training.trainer.PolicyTrainer (the optimizer)",
     "trainer.min_groups": "datamanager.services.batches.batch_collect",
     "trainer.max_steps_per_update": "datamanager.services.batches.batch_collect",
     "trainer.warm_start_bc_updates": "workers.training_loop (the warm start)",
@@ -47,13 +58,19 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.versions_kept": "workers.artifacts.versions_prune (after a publish)",
     "trainer.versions_keep_every": "workers.artifacts.versions_prune (after a publish)",
     "trainer.max_updates": "workers.training_loop.run_loop",
-    "trainer.bf16": "workers.training_loop.get_trainer",
-    "trainer.lora_rank": "lora_spec below (LoRA or full fine-tuning)",
-    "trainer.lora_alpha": "lora_spec below",
-    "trainer.lora_vision": "lora_spec below",
-    "trainer.gradient_checkpointing": "workers.training_loop.get_trainer",
+    "trainer.bf16": "training.trainer.PolicyTrainer (precision)",
+    "trainer.lora_rank": "training.config.TrainerConfig.lora (LoRA or full fine-tuning)",
+    "trainer.lora_alpha": "training.config.TrainerConfig.lora",
+    "trainer.lora_vision": "training.config.TrainerConfig.lora",
+    "trainer.gradient_checkpointing": "training.trainer.PolicyTrainer",
     "trainer.replicas": "workers.training_loop.get_trainer (followers started)",
-    "trainer.shard": "workers.training_loop.get_trainer (FSDP2 over the replicas)",
+    "trainer.shard": "training.replica_group (FSDP2 over the replicas)",
+    # The update reads these curation knobs as they are (training.config.CurationConfig).
+    "curation.high_entropy": "training.config.CurationConfig.entropy_q (the entropy filter)",
+    "curation.entropy_top_q": "training.config.CurationConfig.entropy_q",
+    "curation.entropy_recenter": "training.update_plan.plan_update",
+    "curation.truncated_is": "training.old_logprobs and training.update (IS weights)",
+    "curation.is_cap": "training.old_logprobs (the IS weights' cap)",
     "curation.dynamic_budget": "datamanager.services.episodes (rollout budgets)",
     "curation.n_max": "datamanager.services.episodes (rollout budgets)",
     "curation.n_min": "datamanager.services.episodes (rollout budgets)",
@@ -70,54 +87,6 @@ READ_ELSEWHERE: dict[str, str] = {
     "curation.success_window": "datamanager.services.episodes (task success rates)",
     "evaluation.*": "workers.evaluation (scheduled evaluation)",
 }
-
-
-def lora_spec(trainer: TrainerConfig) -> LoraSpec | None:
-    """The adapters the trainer adds, or None for full fine-tuning."""
-    if trainer.lora_rank == 0:
-        return None
-    return LoraSpec(rank=trainer.lora_rank, alpha=trainer.lora_alpha, vision=trainer.lora_vision)
-
-
-def scheduled_lr(trainer: TrainerConfig, updates_done: int) -> float:
-    """The learning rate of a run's next update, after `updates_done` updates (warm-start
-    updates count): a linear warm-up to `lr`, then constant, or a cosine or linear decay to
-    `lr * lr_min_ratio` over `lr_decay_updates` updates, held there afterwards."""
-    n = updates_done + 1
-    if n <= trainer.lr_warmup_updates:
-        return trainer.lr * n / trainer.lr_warmup_updates
-    if trainer.lr_schedule == "constant":
-        return trainer.lr
-    progress = min(1.0, (n - trainer.lr_warmup_updates - 1) / trainer.lr_decay_updates)
-    shape = (
-        (1 + math.cos(math.pi * progress)) / 2 if trainer.lr_schedule == "cosine" else 1 - progress
-    )
-    low = trainer.lr * trainer.lr_min_ratio
-    return low + (trainer.lr - low) * shape
-
-
-def update_config(cfg: RunConfig, *, updates_done: int) -> UpdateConfig:
-    """The trainer's knobs for one RL update of this run, the next after `updates_done`."""
-    t, c = cfg.trainer, cfg.curation
-    return UpdateConfig(
-        lr=scheduled_lr(t, updates_done),  # the optimizer starts at trainer.lr (get_trainer)
-        loss_type=t.loss_type,
-        aggregation=t.loss_aggregation,
-        clip_low=t.clip_low,
-        clip_high=t.clip_high,
-        gspo_clip_low=t.gspo_clip_low,
-        gspo_clip_high=t.gspo_clip_high,
-        kl_coef=t.kl_coef,
-        bc_weight=t.bc_weight,
-        entropy_top_q=c.entropy_top_q if c.high_entropy else 1.0,
-        entropy_recenter=c.entropy_recenter,
-        truncated_is=c.truncated_is,
-        is_cap=c.is_cap,
-        micro_batch=t.micro_batch,
-        mini_batches=t.mini_batches,
-        ppo_epochs=t.ppo_epochs,
-        max_grad_norm=t.grad_clip,
-    )
 
 
 def episode_config(

@@ -27,7 +27,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.db.utils import InterfaceError, OperationalError
 
-from workers.leases import REDIS_DOWN
+from datamanager.live_work import REDIS_DOWN
 
 log = logging.getLogger("dartboard.db")
 
@@ -134,8 +134,13 @@ def db_retry(
                     f"{str(exc).strip()}"
                 ) from exc
             if attempt == 0:
-                log.warning("%s error while %s, retrying for up to %.0f s: %s",
-                            service, what, budget, str(exc).strip())  # fmt: skip
+                log.warning(
+                    "%s error while %s, retrying for up to %.0f s: %s",
+                    service,
+                    what,
+                    budget,
+                    str(exc).strip(),
+                )
             if database:
                 _drop_connection()
             time.sleep(delay)

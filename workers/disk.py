@@ -19,13 +19,13 @@ from django.conf import settings
 from django.db import transaction
 
 from datamanager.models import PolicyVersion, Run, RunStatus
+from datamanager.services.run_workers import RunNotStartable, run_apply
 from datamanager.services.runs import (
     InvalidTransition,
     run_action_record,
     run_control,
     run_set_message,
 )
-from workers.runs import RunNotStartable, run_apply
 
 log = logging.getLogger("dartboard.disk")
 
@@ -83,8 +83,10 @@ def run_pause_for_disk(*, run_id: int, what: str, exc: BaseException) -> None:
     """Pause the run because writing `what` found no space; the page and the log say so.
     Where even that write fails (the database's own disk is full), the log says it."""
     free = ", ".join(f"{p}: {_free_mb(p):,.0f} MB free" for p in disk_paths())
-    message = (f"paused: no space left on device writing {what} ({exc}); {free}. It resumes "
-               f"by itself once there is room (at least {MIN_FREE // 2**20} MB and two versions)")  # fmt: skip
+    message = (
+        f"paused: no space left on device writing {what} ({exc}); {free}. It resumes "
+        f"by itself once there is room (at least {MIN_FREE // 2**20} MB and two versions)"
+    )
     log.error("run %s: %s", run_id, message)
     try:
         with transaction.atomic():

@@ -60,6 +60,7 @@ def osworld_target(*, env_config: dict[str, Any], env: EnvConfig, index: int) ->
     i = index % len(pool)
     provider = None
     if env.osworld_provider:
+        # Imported here, as in make_env: the OSWorld client is an osworld slot's alone.
         from envmanager.osworld_env import Provider
 
         provider = Provider(

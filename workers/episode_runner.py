@@ -31,10 +31,12 @@ from typing import Any, Protocol, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from core.protocol import Env, EnvUnavailable, TaskSpec
+from core.steps import StepRecord
 from datamanager.models import Trajectory, TrajectoryStatus
 from datamanager.services import episodes
+from datamanager.services.steps import StepWrite, TrajectoryHead, steps_store, trajectory_head
 from rollout.client import InferenceError
-from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, StepRecord, play_episode
+from rollout.episode import EpisodeConfig, Pacer, PolicyEndpoint, Recorder, play_episode
 from workers.dbutil import DatabaseUnavailable, StorageUnavailable, db_retry
 from workers.disk import is_disk_full, run_pause_for_disk
 
@@ -54,7 +56,7 @@ class DbRecorder:
 
     def __init__(self, trajectory_id: int, lost: threading.Event | None = None) -> None:
         self.trajectory_id = trajectory_id
-        self.head: episodes.TrajectoryHead | None = None
+        self.head: TrajectoryHead | None = None
         self.lost = lost
 
     def _check_lease(self) -> None:
@@ -68,7 +70,7 @@ class DbRecorder:
             episodes.trajectory_set_instruction(
                 trajectory_id=self.trajectory_id, instruction=instruction
             )
-            self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
+            self.head = trajectory_head(trajectory_id=self.trajectory_id)
 
         db_retry(write, what=f"starting trajectory {self.trajectory_id}")
 
@@ -81,8 +83,8 @@ class DbRecorder:
 
     def _write_step(self, record: StepRecord, *, resume: bool) -> None:
         if self.head is None:
-            self.head = episodes.trajectory_head(trajectory_id=self.trajectory_id)
-        episodes.step_store(head=self.head, record=record, resume=resume)
+            self.head = trajectory_head(trajectory_id=self.trajectory_id)
+        steps_store(writes=[StepWrite(head=self.head, record=record)], resume=resume)
 
 
 def trajectory_end(trajectory_id: int, **fields: Any) -> None:
@@ -164,12 +166,17 @@ def episode_run(
                         run_id=run_id, what=f"a step of trajectory {trajectory_id}", exc=exc
                     )
         elif outcome.env_failed:
-            log.warning("trajectory %s: %s on %s", trajectory_id,
-                        outcome.reason.splitlines()[0], task.name)  # fmt: skip
+            log.warning(
+                "trajectory %s: %s on %s", trajectory_id, outcome.reason.splitlines()[0], task.name
+            )
     else:
         outcome = EpisodeOutcome(end=EpisodeEnd.RAN, status=TrajectoryStatus(result.status))
-        fields = {"reward": result.reward, "details": result.details,
-                  "env_ms": result.env_ms, "model_ms": result.model_ms}  # fmt: skip
+        fields = {
+            "reward": result.reward,
+            "details": result.details,
+            "env_ms": result.env_ms,
+            "model_ms": result.model_ms,
+        }
     db(lambda: trajectory_end(trajectory_id, status=outcome.status, **fields))
     if outcome.env_failed:
         env.discard()

@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import connection
 
 from datamanager.config import RunConfig
+from datamanager.live_work import slot_work
 from datamanager.models import Run, RunStatus, SlotStatus
 from datamanager.policies import ORACLE_POLICY, policy_geometry
 from datamanager.roles import run_env_check
@@ -36,6 +37,7 @@ from datamanager.selectors.flow import Backlog, training_backlog
 from datamanager.selectors.runs import run_own_router
 from datamanager.services import env_slots as slot_services
 from datamanager.services import episodes
+from datamanager.services.evaluations import eval_lanes
 from datamanager.services.runs import run_set_message
 from envmanager.busy import PROCESS_CLOCK
 from envmanager.oracle_policy import OracleEndpoint
@@ -47,8 +49,8 @@ from workers.dbutil import db_retry, refresh_connection
 from workers.disk import home_disk
 from workers.env_cache import TaskEnv
 from workers.episode_runner import DbRecorder, EpisodeEnd, episode_run
-from workers.evaluation import eval_lanes, eval_shard_waiting
-from workers.leases import RedisLease, slot_work
+from workers.evaluation import eval_shard_waiting
+from workers.leases import RedisLease
 from workers.lifecycle import shutdown_requested
 from workers.lockstep import RedisLockstep
 
@@ -87,8 +89,11 @@ class _Heartbeat(threading.Thread):
         try:
             while not self.stop_event.wait(self.period):
                 if self._beat("redis", self.lease.renew) is False:
-                    log.error("slot %s: its lease %s is held by another worker; leaving the "
-                              "slot to it", self.slot_id, self.lease.key)  # fmt: skip
+                    log.error(
+                        "slot %s: its lease %s is held by another worker; leaving the slot to it",
+                        self.slot_id,
+                        self.lease.key,
+                    )
                     self.lost.set()
                     return
                 self._beat(
@@ -106,8 +111,13 @@ class _Heartbeat(threading.Thread):
             result = call()
         except Exception as exc:
             if service not in self._failing:
-                log.warning("slot %s heartbeat: %s unreachable (%s: %s); retrying",
-                            self.slot_id, service, type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "slot %s heartbeat: %s unreachable (%s: %s); retrying",
+                    self.slot_id,
+                    service,
+                    type(exc).__name__,
+                    exc,
+                )
                 self._failing.add(service)
             if service == "database":
                 connection.close()  # the next beat opens a fresh connection
@@ -255,8 +265,9 @@ def _next_claim(
         slot_services.env_slot_set(slot_id=slot_id, status=SlotStatus.RELEASED)
         return SlotOutcome(True, "worker shutting down")
     if lost.is_set():
-        return SlotOutcome(False, f"slot {backend}:{index} was taken over by another "
-                           "worker while Redis was away")  # fmt: skip
+        return SlotOutcome(
+            False, f"slot {backend}:{index} was taken over by another worker while Redis was away"
+        )
     refresh_connection()
     if not paced:
         backlog = db_retry(

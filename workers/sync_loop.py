@@ -18,11 +18,10 @@ import uuid
 from celery import current_app as celery_app
 
 from datamanager.config import RunConfig
+from datamanager.live_work import run_queue
 from datamanager.models import Run, RunStatus
 from datamanager.services import batches
 from datamanager.services.runs import run_set_message
-from workers.config_mapping import update_config
-from workers.leases import run_queue
 from workers.training_loop import get_trainer, run_loop, update_and_publish
 
 log = logging.getLogger("dartboard.sync")
@@ -75,9 +74,9 @@ def sync_round(*, run: Run, cfg: RunConfig, episode_timeout_s: float) -> bool:
     # Every worker loads the new version at once; the next round waits for it.
     update_and_publish(
         run=run,
+        cfg=cfg,
         trainer=trainer,
         batch=batch,
-        config=update_config(cfg, updates_done=trainer.state.updates),
         kind="sync",
         publish=True,
         rolling=False,

@@ -10,13 +10,13 @@ import socket
 from typing import Any
 
 from celery import shared_task
-from django.db import transaction
 
+from datamanager.live_work import REDIS_DOWN, slot_work, work_enqueue
+from datamanager.services import sweeps
 from datamanager.services.datasets import dataset_export_run
-from workers import sweeps
 from workers.dbutil import is_outage
 from workers.evaluation import eval_shard_serve
-from workers.leases import REDIS_DOWN, slot_work, work_enqueue, work_started
+from workers.leases import work_started
 from workers.lifecycle import shutdown_requested
 from workers.slot_worker import serve_lockstep_episode, serve_slice
 from workers.watchdog import watchdog_pass
@@ -41,12 +41,16 @@ def slot_serve(run_id: int, backend: str, index: int) -> str:
             return outcome.reason
         except REDIS_DOWN as exc:
             if shutdown_requested.is_set():
-                log.warning("slot %s: not re-enqueued (%s); the watchdog brings it back",
-                            work.label, exc)  # fmt: skip
+                log.warning(
+                    "slot %s: not re-enqueued (%s); the watchdog brings it back", work.label, exc
+                )
                 return outcome.reason
             # The broker is away: serve another slice here rather than drop the slot.
-            log.warning("slot %s: could not enqueue its next slice (%s); serving it in this "
-                        "task", work.label, exc)  # fmt: skip
+            log.warning(
+                "slot %s: could not enqueue its next slice (%s); serving it in this task",
+                work.label,
+                exc,
+            )
 
 
 @shared_task(name="workers.tasks.episode_once", acks_late=True)
@@ -74,6 +78,8 @@ def train_run(run_id: int) -> str:
 @shared_task(name="workers.tasks.sync_run", acks_late=True)
 def sync_run(run_id: int) -> str:
     """The synchronous baseline's driver (queue `train`)."""
+    # The trainer's imports (torch, transformers, peft: seconds of CPU) are paid by the
+    # train queue's worker only, as in train_run.
     from workers.sync_loop import sync_for
     from workers.training_loop import trainer_drive
 
@@ -89,16 +95,19 @@ def runs_watchdog() -> list[str]:
     except Exception as exc:
         if not is_outage(exc):
             raise
-        log.warning("watchdog pass skipped, %s unreachable: %s: %s",
-                    "Redis" if isinstance(exc, REDIS_DOWN) else "the database",
-                    type(exc).__name__, str(exc).strip().splitlines()[0])  # fmt: skip
+        log.warning(
+            "watchdog pass skipped, %s unreachable: %s: %s",
+            "Redis" if isinstance(exc, REDIS_DOWN) else "the database",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[0],
+        )
         return []
 
 
 @shared_task(name="workers.tasks.sweeps_advance", ignore_result=True)
 def sweeps_advance() -> list[int]:
     """Celery beat calls this every DARTBOARD_WATCHDOG_PERIOD_S (queue default): each
-    sweep's next members start as earlier ones end (workers/sweeps.py)."""
+    sweep's next members start as earlier ones end (datamanager/services/sweeps.py)."""
     try:
         return sweeps.sweeps_advance()
     except Exception as exc:
@@ -116,11 +125,7 @@ def ping() -> dict[str, str]:
 
 @shared_task(name="workers.tasks.dataset_export", acks_late=True)
 def dataset_export(export_id: int) -> str:
-    """Write a dataset export into the media storage (queue default)."""
+    """Write a dataset export into the media storage (queue default); `dataset_export_create`
+    enqueues it by name."""
     export = dataset_export_run(export_id=export_id)
     return f"export {export_id}: {export.status}"
-
-
-def dataset_export_queue(export_id: int) -> None:
-    """Queue export `export_id` once the transaction that recorded it commits."""
-    transaction.on_commit(lambda: dataset_export.delay(export_id))

@@ -8,7 +8,6 @@ time. A restarted trainer resumes from the newest published checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -21,6 +20,7 @@ from django.db import transaction
 
 from datamanager.config import RunConfig
 from datamanager.events import publish_on_commit
+from datamanager.live_work import trainer_work, work_enqueue
 from datamanager.models import (
     GroupStatus,
     PolicyVersion,
@@ -32,30 +32,28 @@ from datamanager.models import (
 )
 from datamanager.policies import policy_path
 from datamanager.services import batches
+from datamanager.services.evaluations import eval_schedule_next, run_finish_if_done
+from datamanager.services.run_workers import (
+    policy_version_record_reach,
+    router_sync,
+    run_orphans_abort,
+)
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer, version_dir
-from training.update import UpdateConfig, UpdateInterrupted
+from training.update import UpdateInterrupted
 from workers.artifacts import (
     checkpoint_restore,
     checkpoint_upload,
     optimizer_states_prune,
     versions_prune,
 )
-from workers.config_mapping import lora_spec, update_config
 from workers.dbutil import db_retry, is_outage, refresh_connection
 from workers.disk import is_disk_full, run_pause_for_disk, version_tmp_remove
-from workers.evaluation import eval_schedule_next, run_finish_if_done
 from workers.exports import export_update
-from workers.leases import (
-    holder_name,
-    trainer_work,
-    work_enqueue,
-    work_hold,
-)
+from workers.leases import holder_name, work_hold
 from workers.lifecycle import shutdown_requested
-from workers.runs import policy_version_record_reach, router_sync, run_orphans_abort
 
 log = logging.getLogger("dartboard.trainer")
 
@@ -77,18 +75,11 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
         run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
         checkpoint_restore(run=run, run_dir=run_dir)  # a new host fetches the newest version
         published = list(PolicyVersion.objects.filter(run=run).values_list("version", flat=True))
-        lora = lora_spec(cfg.trainer)
         spec = TrainerSpec(
+            config=cfg.trainer,
             start_checkpoint=str(policy_path(cfg.policy)),
             run_dir=str(run_dir),
-            lr=cfg.trainer.lr,
-            weight_decay=cfg.trainer.weight_decay,
-            kl_coef=cfg.trainer.kl_coef,
-            bf16=cfg.trainer.bf16,
             published_versions=published,
-            lora=dataclasses.asdict(lora) if lora else None,
-            gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-            shard=cfg.trainer.shard,
         )
         if cfg.trainer.replicas > 1:
             group = _GROUPS[run.pk] = ReplicaGroup.start(spec, world=cfg.trainer.replicas)
@@ -145,13 +136,19 @@ def run_loop(
     down or `stop` is set (this worker lost the run's trainer lease). `body` returns a
     reason to end the slice, or None to go on."""
     deadline = time.monotonic() + max_seconds
+    run: Run | None = None
     while time.monotonic() < deadline:
         if shutdown_requested.is_set():
             return "time slice over"  # re-enqueued: a restarted worker resumes the run
         if stop is not None and stop.is_set():
             return "trainer lease lost"
         refresh_connection()
-        run = Run.objects.get(pk=run_id)
+        # One Run for the slice, reloaded each turn: its settings are parsed again only when
+        # they changed (`Run.cfg`).
+        if run is None:
+            run = Run.objects.get(pk=run_id)
+        else:
+            run.refresh_from_db()
         if run.status != RunStatus.RUNNING:
             return f"run is {run.status}"
         cfg = run.cfg
@@ -173,7 +170,7 @@ def policy_version_publish(
     router loads it (one worker at a time, or all at once for the synchronous baseline,
     which then waits for it): by its artifact reference, so every inference host fetches
     it from the store. The run's next scheduled evaluation is enqueued unless one is under
-    way (`workers.evaluation.eval_schedule_next`)."""
+    way (`datamanager.services.evaluations.eval_schedule_next`)."""
     published = policy_version_create(
         run=run, version=version, checkpoint=checkpoint, artifact=artifact
     )
@@ -193,18 +190,24 @@ def policy_version_publish(
 def update_and_publish(
     *,
     run: Run,
+    cfg: RunConfig,
     trainer: PolicyTrainer,
     batch: batches.Batch,
-    config: UpdateConfig,
     kind: str,
     publish: bool,
     rolling: bool = True,
 ) -> None:
-    """Train one update on `batch`, record it (and its version when `publish`) in one
-    transaction, and tell the dashboard after commit."""
+    """Train one update on `batch` under the run's settings `cfg` (a warm-start `kind` is
+    behaviour cloning alone), record it (and its version when `publish`) in one transaction,
+    and tell the dashboard after commit."""
     trained_version = trainer.state.version
     try:
-        metrics = trainer.update(batch.samples, config, stop=shutdown_requested.is_set)
+        metrics = trainer.update(
+            batch.samples,
+            cfg.curation,
+            stop=shutdown_requested.is_set,
+            behaviour_cloning=kind == "warm_start",
+        )
     except UpdateInterrupted as exc:
         # The worker is stopping (Ctrl-C): nothing of this update is recorded and its groups
         # stay ready; the next trainer resumes from the last published version.
@@ -225,8 +228,11 @@ def update_and_publish(
         # version is left; the next trainer resumes from the last published version.
         version_tmp_remove(version_dir(trainer.run_dir, trained_version + 1))
         trainer_forget(run_id=run.pk)
-        run_pause_for_disk(run_id=run.pk, what=f"version {trained_version + 1}'s checkpoint "
-                           f"under {trainer.run_dir}", exc=exc)  # fmt: skip
+        run_pause_for_disk(
+            run_id=run.pk,
+            what=f"version {trained_version + 1}'s checkpoint under {trainer.run_dir}",
+            exc=exc,
+        )
         return
     with transaction.atomic():
         update = batches.batch_commit(
@@ -244,12 +250,16 @@ def update_and_publish(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}
         )
     if path is not None:  # committed: the new version's state is what a restart resumes from
-        kept = run.cfg.trainer
+        kept = cfg.trainer
         optimizer_states_prune(
             run_id=run.pk, run_dir=trainer.run_dir, keep=kept.optimizer_states_kept
         )
-        versions_prune(run_id=run.pk, run_dir=trainer.run_dir, kept=kept.versions_kept,
-                       every=kept.versions_keep_every)  # fmt: skip
+        versions_prune(
+            run_id=run.pk,
+            run_dir=trainer.run_dir,
+            kept=kept.versions_kept,
+            every=kept.versions_keep_every,
+        )
     export_update(update_id=update.pk)  # committed: TensorBoard gets the same figures
 
 
@@ -293,9 +303,9 @@ def train_for(*, run_id: int, max_seconds: float, stop: threading.Event | None =
         run_set_message(run_id=run.pk, message=f"training on {len(batch.samples)} steps{mix_note}")
         update_and_publish(
             run=run,
+            cfg=cfg,
             trainer=trainer,
             batch=batch,
-            config=update_config(cfg, updates_done=trainer.state.updates),
             kind="rl",
             publish=(trainer.state.updates + 1) % cfg.trainer.checkpoint_every == 0,
         )
@@ -322,11 +332,9 @@ def _warm_start_update(run: Run, cfg: RunConfig, trainer: PolicyTrainer) -> None
     )
     update_and_publish(
         run=run,
+        cfg=cfg,
         trainer=trainer,
         batch=batch,
-        config=dataclasses.replace(
-            update_config(cfg, updates_done=trainer.state.updates), bc_weight=1.0, kl_coef=0.0
-        ),
         kind="warm_start",
         publish=trainer.state.updates + 1 >= cfg.trainer.warm_start_bc_updates,
     )
@@ -344,11 +352,18 @@ def _through_outages(loop: Callable[..., str], *, run_id: int, stop: threading.E
         except Exception as exc:
             if not is_outage(exc) or stop.is_set() or time.monotonic() > deadline:
                 raise
-            log.warning("run %s: trainer paused by an outage (%s: %s); it resumes from the "
-                        "newest published checkpoint", run_id, type(exc).__name__, exc)  # fmt: skip
+            log.warning(
+                "run %s: trainer paused by an outage (%s: %s); it resumes from the "
+                "newest published checkpoint",
+                run_id,
+                type(exc).__name__,
+                exc,
+            )
             trainer_forget(run_id=run_id)
-            db_retry(lambda _: Run.objects.filter(pk=run_id).exists(),
-                     what=f"waiting to resume the trainer of run {run_id}")  # fmt: skip
+            db_retry(
+                lambda _: Run.objects.filter(pk=run_id).exists(),
+                what=f"waiting to resume the trainer of run {run_id}",
+            )
             time.sleep(2.0)
 
 

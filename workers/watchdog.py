@@ -34,20 +34,20 @@ from typing import Any
 from django.conf import settings
 
 from datamanager.config import RunConfig
-from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
-from datamanager.selectors.evaluations import eval_shard_finished
-from datamanager.services.evaluations import eval_job_finish_if_done
-from datamanager.services.runs import run_set_message
-from workers.disk import runs_resume_after_disk
-from workers.evaluation import eval_job_next
-from workers.leases import (
+from datamanager.live_work import (
     LiveWork,
-    QueuedTasks,
     eval_shard_work,
     redis_client,
+    run_live_work,
     work_enqueue,
 )
-from workers.runs import run_live_work, run_orphans_abort
+from datamanager.models import EvalJob, EvalStatus, Run, RunStatus, TrainUpdate
+from datamanager.selectors.evaluations import eval_shard_finished
+from datamanager.services.evaluations import eval_job_finish_if_done, eval_job_next
+from datamanager.services.run_workers import run_orphans_abort
+from datamanager.services.runs import run_set_message
+from workers.disk import runs_resume_after_disk
+from workers.leases import QueuedTasks
 
 log = logging.getLogger("dartboard.watchdog")
 

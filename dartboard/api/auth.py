@@ -5,13 +5,14 @@ A request carries a token from its user's account page (`Authorization: Bearer d
 whose writes need the CSRF token as a form's do. Either way the user's roles decide
 (`datamanager.roles`): a viewer reads, an operator creates, controls and curates, an admin
 also grants what only an admin may. Writes are limited per token (per user for a session)
-to DARTBOARD_API_WRITES_PER_MINUTE.
+to DARTBOARD_API_WRITES_PER_MINUTE, but for the tokens DARTBOARD_API_UNLIMITED_TOKENS names.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions, permissions, throttling
 from rest_framework.request import Request
@@ -82,7 +83,8 @@ class RolePermission(permissions.BasePermission):
 
 
 class WriteThrottle(throttling.SimpleRateThrottle):
-    """Writes per token (per user for a session) per minute; reads are not limited."""
+    """Writes per token (per user for a session) per minute; reads are not limited, nor are
+    the writes of a token DARTBOARD_API_UNLIMITED_TOKENS names (read per request)."""
 
     scope = "writes"
 
@@ -90,6 +92,8 @@ class WriteThrottle(throttling.SimpleRateThrottle):
         if request.method in permissions.SAFE_METHODS or request.user is None:
             return None
         if isinstance(request.auth, ApiToken):
+            if request.auth.key_id in settings.DARTBOARD_API_UNLIMITED_TOKENS:
+                return None
             ident = f"token-{request.auth.pk}"
         else:
             ident = f"user-{request.user.pk}"

@@ -1,17 +1,19 @@
 """What every endpoint shares: the view base class (outside the dashboard's login redirect:
-the API answers 401 itself), a page of a queryset, and the services' refusals as API errors."""
+the API answers 401 itself), its query parameters parsed, a page of a queryset, and the
+services' refusals as API errors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth.decorators import login_not_required
 from django.db.models import Model, QuerySet
+from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from dartboard.api.errors import ApiError
-from dartboard.api.schemas import Page
 from datamanager.roles import CAN_CONTROL
 
 
@@ -26,11 +28,20 @@ class ApiView(APIView):
         return login_not_required(super().as_view(**initkwargs))
 
 
-def page_of(request: Request, qs: QuerySet) -> tuple[int, QuerySet]:
-    """(count, the page ?limit=&offset= asks for)."""
-    page = Page(data=request.query_params)
-    page.is_valid(raise_exception=True)
-    limit, offset = page.validated_data["limit"], page.validated_data["offset"]
+def query_of(
+    request: Request, query: type[serializers.Serializer], *, also: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The query parameters as `query` (the serializer the endpoint's schema states them
+    from) parses them; a parameter neither it nor `also` knows, or an empty one, refused."""
+    known_params(request, {*query().fields, *also})
+    parsed = query(data=request.query_params)
+    parsed.is_valid(raise_exception=True)
+    return dict(parsed.validated_data)
+
+
+def page_of(qs: QuerySet, query: dict[str, Any]) -> tuple[int, QuerySet]:
+    """(count, the page a parsed query's `limit` and `offset` ask for: `schemas.Page`)."""
+    limit, offset = query["limit"], query["offset"]
     return qs.count(), qs[offset : offset + limit]
 
 

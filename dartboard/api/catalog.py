@@ -3,55 +3,49 @@
 from __future__ import annotations
 
 from django.db.models import Q
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from dartboard.api import schemas
-from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.base import ApiView, get_or_404, page_of, query_of
 from dartboard.api.errors import ApiError
-from datamanager.models import EnvKind, EvalJob, Run, Split, Task
+from datamanager.models import EvalJob, Run, Task
 from datamanager.policies import EvalSetupError
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 from datamanager.selectors.dashboard import hosts_listing
 from datamanager.selectors.evaluations import eval_jobs_listing
 from datamanager.selectors.tasks import tasks_listing
+from datamanager.services.evaluations import EvalNotStartable, eval_start
 from datamanager.services.runs import NotYourRun
-from workers.evaluation import EvalNotStartable, eval_start
 
 ERRORS = schemas.ERRORS
-MAY = {"view": CAN_VIEW, "create": CAN_CREATE, "control": CAN_CONTROL, "curate": CAN_CURATE,
-       "administer": CAN_ADMINISTER}  # fmt: skip
+MAY = {
+    "view": CAN_VIEW,
+    "create": CAN_CREATE,
+    "control": CAN_CONTROL,
+    "curate": CAN_CURATE,
+    "administer": CAN_ADMINISTER,
+}
 
 
 class TasksView(ApiView):
     @extend_schema(
         operation_id="tasks_list",
-        parameters=[
-            OpenApiParameter("split", str, enum=Split.values),
-            OpenApiParameter("env_kind", str, enum=EnvKind.values),
-            OpenApiParameter("q", str, description="A part of the name or a tag."),
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
-        ],
+        parameters=[schemas.TasksQuery],
         responses={200: schemas.TaskListOut, **ERRORS},
     )
     def get(self, request: Request) -> Response:
         """Tasks by name."""
-        known_params(request, {"split", "env_kind", "q", "limit", "offset"})
+        query = query_of(request, schemas.TasksQuery)
         qs = tasks_listing()
-        for name, choices in (("split", Split.values), ("env_kind", EnvKind.values)):
-            value = request.query_params.get(name)
-            if value:
-                if value not in choices:
-                    raise ApiError(
-                        400, "invalid", f"{name} must be one of {', '.join(choices)}", name
-                    )
-                qs = qs.filter(**{name: value})
-        if q := request.query_params.get("q", "").strip():
+        for name in ("split", "env_kind"):
+            if name in query:
+                qs = qs.filter(**{name: query[name]})
+        if q := query.get("q", "").strip():
             qs = qs.filter(Q(name__icontains=q) | Q(tags__icontains=q))
-        count, page = page_of(request, qs)
+        count, page = page_of(qs, query)
         return Response({"count": count, "results": schemas.TaskOut(page, many=True).data})
 
 
@@ -67,21 +61,13 @@ class TaskView(ApiView):
 class EvaluationsView(ApiView):
     @extend_schema(
         operation_id="evaluations_list",
-        parameters=[
-            OpenApiParameter("run", int),
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
-        ],
+        parameters=[schemas.EvaluationsQuery],
         responses={200: schemas.EvaluationListOut, **ERRORS},
     )
     def get(self, request: Request) -> Response:
         """Evaluation jobs, newest first."""
-        known_params(request, {"run", "limit", "offset"})
-        run = request.query_params.get("run")
-        if run and not run.isdigit():
-            raise ApiError(400, "invalid", "run must be a run's id", "run")
-        qs = eval_jobs_listing(run_id=int(run) if run else None)
-        count, page = page_of(request, qs)
+        query = query_of(request, schemas.EvaluationsQuery)
+        count, page = page_of(eval_jobs_listing(run_id=query.get("run")), query)
         return Response({"count": count, "results": schemas.EvaluationOut(page, many=True).data})
 
     @extend_schema(

@@ -19,14 +19,14 @@ from dartboard.forms import TrajectoryFilterForm
 from datamanager.models import DatasetExport, ExportStatus
 from datamanager.roles import CAN_VIEW
 from datamanager.services.datasets import EXPORT_FORMATS, dataset_export_create
-from workers.tasks import dataset_export_queue
 
 
-class ExportIn(serializers.Serializer):
-    query = serializers.CharField(
-        required=False, allow_blank=True, default="",
+class ExportIn(schemas.Body):
+    query = schemas.Text(
+        required=False,
+        allow_blank=True,
         help_text="The trajectory list's filters as its query string, e.g. run=3&status=succeeded.",
-    )  # fmt: skip
+    )
     formats = serializers.ListField(
         child=serializers.ChoiceField(choices=EXPORT_FORMATS), min_length=1, default=["hf"]
     )
@@ -55,27 +55,37 @@ class ExportOut(serializers.Serializer):
 class ExportsView(ApiView):
     write_permission = CAN_VIEW  # what a viewer may read, a viewer may export
 
-    @extend_schema(operation_id="exports_create", request=ExportIn,
-                   responses={202: ExportOut, **schemas.ERRORS})  # fmt: skip
+    @extend_schema(
+        operation_id="exports_create",
+        request=ExportIn,
+        responses={202: ExportOut, **schemas.ERRORS},
+    )
     def post(self, request: Request) -> Response:
         """Export the trajectories the filters select (hf, sft, osworld) in the background."""
         parsed = ExportIn(data=request.data)
         parsed.is_valid(raise_exception=True)
-        query = parsed.validated_data["query"].lstrip("?")
+        query = parsed.validated_data.get("query", "").strip().lstrip("?")
         form = TrajectoryFilterForm(QueryDict(query))
         if not form.is_valid():
-            problems = [problem("invalid", f"query: {name}: {' '.join(map(str, errs))}", "query")
-                        for name, errs in form.errors.items()]  # fmt: skip
+            problems = [
+                problem("invalid", f"query: {name}: {' '.join(map(str, errs))}", "query")
+                for name, errs in form.errors.items()
+            ]
             return Response(body(problems), status=400)
-        export = dataset_export_create(flt=form.trajectory_filter(), query=query,
-                                       formats=parsed.validated_data["formats"], user=request.user)  # fmt: skip
-        dataset_export_queue(export.pk)
+        export = dataset_export_create(
+            flt=form.trajectory_filter(),
+            query=query,
+            formats=parsed.validated_data["formats"],
+            user=request.user,
+        )
         return Response(ExportOut(export).data, status=202)
 
 
 class ExportView(ApiView):
-    @extend_schema(operation_id="exports_read", responses={200: ExportOut, 404: schemas.ErrorOut,
-                                                           **schemas.ERRORS})  # fmt: skip
+    @extend_schema(
+        operation_id="exports_read",
+        responses={200: ExportOut, 404: schemas.ErrorOut, **schemas.ERRORS},
+    )
     def get(self, request: Request, export_id: int) -> Response:
         """An export's status and progress, and its download URL once done."""
         return Response(ExportOut(get_or_404(DatasetExport, "export", pk=export_id)).data)
@@ -84,14 +94,21 @@ class ExportView(ApiView):
 class ExportDownloadView(ApiView):
     @extend_schema(
         operation_id="exports_download",
-        responses={(200, "application/zip"): OpenApiResponse(OpenApiTypes.BINARY),
-                   404: schemas.ErrorOut, 409: schemas.ErrorOut, **schemas.ERRORS},
-    )  # fmt: skip
+        responses={
+            (200, "application/zip"): OpenApiResponse(OpenApiTypes.BINARY),
+            404: schemas.ErrorOut,
+            409: schemas.ErrorOut,
+            **schemas.ERRORS,
+        },
+    )
     def get(self, request: Request, export_id: int) -> FileResponse:
         """The export's .zip (a Hugging Face dataset folder, OSWorld folders)."""
         export = get_or_404(DatasetExport, "export", pk=export_id)
         if export.status != ExportStatus.DONE or not default_storage.exists(export.archive):
             reason = export.error or f"it is {export.status}"
             raise ApiError(409, "conflict", f"export {export_id} has no archive: {reason}")
-        return FileResponse(default_storage.open(export.archive, "rb"), as_attachment=True,
-                            filename=f"dartboard-export-{export_id}.zip")  # fmt: skip
+        return FileResponse(
+            default_storage.open(export.archive, "rb"),
+            as_attachment=True,
+            filename=f"dartboard-export-{export_id}.zip",
+        )

@@ -51,10 +51,17 @@ class RunMetricsView(ApiView):
         data = run_metrics(run=get_or_404(Run, "run", pk=run_id))
         upd = data.updates
         greedy = [
-            {"scope": s, "version": p.version, "ok": p.ok, "scored": p.scored, "rate": p.rate,
-             "low": p.low, "high": p.high}
+            {
+                "scope": s,
+                "version": p.version,
+                "ok": p.ok,
+                "scored": p.scored,
+                "rate": p.rate,
+                "low": p.low,
+                "high": p.high,
+            }
             for s, p in greedy_points(data.versions)
-        ]  # fmt: skip
+        ]
         return Response(
             {
                 "run": run_id,

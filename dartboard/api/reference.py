@@ -14,8 +14,13 @@ from rest_framework import permissions
 
 from datamanager.roles import CAN_ADMINISTER, CAN_CONTROL, CAN_CREATE, CAN_CURATE, CAN_VIEW
 
-ROLE = {CAN_VIEW: "viewer", CAN_CREATE: "operator", CAN_CONTROL: "operator",
-        CAN_CURATE: "operator", CAN_ADMINISTER: "admin"}  # fmt: skip
+ROLE = {
+    CAN_VIEW: "viewer",
+    CAN_CREATE: "operator",
+    CAN_CONTROL: "operator",
+    CAN_CURATE: "operator",
+    CAN_ADMINISTER: "admin",
+}
 
 
 def openapi_schema() -> dict[str, Any]:
@@ -46,12 +51,21 @@ def api_page(generated: str) -> str:
         summary = text.replace("\n", " ").replace("|", "\\|")
         role = _role(callback, method, operation)
         rows.append(f"| `{method}` | `{path}` | {role} | {summary} |")
-    return "\n".join([
-        "# API reference", "", generated, "",
-        "Every endpoint of the REST API (`dartboard/api/`), with the role it needs; "
-        "[Script Dartboard](../scripting.md) shows them in use. The whole OpenAPI schema, with "
-        "each request and response shape, is [openapi.yaml](openapi.yaml), the same the server "
-        "serves at `/api/v1/schema/`. Errors are JSON with `code`, `message`, `field` and "
-        "`errors` (every problem found).", "",
-        "| method | path | role | what it does |", "|---|---|---|---|", *rows, "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# API reference",
+            "",
+            generated,
+            "",
+            "Every endpoint of the REST API (`dartboard/api/`), with the role it needs; "
+            "[Script Dartboard](../scripting.md) shows them in use. The whole OpenAPI schema, with "
+            "each request and response shape, is [openapi.yaml](openapi.yaml), the same the server "
+            "serves at `/api/v1/schema/`. Errors are JSON with `code`, `message`, `field` and "
+            "`errors` (every problem found).",
+            "",
+            "| method | path | role | what it does |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )

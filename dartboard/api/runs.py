@@ -7,20 +7,20 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from dartboard.api import schemas
-from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.base import ApiView, get_or_404, page_of, query_of
 from dartboard.api.errors import ApiError
 from datamanager.config import config_override
-from datamanager.models import Run, RunStatus
+from datamanager.models import Run
 from datamanager.roles import CAN_CREATE
 from datamanager.selectors.runs import current_slots, runs_listing
 from datamanager.services import runs as services
-from workers.runs import RunNotStartable, run_apply
+from datamanager.services.run_workers import RunNotStartable, run_apply
 
 ERRORS = schemas.ERRORS
 
@@ -71,36 +71,20 @@ class RunsView(ApiView):
 
     @extend_schema(
         operation_id="runs_list",
-        parameters=[
-            OpenApiParameter("status", str, enum=RunStatus.values),
-            OpenApiParameter("owner", str, description="The owner's username."),
-            OpenApiParameter("sweep", int),
-            OpenApiParameter("limit", int, description="At most 500 (default 50)."),
-            OpenApiParameter("offset", int),
-        ],
+        parameters=[schemas.RunsQuery],
         responses={200: schemas.RunListOut, **ERRORS},
     )
     def get(self, request: Request) -> Response:
         """Runs, newest first."""
-        known_params(request, {"status", "owner", "sweep", "limit", "offset"})
+        query = query_of(request, schemas.RunsQuery)
         qs = runs_queryset()
-        params = request.query_params
-        if params.get("status"):
-            if params["status"] not in RunStatus.values:
-                raise ApiError(
-                    400,
-                    "invalid",
-                    f"status must be one of {', '.join(RunStatus.values)}",
-                    "status",
-                )
-            qs = qs.filter(status=params["status"])
-        if params.get("owner"):
-            qs = qs.filter(owner__username=params["owner"])
-        if params.get("sweep"):
-            if not params["sweep"].isdigit():
-                raise ApiError(400, "invalid", "sweep must be a sweep's id", "sweep")
-            qs = qs.filter(sweep_member__sweep_id=int(params["sweep"]))
-        count, page = page_of(request, qs)
+        if "status" in query:
+            qs = qs.filter(status=query["status"])
+        if "owner" in query:
+            qs = qs.filter(owner__username=query["owner"])
+        if "sweep" in query:
+            qs = qs.filter(sweep_member__sweep_id=query["sweep"])
+        count, page = page_of(qs, query)
         return Response({"count": count, "results": schemas.RunOut(page, many=True).data})
 
     @extend_schema(

@@ -15,8 +15,10 @@ from drf_spectacular.plumbing import ResolvedComponent
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from dartboard.forms import MAX_ID
 from datamanager.config import RunConfig
 from datamanager.models import (
+    EnvKind,
     EnvSlot,
     EvalJob,
     EvalScope,
@@ -25,6 +27,7 @@ from datamanager.models import (
     Run,
     RunPlacement,
     RunStatus,
+    Split,
     Step,
     Sweep,
     SweepMember,
@@ -32,8 +35,15 @@ from datamanager.models import (
     Trajectory,
 )
 from datamanager.selectors.tasks import osworld_task_missing_files, osworld_task_needs
+from datamanager.services.sweeps import MAX_MEMBERS, MAX_PARALLEL
 
 MAX_PAGE = 500
+MAX_OFFSET = 2**31
+# No NUL in any string the API takes: PostgreSQL's text cannot hold one, and DRF's and
+# Django's string fields refuse it on every database. "+", not "*": a string that may be
+# empty is drf-spectacular's oneOf [this, maxLength 0], whose two must not both match ""
+# (nor may such a string have a default: drf-spectacular puts it in the first).
+NO_NUL = r"^[^\x00]+$"
 
 
 def _field_schema(tp: Any, f: dataclasses.Field | None) -> dict[str, Any]:
@@ -113,8 +123,64 @@ class OverridesField(serializers.DictField):
 # ------------------------------------------------------------------ inputs
 
 
-class RunCreate(serializers.Serializer):
-    name = serializers.CharField(max_length=200, help_text="A name to find the run by.")
+class Text(serializers.CharField):
+    """A string exactly as sent: not trimmed (the schema's minLength counts the spaces), never
+    with a NUL (the schema's pattern says so: `TextSchema`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(trim_whitespace=False, **kwargs)
+
+
+class TextSchema(OpenApiSerializerFieldExtension):
+    """`Text` in the schema: a string field's schema with the NUL it refuses ruled out."""
+
+    target_class = Text
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
+        return {**schema, "pattern": NO_NUL}
+
+
+# A body field's JSON types, as its schema's `type` states them (bool is an int in Python).
+_JSON_TYPES: list[tuple[type[serializers.Field], tuple[type, ...], str]] = [
+    (serializers.BooleanField, (bool,), "true or false"),
+    (serializers.IntegerField, (int, float), "a whole number"),
+    (serializers.FloatField, (int, float), "a number"),
+    (serializers.CharField, (str,), "a string"),
+]
+
+
+def _is_json_type(value: Any, types: tuple[type, ...], field: serializers.Field) -> bool:
+    if isinstance(value, bool) and bool not in types:
+        return False
+    if isinstance(field, serializers.IntegerField) and isinstance(value, float):
+        return value.is_integer()  # 5.0 is an integer to JSON Schema
+    return isinstance(value, types)
+
+
+class Body(serializers.Serializer):
+    # A request body whose fields take their schema's JSON type only: DRF's own fields would
+    # take "5" for a whole number, 1 or "yes" for true, 5 for a string, each of which the
+    # schema refuses (YAML's `name: 2024` is a number: quote it). (No docstring: the schema
+    # would give it to every body without one of its own.)
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, dict):
+            problems = {}
+            for name, field in self.fields.items():
+                value = data.get(name)
+                for cls, types, words in _JSON_TYPES:
+                    if isinstance(field, cls):
+                        if value is not None and not _is_json_type(value, types, field):
+                            problems[name] = [f"must be {words}, not {type(value).__name__}"]
+                        break
+            if problems:
+                raise serializers.ValidationError(problems)
+        return super().to_internal_value(data)
+
+
+class RunCreate(Body):
+    name = Text(max_length=200, help_text="A name to find the run by.")
     config = ConfigField(required=False, default=dict)
     overrides = OverridesField(required=False, default=dict)
     start = serializers.BooleanField(
@@ -122,34 +188,38 @@ class RunCreate(serializers.Serializer):
     )
 
 
-class RunCopy(serializers.Serializer):
-    name = serializers.CharField(
-        max_length=200, required=False, help_text="Default: the run's name and ' (copy)'."
-    )
+class RunCopy(Body):
+    name = Text(max_length=200, required=False, help_text="Default: the run's name and ' (copy)'.")
     overrides = OverridesField(required=False, default=dict)
     start = serializers.BooleanField(default=False)
 
 
-class SweepCreate(serializers.Serializer):
-    name = serializers.CharField(max_length=150)
+class SweepCreate(Body):
+    name = Text(max_length=150)
     config = ConfigField(required=False, default=dict)
     overrides = OverridesField(required=False, default=dict)
     grid = serializers.DictField(
-        child=serializers.ListField(child=serializers.JSONField(), min_length=1),
+        child=serializers.ListField(child=serializers.JSONField(allow_null=True), min_length=1),
         required=False,
         default=dict,
         help_text='Values per setting, e.g. {"trainer.lr": [1e-05, 5e-05]}: a run for each '
         "combination and seed.",
     )
     seeds = serializers.IntegerField(
-        default=1, help_text="Seeds per combination: seed, seed + 1, ... (the config's seed)."
+        default=1,
+        min_value=1,
+        max_value=MAX_MEMBERS,
+        help_text="Seeds per combination: seed, seed + 1, ... (the config's seed).",
     )
     parallel = serializers.IntegerField(
-        default=1, help_text="Members queued or running at once; the next starts as one ends."
+        default=1,
+        min_value=1,
+        max_value=MAX_PARALLEL,
+        help_text="Members queued or running at once; the next starts as one ends.",
     )
 
 
-class EvaluationStart(serializers.Serializer):
+class EvaluationStart(Body):
     run = serializers.IntegerField(min_value=1)
     scope = serializers.ChoiceField(choices=EvalScope.choices)
     version = serializers.IntegerField(
@@ -157,23 +227,47 @@ class EvaluationStart(serializers.Serializer):
     )
 
 
-class Trim(serializers.Serializer):
+class Trim(Body):
     keep_steps = serializers.IntegerField(min_value=1, help_text="Steps kept from the start.")
 
 
-class Label(serializers.Serializer):
+class Label(Body):
     label = serializers.ChoiceField(choices=FailureKind.choices)
-    comment = serializers.CharField(required=False, default="", allow_blank=True)
+    comment = Text(required=False, allow_blank=True)
 
 
-class Reward(serializers.Serializer):
+class Reward(Body):
     reward = serializers.FloatField(min_value=0.0, max_value=1.0)
-    reason = serializers.CharField(max_length=1000)
+    reason = Text(max_length=1000)
+
+
+# Query parameters: each list endpoint's are a serializer, which both parses them and gives
+# the schema its parameters (`extend_schema(parameters=[...])`), so the two cannot drift.
 
 
 class Page(serializers.Serializer):
-    limit = serializers.IntegerField(min_value=1, max_value=MAX_PAGE, default=50)
-    offset = serializers.IntegerField(min_value=0, max_value=2**31, default=0)
+    limit = serializers.IntegerField(
+        min_value=1, max_value=MAX_PAGE, default=50, help_text="Results on the page."
+    )
+    offset = serializers.IntegerField(
+        min_value=0, max_value=MAX_OFFSET, default=0, help_text="Results skipped before it."
+    )
+
+
+class RunsQuery(Page):
+    status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+    owner = Text(required=False, help_text="The owner's username.")
+    sweep = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
+
+
+class TasksQuery(Page):
+    split = serializers.ChoiceField(choices=Split.choices, required=False)
+    env_kind = serializers.ChoiceField(choices=EnvKind.choices, required=False)
+    q = Text(required=False, help_text="A part of the name or a tag.")
+
+
+class EvaluationsQuery(Page):
+    run = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
 
 
 # ------------------------------------------------------------------ outputs
@@ -197,9 +291,21 @@ class RunOut(serializers.ModelSerializer):
 
     class Meta:
         model = Run
-        fields = ["id", "name", "status", "status_message", "owner", "created_at",
-                  "started_at", "finished_at", "config", "placement", "queue_reason", "sweep",
-                  "url"]  # fmt: skip
+        fields = [
+            "id",
+            "name",
+            "status",
+            "status_message",
+            "owner",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "config",
+            "placement",
+            "queue_reason",
+            "sweep",
+            "url",
+        ]
 
     @extend_schema_field(PlacementOut(allow_null=True))
     def get_placement(self, run: Run) -> dict[str, Any] | None:
@@ -285,9 +391,27 @@ class TrajectoryOut(serializers.ModelSerializer):
 
     class Meta:
         model = Trajectory
-        fields = ["id", "run", "task", "status", "reward", "reward_source", "length", "source",
-                  "purpose", "in_pool", "rejected", "started_at", "finished_at",
-                  "policy_versions", "error", "eval_job", "group", "seed", "url"]  # fmt: skip
+        fields = [
+            "id",
+            "run",
+            "task",
+            "status",
+            "reward",
+            "reward_source",
+            "length",
+            "source",
+            "purpose",
+            "in_pool",
+            "rejected",
+            "started_at",
+            "finished_at",
+            "policy_versions",
+            "error",
+            "eval_job",
+            "group",
+            "seed",
+            "url",
+        ]
 
     def get_url(self, traj: Trajectory) -> str:
         return reverse("trajectory_detail", args=[traj.pk])
@@ -308,10 +432,24 @@ class StepOut(serializers.ModelSerializer):
 
     class Meta:
         model = Step
-        fields = ["index", "thought", "action", "raw_output", "parse_error", "screenshot_url",
-                  "screen_width", "screen_height", "policy_version", "mean_entropy",
-                  "advantage", "is_weight", "stale", "trained_in_update", "env_ms",
-                  "model_ms"]  # fmt: skip
+        fields = [
+            "index",
+            "thought",
+            "action",
+            "raw_output",
+            "parse_error",
+            "screenshot_url",
+            "screen_width",
+            "screen_height",
+            "policy_version",
+            "mean_entropy",
+            "advantage",
+            "is_weight",
+            "stale",
+            "trained_in_update",
+            "env_ms",
+            "model_ms",
+        ]
 
     def get_screenshot_url(self, step: Step) -> str | None:
         if not step.screenshot:
@@ -340,8 +478,15 @@ class TrajectoryDetailOut(TrajectoryOut):
     reward_overrides = serializers.SerializerMethodField()
 
     class Meta(TrajectoryOut.Meta):
-        fields = [*TrajectoryOut.Meta.fields, "instruction", "details", "curated_from",
-                  "label", "reward_overrides", "steps"]  # fmt: skip
+        fields = [
+            *TrajectoryOut.Meta.fields,
+            "instruction",
+            "details",
+            "curated_from",
+            "label",
+            "reward_overrides",
+            "steps",
+        ]
 
     @extend_schema_field(StepOut(many=True))
     def get_steps(self, traj: Trajectory) -> list[dict[str, Any]]:
@@ -398,8 +543,23 @@ class TaskListOut(serializers.Serializer):
 class EvaluationOut(serializers.ModelSerializer):
     class Meta:
         model = EvalJob
-        fields = ["id", "name", "policy", "run", "policy_version", "scope", "status", "done",
-                  "total", "k", "seed", "greedy", "error", "created_at", "finished_at"]  # fmt: skip
+        fields = [
+            "id",
+            "name",
+            "policy",
+            "run",
+            "policy_version",
+            "scope",
+            "status",
+            "done",
+            "total",
+            "k",
+            "seed",
+            "greedy",
+            "error",
+            "created_at",
+            "finished_at",
+        ]
 
 
 class EvaluationDetailOut(EvaluationOut):
@@ -415,15 +575,36 @@ class EvaluationListOut(serializers.Serializer):
 class HostOut(serializers.ModelSerializer):
     class Meta:
         model = Host
-        fields = ["id", "name", "address", "gpus", "cuda_torch", "cpu_cores", "memory_gib",
-                  "cpu_inference_slots", "env_kinds", "last_seen"]  # fmt: skip
+        fields = [
+            "id",
+            "name",
+            "address",
+            "gpus",
+            "cuda_torch",
+            "cpu_cores",
+            "memory_gib",
+            "cpu_inference_slots",
+            "env_kinds",
+            "last_seen",
+        ]
 
 
 class SlotOut(serializers.ModelSerializer):
     class Meta:
         model = EnvSlot
-        fields = ["name", "key", "host", "backend", "status", "run", "current_trajectory",
-                  "last_heartbeat", "consecutive_failures", "last_error", "env_busy_s"]  # fmt: skip
+        fields = [
+            "name",
+            "key",
+            "host",
+            "backend",
+            "status",
+            "run",
+            "current_trajectory",
+            "last_heartbeat",
+            "consecutive_failures",
+            "last_error",
+            "env_busy_s",
+        ]
 
 
 class SweepMemberOut(serializers.ModelSerializer):
@@ -442,8 +623,19 @@ class SweepOut(serializers.ModelSerializer):
 
     class Meta:
         model = Sweep
-        fields = ["id", "name", "owner", "created_at", "stopped_at", "config", "grid", "seeds",
-                  "parallel", "members", "url"]  # fmt: skip
+        fields = [
+            "id",
+            "name",
+            "owner",
+            "created_at",
+            "stopped_at",
+            "config",
+            "grid",
+            "seeds",
+            "parallel",
+            "members",
+            "url",
+        ]
 
     def get_url(self, sweep: Sweep) -> str:
         return reverse("sweep_detail", args=[sweep.pk])
@@ -483,21 +675,24 @@ _DATABASE_BOUNDS = {2**31 - 1, -(2**31), 2**63 - 1, -(2**63)}
 def without_database_ranges(result: dict, generator: Any, request: Any, public: bool) -> dict:
     """drf-spectacular postprocessing hook: drop the bounds and int32/int64 formats a model
     field's integer column gets from the database in use, so the published schema is the one
-    every deployment serves (SQLite's integers are 64-bit, PostgreSQL's integer 32-bit)."""
+    every deployment serves (SQLite's integers are 64-bit, PostgreSQL's integer 32-bit).
+    Only the responses' components have such columns: a query parameter's bounds are the
+    API's own (an id's `MAX_ID` the same on both), and stay."""
 
-    def walk(node: Any) -> None:
+    def walk(node: Any, drop_bounds: bool) -> None:
         if isinstance(node, dict):
             if node.get("type") == "integer":
                 for key in ("maximum", "minimum"):
-                    if node.get(key) in _DATABASE_BOUNDS:
+                    if drop_bounds and node.get(key) in _DATABASE_BOUNDS:
                         del node[key]
                 if node.get("format") in ("int32", "int64"):
                     del node["format"]
             for value in node.values():
-                walk(value)
+                walk(value, drop_bounds)
         elif isinstance(node, list):
             for value in node:
-                walk(value)
+                walk(value, drop_bounds)
 
-    walk(result)
+    walk(result["paths"], drop_bounds=False)
+    walk(result.get("components", {}), drop_bounds=True)
     return result

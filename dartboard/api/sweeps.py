@@ -1,23 +1,22 @@
 """Sweeps: a config over a grid of settings and seeds, each member its own run, started one
-(or `parallel`) at a time as earlier ones end (`workers.sweeps`)."""
+(or `parallel`) at a time as earlier ones end (`datamanager.services.sweeps`)."""
 
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from dartboard.api import schemas
-from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.base import ApiView, get_or_404, page_of, query_of
 from dartboard.api.errors import ApiError
 from dartboard.api.runs import with_overrides
 from datamanager.models import Sweep
 from datamanager.roles import CAN_CREATE
 from datamanager.selectors.accounts import sweeps_listing
 from datamanager.services.runs import NotYourRun
-from datamanager.services.sweeps import sweep_create
-from workers.sweeps import sweep_advance, sweep_stop
+from datamanager.services.sweeps import sweep_advance, sweep_create, sweep_stop
 
 ERRORS = schemas.ERRORS
 
@@ -31,13 +30,12 @@ class SweepsView(ApiView):
 
     @extend_schema(
         operation_id="sweeps_list",
-        parameters=[OpenApiParameter("limit", int), OpenApiParameter("offset", int)],
+        parameters=[schemas.Page],
         responses={200: schemas.SweepListOut, **ERRORS},
     )
     def get(self, request: Request) -> Response:
         """Sweeps, newest first, with their members."""
-        known_params(request, {"limit", "offset"})
-        count, page = page_of(request, sweeps_queryset())
+        count, page = page_of(sweeps_queryset(), query_of(request, schemas.Page))
         return Response({"count": count, "results": schemas.SweepOut(page, many=True).data})
 
     @extend_schema(

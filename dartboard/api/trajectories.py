@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -14,7 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from dartboard.api import schemas
-from dartboard.api.base import ApiView, get_or_404, known_params, page_of
+from dartboard.api.base import ApiView, get_or_404, page_of, query_of
 from dartboard.api.errors import ApiError, body, problem
 from dartboard.forms import TrajectoryFilterForm
 from dartboard.screenshots import screenshot_open
@@ -30,45 +31,64 @@ from datamanager.services import labels, review
 ERRORS = schemas.ERRORS
 
 
+def _form_field_schema(field: forms.Field) -> dict[str, Any]:
+    """A filter form field as the schema of its query parameter, with the bounds the field
+    enforces (an empty value is refused before the form sees it: `known_params`)."""
+    bounds = {
+        "minimum": getattr(field, "min_value", None),
+        "maximum": getattr(field, "max_value", None),
+    }
+    if isinstance(field, forms.ChoiceField):
+        return {"type": "string", "enum": [c for c, _ in getattr(field, "choices", []) if c]}
+    if isinstance(field, forms.BooleanField):
+        return {"type": "boolean"}
+    if isinstance(field, forms.DateTimeField):
+        return {"type": "string", "format": "date-time"}
+    if isinstance(field, forms.FloatField):  # before IntegerField: a subclass of it
+        schema = {"type": "number", "format": "double", **bounds}
+    elif isinstance(field, forms.IntegerField):
+        schema = {"type": "integer", **bounds}
+    elif isinstance(field, forms.CharField):  # which refuses a NUL, as `schemas.Text` does
+        schema = {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": field.max_length,
+            "pattern": schemas.NO_NUL,
+        }
+    else:  # a new kind of filter needs a branch here
+        raise TypeError(f"no schema for the filter field {field!r}")
+    return {key: value for key, value in schema.items() if value is not None}
+
+
 def _filter_parameters() -> list[OpenApiParameter]:
-    form = TrajectoryFilterForm()
-    params = []
-    for name, field in form.fields.items():
-        kind: type = str
-        if field.__class__.__name__ == "IntegerField":
-            kind = int
-        elif field.__class__.__name__ == "FloatField":
-            kind = float
-        elif field.__class__.__name__ == "BooleanField":
-            kind = bool
-        choices = [c for c, _ in getattr(field, "choices", []) if c]
-        params.append(
-            OpenApiParameter(name, kind, enum=choices or None, description=str(field.label or name))
-        )
-    return params
+    return [
+        OpenApiParameter(name, _form_field_schema(field), description=str(field.label or name))
+        for name, field in TrajectoryFilterForm().fields.items()
+    ]
 
 
 class TrajectoriesView(ApiView):
     @extend_schema(
         operation_id="trajectories_list",
-        parameters=[
-            *_filter_parameters(),
-            OpenApiParameter("limit", int, description="At most 500 (default 50)."),
-            OpenApiParameter("offset", int),
-        ],
+        parameters=[*_filter_parameters(), schemas.Page],
         responses={200: schemas.TrajectoryListOut, **ERRORS},
     )
     def get(self, request: Request) -> Response:
         """Trajectories, newest first, filtered as the trajectory list page filters them."""
         form = TrajectoryFilterForm(request.query_params)
-        known_params(request, {*form.fields, "limit", "offset"})
+        paging = query_of(request, schemas.Page, also=form.fields)
+        for name, field in form.fields.items():
+            # The schema's boolean: true or false (the page's checkbox also sends "on").
+            value = request.query_params.get(name)
+            if isinstance(field, forms.BooleanField) and value not in (None, "true", "false"):
+                raise ApiError(400, "invalid", f"{name} must be true or false", name)
         if not form.is_valid():
             problems = [
                 problem("invalid", f"{name}: {' '.join(str(e) for e in errors)}", name)
                 for name, errors in form.errors.items()
             ]
             return Response(body(problems), status=400)
-        count, page = page_of(request, trajectory_queryset(flt=form.trajectory_filter()))
+        count, page = page_of(trajectory_queryset(flt=form.trajectory_filter()), paging)
         # The list page's queryset reads its own columns only; the API shows more of each.
         by_pk = trajectories_with_task(pks=[t.pk for t in page])
         ordered = [by_pk[t.pk] for t in page if t.pk in by_pk]
@@ -132,7 +152,10 @@ class CurateView(ApiView):
             return review.trajectory_trim(trajectory_id=traj.pk, keep_steps=data["keep_steps"])
         if self.action == "label":
             labels.trajectory_label(
-                trajectory_id=traj.pk, label=data["label"], comment=data["comment"], user=user
+                trajectory_id=traj.pk,
+                label=data["label"],
+                comment=data.get("comment", ""),
+                user=user,
             )
             return traj
         review.trajectory_override_reward(

@@ -101,16 +101,28 @@ def _line(
         except PyautoguiError as exc:
             out.errors.append(f"{where}.value.code: {exc}")
             continue
-        steps += [DemoStep(shot=shot, action=a, thought=thought, source=where, recorded=code)
-                  for a in actions]  # fmt: skip
+        steps += [
+            DemoStep(shot=shot, action=a, thought=thought, source=where, recorded=code)
+            for a in actions
+        ]
     if len(out.errors) > before:
         return
-    scores = {k: rec[k] for k in ("alignment_score", "efficiency_score", "task_difficulty")
-              if isinstance(rec.get(k), int | float)}  # fmt: skip
+    scores = {
+        k: rec[k]
+        for k in ("alignment_score", "efficiency_score", "task_difficulty")
+        if isinstance(rec.get(k), int | float)
+    }
     notes = [f"AgentNet scores: {json.dumps(scores)}"] if scores else []
-    out.episodes.append(DemoEpisode(task_key=str(task_id), instruction=instruction,
-                                    reward=1.0 if completed else 0.0, steps=steps,
-                                    source=at, notes=notes))  # fmt: skip
+    out.episodes.append(
+        DemoEpisode(
+            task_key=str(task_id),
+            instruction=instruction,
+            reward=1.0 if completed else 0.0,
+            steps=steps,
+            source=at,
+            notes=notes,
+        )
+    )
 
 
 def _step_parts(

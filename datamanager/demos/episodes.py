@@ -35,8 +35,15 @@ MAX_TEXT_BYTES = 64 * 1024 * 1024  # one traj.jsonl
 MAX_LINE_BYTES = 16 * 1024 * 1024  # one line of an AgentNet .jsonl (read line by line)
 MAX_TOTAL_BYTES = 512 * 1024 * 1024  # every file of one upload, uncompressed
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
-ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, RuntimeError, NotImplementedError,
-              EOFError, OSError, zlib.error)  # fmt: skip
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    RuntimeError,
+    NotImplementedError,
+    EOFError,
+    OSError,
+    zlib.error,
+)
 
 
 class DemoFileError(ValueError):

@@ -60,8 +60,11 @@ def manifest_read(files: DemoFiles) -> DemoRead:
     if len(manifest) > MAX_TRAJECTORIES:
         out.errors.append(f"{MANIFEST}: at most {MAX_TRAJECTORIES} trajectories")
         return out
-    steps = sum(len(t["steps"]) for t in manifest if isinstance(t, dict)
-                and isinstance(t.get("steps"), list))  # fmt: skip
+    steps = sum(
+        len(t["steps"])
+        for t in manifest
+        if isinstance(t, dict) and isinstance(t.get("steps"), list)
+    )
     if steps > MAX_STEPS:
         out.errors.append(f"{MANIFEST}: {steps} steps; at most {MAX_STEPS} in one upload")
         return out
@@ -107,8 +110,9 @@ def _trajectory(
     assert (
         isinstance(task, str) and isinstance(reward, int | float) and isinstance(instruction, str)
     )
-    return DemoEpisode(task_key=task, instruction=instruction, reward=float(reward),
-                       steps=valid, source=where)  # fmt: skip
+    return DemoEpisode(
+        task_key=task, instruction=instruction, reward=float(reward), steps=valid, source=where
+    )
 
 
 def _step(

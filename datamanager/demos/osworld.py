@@ -111,8 +111,11 @@ def _episode(
         meta = _meta(files, _join(folder, META), out)
         task_id = meta.get("task") or task_id
         instruction = meta.get("instruction") or ""
-    first = sorted(n for n in names if n.startswith(_join(folder, "")) and
-                   FIRST_SCREEN.fullmatch(n[len(_join(folder, "")):]))  # fmt: skip
+    first = sorted(
+        n
+        for n in names
+        if n.startswith(_join(folder, "")) and FIRST_SCREEN.fullmatch(n[len(_join(folder, "")) :])
+    )
     notes: list[str] = []
     shot: Shot | None = None
     if first:
@@ -156,16 +159,24 @@ def _episode(
             out.errors.append(f"{at}: {exc}")
             actions = []
         if shot is not None:
-            steps += [DemoStep(shot=shot, action=a, thought=thought, source=at, recorded=code)
-                      for a in actions]  # fmt: skip
+            steps += [
+                DemoStep(shot=shot, action=a, thought=thought, source=at, recorded=code)
+                for a in actions
+            ]
         shot = after
     if reward is None:
         return None
     if not steps and not any(e.startswith(traj_name) for e in out.errors):
         out.errors.append(f"{traj_name}: no action with a screen before it")
         return None
-    return DemoEpisode(task_key=task_id, instruction=instruction, reward=reward, steps=steps,
-                       source=where, notes=notes)  # fmt: skip
+    return DemoEpisode(
+        task_key=task_id,
+        instruction=instruction,
+        reward=reward,
+        steps=steps,
+        source=where,
+        notes=notes,
+    )
 
 
 def _reader(shot: Shot, screen: tuple[int, int] | None) -> PyautoguiReader:
@@ -260,8 +271,19 @@ def osworld_write(
         if i < len(steps):
             shot = f"step_{i}_{stamp}.png"
             (folder / shot).write_bytes(steps[i].png)  # the screen after action i
-        lines.append(json.dumps({"step_num": i, "action_timestamp": stamp, "action": step.code,
-                                 "response": step.response, "reward": 0, "done": i == len(steps),
-                                 "info": {}, "screenshot_file": shot}))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "step_num": i,
+                    "action_timestamp": stamp,
+                    "action": step.code,
+                    "response": step.response,
+                    "reward": 0,
+                    "done": i == len(steps),
+                    "info": {},
+                    "screenshot_file": shot,
+                }
+            )
+        )
     (folder / TRAJ).write_text("".join(line + "\n" for line in lines))
     (folder / RESULT).write_text(f"{score}\n")

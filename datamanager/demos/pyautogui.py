@@ -90,15 +90,29 @@ _NO_ACTION = {
     "triple_click": "triple click has no Dartboard action",
     "middleClick": "middle click has no Dartboard action",
 }
-_BUTTONS = {"left": "left", "primary": "left", "right": "right", "secondary": "right",
-            "middle": "middle"}  # fmt: skip
+_BUTTONS = {
+    "left": "left",
+    "primary": "left",
+    "right": "right",
+    "secondary": "right",
+    "middle": "middle",
+}
 # Characters pyautogui presses as named keys; Action.key spells them by name.
 _KEY_CHARACTERS = {" ": "space", "\n": "enter", "\r": "enter", "\t": "tab"}
-_STATEMENTS = {ast.Assign: "an assignment", ast.AugAssign: "an assignment",
-               ast.AnnAssign: "an assignment", ast.For: "a loop", ast.While: "a loop",
-               ast.If: "an if", ast.FunctionDef: "a def", ast.AsyncFunctionDef: "a def",
-               ast.ClassDef: "a class", ast.With: "a with", ast.Try: "a try",
-               ast.Expr: "an expression"}  # fmt: skip
+_STATEMENTS = {
+    ast.Assign: "an assignment",
+    ast.AugAssign: "an assignment",
+    ast.AnnAssign: "an assignment",
+    ast.For: "a loop",
+    ast.While: "a loop",
+    ast.If: "an if",
+    ast.FunctionDef: "a def",
+    ast.AsyncFunctionDef: "a def",
+    ast.ClassDef: "a class",
+    ast.With: "a with",
+    ast.Try: "a try",
+    ast.Expr: "an expression",
+}
 
 
 @dataclass

@@ -209,6 +209,14 @@ class Step(models.Model):
         "trajectory's steps (core.prompts.prompt_messages); training reads them back. Empty "
         "for a demonstration recorded elsewhere.",
     )
+    prompt_token_ids = models.BinaryField(
+        default=b"",
+        blank=True,
+        help_text="The prompt's token ids as the policy's server tokenized it, image pads "
+        "expanded (core.steps.pack_token_ids); the trainer trains on them. Empty for a "
+        "demonstration recorded elsewhere, a scripted policy, or a step stored before they "
+        "were kept (the trainer then encodes the stored prompt).",
+    )
     response_tokens = models.PositiveIntegerField(default=0)
     rollout_logprobs = models.JSONField(default=list, blank=True)
     response_token_ids = models.JSONField(

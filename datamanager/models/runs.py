@@ -3,27 +3,18 @@ config and actions, hosts and placements, API tokens, sweeps."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
 
 from django.conf import settings
 from django.db import models
 
 from core.protocol import TaskSpec
-
-if TYPE_CHECKING:
-    from datamanager.config import RunConfig
+from datamanager.config import EnvKind, RunConfig
 
 
 class Split(models.TextChoices):
     TRAIN = "train"
     EVAL = "eval"
-
-
-class EnvKind(models.TextChoices):
-    MINIWOB = "miniwob"
-    DESKTOP = "desktop"
-    SIM = "sim"
-    OSWORLD = "osworld"
 
 
 class Task(models.Model):
@@ -101,10 +92,15 @@ class Run(models.Model):
 
     @property
     def cfg(self) -> RunConfig:
-        """The run's settings, parsed from its row (the one place that does)."""
-        from datamanager.config import RunConfig  # config imports this module
-
-        return RunConfig.from_dict(self.config)
+        """The run's settings, parsed from its row once per loaded instance (the one place a
+        stored run is parsed); parsed again only when `config` no longer equals what was
+        parsed (reassigned, changed in place, or reloaded by refresh_from_db). Read it once
+        where the run is loaded and pass it down; treat it as read-only."""
+        parsed = self.__dict__.get("_cfg_parsed")
+        if parsed is None or parsed[0] != self.config:
+            parsed = (copy.deepcopy(self.config), RunConfig.from_dict(self.config))
+            self.__dict__["_cfg_parsed"] = parsed
+        return parsed[1]
 
 
 class Host(models.Model):
@@ -205,7 +201,7 @@ class ApiToken(models.Model):
 
 class Sweep(models.Model):
     """Runs made from one config over a grid of settings and seeds, started `parallel` at a
-    time as earlier ones end (`workers.sweeps`)."""
+    time as earlier ones end (`datamanager.services.sweeps`)."""
 
     name = models.CharField(max_length=200)
     owner = models.ForeignKey(

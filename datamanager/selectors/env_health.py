@@ -68,8 +68,9 @@ def error_rates(*, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The env error rate per bucket, per host and per task (from `outcome_rows`)."""
 
     def counted(key: str) -> list[dict[str, Any]]:
-        return fold(rows, (key,), _online_ended,
-                    n=lambda r: r["n"], bad=lambda r: r["n"] * r["env_err"])  # fmt: skip
+        return fold(
+            rows, (key,), _online_ended, n=lambda r: r["n"], bad=lambda r: r["n"] * r["env_err"]
+        )
 
     return {
         "per_host": _series(counted("env_slot__host"), "env_slot__host"),
@@ -175,9 +176,14 @@ def host_map(*, run: Run) -> list[HostHealth]:
     exist = {f"{backend}:{index}" for backend, index in env_cfg.slots()}
     rows = current_slots(run=run).filter(key__in=exist)  # slots the run has, as they are now
     for host, status, heartbeat, error, note, free, total in rows.values_list(
-        "host", "status", "last_heartbeat", "last_error", "sandbox_note",
-        "disk_free_bytes", "disk_total_bytes",
-    ):  # fmt: skip
+        "host",
+        "status",
+        "last_heartbeat",
+        "last_error",
+        "sandbox_note",
+        "disk_free_bytes",
+        "disk_total_bytes",
+    ):
         if note:
             unlimited[host] = note
         newer = host not in disk or (heartbeat is not None and heartbeat >= disk[host][0])

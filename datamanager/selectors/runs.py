@@ -10,14 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db.models import Count, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from core.artifacts import is_ref
 from datamanager.models import (
     SCORED_STATUSES,
     EnvSlot,
     FailureKind,
+    Host,
     PlacementState,
     PolicyVersion,
     Run,
@@ -30,6 +33,7 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
+from datamanager.policies import policy_path
 from datamanager.selectors.labels import label_counts_by_task
 
 
@@ -196,6 +200,38 @@ def run_own_router(*, run_id: int) -> str:
         .first()
     )
     return url or ""
+
+
+def run_router_url(*, run_id: int) -> str:
+    """The router a run's env slots and trainer talk to: its own (a host agent's placement),
+    else the shared rollout service's."""
+    return run_own_router(run_id=run_id) or settings.DARTBOARD_INFERENCE_URLS[0]
+
+
+def run_current_policy(*, run: Run) -> tuple[int, str]:
+    """(version, checkpoint) the run's rollouts should use now: the newest version's artifact
+    reference (a version published before the store, its directory), else the run's policy."""
+    latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
+    if latest is not None:
+        return latest.version, latest.artifact or latest.checkpoint
+    policy = run.cfg.policy
+    if is_ref(policy):  # each inference host fetches the base model itself
+        return 0, policy
+    return 0, str(policy_path(policy))
+
+
+HOST_ALIVE_S = 60.0  # a host agent reports every 10 s
+
+
+def processes_per_run() -> bool:
+    """Whether a started run waits for a host agent to start its own processes
+    (DARTBOARD_PROCESSES: per-run; auto while an agent has reported in the last minute) or
+    runs on the shared rollout service and queues."""
+    mode = settings.DARTBOARD_PROCESSES
+    if mode == "auto":
+        recent = timezone.now() - timedelta(seconds=HOST_ALIVE_S)
+        return Host.objects.filter(last_seen__gte=recent).exists()
+    return mode == "per-run"
 
 
 @dataclass(frozen=True)

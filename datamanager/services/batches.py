@@ -19,20 +19,8 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from django.core.files.storage import default_storage
 from django.db import transaction
 
-from core.actions import CoordSpace, format_screen_action
-from core.imaging import ImageGeometry
-from core.prompts import (
-    PROMPT_TEMPLATES,
-    HistoryTurn,
-    PromptTemplate,
-    build_messages,
-    image_token_counter,
-    prompt_messages,
-)
-from core.protocol import Action
 from core.samples import TrainSample, UpdateMetrics
 from datamanager import curation
 from datamanager.config import RunConfig
@@ -46,8 +34,8 @@ from datamanager.models import (
     TrainUpdate,
     Trajectory,
 )
-from datamanager.policies import policy_geometry
 from datamanager.selectors.pool import pool_members
+from datamanager.selectors.steps import trajectory_turns
 from datamanager.services.pool import pool_refresh
 from datamanager.services.runs import run_set_message
 
@@ -64,39 +52,6 @@ class Batch:
     unreadable_ids: list[int] = field(default_factory=list)
 
 
-def _read(name: str) -> bytes:
-    with default_storage.open(name, "rb") as fh:
-        return fh.read()
-
-
-REPLY_FROM_ACTION = "reply_from_action"
-"""A trajectory's `details` key: its steps' replies are written from their actions for the
-policy that trains on them (demonstrations recorded in another format: OSWorld's, AgentNet's),
-not read from `raw_output`."""
-
-
-def step_reply(
-    traj: Trajectory,
-    step: Step,
-    *,
-    geometry: ImageGeometry,
-    template: PromptTemplate,
-    coords: CoordSpace,
-) -> str:
-    """What the policy is trained to answer on `step`: the reply it wrote (`raw_output`), or,
-    for a demonstration recorded in another format, its action in this policy's coordinates
-    (and its thought, where the prompt asks for one)."""
-    if not (traj.details or {}).get(REPLY_FROM_ACTION) or not step.action:
-        return step.raw_output
-    return format_screen_action(
-        Action.from_json(step.action),
-        screen_size=(step.screen_width, step.screen_height),
-        geometry=geometry,
-        coords=coords,
-        thought=step.thought if template.thoughts else "",
-    )
-
-
 def trajectory_samples(
     traj: Trajectory,
     steps: list[Step],
@@ -107,55 +62,31 @@ def trajectory_samples(
     keep: set[int] | None = None,
     version_for_demo: int = 0,
 ) -> list[TrainSample]:
-    """One TrainSample per step: its prompt the one the policy was given (`Step.prompt`,
-    images read back from the steps' screenshots); a demonstration recorded elsewhere, which
-    no policy of this run was asked, gets the prompt this run's rollout would build."""
+    """One TrainSample per step (those in `keep`), read by `selectors.steps.trajectory_turns`:
+    the prompt the policy was given and its token ids as the server reported them."""
     out = []
-    geometry = policy_geometry(cfg.policy)
-    count_image_tokens = image_token_counter(geometry)
-    template = PROMPT_TEMPLATES[cfg.rollout.prompt]
-    shots: list[bytes] = []
-    history: list[HistoryTurn] = []
-    for step in steps:
-        if not step.screenshot.name:
+    for turn in trajectory_turns(traj, steps, cfg=cfg, keep=keep):
+        step = turn.step
+        if turn.messages is None:
             raise ValueError(f"step {step.pk} of trajectory {traj.pk} has no screenshot")
-        shots.append(_read(step.screenshot.name))
-        reply = step_reply(
-            traj, step, geometry=geometry, template=template, coords=cfg.rollout.coords
+        out.append(
+            TrainSample(
+                step_id=step.pk,
+                trajectory_id=traj.pk,
+                group_id=group_id,
+                messages=turn.messages,
+                response_text=turn.reply,
+                reward=float(traj.reward or 0.0),
+                rollout_logprobs=list(step.rollout_logprobs or []),
+                mean_entropy=float(step.mean_entropy or 0.0),
+                policy_version=step.policy_version
+                if step.policy_version is not None
+                else version_for_demo,
+                is_demo=is_demo,
+                response_token_ids=list(step.response_token_ids) or None,
+                prompt_token_ids=turn.prompt_token_ids or None,
+            )
         )
-        if keep is None or step.pk in keep:
-            messages = (
-                prompt_messages(step.prompt, shots)
-                if step.prompt
-                else build_messages(
-                    instruction=traj.instruction,
-                    history=history,
-                    screenshots=shots[-cfg.rollout.max_images :],
-                    max_images=cfg.rollout.max_images,
-                    template=template,
-                    language=cfg.rollout.language,
-                    max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                    count_image_tokens=count_image_tokens,
-                )
-            )
-            out.append(
-                TrainSample(
-                    step_id=step.pk,
-                    trajectory_id=traj.pk,
-                    group_id=group_id,
-                    messages=messages,
-                    response_text=reply,
-                    reward=float(traj.reward or 0.0),
-                    rollout_logprobs=list(step.rollout_logprobs or []),
-                    mean_entropy=float(step.mean_entropy or 0.0),
-                    policy_version=step.policy_version
-                    if step.policy_version is not None
-                    else version_for_demo,
-                    is_demo=is_demo,
-                    response_token_ids=list(step.response_token_ids) or None,
-                )
-            )
-        history.append(HistoryTurn.from_output(reply))
     return out
 
 

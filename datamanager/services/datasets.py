@@ -4,9 +4,10 @@ the chat its policy saw and the reply to learn), and OSWorld result folders.
 
 `dataset_write` streams: trajectory ids are read once, then trajectories in chunks with their
 steps, each screenshot read from storage as its row is written; the writers hold one row
-group. `dataset_export_create` records an export asked for in the browser or the API;
-`dataset_export_run` (the Celery task `workers.tasks.dataset_export`, default queue) writes the
-files, zips them into the media storage (`exports/`) and keeps the export's progress on its row.
+group. `dataset_export_create` records an export asked for in the browser or the API and
+enqueues `dataset_export_run` (the Celery task `workers.tasks.dataset_export`, default queue),
+which writes the files, zips them into the media storage (`exports/`) and keeps the export's
+progress on its row.
 """
 
 from __future__ import annotations
@@ -20,21 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from celery import current_app as celery_app
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files import File
 from django.core.files.storage import default_storage
+from django.db import transaction
 from django.utils import timezone
 
-from core.prompts import PROMPT_TEMPLATES, HistoryTurn, build_messages, decode_image_parts
+from core.prompts import decode_image_parts
 from core.protocol import Action
 from datamanager.config import RunConfig
 from datamanager.demos.osworld import OsworldStep, osworld_write
 from datamanager.demos.pyautogui import pyautogui_code
 from datamanager.models import DatasetExport, ExportStatus, Step, Trajectory, TrajectoryStatus
-from datamanager.policies import policy_geometry
+from datamanager.selectors.steps import trajectory_turns
 from datamanager.selectors.trajectories import TrajectoryFilter, trajectory_queryset
-from datamanager.services.batches import step_reply
 
 EXPORT_FORMATS = ("hf", "sft", "osworld")
 CHUNK = 100  # trajectories fetched with their steps at once
@@ -76,21 +78,39 @@ def dataset_write(
         writers["failures"] = ShardWriter(out, "failures", STEP_SCHEMA)
     if "sft" in formats:
         writers["sft"] = ShardWriter(out, "sft", SFT_SCHEMA)
-    prompts = _PromptBook()
+    configs = _RunConfigs()
     for traj, steps in _trajectories(ids):
-        shots = [_read(s) for s in steps]
+        turns = trajectory_turns(traj, steps, cfg=configs.of(traj))
         if "hf" in formats:
             config = "successes" if traj.status == TrajectoryStatus.SUCCEEDED else "failures"
-            for step, png in zip(steps, shots, strict=True):
-                writers[config].add(_step_row(traj, step, png))
+            for turn in turns:
+                writers[config].add(_step_row(traj, turn.step, turn.screenshot_png))
         if "sft" in formats:
-            for row in prompts.sft_rows(traj, steps, shots):
-                writers["sft"].add(row)
+            for turn in turns:
+                if turn.messages is not None:
+                    writers["sft"].add(
+                        {
+                            "trajectory_id": traj.pk,
+                            "step_index": turn.step.index,
+                            "task": traj.task.name,
+                            **_chat(turn.messages, turn.reply),
+                        }
+                    )
         if "osworld" in formats and steps:
-            osworld_write(_osworld_folder(out, traj), steps=[
-                OsworldStep(png=png, code=_code(s), response=s.thought or s.raw_output)
-                for s, png in zip(steps, shots, strict=True)], score=float(traj.reward or 0.0),
-                task=traj.task.name, instruction=traj.instruction)  # fmt: skip
+            osworld_write(
+                _osworld_folder(out, traj),
+                steps=[
+                    OsworldStep(
+                        png=t.screenshot_png,
+                        code=_code(t.step),
+                        response=t.step.thought or t.step.raw_output,
+                    )
+                    for t in turns
+                ],
+                score=float(traj.reward or 0.0),
+                task=traj.task.name,
+                instruction=traj.instruction,
+            )
         counts.trajectories += 1
         if progress is not None:
             progress(counts.trajectories, len(ids))
@@ -98,9 +118,14 @@ def dataset_write(
         writer.close()
         counts.rows[name] = writer.rows
     if "hf" in formats or "sft" in formats:
-        dataset_card(out, title="Dartboard trajectories", query=query, licence=licence,
-                     configs={k: v for k, v in counts.rows.items() if v},
-                     notes=[f"Trajectories: {counts.trajectories}."])  # fmt: skip
+        dataset_card(
+            out,
+            title="Dartboard trajectories",
+            query=query,
+            licence=licence,
+            configs={k: v for k, v in counts.rows.items() if v},
+            notes=[f"Trajectories: {counts.trajectories}."],
+        )
     return counts
 
 
@@ -114,13 +139,6 @@ def _trajectories(ids: list[int]) -> Iterator[tuple[Trajectory, list[Step]]]:
         for pk in chunk:
             if pk in trajs:  # deleted since the ids were read
                 yield trajs[pk], steps[pk]
-
-
-def _read(step: Step) -> bytes:
-    if not step.screenshot.name:
-        return b""
-    with default_storage.open(step.screenshot.name, "rb") as fh:
-        return fh.read()
 
 
 def _step_row(traj: Trajectory, step: Step, png: bytes) -> dict[str, Any]:
@@ -158,42 +176,21 @@ def _osworld_folder(out: Path, traj: Trajectory) -> Path:
     kind, task id: an OSWorld task's id, else its name with '/' as '_' (`dartboard.json`
     keeps the name)."""
     task_id = traj.task.name.removeprefix("osworld/").replace("/", "_")
-    return (out / "osworld" / "pyautogui" / "screenshot" / f"dartboard-traj-{traj.pk}" /
-            traj.task.env_kind / task_id)  # fmt: skip
+    model = f"dartboard-traj-{traj.pk}"
+    return out / "osworld" / "pyautogui" / "screenshot" / model / traj.task.env_kind / task_id
 
 
-class _PromptBook:
-    """The prompt each trajectory's policy saw: its run's config, or the defaults for
+class _RunConfigs:
+    """Each trajectory's run's settings, parsed once per export; the defaults for
     trajectories without a run (imported demonstrations)."""
 
     def __init__(self) -> None:
         self._configs: dict[int | None, RunConfig] = {}
 
-    def _config(self, traj: Trajectory) -> RunConfig:
+    def of(self, traj: Trajectory) -> RunConfig:
         if traj.run_id not in self._configs:
             self._configs[traj.run_id] = traj.run.cfg if traj.run is not None else RunConfig()
         return self._configs[traj.run_id]
-
-    def sft_rows(self, traj: Trajectory, steps: list[Step], shots: list[bytes]) -> Iterator[dict]:
-        cfg = self._config(traj)
-        geometry = policy_geometry(cfg.policy)
-        template = PROMPT_TEMPLATES[cfg.rollout.prompt]
-        history: list[HistoryTurn] = []
-        for j, step in enumerate(steps):
-            reply = step_reply(traj, step, geometry=geometry, template=template,
-                               coords=cfg.rollout.coords)  # fmt: skip
-            if shots[j]:
-                messages = build_messages(
-                    instruction=traj.instruction,
-                    history=history,
-                    screenshots=shots[max(0, j + 1 - cfg.rollout.max_images) : j + 1],
-                    max_images=cfg.rollout.max_images,
-                    template=template,
-                    language=cfg.rollout.language,
-                )
-                yield {"trajectory_id": traj.pk, "step_index": step.index, "task": traj.task.name,
-                       **_chat(messages, reply)}  # fmt: skip
-            history.append(HistoryTurn.from_output(reply))
 
 
 def _chat(messages: list[dict], reply: str) -> dict[str, Any]:
@@ -224,14 +221,20 @@ def _chat(messages: list[dict], reply: str) -> dict[str, Any]:
 def dataset_export_create(
     *, flt: TrajectoryFilter, query: str, formats: list[str], user: User | None
 ) -> DatasetExport:
-    """Record an export; the caller queues its writing (`workers.tasks.dataset_export_queue`)."""
+    """Record an export and queue its writing (the task `workers.tasks.dataset_export`, sent by
+    name) once the caller's transaction commits."""
     unknown = sorted(set(formats) - set(EXPORT_FORMATS))
     if unknown or not formats:
         raise ExportError(f"choose formats among {', '.join(EXPORT_FORMATS)}")
     export = DatasetExport.objects.create(
-        created_by=user, filter={"query": query, "filter": flt.to_json()}, formats=formats,
+        created_by=user,
+        filter={"query": query, "filter": flt.to_json()},
+        formats=formats,
         total=trajectory_queryset(flt=flt).count(),
-    )  # fmt: skip
+    )
+    transaction.on_commit(
+        lambda: celery_app.send_task("workers.tasks.dataset_export", args=(export.pk,))
+    )
     return export
 
 
@@ -257,9 +260,8 @@ def dataset_export_run(*, export_id: int) -> DatasetExport:
             progress=progress,
         )
         archive = work / "export.zip"
-        with zipfile.ZipFile(
-            archive, "w", zipfile.ZIP_STORED
-        ) as zf:  # parquet and PNG are compressed
+        # Stored, not deflated: parquet and PNG are compressed already.
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
             for path in sorted((work / "data").rglob("*")):
                 if path.is_file():
                     zf.write(
@@ -272,9 +274,10 @@ def dataset_export_run(*, export_id: int) -> DatasetExport:
         )
     except Exception as exc:
         DatasetExport.objects.filter(pk=export_id).update(
-            status=ExportStatus.FAILED, error=f"{type(exc).__name__}: {exc}",
+            status=ExportStatus.FAILED,
+            error=f"{type(exc).__name__}: {exc}",
             finished_at=timezone.now(),
-        )  # fmt: skip
+        )
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)

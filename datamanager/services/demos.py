@@ -23,15 +23,17 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.actions import format_action
+from core.steps import StepRecord
 from datamanager.archive import InvalidUpload
 from datamanager.demos.agentnet import agentnet_read
 from datamanager.demos.episodes import DemoEpisode, DemoFiles, shot_png
 from datamanager.demos.manifest import manifest_read
 from datamanager.demos.osworld import DemoRead, osworld_read
 from datamanager.models import Task, Trajectory, TrajectorySource, TrajectoryStatus
-from datamanager.services.batches import REPLY_FROM_ACTION
-from datamanager.services.pool import DemoStep, demo_step_store, pool_refresh
+from datamanager.selectors.steps import REPLY_FROM_ACTION
+from datamanager.services.pool import pool_refresh
 from datamanager.services.review import screenshots_delete
+from datamanager.services.steps import StepWrite, TrajectoryHead, steps_store
 
 DemoFormat = Literal["osworld", "agentnet", "dartboard"]
 DEMO_FORMATS: tuple[DemoFormat, ...] = ("osworld", "agentnet", "dartboard")
@@ -83,8 +85,10 @@ def demos_import(
             + (f" ({len(read.skipped)} passed over: {read.skipped[0]})" if read.skipped else "")
         )
     if errors:
-        raise InvalidUpload(errors[:MAX_ERRORS] + (["... (more errors not shown)"]
-                                                  if len(errors) > MAX_ERRORS else []))  # fmt: skip
+        raise InvalidUpload(
+            errors[:MAX_ERRORS]
+            + (["... (more errors not shown)"] if len(errors) > MAX_ERRORS else [])
+        )
     report = ImportReport(skipped=list(read.skipped))
     hashes = {id(ep): ep.content_hash(tasks[id(ep)].name) for ep in read.episodes}
     stored = set(
@@ -130,8 +134,12 @@ def import_summary(report: ImportReport) -> str:
 def _tasks_for(episodes: list[DemoEpisode], task: str, errors: list[str]) -> dict[int, Task]:
     """Each episode's task (by id(episode)); an unknown one is an error naming close names."""
     names = list(Task.objects.values_list("name", flat=True))
-    by_name = {t.name: t for t in Task.objects.filter(
-        name__in={task} if task else {k for ep in episodes for k in _candidates(ep.task_key)})}  # fmt: skip
+    by_name = {
+        t.name: t
+        for t in Task.objects.filter(
+            name__in={task} if task else {k for ep in episodes for k in _candidates(ep.task_key)}
+        )
+    }
     out: dict[int, Task] = {}
     for ep in episodes:
         keys = [task] if task else _candidates(ep.task_key)
@@ -182,21 +190,30 @@ def _store(
         reviewed_by=user if accept else None,
         details=details,
     )
+    records = []
     for j, s in enumerate(ep.steps):
-        png = shot_png(files, s.shot)
         reply = s.recorded if fmt == "dartboard" else _reply(s.action, s.thought)
-        demo = DemoStep(png, s.shot.width, s.shot.height, reply, s.thought, s.action.to_json())
-        step = demo_step_store(
-            trajectory=traj, index=j, step=demo, path=f"precollected/traj-{traj.pk}/{j:03d}.png"
+        records.append(
+            StepRecord.demonstration(
+                index=j,
+                screenshot_png=shot_png(files, s.shot),
+                width=s.shot.width,
+                height=s.shot.height,
+                raw_output=reply,
+                thought=s.thought,
+                action=s.action.to_json(),
+            )
         )
-        assert step.screenshot.name is not None  # save() stored it under this name
+    head = TrajectoryHead.of(traj, media_dir=f"precollected/traj-{traj.pk}")
+    for step in steps_store(writes=[StepWrite(head=head, record=r) for r in records]):
+        assert step.screenshot.name is not None  # steps_store stored it under this name
         written.append(step.screenshot.name)
     return traj
 
 
 def _reply(action, thought: str) -> str:
     """Dartboard's text of an imported action in screen pixels (what the trajectory page
-    shows; training writes it for its own policy: `batches.step_reply`)."""
+    shows; training writes it for its own policy: `selectors.steps.step_reply`)."""
     try:
         return format_action(action, thought=thought)
     except ValueError:  # a thought holding a line that starts with "Action:"

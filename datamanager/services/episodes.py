@@ -1,4 +1,5 @@
-"""Services of the episode lifecycle: claim a task, record steps, finish a trajectory.
+"""Services of the episode lifecycle: claim a task, finish a trajectory (its steps are stored
+by `datamanager.services.steps`).
 
 Called from env slots (Celery env workers). Each function is one short transaction. The
 curation rules live in `datamanager.curation`; this module applies them:
@@ -37,8 +38,7 @@ from datamanager.models import (
 )
 from datamanager.selectors.pool import pool_members
 from datamanager.selectors.tasks import task_list
-from datamanager.services.step_rows import step_row, storable
-from rollout.episode import StepRecord
+from datamanager.services.steps import storable
 
 
 class NoTasks(Exception):
@@ -221,93 +221,6 @@ def trajectory_set_instruction(*, trajectory_id: int, instruction: str) -> None:
     Trajectory.objects.filter(pk=trajectory_id).update(instruction=storable(instruction))
 
 
-@dataclass
-class TrajectoryHead:
-    """What recording a step needs to know about its trajectory, read once per episode by
-    the slot that owns it (`trajectory_head`) instead of once per step."""
-
-    pk: int
-    run_id: int | None
-    task_id: int
-    env_slot_id: int | None
-    policy_versions: list[int]
-
-
-def trajectory_head(*, trajectory_id: int) -> TrajectoryHead:
-    traj = Trajectory.objects.only("pk", "run_id", "task_id", "env_slot_id", "policy_versions").get(
-        pk=trajectory_id
-    )
-    return TrajectoryHead(
-        pk=traj.pk,
-        run_id=traj.run_id,
-        task_id=traj.task_id,
-        env_slot_id=traj.env_slot_id,
-        policy_versions=list(traj.policy_versions),
-    )
-
-
-def step_store(*, head: TrajectoryHead, record: StepRecord, resume: bool = False) -> Step:
-    """Store one step (the screenshot the policy saw, its output, the action taken).
-
-    `resume`: this call retries one that failed part-way (the database went away): a row an
-    earlier try wrote is kept, a screenshot file it left without a row is replaced, and the
-    trajectory's length is written again, so the step is stored once and whole.
-
-    One slot owns a running trajectory, so it passes the `head` it read at the start of
-    the episode instead of one read per step, and the step costs two statements, the row
-    and the trajectory's length, each its own autocommit: on PostgreSQL a step's cost is
-    its round trips (bench/overhead.py), and a transaction around the two would add a
-    BEGIN and a COMMIT. Should the second fail, the step row is kept and the error reaches
-    the slot, which ends the trajectory as `error` with it."""
-    earlier = None
-    if resume:
-        earlier = Step.objects.filter(trajectory_id=head.pk, index=record.index).first()
-    step = earlier
-    if step is None:
-        step = step_build(head=head, record=record, resume=resume)
-        step.save()
-    head_add_version(head, record.policy_version)
-    Trajectory.objects.filter(pk=head.pk).update(
-        length=record.index + 1, policy_versions=list(head.policy_versions)
-    )
-    step_publish(head=head, step=step, record=record)
-    return step
-
-
-def step_build(*, head: TrajectoryHead, record: StepRecord, resume: bool) -> Step:
-    """The unsaved row of a rollout's `record`, its screenshot file stored under the run's
-    trajectory. With `resume`, a file an earlier, failed try left under the same name is
-    replaced first."""
-    name = f"run-{head.run_id or 0}/traj-{head.pk}/{record.index:03d}.png"
-    return step_row(trajectory_id=head.pk, record=record, screenshot_name=name, replace=resume)
-
-
-def head_add_version(head: TrajectoryHead, version: int | None) -> None:
-    """Note on `head` a policy version its trajectory's steps were sampled from."""
-    if version is not None and version not in head.policy_versions:
-        head.policy_versions.append(version)
-
-
-def step_publish(*, head: TrajectoryHead, step: Step, record: StepRecord) -> None:
-    """The dashboard's `step` event of a stored step of a run's trajectory, on commit."""
-    if not head.run_id:
-        return
-    publish_on_commit(
-        run_id=head.run_id,
-        kind="step",
-        data={
-            "slot": head.env_slot_id,
-            "trajectory": head.pk,
-            "task": head.task_id,
-            "step": record.index,
-            "image": f"/media/{step.screenshot.name}",
-            "policy_version": record.policy_version,
-            "action": record.action,
-            "parse_error": record.parse_error,
-        },
-    )
-
-
 @transaction.atomic
 def trajectory_finish(
     *,
@@ -342,7 +255,7 @@ def trajectory_finish(
     traj.model_ms = model_ms
     fields = ["status", "reward", "details", "error", "finished_at", "env_ms", "model_ms"]
     if status in (TrajectoryStatus.ABORTED, TrajectoryStatus.ERROR):
-        # A step is its row, then the trajectory's length (step_store): a worker killed, or
+        # A step is its row, then the trajectory's length (steps_store): a worker killed, or
         # a database lost, between the two leaves the last stored step outside the length.
         # An episode cut short is closed with the steps it stored.
         traj.length = Step.objects.filter(trajectory_id=traj.pk).count()

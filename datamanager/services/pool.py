@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from core.imaging import ImageGeometry
-from datamanager.models import Step, Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
+from core.steps import StepRecord
+from datamanager.models import Task, TaskStat, Trajectory, TrajectorySource, TrajectoryStatus
 from datamanager.selectors.pool import pool_members, pool_sizes
-from datamanager.services.step_rows import step_row
-from rollout.episode import StepRecord
-
-
-@dataclass(frozen=True)
-class DemoStep:
-    screenshot_png: bytes
-    width: int
-    height: int
-    raw_output: str
-    thought: str
-    action: dict[str, Any]
+from datamanager.services.steps import StepWrite, TrajectoryHead, steps_store
 
 
 @transaction.atomic
@@ -31,14 +19,15 @@ def demo_store(
     *,
     task: Task,
     instruction: str,
-    steps: list[DemoStep],
+    steps: list[StepRecord],
     reward: float,
     source: str = TrajectorySource.PRECOLLECTED,
     in_pool: bool = True,
     geometry: ImageGeometry | None = None,
 ) -> Trajectory:
-    """One successful trajectory with its steps, in the task's experience pool. `geometry`
-    is the image geometry its model coordinates were written in (oracle demos)."""
+    """One successful trajectory with its steps (`StepRecord.demonstration`s), in the task's
+    experience pool. `geometry` is the image geometry its model coordinates were written in
+    (oracle demos)."""
     now = timezone.now()
     traj = Trajectory.objects.create(
         task=task,
@@ -51,45 +40,10 @@ def demo_store(
         finished_at=now,
         details={"image_geometry": geometry.to_json()} if geometry is not None else {},
     )
-    for i, s in enumerate(steps):
-        demo_step_store(
-            trajectory=traj,
-            index=i,
-            step=s,
-            path=f"demos/task-{task.pk}/traj-{traj.pk}/{i:03d}.png",
-        )
+    head = TrajectoryHead.of(traj, media_dir=f"demos/task-{task.pk}/traj-{traj.pk}")
+    steps_store(writes=[StepWrite(head=head, record=s) for s in steps])
     pool_refresh(task_ids=[task.pk])
     return traj
-
-
-def demo_step_store(*, trajectory: Trajectory, index: int, step: DemoStep, path: str) -> Step:
-    """One pre-collected step with its screenshot saved under `path` in media storage."""
-    record = StepRecord(
-        index=index,
-        screenshot_png=step.screenshot_png,
-        width=step.width,
-        height=step.height,
-        raw_output=step.raw_output,
-        thought=step.thought,
-        action=step.action,
-        parse_error="",
-        prompt_tokens=0,
-        response_tokens=0,
-        rollout_logprobs=[],
-        response_token_ids=[],
-        mean_entropy=None,
-        policy_version=None,
-        env_ms=None,
-        model_ms=None,
-    )
-    row = step_row(trajectory_id=trajectory.pk, record=record, screenshot_name=path)
-    try:
-        row.save()
-    except BaseException:
-        if row.screenshot.name:  # no screenshot without its row
-            row.screenshot.storage.delete(row.screenshot.name)
-        raise
-    return row
 
 
 def pool_refresh(*, task_ids: Collection[int]) -> None:

@@ -22,8 +22,9 @@ from datamanager.models import (
     TrajectorySource,
     TrajectoryStatus,
 )
+from datamanager.selectors.steps import step_record
 from datamanager.services.pool import pool_refresh
-from datamanager.services.step_rows import step_as_record, step_row
+from datamanager.services.steps import StepWrite, TrajectoryHead, steps_store
 
 
 class CurationError(ValueError):
@@ -122,25 +123,16 @@ def trajectory_trim(*, trajectory_id: int, keep_steps: int) -> Trajectory:
         step_cap=traj.step_cap,
         seed=traj.seed,
     )
-    written: list[str] = []
-    try:
-        for s in steps:
-            shot = s.screenshot.name  # a FieldFile is truthy exactly when it has a name
-            data, name = b"", None
-            if shot and default_storage.exists(shot):
-                with default_storage.open(shot, "rb") as fh:
-                    data = fh.read()
-                name = f"curated/traj-{copy.pk}/{s.index:03d}.png"
-            new = step_row(
-                trajectory_id=copy.pk, record=step_as_record(s, data), screenshot_name=name
-            )
-            if name is not None:
-                assert new.screenshot.name is not None  # step_row stored it under this name
-                written.append(new.screenshot.name)
-            new.save()
-    except BaseException:
-        screenshots_delete(written)
-        raise
+    records = []
+    for s in steps:
+        shot = s.screenshot.name  # a FieldFile is truthy exactly when it has a name
+        data = b""
+        if shot and default_storage.exists(shot):
+            with default_storage.open(shot, "rb") as fh:
+                data = fh.read()
+        records.append(step_record(s, screenshot_png=data))
+    head = TrajectoryHead.of(copy, media_dir=f"curated/traj-{copy.pk}")
+    steps_store(writes=[StepWrite(head=head, record=r) for r in records])
     return copy
 
 

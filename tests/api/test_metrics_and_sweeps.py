@@ -22,8 +22,8 @@ from datamanager.models import (
     Trajectory,
 )
 from datamanager.services.runs import run_finish
+from datamanager.services.sweeps import sweeps_advance
 from tests.api.conftest import problem_of
-from workers.sweeps import sweeps_advance
 
 ORACLE = {"policy": "oracle", "env": {"miniwob_slots": 1}}
 

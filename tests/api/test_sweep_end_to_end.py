@@ -17,8 +17,8 @@ import pytest
 from django.core.management import call_command
 
 from datamanager.models import Host, Run, RunStatus, Sweep
+from datamanager.services.sweeps import ACTIVE, sweeps_advance
 from tests.helpers import port_base_for_runs
-from workers.sweeps import ACTIVE, sweeps_advance
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

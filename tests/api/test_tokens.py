@@ -95,3 +95,32 @@ def test_writes_are_limited_per_token_and_reads_are_not(subprocess_env, django_u
         assert other.status_code == 201  # the limit is per token
         one.close()
     assert Run.objects.count() == 4
+
+
+def test_a_token_the_setting_names_writes_past_the_limit_and_the_others_do_not(
+    db, django_user_model, settings, monkeypatch
+):
+    """DARTBOARD_API_UNLIMITED_TOKENS, read per request: the token it names is not limited,
+    another of the same user still is (here, in this process, at 2 writes a minute)."""
+    from django.core.cache import cache
+    from django.test import Client
+
+    from dartboard.api.auth import WriteThrottle
+    from datamanager.services.tokens import api_token_create
+    from tests.conftest import user_in_role
+
+    monkeypatch.setattr(WriteThrottle, "rate", "2/min", raising=False)
+    ada = user_in_role(django_user_model, "ada", "operator")
+    named, other = (api_token_create(user=ada, name=name) for name in ("bulk import", "laptop"))
+    settings.DARTBOARD_API_UNLIMITED_TOKENS = [named.token.key_id]
+
+    def stops(token) -> list[int]:  # writes: of a run that is not there, so 404 unless limited
+        client = Client(headers={"Authorization": f"Bearer {token.secret}"})
+        return [client.post("/api/v1/runs/999999/stop/").status_code for _ in range(3)]
+
+    cache.clear()  # the limit's counts, kept by token id: an earlier test's token had this id
+    try:
+        assert stops(named) == [404, 404, 404]
+        assert stops(other) == [404, 404, 429]
+    finally:
+        cache.clear()

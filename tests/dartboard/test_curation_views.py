@@ -12,6 +12,7 @@ import pytest
 from django.conf import settings
 from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db.models import QuerySet
 
 from datamanager.archive import archive_open
 from datamanager.config import RunConfig
@@ -287,16 +288,27 @@ def test_archive_reports_every_problem_at_once(run):
 
 
 def test_failed_import_cleans_up_written_files(run, monkeypatch):
+    """The database goes away as the second trajectory's steps are written: neither
+    trajectory nor any screenshot file stays."""
     files_before = media_files()
-    real_save = Step.save
-    calls = {"n": 0}
+    real_bulk_create, real_save = QuerySet.bulk_create, Step.save
+    writes = {"n": 0}  # statements writing Step rows, one or many at a time
+
+    def second_write_fails() -> None:
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise RuntimeError("database went away")
+
+    def failing_bulk_create(self, objs, *a, **kw):
+        if self.model is Step:
+            second_write_fails()
+        return real_bulk_create(self, objs, *a, **kw)
 
     def failing_save(self, *a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("database went away")
+        second_write_fails()
         return real_save(self, *a, **kw)
 
+    monkeypatch.setattr(QuerySet, "bulk_create", failing_bulk_create)
     monkeypatch.setattr(Step, "save", failing_save)
     with pytest.raises(RuntimeError):
         demos_import(

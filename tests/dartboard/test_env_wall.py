@@ -80,7 +80,7 @@ def test_a_slot_whose_worker_stopped_heart_beating_shows_as_lost(ada_client):
 
 
 def test_the_run_page_says_who_holds_each_slot_and_the_trainer(ada_client, live_work_keys_cleared):
-    from workers.leases import redis_client, slot_work
+    from datamanager.live_work import redis_client, slot_work
 
     run = make_run(env={"miniwob_slots": 2})
     client = redis_client()
@@ -159,7 +159,7 @@ def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
 def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(
     ada_client, live_work_keys_cleared, monkeypatch
 ):
-    from workers.leases import redis_client, slot_work
+    from datamanager.live_work import redis_client, slot_work
 
     run = make_run(policy="oracle", env={"miniwob_slots": 0, "sim_slots": 500})
     client = redis_client()
@@ -238,10 +238,10 @@ def test_the_evaluation_slot_hands_over_between_episodes_and_the_others_keep_tra
     """With a third of three slots for evaluation, slot 0 hands over to a queued evaluation
     shard at once (not at the end of its 5-minute slice) and says so; slot 1 keeps running
     episodes. The workers line says what the queued slot waits behind."""
+    from datamanager.live_work import eval_shard_work, redis_client, slot_work
     from datamanager.models import EvalJob, SlotStatus, Task
     from tests.datamanager.factories import make_running_run
     from workers import slot_worker
-    from workers.leases import eval_shard_work, redis_client, slot_work
 
     settings.DARTBOARD_ENV_LATENCY_SCALE = 0.0
     Task.objects.create(name="sim/one", env_kind="sim", env_config={"targets": 1})

@@ -86,7 +86,7 @@ def test_an_unreachable_router_is_an_outage_that_names_its_address(ada_client, s
 
 def test_the_trainer_is_up_while_a_worker_holds_its_lease(ada_client, settings,
                                                          live_work_keys_cleared):  # fmt: skip
-    from workers.leases import redis_client, trainer_work
+    from datamanager.live_work import redis_client, trainer_work
 
     settings.DARTBOARD_INFERENCE_URLS = [f"http://127.0.0.1:{free_port()}"]
     make_tasks(1)

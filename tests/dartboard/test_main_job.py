@@ -11,9 +11,9 @@ from django.utils import timezone
 from datamanager.config import ConfigError, RunConfig
 from datamanager.curation import group_seed
 from datamanager.models import EvalJob, PolicyVersion, Task, TaskStat, TrainUpdate, Trajectory
+from datamanager.services.evaluations import eval_lanes, eval_schedule_next
 from hostagent.main_job import MAIN_MINIWOB_TASKS, main_run_config
 from tests.datamanager.factories import make_running_run
-from workers.evaluation import eval_lanes, eval_schedule_next
 
 pytestmark = pytest.mark.django_db
 

@@ -39,17 +39,27 @@ def test_a_taken_port_names_its_process_and_the_option_that_moves_it():
 
 
 @pytest.mark.slow  # a launcher process: Django and the command start in 5-15 s
-def test_the_launcher_refuses_a_taken_port_before_starting_anything(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "what", "mode"),
+    [
+        ("--port", "the dashboard", ["--shell-only"]),
+        # Per-run processes (the default) take the first free block of ports instead.
+        ("--router-port", "the inference router", ["--processes", "shared"]),
+    ],
+)
+def test_the_launcher_refuses_a_taken_port_before_starting_anything(tmp_path, option, what, mode):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update({"DJANGO_SETTINGS_MODULE": "dartboard.settings", "DARTBOARD_HOME": str(tmp_path)})
+    others = ["--port", str(free_port())] if option != "--port" else []
     with _listening(port):
         done = subprocess.run(
-            [sys.executable, "manage.py", "run_dartboard", "--port", str(port), "--shell-only"],
+            [sys.executable, "manage.py", "run_dartboard", option, str(port), *others, *mode],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 1
-    assert f"Port {port} on 127.0.0.1, for the dashboard, cannot be used" in done.stderr
+    assert f"Port {port} on 127.0.0.1, for {what}, cannot be used" in done.stderr
+    assert f"`{option} N` (`make run ARGS='{option} N'`)" in done.stderr
     assert "Dartboard is up" not in done.stdout
     assert not (tmp_path / "redis").exists()  # nothing was started
 
@@ -77,9 +87,10 @@ def test_make_refuses_an_old_python_before_building_the_venv(tmp_path):
 def test_too_little_memory_or_disk_says_how_much_and_what_to_do(tmp_path):
     memory = memory_problem(need=2**60)
     assert memory is not None and memory.startswith("Only ")
-    assert "--env-slots 1" in memory
+    assert "of memory are available; the main job needs about" in memory
+    assert "Stop other programs until `free -h` shows" in memory
     disk = disk_problem(tmp_path, need=2**60)
-    assert disk is not None and f"are free under {tmp_path}" in disk
+    assert disk is not None and disk.startswith("Only ") and f"are free under {tmp_path}" in disk
     assert "set DARTBOARD_HOME to a larger disk" in disk
     assert memory_problem(need=1) is None and disk_problem(tmp_path, need=1) is None
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from core.steps import StepRecord
 from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, Step, Task
-from datamanager.services import episodes
+from datamanager.services import episodes, steps
 from datamanager.services.runs import run_create
-from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 
 
@@ -94,14 +94,15 @@ def step_record(
     policy_version: int | None,
     env_ms: float | None,
     model_ms: float | None,
-    head: episodes.TrajectoryHead | None = None,
+    head: steps.TrajectoryHead | None = None,
     resume: bool = False,
     prompt: list[dict[str, Any]] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> Step:
-    """`episodes.step_store` of a step given field by field, as the tests write them (its
+    """`steps.steps_store` of a step given field by field, as the tests write them (its
     trajectory's head read here when none is given)."""
     if head is None:
-        head = episodes.trajectory_head(trajectory_id=trajectory_id)
+        head = steps.trajectory_head(trajectory_id=trajectory_id)
     elif head.pk != trajectory_id:
         raise ValueError(f"step of trajectory {trajectory_id} given the head of {head.pk}")
     record = StepRecord(
@@ -122,5 +123,7 @@ def step_record(
         env_ms=env_ms,
         model_ms=model_ms,
         prompt=prompt or [],
+        prompt_token_ids=prompt_token_ids or [],
     )
-    return episodes.step_store(head=head, record=record, resume=resume)
+    [stored] = steps.steps_store(writes=[steps.StepWrite(head=head, record=record)], resume=resume)
+    return stored

@@ -18,7 +18,7 @@ from PIL import Image
 from core.imaging import ImageGeometry
 from core.prompts import PROMPT_TEMPLATES
 from datamanager.models import Task, Trajectory
-from datamanager.services.batches import step_reply
+from datamanager.selectors.steps import step_reply
 from tests.conftest import png_bytes
 from tests.dartboard.test_curation_views import media_files
 

@@ -12,8 +12,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from datamanager.policies import PolicyNotFound, policy_geometry, policy_path
+from datamanager.selectors.runs import run_current_policy
 from tests.datamanager.factories import make_running_run, make_tasks
-from workers.runs import run_current_policy
 
 pytestmark = pytest.mark.django_db
 

@@ -49,7 +49,9 @@ def test_a_desktop_demo_drag_lands_on_its_targets_in_the_image_the_policy_sees(
         geometry=ImageGeometry.from_policy_dir(policy_dir),
     )
     assert outcome.success
-    png, width, height, raw, _, screen_action = outcome.steps[0]
+    first = outcome.steps[0]
+    png, width, height = first.screenshot_png, first.width, first.height
+    raw, screen_action = first.raw_output, first.action
     model_w, model_h = seen_size(policy_dir, png)
     drag = parse_output(raw).action
     # Where the policy's image puts the demo's points, in screen pixels, against the widget

@@ -25,13 +25,13 @@ from datamanager.models import (
     Task,
 )
 from datamanager.policies import policy_path
+from datamanager.services.run_workers import run_apply
 from datamanager.services.runs import run_create
 from hostagent.agent import HostAgent
 from hostagent.placement import PORTS_PER_RUN
 from rollout.client import RouterAdmin
 from tests.helpers import port_base_for_runs
 from tests.live_stack import FAST_LIVENESS, TASKS
-from workers.runs import run_apply
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -15,8 +15,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from datamanager.models import Host, Run, RunPlacement, RunStatus, Trajectory
+from datamanager.services.run_workers import run_apply
 from tests.helpers import port_base_for_runs
-from workers.runs import run_apply
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_ORACLE = {

@@ -12,11 +12,12 @@ import torch
 
 from core.encoding import encode_prompt_response
 from core.generation import sequence_logprobs
-from core.lora import LoraSpec, is_adapter_dir
+from core.lora import is_adapter_dir
 from core.policy import load_policy
 from rollout.client import PolicyClient, RouterAdmin
 from tests.helpers import wait_until
 from tests.rollout.test_router import MESSAGES, ClientLoops
+from training.config import TrainerConfig
 from training.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.slow
@@ -28,11 +29,9 @@ def adapters(checkpoints, tmp_path_factory) -> list[Path]:
     run_dir = checkpoints[0].parent / "lora-run"  # under the workers' checkpoint root
     torch.manual_seed(0)
     trainer = PolicyTrainer(
+        config=TrainerConfig(lr=1e-3, kl_coef=0.0, lora_rank=4, lora_alpha=8),
         start_checkpoint=checkpoints[0],
         run_dir=run_dir,
-        lr=1e-3,
-        kl_coef=0,
-        lora=LoraSpec(rank=4, alpha=8),
     )
     published = []
     for version in (1, 2):

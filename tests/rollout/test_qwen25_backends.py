@@ -20,7 +20,6 @@ from django.conf import settings
 from core.completion import Completion
 from core.encoding import encode_batch
 from core.generation import sequence_logprobs
-from core.lora import LoraSpec
 from core.policy import Policy, load_policy
 from core.prompts import PROMPT_TEMPLATES, build_messages
 from core.protocol import TaskSpec
@@ -32,6 +31,7 @@ from rollout.local_server import LocalPolicyServer
 from rollout.vllm_command import vllm_missing
 from tests.helpers import free_port, needs, wait_until
 from tests.rollout.test_vllm_cpu import _models_listed, greedy
+from training.config import TrainerConfig
 from training.trainer import PolicyTrainer
 from workers.management.commands.make_tiny_policy import QWEN25_STAND_IN
 
@@ -92,8 +92,8 @@ def adapter_version(base: Path, seed: int, out: Path) -> Path:
     before the adapters are made (their A matrices are drawn then), so a run repeats."""
     torch.manual_seed(seed)
     trainer = PolicyTrainer(
-        start_checkpoint=base, run_dir=out / f"adapter-{seed}", lr=1e-3, kl_coef=0,
-        lora=LoraSpec(rank=8, alpha=16),
+        config=TrainerConfig(lr=1e-3, kl_coef=0.0, lora_rank=8, lora_alpha=16),
+        start_checkpoint=base, run_dir=out / f"adapter-{seed}",
     )  # fmt: skip
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -23,9 +23,8 @@ import torch
 from django.conf import settings
 
 from core.completion import Completion
-from core.encoding import encode_batch
+from core.encoding import batch_from_parts, prompt_parts
 from core.generation import sequence_logprobs
-from core.lora import LoraSpec
 from core.policy import Policy, load_policy
 from core.prompts import build_messages
 from core.protocol import TaskSpec
@@ -36,6 +35,7 @@ from rollout.client import PolicyClient
 from rollout.local_server import LocalPolicyServer
 from rollout.vllm_command import vllm_missing
 from tests.helpers import free_port, needs, wait_until
+from training.config import TrainerConfig
 from training.trainer import PolicyTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,11 +173,15 @@ def test_completions_with_a_screenshot_and_logprobs_through_the_openai_client(vl
         openai.OpenAI(base_url=f"{vllm_stack.url}/v1", api_key="wrong" * 8).models.list()
 
 
-def trainer_logprobs(messages: list[dict], token_ids: list[int]) -> list[float]:
+def trainer_logprobs(
+    messages: list[dict], token_ids: list[int], *, prompt_ids: list[int] | None = None
+) -> list[float]:
     """What the trainer computes for these response tokens (teacher-forced, fp32): the
-    log-probs truncated importance sampling compares the rollout's with."""
+    log-probs truncated importance sampling compares the rollout's with. `prompt_ids`: the
+    prompt as the server tokenized it, which a step stores and the trainer trains on."""
     policy = _shipped()
-    batch = encode_batch(policy, [messages], responses=[token_ids])
+    prompt = prompt_parts(policy, messages, ids=prompt_ids)
+    batch = batch_from_parts(policy, [prompt], responses=[token_ids])
     with torch.no_grad():
         values, _, mask = sequence_logprobs(policy.model, batch)
     return values[mask.bool()].tolist()
@@ -202,17 +206,28 @@ def test_vllm_serves_the_trainers_log_probs_and_the_text_it_wrote(vllm_stack):
         text_ids = s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids
         assert s.text == tokenizer.decode(text_ids, skip_special_tokens=False)
     assert any("<|box_end|>" in s.text for s in served)  # special tokens are in the text
+    # vLLM reports the prompt it tokenized (image pads expanded): the ids a step stores and
+    # the trainer trains on, scored here as the trainer scores them.
+    assert all(s.prompt_token_ids for s in served)
     diffs = [
         abs(a - b)
         for m, s in zip(prompts, served, strict=True)
-        for a, b in zip(trainer_logprobs(m, s.token_ids), s.token_logprobs, strict=True)
+        for a, b in zip(
+            trainer_logprobs(m, s.token_ids, prompt_ids=list(s.prompt_token_ids)),
+            s.token_logprobs,
+            strict=True,
+        )
     ]
     with LocalPolicyServer(SHIPPED) as transformers_url:
         expected = [greedy(transformers_url, m) for m in prompts]
     same = sum(e.text == s.text for e, s in zip(expected, served, strict=True))
+    same_ids = sum(
+        e.prompt_token_ids == s.prompt_token_ids for e, s in zip(expected, served, strict=True)
+    )
     print(f"\nvLLM vs the trainer on vLLM's greedy tokens, 6 screens: {len(diffs)} tokens, "
           f"mean |dlogp| {statistics.mean(diffs):.5f}, max {max(diffs):.5f} nats; "
-          f"greedy replies equal to the transformers server's: {same} of 6")  # fmt: skip
+          f"greedy replies equal to the transformers server's: {same} of 6, prompt ids "
+          f"equal: {same_ids} of 6")  # fmt: skip
     assert statistics.mean(diffs) < 0.01 and max(diffs) < 0.05
     assert [s.text for s in served] == [e.text for e in expected]
 
@@ -222,12 +237,11 @@ def _changed(base: Path, out: Path, *, lora: bool) -> Path:
     directory), or the language model's MLP outputs and norms scaled (full weights)."""
     run_dir = out / ("lora" if lora else "full")
     shutil.rmtree(run_dir, ignore_errors=True)
+    adapters = {"lora_rank": 8, "lora_alpha": 16} if lora else {}
     trainer = PolicyTrainer(
+        config=TrainerConfig(lr=1e-3, kl_coef=0.0, **adapters),
         start_checkpoint=base,
         run_dir=run_dir,
-        lr=1e-3,
-        kl_coef=0,
-        lora=LoraSpec(rank=8, alpha=16) if lora else None,
     )
     torch.manual_seed(0)
     with torch.no_grad():

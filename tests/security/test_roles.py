@@ -9,10 +9,10 @@ import pytest
 from datamanager.config import RunConfig
 from datamanager.models import RewardOverride, Run, RunAction, TaskStat, Trajectory
 from datamanager.services import runs as run_services
+from datamanager.services.run_workers import RunNotStartable, run_apply
 from tests.dartboard.run_helpers import make_run
 from tests.dartboard.test_auth import _ws_connect
 from tests.dartboard.test_curation_views import finished
-from workers.runs import RunNotStartable, run_apply
 
 pytestmark = pytest.mark.django_db
 

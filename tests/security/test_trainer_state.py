@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from training.config import TrainerConfig
 from training.trainer import STATE_FILE, PolicyTrainer, version_dir
 
 
@@ -23,17 +24,17 @@ class _RunsCode:
 
 def test_a_state_file_that_carries_code_is_refused(tiny_policy_dir, tmp_path) -> None:
     run_dir = tmp_path / "run"
-    trainer = PolicyTrainer(start_checkpoint=tiny_policy_dir, run_dir=run_dir, lr=1e-4, kl_coef=0)
+    settings = TrainerConfig(lr=1e-4, kl_coef=0.0)
+    trainer = PolicyTrainer(config=settings, start_checkpoint=tiny_policy_dir, run_dir=run_dir)
     published = trainer.save_version(1)
     marker = tmp_path / "code-ran"
     with open(published / STATE_FILE, "wb") as f:
         pickle.dump({"optimizer": _RunsCode(str(marker)), "updates": 1, "version": 1}, f)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         PolicyTrainer(
+            config=settings,
             start_checkpoint=tiny_policy_dir,
             run_dir=run_dir,
-            lr=1e-4,
-            kl_coef=0,
             published_versions=[1],
         )
     assert not marker.exists()

@@ -12,17 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.lora import LoraSpec, is_adapter_dir
+from core.lora import is_adapter_dir
 from core.policy import load_policy, load_weights_into
 from core.samples import TrainSample
 from tests.conftest import png_bytes
+from training.config import CurationConfig, TrainerConfig
 from training.trainer import PolicyTrainer, version_dir
-from training.update import UpdateConfig
 
 pytestmark = pytest.mark.slow  # trains or loads a policy: 6-35 s a test
 
-LORA = LoraSpec(rank=4, alpha=8)
-CONFIG = UpdateConfig(kl_coef=0.1, entropy_top_q=1.0, truncated_is=False, micro_batch=4)
+LORA = {"lora_rank": 4, "lora_alpha": 8}  # the run's adapter settings
+SETTINGS = TrainerConfig(lr=1e-2, kl_coef=0.1, micro_batch=4)
+CURATION = CurationConfig(high_entropy=False, truncated_is=False)  # every step, no IS
 
 
 def samples(seed: int = 0) -> list[TrainSample]:
@@ -55,10 +56,23 @@ def samples(seed: int = 0) -> list[TrainSample]:
     return out
 
 
-def trainer(start: Path, run_dir: Path, **kwargs) -> PolicyTrainer:
+def trainer(
+    start: Path,
+    run_dir: Path,
+    *,
+    published_versions: list[int] | None = None,
+    prompt_cache_bytes: int = 2 * 1024**3,
+    **settings,
+) -> PolicyTrainer:
+    """A trainer of SETTINGS with `settings` changed."""
     torch.manual_seed(0)  # LoRA's A matrices are random at init
-    kwargs.setdefault("kl_coef", 0.1)
-    return PolicyTrainer(start_checkpoint=start, run_dir=run_dir, lr=1e-2, **kwargs)
+    return PolicyTrainer(
+        config=dataclasses.replace(SETTINGS, **settings),
+        start_checkpoint=start,
+        run_dir=run_dir,
+        published_versions=published_versions or [],
+        prompt_cache_bytes=prompt_cache_bytes,
+    )
 
 
 def logprobs(t: PolicyTrainer, model: torch.nn.Module, batch: list[TrainSample]) -> torch.Tensor:
@@ -70,7 +84,7 @@ def logprobs(t: PolicyTrainer, model: torch.nn.Module, batch: list[TrainSample])
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_base(
     tiny_policy_dir, tmp_path
 ) -> None:
-    t = trainer(tiny_policy_dir, tmp_path / "run", lora=LORA)
+    t = trainer(tiny_policy_dir, tmp_path / "run", **LORA)
     before = {n: p.detach().clone() for n, p in t.policy.model.named_parameters()}
     trainable = {n for n, p in t.policy.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -85,7 +99,7 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_base(
     assert torch.allclose(logprobs(t, t.policy.model, batch), base, atol=1e-5)
 
     for _ in range(3):
-        t.update(batch, CONFIG)
+        t.update(batch, CURATION)
 
     after = dict(t.policy.model.named_parameters())
     changed = [n for n in trainable if not torch.equal(after[n], before[n])]
@@ -100,9 +114,9 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_base(
 def test_a_lora_version_is_a_small_adapter_directory_that_loads_as_trained(
     tiny_policy_dir, tmp_path
 ) -> None:
-    t = trainer(tiny_policy_dir, tmp_path / "run", lora=LORA)
+    t = trainer(tiny_policy_dir, tmp_path / "run", **LORA)
     batch = samples()
-    t.update(batch, CONFIG)
+    t.update(batch, CURATION)
     published = t.save_version(1)
     assert is_adapter_dir(published)
     size = sum(f.stat().st_size for f in published.glob("*.safetensors"))
@@ -118,7 +132,7 @@ def test_a_lora_version_is_a_small_adapter_directory_that_loads_as_trained(
     live = load_policy(tiny_policy_dir)
     load_weights_into(live, published)
     assert torch.allclose(logprobs(t, live.model, batch), expected, atol=1e-5)
-    t.update(batch, CONFIG)
+    t.update(batch, CURATION)
     load_weights_into(live, t.save_version(2))  # the second adapter replaces the first
     assert torch.allclose(logprobs(t, live.model, batch), logprobs(t, t.policy.model, batch), atol=1e-5)  # fmt: skip
     load_weights_into(live, tiny_policy_dir)  # full weights again: the adapter is gone
@@ -127,7 +141,7 @@ def test_a_lora_version_is_a_small_adapter_directory_that_loads_as_trained(
 
 def test_an_adapter_for_another_base_is_refused(tiny_policy_dir, tmp_path) -> None:
     other = Path(shutil.copytree(tiny_policy_dir, tmp_path / "other-base"))
-    published = trainer(other, tmp_path / "run", lora=LORA).save_version(1)
+    published = trainer(other, tmp_path / "run", **LORA).save_version(1)
     live = load_policy(tiny_policy_dir)
     with pytest.raises(ValueError, match=r"adapts .*other-base"):
         load_weights_into(live, published)
@@ -135,17 +149,17 @@ def test_an_adapter_for_another_base_is_refused(tiny_policy_dir, tmp_path) -> No
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_resume_continues_exactly(tiny_policy_dir, tmp_path, mode) -> None:
-    kwargs = {"lora": LORA} if mode == "lora" else {}
+    kwargs = LORA if mode == "lora" else {}
     run = tmp_path / "run"
     first = trainer(tiny_policy_dir, run, **kwargs)
-    first.update(samples(0), CONFIG)
+    first.update(samples(0), CURATION)
     first.save_version(1)
-    first.update(samples(1), CONFIG)
+    first.update(samples(1), CURATION)
     expected = {n: p.detach().clone() for n, p in first.policy.model.named_parameters()}
 
     resumed = trainer(tiny_policy_dir, run, published_versions=[1], **kwargs)
     assert resumed.state.version == 1 and resumed.state.updates == 1
-    resumed.update(samples(1), CONFIG)
+    resumed.update(samples(1), CURATION)
     got = dict(resumed.policy.model.named_parameters())
     assert got.keys() == expected.keys()
     worst = max((got[n] - expected[n]).abs().max().item() for n in expected)
@@ -156,20 +170,20 @@ def test_a_lora_run_refuses_to_resume_from_full_weights(tiny_policy_dir, tmp_pat
     run = tmp_path / "run"
     trainer(tiny_policy_dir, run).save_version(1)
     with pytest.raises(ValueError, match="holds full weights, but this run trains LoRA"):
-        trainer(tiny_policy_dir, run, published_versions=[1], lora=LORA)
+        trainer(tiny_policy_dir, run, published_versions=[1], **LORA)
     assert version_dir(run, 1).is_dir()
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, tmp_path, mode) -> None:
-    kwargs = {"lora": LORA} if mode == "lora" else {}
+    kwargs = LORA if mode == "lora" else {}
     plain = trainer(tiny_policy_dir, tmp_path / "a", **kwargs)
     recomputed = trainer(tiny_policy_dir, tmp_path / "b", gradient_checkpointing=True, **kwargs)
     base_model = recomputed.policy.model
     if mode == "lora":
         base_model = base_model.get_base_model()
     assert base_model.is_activation_checkpointing
-    metrics = [t.update(samples(), CONFIG) for t in (plain, recomputed)]
+    metrics = [t.update(samples(), CURATION) for t in (plain, recomputed)]
     assert metrics[0].loss == pytest.approx(metrics[1].loss, abs=1e-6)
     a = dict(plain.policy.model.named_parameters())
     b = dict(recomputed.policy.model.named_parameters())
@@ -189,12 +203,12 @@ def test_an_update_encodes_each_step_once_and_takes_the_step_it_took_encoding_ev
         for s in samples(1)
     ]  # fmt: skip
     batch = [*samples(0), *second]
-    again = trainer(tiny_policy_dir, tmp_path / "again", lora=LORA, prompt_cache_bytes=0)
-    once = trainer(tiny_policy_dir, tmp_path / "once", lora=LORA)
+    again = trainer(tiny_policy_dir, tmp_path / "again", **LORA, prompt_cache_bytes=0)
+    once = trainer(tiny_policy_dir, tmp_path / "once", **LORA)
     assert once.vision_frozen
     for _ in range(2):
-        slow = again.update(batch, CONFIG, separate_old_pass=True)
-        fast = once.update(batch, CONFIG)
+        slow = again.update(batch, CURATION, separate_old_pass=True)
+        fast = once.update(batch, CURATION)
     assert (slow.passes, fast.passes) == ("old+ref+grad", "ref+grad")
     assert (slow.encode_reused, slow.image_features_reused) == (0, 0)
     # 8 steps in 2 micro-batches of 4: each step encoded for the reference pass, reused by

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tests.training.test_lora import samples
+from training.config import CurationConfig, TrainerConfig
 from training.trainer import PolicyTrainer, trainer_precision
-from training.update import UpdateConfig
 
-CONFIG = UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, truncated_is=False, micro_batch=4)
+SETTINGS = TrainerConfig(lr=1e-5, kl_coef=0.0, micro_batch=4)
+CURATION = CurationConfig(high_entropy=False, truncated_is=False)
 
 
 def test_weights_are_fp32_and_only_the_forward_runs_in_bf16_on_a_gpu() -> None:
@@ -25,7 +26,7 @@ def _changed_fraction(trainer: PolicyTrainer) -> float:
     language = [(n, p) for n, p in trainer.policy.model.named_parameters() if "visual" not in n]
     before = [p.detach().clone() for _, p in language]
     torch.manual_seed(0)
-    trainer.update(samples(), CONFIG)
+    trainer.update(samples(), CURATION)
     changed = sum(int((p.detach() != b).sum()) for (_, p), b in zip(language, before, strict=True))
     return changed / sum(b.numel() for b in before)
 
@@ -33,16 +34,16 @@ def _changed_fraction(trainer: PolicyTrainer) -> float:
 @pytest.mark.slow
 def test_one_full_fine_tuning_step_at_lr_1e5_changes_most_weights(tiny_policy_dir, tmp_path):
     trainer = PolicyTrainer(
-        start_checkpoint=tiny_policy_dir, run_dir=tmp_path / "run", lr=1e-5, kl_coef=0.0
+        config=SETTINGS, start_checkpoint=tiny_policy_dir, run_dir=tmp_path / "run"
     )
     assert {p.dtype for p in trainer.policy.model.parameters()} == {torch.float32}
     mixed = _changed_fraction(trainer)
     # The same step on bf16 weights (the trainer's GPU default before): most updates vanish.
     pure = PolicyTrainer(
-        start_checkpoint=tiny_policy_dir, run_dir=tmp_path / "pure", lr=1e-5, kl_coef=0.0
+        config=SETTINGS, start_checkpoint=tiny_policy_dir, run_dir=tmp_path / "pure"
     )
     pure.policy.model.to(torch.bfloat16)
-    pure.optimizer = torch.optim.AdamW(pure.trainable_parameters(), lr=1e-5)
+    pure.optimizer = torch.optim.AdamW(pure.trainable_parameters())  # the trainer sets its lr
     bf16 = _changed_fraction(pure)
     print(f"\nchanged by one step at lr 1e-5: fp32 weights {mixed:.1%}, bf16 weights {bf16:.1%}")
     assert mixed > 0.5 and bf16 < mixed / 4

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.training.test_lora import CONFIG, LORA, samples
+from tests.training.test_lora import CURATION, LORA, SETTINGS, samples
 from training.replica_group import ReplicaGroup, TrainerSpec
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def _same_weights(got: dict, expected: dict, start: dict) -> None:
         assert diff.norm().item() <= TOLERANCE * moved + 1e-9, (name, diff.norm().item(), moved)
 
 
-UPDATE = dataclasses.replace(CONFIG, micro_batch=2)  # 4 micro-batches: 2 per replica
+REPLICATED = dataclasses.replace(SETTINGS, micro_batch=2)  # 4 micro-batches: 2 per replica
 
 
 def _seen(metrics) -> tuple[float, float]:
@@ -51,22 +51,20 @@ def batch() -> list:
 def test_two_replicas_take_the_one_process_step(tiny_policy_dir, tmp_path, mode) -> None:
     def spec(name: str) -> TrainerSpec:
         return TrainerSpec(
+            config=dataclasses.replace(REPLICATED, **(LORA if mode == "lora" else {})),
             start_checkpoint=str(tiny_policy_dir),
             run_dir=str(tmp_path / name),
-            lr=1e-2,
-            kl_coef=0.1,
-            lora=dataclasses.asdict(LORA) if mode == "lora" else None,
         )
 
     torch.manual_seed(1)
     alone = spec("alone").build(None, device="cpu")
-    losses = [_seen(alone.update(batch(), UPDATE)) for _ in range(2)]
+    losses = [_seen(alone.update(batch(), CURATION)) for _ in range(2)]
     expected = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
 
     torch.manual_seed(1)  # the leader's fresh adapters are the ones every replica takes
     group = ReplicaGroup.start(spec("replicas"), world=2)
     try:
-        got_losses = [_seen(group.trainer.update(batch(), UPDATE)) for _ in range(2)]
+        got_losses = [_seen(group.trainer.update(batch(), CURATION)) for _ in range(2)]
         got = dict(group.trainer.policy.model.named_parameters())
     finally:
         group.close()
@@ -92,25 +90,26 @@ def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_pa
     state) continues as the one process does."""
 
     def spec(name: str, published: list[int] | None = None, shard: bool = True) -> TrainerSpec:
-        return TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / name),
-                           lr=1e-2, kl_coef=0.1, published_versions=published or [],
-                           shard=shard)  # fmt: skip
+        return TrainerSpec(config=dataclasses.replace(REPLICATED, replicas=2 if shard else 1,
+                                                      shard=shard),
+                           start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / name),
+                           published_versions=published or [])  # fmt: skip
 
     alone = spec("alone", shard=False).build(None, device="cpu")
     start = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
-    losses = [_seen(alone.update(batch(), UPDATE)) for _ in range(2)]
+    losses = [_seen(alone.update(batch(), CURATION)) for _ in range(2)]
     after_two = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
-    losses.append(_seen(alone.update(batch(), UPDATE)))
+    losses.append(_seen(alone.update(batch(), CURATION)))
     group = ReplicaGroup.start(spec("sharded"), world=2)
     try:
-        got = [_seen(group.trainer.update(batch(), UPDATE)) for _ in range(2)]
+        got = [_seen(group.trainer.update(batch(), CURATION)) for _ in range(2)]
         saved = group.trainer.save_version(2)
     finally:
         group.close()
     resumed = ReplicaGroup.start(spec("sharded", published=[2]), world=2)
     try:
         assert resumed.trainer.state.version == 2
-        got.append(_seen(resumed.trainer.update(batch(), UPDATE)))
+        got.append(_seen(resumed.trainer.update(batch(), CURATION)))
         final = resumed.trainer.save_version(3)
     finally:
         resumed.close()
@@ -127,18 +126,18 @@ def test_sharded_replicas_save_and_resume_as_one_process(tiny_policy_dir, tmp_pa
 def test_a_group_whose_follower_died_can_be_left_and_started_again(tiny_policy_dir, tmp_path):
     """A dead follower fails the update (the error reaches the caller); leaving the broken
     group still works, so the worker's next trainer can start a new one."""
-    spec = TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / "run"),
-                       lr=1e-2, kl_coef=0.1)  # fmt: skip
+    spec = TrainerSpec(config=REPLICATED, start_checkpoint=str(tiny_policy_dir),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
     group = ReplicaGroup.start(spec, world=2)
     group.followers[0].kill()
     group.followers[0].wait()
     with pytest.raises(RuntimeError):
-        group.trainer.update(batch(), UPDATE)
+        group.trainer.update(batch(), CURATION)
     group.close()
     assert not torch.distributed.is_initialized()
     again = ReplicaGroup.start(spec, world=2)
     try:
-        assert again.trainer.update(batch(), UPDATE).optimizer_steps == 1
+        assert again.trainer.update(batch(), CURATION).optimizer_steps == 1
     finally:
         again.close()
     assert [p.returncode for p in again.followers] == [0]
@@ -163,16 +162,17 @@ def test_followers_wait_for_the_first_batch_longer_than_a_collective_may(
         return share(self, value)
 
     monkeypatch.setattr(Replicas, "share", recording_share)
-    spec = TrainerSpec(start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / "run"),
-                       lr=1e-2, kl_coef=0.1)  # fmt: skip
+    spec = TrainerSpec(config=REPLICATED, start_checkpoint=str(tiny_policy_dir),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
     group = ReplicaGroup.start(spec, world=2, timeout_s=8.0)
     try:
         time.sleep(20.0)  # the trainer waits for its first ready groups
-        assert group.trainer.update(batch(), UPDATE).optimizer_steps == 1
+        assert group.trainer.update(batch(), CURATION).optimizer_steps == 1
     finally:
         group.close()
     assert [p.returncode for p in group.followers] == [0]
-    kind, batch_file, _ = shared[0]
+    kind, batch_file, _, _, updates = shared[0]
+    assert updates == 0  # the follower's schedule starts where the leader's does
     assert kind == "update" and batch_file.endswith("update-1.jsonl")
     assert "data:image" not in repr(shared[0])
     assert not list((tmp_path / "run" / ".replica-batches").glob("*.jsonl"))  # removed after

@@ -12,8 +12,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from core.samples import TrainSample
-from training.update import UpdateConfig, policy_update
+from training.config import CurationConfig, TrainerConfig
+from training.update import policy_update
 from training.update_plan import plan_update
+
+RUN = CurationConfig()  # a run's curation: the entropy filter keeps the top 80%
+EVERY_STEP = CurationConfig(high_entropy=False)  # the entropy filter off
 
 VOCAB = "abcdefghijklmnop"  # one token per character
 
@@ -111,7 +115,7 @@ def test_policy_update_raises_rewarded_and_lowers_unrewarded_responses(
     model = tiny_lm()
     ref = copy.deepcopy(model).requires_grad_(False) if kl_coef else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    config = UpdateConfig(loss_type=loss_type, kl_coef=kl_coef, entropy_top_q=1.0, micro_batch=3)
+    config = TrainerConfig(loss_type=loss_type, kl_coef=kl_coef, micro_batch=3)
     before = {
         t: (response_logprob(model, *GOOD[t]), response_logprob(model, *BAD[t])) for t in GOOD
     }
@@ -119,7 +123,7 @@ def test_policy_update_raises_rewarded_and_lowers_unrewarded_responses(
         batch = with_rollout_logprobs(model, bandit_batch())
         metrics = policy_update(
             model=model, ref_model=ref, optimizer=optimizer, samples=batch,
-            logprob_fn=toy_logprob_fn, config=config,
+            logprob_fn=toy_logprob_fn, config=config, curation=EVERY_STEP,
         )  # fmt: skip
         assert metrics.optimizer_steps == 1 and metrics.skipped_groups == 0
     for task, (good_before, bad_before) in before.items():
@@ -139,10 +143,11 @@ def test_a_long_failed_episode_does_not_outweigh_a_short_success(aggregation: st
         sample(step, 7, "ab", "cd", 0.0, trajectory=20) for step in (2, 3, 4)
     ]
     before = response_logprob(model, "ab", "cd")
-    config = UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, aggregation=aggregation)
+    config = TrainerConfig(kl_coef=0.0, loss_aggregation=aggregation)
     policy_update(
         model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         samples=with_rollout_logprobs(model, batch), logprob_fn=toy_logprob_fn, config=config,
+        curation=EVERY_STEP,
     )  # fmt: skip
     after = response_logprob(model, "ab", "cd")
     if aggregation == "trajectory":
@@ -156,14 +161,16 @@ def test_kl_coef_zero_needs_no_ref_model_but_positive_kl_does() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     metrics = policy_update(
         model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-        samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+        samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=TrainerConfig(kl_coef=0.0),
+        curation=RUN,
     )  # fmt: skip
     assert metrics.optimizer_steps == 1 and metrics.kl == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(ValueError, match=r"kl_coef=0.1 needs a reference model.*set kl_coef=0"):
         policy_update(
             model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
-            samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.1),
+            samples=bandit_batch(), logprob_fn=toy_logprob_fn, config=TrainerConfig(kl_coef=0.1),
+            curation=RUN,
         )  # fmt: skip
 
 
@@ -182,10 +189,10 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
     results = []
     for micro_batch in (1, 3, 8):
         model = copy.deepcopy(base)
-        config = UpdateConfig(micro_batch=micro_batch, kl_coef=0.1, max_grad_norm=1e6)
+        config = TrainerConfig(micro_batch=micro_batch, kl_coef=0.1, grad_clip=1e6)
         metrics = policy_update(
             model=model, ref_model=ref, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            samples=batch, logprob_fn=toy_logprob_fn, config=config,
+            samples=batch, logprob_fn=toy_logprob_fn, config=config, curation=RUN,
         )  # fmt: skip
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics))
     (p1, m1), (p3, _), (p8, m8) = results
@@ -196,18 +203,19 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
     assert not torch.equal(p8, torch.cat([p.flatten() for p in base.parameters()]))
 
 
-def test_the_update_steps_with_its_scheduled_learning_rate() -> None:
-    """SGD moves the weights by lr * grad: the same batch at half the scheduled rate moves
-    them half as far, and the metrics record the rate used."""
+def test_the_update_steps_at_the_optimizers_learning_rate() -> None:
+    """SGD moves the weights by lr * grad: the same batch at half the rate the optimizer was
+    given (the trainer's schedule sets it) moves them half as far, and the metrics record the
+    rate used."""
     base = tiny_lm(seed=1)
     batch = with_rollout_logprobs(base, bandit_batch())
     moves = {}
     for lr in (0.2, 0.1):
         model = copy.deepcopy(base)
         metrics = policy_update(
-            model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
             samples=batch, logprob_fn=toy_logprob_fn,
-            config=UpdateConfig(kl_coef=0.0, max_grad_norm=1e6, lr=lr),
+            config=TrainerConfig(kl_coef=0.0, grad_clip=1e6), curation=RUN,
         )  # fmt: skip
         assert metrics.lr == pytest.approx(lr)
         moves[lr] = torch.cat(
@@ -233,10 +241,11 @@ def test_entropy_filter_groups_and_per_step_decisions() -> None:
         sample(6, 3, "ca", "i", 1.0, entropy=3.0, version=3),
     ]
     model = tiny_lm()
-    config = UpdateConfig(kl_coef=0.0, entropy_top_q=0.6)
+    config, curation = TrainerConfig(kl_coef=0.0), CurationConfig(entropy_top_q=0.6)
     metrics = policy_update(
         model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
-        samples=samples, logprob_fn=toy_logprob_fn, config=config, policy_version=3,
+        samples=samples, logprob_fn=toy_logprob_fn, config=config, curation=curation,
+        policy_version=3,
     )  # fmt: skip
     # Ranked: steps 1, 2, 3 of task 1 (others skipped); ceil(0.6 * 3) = 2 keep -> 1 and 3.
     assert metrics.step_entropy_kept == {1: True, 2: False, 3: True}
@@ -267,7 +276,8 @@ def test_entropy_filter_that_drops_confident_successes_leaves_no_net_push(recent
         sample(3, 1, "ab", "d", 0.0, entropy=0.9),
         sample(4, 1, "ab", "e", 0.0, entropy=0.8),
     ]
-    plan = plan_update(samples, UpdateConfig(entropy_top_q=0.75, entropy_recenter=recenter))
+    curation = CurationConfig(entropy_top_q=0.75, entropy_recenter=recenter)
+    plan = plan_update(samples, TrainerConfig(), curation)
     assert plan.pg_keep == [False, True, True, True]
     kept = [a for a, k in zip(plan.advantage, plan.pg_keep, strict=True) if k]
     if recenter:
@@ -287,7 +297,8 @@ def test_nothing_to_train_takes_no_optimizer_step() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     metrics = policy_update(
         model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters()),
-        samples=samples, logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+        samples=samples, logprob_fn=toy_logprob_fn, config=TrainerConfig(kl_coef=0.0),
+        curation=RUN,
     )  # fmt: skip
     assert metrics.optimizer_steps == 0 and metrics.skipped_groups == 2
     assert metrics.step_kept == {1: False, 2: False, 3: False}
@@ -300,13 +311,14 @@ def test_experience_pool_demo_is_learned_in_an_all_failed_group() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     demo = sample(9, 1, "ab", "kkl", 1.0, demo=True, entropy=0.0)
     online = [sample(i, 1, "ab", r, 0.0) for i, r in ((1, "mm"), (2, "n"), (3, "mm"))]
-    config = UpdateConfig(kl_coef=0.0, bc_weight=0.5, entropy_top_q=0.5, micro_batch=2)
+    config = TrainerConfig(kl_coef=0.0, bc_weight=0.5, micro_batch=2)
+    curation = CurationConfig(entropy_top_q=0.5)
     demo_before = response_logprob(model, "ab", "kkl")
     for _ in range(10):
         batch = [*with_rollout_logprobs(model, online), demo]
         metrics = policy_update(
             model=model, ref_model=None, optimizer=optimizer, samples=batch,
-            logprob_fn=toy_logprob_fn, config=config,
+            logprob_fn=toy_logprob_fn, config=config, curation=curation,
         )  # fmt: skip
     # The demo is never dropped by the entropy filter and has the positive advantage.
     assert metrics.step_kept[9] and metrics.step_advantage[9] > 0 > metrics.step_advantage[1]
@@ -316,11 +328,11 @@ def test_experience_pool_demo_is_learned_in_an_all_failed_group() -> None:
 
 def test_several_epochs_and_mini_batches_clip_the_drifting_ratio() -> None:
     model = tiny_lm()
-    config = UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, ppo_epochs=3, mini_batches=2)
+    config = TrainerConfig(kl_coef=0.0, ppo_epochs=3, mini_batches=2)
     metrics = policy_update(
         model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-2),
         samples=with_rollout_logprobs(model, bandit_batch()), logprob_fn=toy_logprob_fn,
-        config=config,
+        config=config, curation=EVERY_STEP,
     )  # fmt: skip
     assert metrics.optimizer_steps == 6
     assert 0 < metrics.clip_fraction < 1  # pi_theta moved away from pi_old after the first step
@@ -332,7 +344,7 @@ def test_plan_rejects_a_trajectory_with_two_rewards() -> None:
         sample(2, 1, "ab", "d", 0.0, trajectory=5),
     ]
     with pytest.raises(ValueError, match="all steps of a trajectory share its reward"):
-        plan_update(samples, UpdateConfig())
+        plan_update(samples, TrainerConfig(), RUN)
 
 
 def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
@@ -346,7 +358,7 @@ def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
         sample(4, 2, "ab", "g", 0.0, trajectory=14),
         sample(9, 2, "ab", "c", 1.0, trajectory=99, demo=True),
     ]
-    plan = plan_update(samples, UpdateConfig(entropy_top_q=1.0))
+    plan = plan_update(samples, TrainerConfig(), EVERY_STEP)
     assert plan.skipped_groups == 0 and plan.n_groups == 2
     assert plan.advantage[2] > 0 and plan.advantage[5] > 0
     assert plan.advantage[2] == pytest.approx(plan.advantage[5])
@@ -354,31 +366,35 @@ def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
     before = response_logprob(model, "ab", "c")
     policy_update(
         model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-        samples=samples, logprob_fn=toy_logprob_fn, config=UpdateConfig(kl_coef=0.0),
+        samples=samples, logprob_fn=toy_logprob_fn, config=TrainerConfig(kl_coef=0.0),
+        curation=RUN,
     )  # fmt: skip
     assert response_logprob(model, "ab", "c") > before
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("settings", "kwargs", "message"),
     [
-        ({"loss_type": "grpo"}, "loss_type must be one of ppo, gspo, got 'grpo'"),
-        ({"aggregation": "seq"}, "aggregation must be one of trajectory, token, got 'seq'"),
-        ({"clip_low": 0.0}, r"clip_low must be in \(0, 1\)"),
-        ({"clip_high": -0.1}, "clip_high must be > 0"),
-        ({"gspo_clip_high": 0.0}, "gspo_clip_high must be > 0"),
-        ({"entropy_top_q": 0.0}, r"entropy_top_q must be in \(0, 1\]"),
-        ({"entropy_top_q": 1.5}, r"entropy_top_q must be in \(0, 1\]"),
-        ({"is_cap": 0.0}, "is_cap must be > 0"),
-        ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
-        ({"micro_batch": 0}, "micro_batch must be >= 1"),
-        ({"ppo_epochs": 0}, "ppo_epochs must be >= 1"),
-        ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0"),
+        (TrainerConfig, {"loss_type": "grpo"}, "loss_type: must be one of ppo, gspo, got 'grpo'"),
+        (TrainerConfig, {"loss_aggregation": "seq"},
+         "loss_aggregation: must be one of trajectory, token, got 'seq'"),
+        (TrainerConfig, {"clip_low": 0.0}, r"clip_low: must be in \(0, 1\)"),
+        (TrainerConfig, {"clip_high": -0.1}, "clip_high: must be > 0"),
+        (TrainerConfig, {"gspo_clip_high": 0.0}, "gspo_clip_high: must be > 0"),
+        (CurationConfig, {"entropy_top_q": 0.0}, r"entropy_top_q: must be in \(0, 1\]"),
+        (CurationConfig, {"entropy_top_q": 1.5}, r"entropy_top_q: must be in \(0, 1\]"),
+        (CurationConfig, {"is_cap": 0.0}, "is_cap: must be > 0"),
+        (TrainerConfig, {"kl_coef": -1.0}, "kl_coef: must be >= 0"),
+        (TrainerConfig, {"micro_batch": 0}, "micro_batch: must be >= 1"),
+        (TrainerConfig, {"ppo_epochs": 0}, "ppo_epochs: must be >= 1"),
+        (TrainerConfig, {"grad_clip": 0.0}, "grad_clip: must be > 0"),
     ],
-)
-def test_update_config_validation_messages(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=rf"^UpdateConfig\.{message}"):
-        UpdateConfig(**kwargs)
+)  # fmt: skip
+def test_the_update_settings_refuse_what_it_cannot_compute_with(
+    settings: type, kwargs: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        settings(**kwargs)
 
 
 def test_train_sample_rejects_missing_reward() -> None:
@@ -393,14 +409,14 @@ def test_the_logprob_gap_is_numerics_when_weights_match_and_large_when_the_serve
     numerical noise. The same steps sampled from older weights by a server that claimed the
     new version (the silent-staleness fault): the gap jumps, though the IS weights hide it."""
     model, stale = tiny_lm(seed=0), tiny_lm(seed=1)
-    config = UpdateConfig(entropy_top_q=1.0, micro_batch=3, kl_coef=0.0)
+    config = TrainerConfig(micro_batch=3, kl_coef=0.0)
 
     def gap_of(server: torch.nn.Module) -> tuple[float, float, int]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # measure only: no weight change
         metrics = policy_update(
             model=model, ref_model=None, optimizer=optimizer,
             samples=with_rollout_logprobs(server, bandit_batch()),
-            logprob_fn=toy_logprob_fn, config=config, policy_version=0,
+            logprob_fn=toy_logprob_fn, config=config, curation=EVERY_STEP, policy_version=0,
         )  # fmt: skip
         return metrics.logprob_gap_mean, metrics.logprob_gap_p99, metrics.logprob_gap_tokens
 
@@ -414,7 +430,7 @@ def test_the_logprob_gap_is_numerics_when_weights_match_and_large_when_the_serve
     metrics = policy_update(
         model=model, ref_model=None, optimizer=optimizer,
         samples=with_rollout_logprobs(stale, older), logprob_fn=toy_logprob_fn,
-        config=config, policy_version=0,
+        config=config, curation=EVERY_STEP, policy_version=0,
     )  # fmt: skip
     assert metrics.logprob_gap_tokens == 0
 
@@ -432,14 +448,14 @@ def test_one_epoch_one_step_skips_the_pi_old_pass_and_takes_the_same_step() -> N
     ref = copy.deepcopy(start).requires_grad_(False)
     rollout = with_rollout_logprobs(tiny_lm(seed=1), bandit_batch())  # an older policy's
     with_ids = [dataclasses.replace(s, response_token_ids=encode(s.response_text)) for s in rollout]
-    config = UpdateConfig(kl_coef=0.05, entropy_top_q=1.0, micro_batch=3)
+    config = TrainerConfig(kl_coef=0.05, micro_batch=3)
     results = {}
     for name, batch in (("separate", rollout), ("fused", with_ids)):
         model = copy.deepcopy(start)
         calls.clear()
         metrics = policy_update(
             model=model, ref_model=ref, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-            samples=batch, logprob_fn=counting_logprob_fn, config=config,
+            samples=batch, logprob_fn=counting_logprob_fn, config=config, curation=EVERY_STEP,
         )  # fmt: skip
         results[name] = (model, metrics, calls.count("policy"), calls.count("ref"))
     (separate, m_sep, policy_sep, ref_sep), (fused, m_fused, policy_fused, ref_fused) = (
@@ -474,6 +490,6 @@ def test_a_stop_between_micro_batches_leaves_the_weights_as_they_were() -> None:
         policy_update(
             model=model, ref_model=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
             samples=bandit_batch(), logprob_fn=toy_logprob_fn,
-            config=UpdateConfig(kl_coef=0.0, entropy_top_q=1.0, micro_batch=2), stop=stop,
+            config=TrainerConfig(kl_coef=0.0, micro_batch=2), curation=EVERY_STEP, stop=stop,
         )  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -12,7 +12,7 @@ from typing import Any, get_args
 import pytest
 
 from datamanager.config import ConfigError, RunConfig
-from workers.config_mapping import READ_ELSEWHERE, episode_config, update_config
+from workers.config_mapping import READ_ELSEWHERE, episode_config
 
 
 def leaf_fields(cls: type = RunConfig, prefix: str = "") -> dict[str, Any]:
@@ -43,8 +43,8 @@ def other_value(hint: Any, value: Any) -> Any:
     return value * 0.5 if value else 0.5
 
 
-def mapped_outputs(cfg: RunConfig) -> tuple[Any, Any]:
-    return update_config(cfg, updates_done=0), episode_config(cfg, step_cap=5, seed=1)
+def mapped_outputs(cfg: RunConfig) -> Any:
+    return episode_config(cfg, step_cap=5, seed=1)
 
 
 def with_field(path: str, value: Any) -> RunConfig:
@@ -62,24 +62,20 @@ UI_TARS = {"prompt": "ui-tars-1.5", "max_new_tokens": 512, "max_prompt_tokens": 
 def test_every_run_knob_is_mapped_or_says_where_it_is_read() -> None:
     stale = [p for p in READ_ELSEWHERE if not p.endswith(".*") and p not in leaf_fields()]
     assert not stale, f"READ_ELSEWHERE names fields the run config no longer has: {stale}"
-    assert "trainer.ppo_epochs" in MAPPED and "trainer.mini_batches" in MAPPED
-    assert "rollout.max_images" in MAPPED and "trainer.gspo_clip_low" in MAPPED
+    assert "rollout.max_images" in MAPPED and "rollout.temperature" in MAPPED
+    # The trainer takes its section as it is: nothing mapped, each knob's reader named.
+    assert not [p for p in MAPPED if p.startswith("trainer.")]
+    for path in ("trainer.ppo_epochs", "trainer.gspo_clip_low", "trainer.lr", "curation.is_cap"):
+        assert READ_ELSEWHERE[path].startswith("training."), path
 
 
 @pytest.mark.parametrize("path", MAPPED)
-def test_a_mapped_knob_changes_what_the_trainer_or_rollout_receives(path: str) -> None:
+def test_a_mapped_knob_changes_what_rollout_receives(path: str) -> None:
     hints = leaf_fields()
     default = RunConfig()
     section, _, name = path.rpartition(".")
     value = getattr(getattr(default, section) if section else default, name)
-    if path == "trainer.loss_type":
-        changed = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
-    elif path.startswith("trainer.gspo_clip"):
-        changed = RunConfig.from_dict(
-            {"trainer": {"loss_type": "gspo", name: other_value(hints[path], value)}}
-        )
-        default = RunConfig.from_dict({"trainer": {"loss_type": "gspo"}})
-    elif path == "rollout.language":  # only the UI-TARS-1.5 template has a language line
+    if path == "rollout.language":  # only the UI-TARS-1.5 template has a language line
         changed = RunConfig.from_dict({"rollout": {**UI_TARS, name: "Chinese"}})
         default = RunConfig.from_dict({"rollout": UI_TARS})
     elif path == "rollout.prompt":
@@ -135,13 +131,13 @@ def test_sharding_settings_that_cannot_work_are_refused(trainer: dict, message: 
 
 
 def test_the_learning_rate_follows_the_schedule_update_by_update() -> None:
-    """Warm-up, then cosine or linear decay to lr * lr_min_ratio, held after the horizon;
-    the update config carries it (the trainer sets its optimizer to it)."""
+    """Warm-up, then cosine or linear decay to lr * lr_min_ratio, held after the horizon
+    (the trainer sets its optimizer to it before each update)."""
     cosine = RunConfig.from_dict(
         {"trainer": {"lr": 1e-4, "lr_schedule": "cosine", "lr_warmup_updates": 4,
                      "lr_decay_updates": 10, "lr_min_ratio": 0.1}}
     )  # fmt: skip
-    lrs = [update_config(cosine, updates_done=n).lr for n in range(20)]
+    lrs = [cosine.trainer.lr_at(n) for n in range(20)]
     assert lrs[:4] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4])
     assert lrs[4] == pytest.approx(1e-4)  # the decay starts at the peak
     assert lrs[9] == pytest.approx(1e-5 + 9e-5 * (1 + math.cos(math.pi / 2)) / 2)
@@ -151,11 +147,11 @@ def test_the_learning_rate_follows_the_schedule_update_by_update() -> None:
         {"trainer": {"lr": 1e-4, "lr_schedule": "linear", "lr_decay_updates": 4,
                      "lr_min_ratio": 0.2}}
     )  # fmt: skip
-    assert [update_config(linear, updates_done=n).lr for n in range(6)] == pytest.approx(
+    assert [linear.trainer.lr_at(n) for n in range(6)] == pytest.approx(
         [1e-4, 8e-5, 6e-5, 4e-5, 2e-5, 2e-5]
     )
     constant = RunConfig.from_dict({"trainer": {"lr": 3e-5}})
-    assert update_config(constant, updates_done=500).lr == pytest.approx(3e-5)
+    assert constant.trainer.lr_at(500) == pytest.approx(3e-5)
     with pytest.raises(ConfigError, match="needs the updates it decays over") as caught:
         RunConfig.from_dict({"trainer": {"lr_schedule": "cosine"}})
     assert caught.value.path == "trainer.lr_decay_updates"

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from datamanager.live_work import redis_client
 from datamanager.models import EnvSlot
-from workers.leases import LeaseKeeper, RedisLease, redis_client
+from workers.leases import LeaseKeeper, RedisLease
 from workers.slot_worker import _Heartbeat, _SlotBusy
 
 KEY = "dartboard:slot-lease:999999:miniwob:0"

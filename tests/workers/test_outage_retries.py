@@ -17,11 +17,11 @@ from botocore.exceptions import ClientError
 from django.db import connection
 
 from core.artifacts import s3_client_config, s3_transfer_config
+from core.steps import StepRecord
 from datamanager.config import RunConfig
 from datamanager.models import EvalStatus, Step, Task, Trajectory, TrajectoryStatus
-from datamanager.services import env_slots, episodes, evaluations
+from datamanager.services import env_slots, episodes, evaluations, steps
 from envmanager.oracle_policy import OracleEndpoint
-from rollout.episode import StepRecord
 from tests.conftest import png_bytes
 from tests.datamanager import factories
 from tests.datamanager.factories import make_running_run, make_tasks
@@ -160,7 +160,7 @@ def test_a_retried_step_is_stored_once_and_whole():
     """The retry of a step whose row was written (the trajectory's length was not), and of
     one whose screenshot file was written without its row."""
     trajectory_id = _claim()
-    head = episodes.trajectory_head(trajectory_id=trajectory_id)
+    head = steps.trajectory_head(trajectory_id=trajectory_id)
     fields = {k: v for k, v in vars(_record(0)).items() if k != "index"}
     first = factories.step_record(trajectory_id=trajectory_id, index=0, head=head, **fields)
     again = factories.step_record(

@@ -20,8 +20,8 @@ from core.procutil import pid_cmdline, terminate_pid
 from datamanager.config import RunConfig
 from datamanager.models import EnvSlot, Run, Task, Trajectory
 from datamanager.services.episodes import taskstats_ensure
+from datamanager.services.run_workers import run_start_workers
 from datamanager.services.runs import run_control, run_create
-from workers.runs import run_start_workers
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

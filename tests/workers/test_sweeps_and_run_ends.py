@@ -17,10 +17,9 @@ from datamanager.models import (
     Task,
     TrainUpdate,
 )
+from datamanager.services.evaluations import EvalNotStartable, eval_start, run_finish_if_done
 from datamanager.services.runs import NotYourRun, run_control, run_create, run_finish
-from datamanager.services.sweeps import sweep_create
-from workers.evaluation import EvalNotStartable, eval_start, run_finish_if_done
-from workers.sweeps import sweep_advance
+from datamanager.services.sweeps import sweep_advance, sweep_create
 
 pytestmark = pytest.mark.django_db
 

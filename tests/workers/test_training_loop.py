@@ -258,7 +258,8 @@ def _cfg(run):
 
 def _store_demos(tasks) -> None:
     """One one-step oracle-style demo per task in the experience pool."""
-    from datamanager.services.pool import DemoStep, demo_store
+    from core.steps import StepRecord
+    from datamanager.services.pool import demo_store
     from tests.conftest import png_bytes
 
     for i, task in enumerate(tasks):
@@ -267,13 +268,14 @@ def _store_demos(tasks) -> None:
             instruction=f"Click button {i}",
             reward=1.0,
             steps=[
-                DemoStep(
-                    png_bytes(color=(200, 40 * i, 40)),
-                    160,
-                    210,
-                    f"Thought: press it\nAction: click(start_box='({30 + 50 * i},100)')",
-                    "press it",
-                    {"type": "click", "x": 30 + 50 * i, "y": 100},
+                StepRecord.demonstration(
+                    index=0,
+                    screenshot_png=png_bytes(color=(200, 40 * i, 40)),
+                    width=160,
+                    height=210,
+                    raw_output=f"Thought: press it\nAction: click(start_box='({30 + 50 * i},100)')",
+                    thought="press it",
+                    action={"type": "click", "x": 30 + 50 * i, "y": 100},
                 )
             ],
         )
@@ -329,7 +331,7 @@ def test_scheduled_evaluation_of_the_start_then_of_the_newest_version(
     tiny_policy_dir, tmp_path, settings
 ):
     from datamanager.models import EvalJob, Task
-    from workers.evaluation import eval_schedule_next
+    from datamanager.services.evaluations import eval_schedule_next
 
     settings.CHECKPOINT_ROOT = tmp_path / "checkpoints"
     make_tasks(2)

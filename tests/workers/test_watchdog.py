@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from datamanager.live_work import redis_client, slot_work, trainer_work, work_enqueue
 from datamanager.models import Run
 from tests.datamanager.factories import make_running_run, make_tasks
 from tests.helpers import redis_commands_counted
-from workers.leases import redis_client, slot_work, trainer_work, work_enqueue
 from workers.watchdog import watchdog_pass
 
 pytestmark = pytest.mark.django_db
@@ -106,9 +106,9 @@ def test_a_second_trainer_task_finds_the_lease_held_and_ends(redis, settings):
 def test_a_lost_evaluation_shard_is_enqueued_again_and_a_finished_one_is_not(redis):
     """A scheduled evaluation's shard whose worker died (no lease, nothing queued) comes back;
     a shard whose episodes all ended, or one whose worker is alive, is left alone."""
+    from datamanager.live_work import eval_shard_work
     from datamanager.models import EvalJob, Task, Trajectory
     from datamanager.services.evaluations import eval_job_create, eval_job_start
-    from workers.leases import eval_shard_work
 
     make_tasks(1)
     run = make_running_run({"env": {"miniwob_slots": 1}})
@@ -153,9 +153,9 @@ def test_an_evaluation_whose_last_episode_was_cut_is_finished_and_the_next_one_s
 
     from django.utils import timezone
 
+    from datamanager.live_work import eval_shard_work
     from datamanager.models import EvalJob, PolicyVersion, Trajectory
-    from workers.evaluation import eval_schedule_next
-    from workers.leases import eval_shard_work
+    from datamanager.services.evaluations import eval_schedule_next
 
     tasks = make_tasks(2)
     run = make_running_run(

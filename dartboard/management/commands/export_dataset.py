@@ -44,8 +44,14 @@ class Command(BaseCommand):
             bar.update(done - bar.n)
 
         try:
-            counts = dataset_write(flt=form.trajectory_filter(), formats=formats.split(","),
-                                   out=out, query=query, licence=licence, progress=progress)  # fmt: skip
+            counts = dataset_write(
+                flt=form.trajectory_filter(),
+                formats=formats.split(","),
+                out=out,
+                query=query,
+                licence=licence,
+                progress=progress,
+            )
         except ExportError as exc:
             raise CommandError(str(exc)) from None
         finally:

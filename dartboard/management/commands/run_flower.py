@@ -31,7 +31,16 @@ class Command(BaseCommand):
             f"/flower/ (its own login: user {login.split(':', 1)[0]}, password in "
             f"{settings.DARTBOARD_HOME / 'flower_password'} or FLOWER_BASIC_AUTH)"
         )
-        argv = [sys.executable, "-m", "celery", "-A", "dartboard", "flower",
-                "--address=127.0.0.1", f"--port={port}", "--url_prefix=flower"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "dartboard",
+            "flower",
+            "--address=127.0.0.1",
+            f"--port={port}",
+            "--url_prefix=flower",
+        ]
         # The login goes by environment, not argv (which every local user can read).
         os.execve(sys.executable, argv, {**os.environ, "FLOWER_BASIC_AUTH": login})

@@ -62,8 +62,15 @@ class Command(BaseCommand):
             bar.update(done - bar.n)
 
         try:
-            report = demos_import(files=_files(path), fmt=fmt, accept=accept, user=reviewer,
-                                  screen=screen_wh, task=task, progress=progress)  # fmt: skip
+            report = demos_import(
+                files=_files(path),
+                fmt=fmt,
+                accept=accept,
+                user=reviewer,
+                screen=screen_wh,
+                task=task,
+                progress=progress,
+            )
         except InvalidUpload as exc:
             problems = "\n  ".join(exc.errors)
             raise CommandError(

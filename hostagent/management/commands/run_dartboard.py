@@ -24,7 +24,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from datamanager.models import PlacementState, Run, RunStatus
 from datamanager.policies import policy_path
+from datamanager.selectors.runs import run_current_policy
 from datamanager.services.placement import placement_queue
+from datamanager.services.run_workers import run_apply, run_start_workers
 from datamanager.services.runs import run_control
 from hostagent.agent import HostAgent
 from hostagent.embedded_redis import EmbeddedRedis
@@ -41,7 +43,6 @@ from hostagent.launcher import (
 from hostagent.main_job import MAIN_RUN_NAMES, prepare_main_run
 from hostagent.preflight import Port, port_problem, preflight_problems
 from rollout.vllm_command import vllm_gpus, vllm_missing
-from workers.runs import run_apply, run_current_policy, run_start_workers
 
 # How long the web may take to answer. On a restart after a crash it starts beside the
 # processes of the runs brought back (`_wait_for_web`): 25-35 s on 2 cores when idle.
@@ -82,7 +83,10 @@ class Command(BaseCommand):
             "--env-slots",
             type=int,
             default=None,
-            help="Env worker processes (default: the main run's slot count, or 2 with --shell-only).",
+            help="Shared env worker processes: with per-run processes (the default) they serve "
+            "only evaluations that belong to no run (default 1; a run's own slots are its "
+            "env.*_slots); with --processes shared, the main run's slots (default: its slot "
+            "count, or 2 with --shell-only).",
         )
         parser.add_argument(
             "--shell-only",
@@ -178,8 +182,10 @@ class Command(BaseCommand):
                 run = prepare_main_run(write=self.stdout.write, preset=preset)
                 cfg = run.cfg
                 version, checkpoint = run_current_policy(run=run)
-                workers = [Port("127.0.0.1", router_port + 1 + i, f"inference worker {i}",
-                                "--router-port") for i in range(cfg.rollout.inference_workers)]  # fmt: skip
+                workers = [
+                    Port("127.0.0.1", router_port + 1 + i, f"inference worker {i}", "--router-port")
+                    for i in range(cfg.rollout.inference_workers)
+                ]
                 if problems := [p for p in map(port_problem, workers) if p]:
                     raise CommandError("\n\n".join(problems))
                 if cfg.rollout.backend == "vllm":

@@ -11,7 +11,6 @@ from datamanager.config import ConfigError, EnvConfig
 from datamanager.models import Task
 from datamanager.policies import PolicyNotFound, policy_geometry
 from datamanager.services.pool import (
-    DemoStep,
     demo_store,
     pool_count,
     pool_retire_other_geometry,
@@ -89,7 +88,7 @@ class Command(BaseCommand):
                         task=task,
                         instruction=outcome.instruction,
                         reward=outcome.reward,
-                        steps=[DemoStep(*s) for s in outcome.steps],
+                        steps=outcome.steps,
                         geometry=geometry,
                     )
                     stored += 1

@@ -25,9 +25,19 @@ from datamanager.services.evaluations import eval_job_create
 from workers.evaluation import eval_job_run
 
 CSV_FIELDS = [
-    "task", "episodes", "successes", "success_rate", "ci_low", "ci_high", "mean_reward",
-    "pass_at_1", "pass_at_k", "mean_steps_of_successes", "parse_error_rate", "env_errors",
-]  # fmt: skip
+    "task",
+    "episodes",
+    "successes",
+    "success_rate",
+    "ci_low",
+    "ci_high",
+    "mean_reward",
+    "pass_at_1",
+    "pass_at_k",
+    "mean_steps_of_successes",
+    "parse_error_rate",
+    "env_errors",
+]
 
 
 def write_report(report: dict, out: Path) -> tuple[Path, Path]:

@@ -54,9 +54,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, out, minutes, per_task, seed, threads, **options):
-        # Deferred: torch, transformers and playwright cost seconds to import, and every
-        # other manage.py command loads this module.
         """Long because it applies the command's options in order."""
+        # Imported here: torch, transformers and playwright cost seconds, and `--help` and
+        # the docs' command reference (hostagent.docs_reference) load this module too.
         from envmanager.grounding_screens import (
             PRETRAIN_TASKS,
             TRAIN_SEED_BASE,

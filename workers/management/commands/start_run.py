@@ -19,8 +19,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from datamanager.config import ConfigInvalid, RunConfig
 from datamanager.models import Run, RunStatus
+from datamanager.services.run_workers import RunNotStartable, run_apply
 from datamanager.services.runs import InvalidTransition, run_config_validate, run_create
-from workers.runs import RunNotStartable, run_apply
 
 
 def config_read(path: Path) -> RunConfig:

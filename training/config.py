@@ -1,16 +1,31 @@
-"""A run's training settings: the trainer (`trainer.*`: optimizer, schedule, loss, precision,
-placement) and data curation (`curation.*`: DART's experience pool, budgets, entropy
-selection, staleness, importance sampling). Part of `datamanager.config`'s `RunConfig`; how a
-field is declared and checked is `datamanager.config_fields`'s.
+"""A run's training settings, as the run form, the run's JSON and the trainer take them: the
+trainer (`trainer.*`: optimizer, schedule, loss, precision, placement) and data curation
+(`curation.*`: DART's experience pool, budgets, entropy selection, staleness, importance
+sampling). `datamanager.config.RunConfig` holds one of each; `PolicyTrainer` and
+`policy_update` take them as they are, so a setting has one name and one check from the form
+to the optimizer. How a field is declared and checked is `core.config_fields`'s. No torch
+here: the web process validates run forms with it.
+
+    .venv/bin/python -c "from training.config import TrainerConfig; TrainerConfig(lr=0)"
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
-from datamanager.config_fields import check, in_update_range, knob, unused_knob
-from training.ranges import UPDATE_DEFAULTS, Aggregation, LossType
+from core.config_fields import check, knob, unused_knob
+from core.lora import LoraSpec
+
+LossType = Literal["ppo", "gspo"]  # "ppo": token-level clipped ratio; "gspo": sequence-level
+# "trajectory": every trajectory weighs the same; "token": DART's mean over all tokens.
+Aggregation = Literal["trajectory", "token"]
+
+
+def _valid(obj: Any, name: str, ok: bool, rule: str) -> None:
+    """Knob `name` is refused unless `ok`; `rule` says what a valid value is."""
+    check(ok, name, f"{rule}, got {getattr(obj, name)!r}")
 
 
 @dataclass
@@ -29,7 +44,7 @@ class TrainerConfig:
     )
     lr_min_ratio: float = knob(0.1, "Where a decaying schedule ends, as a share of lr.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
-    grad_clip: float = knob(UPDATE_DEFAULTS.max_grad_norm, "Gradient norm clipping.")
+    grad_clip: float = knob(1.0, "Gradient norm clipping.")
     stale_serving_alert: int = knob(
         3,
         "Alert on the run page when an episode under way is still sampled from a version this "
@@ -47,44 +62,26 @@ class TrainerConfig:
         "minutes (environment errors, aborted, rejected or labelled as environment bugs, or "
         "steps too stale to train) exceeds this (0: off).",
     )
-    micro_batch: int = knob(
-        UPDATE_DEFAULTS.micro_batch, "Steps per forward/backward (gradient accumulation unit)."
-    )
+    micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
-    loss_type: LossType = knob(
-        UPDATE_DEFAULTS.loss_type, "Token-level PPO clipping or GSPO sequence ratio."
-    )
+    loss_type: LossType = knob("ppo", "Token-level PPO clipping or GSPO sequence ratio.")
     loss_aggregation: Aggregation = knob(
-        UPDATE_DEFAULTS.aggregation,
+        "trajectory",
         "Every trajectory weighs the same, or DART's mean over all tokens (long episodes dominate).",
     )
-    clip_low: float = knob(
-        UPDATE_DEFAULTS.clip_low, "PPO: the token ratio is clipped below at 1 - clip_low."
-    )
-    clip_high: float = knob(
-        UPDATE_DEFAULTS.clip_high, "PPO: the token ratio is clipped above at 1 + clip_high."
-    )
-    gspo_clip_low: float = knob(
-        UPDATE_DEFAULTS.gspo_clip_low, "GSPO: the sequence ratio's lower clip range."
-    )
-    gspo_clip_high: float = knob(
-        UPDATE_DEFAULTS.gspo_clip_high, "GSPO: the sequence ratio's upper clip range."
-    )
-    ppo_epochs: int = knob(
-        UPDATE_DEFAULTS.ppo_epochs, "Passes over each batch (>1 lets the policy drift from pi_old)."
-    )
-    mini_batches: int = knob(
-        UPDATE_DEFAULTS.mini_batches, "Optimizer steps per pass (the batch split into this many)."
-    )
+    clip_low: float = knob(0.2, "PPO: the token ratio is clipped below at 1 - clip_low.")
+    clip_high: float = knob(0.28, "PPO: the token ratio is clipped above at 1 + clip_high.")
+    gspo_clip_low: float = knob(3e-4, "GSPO: the sequence ratio's lower clip range.")
+    gspo_clip_high: float = knob(4e-4, "GSPO: the sequence ratio's upper clip range.")
+    ppo_epochs: int = knob(1, "Passes over each batch (>1 lets the policy drift from pi_old).")
+    mini_batches: int = knob(1, "Optimizer steps per pass (the batch split into this many).")
     kl_coef: float = knob(
-        UPDATE_DEFAULTS.kl_coef,
+        0.1,
         "KL to the initial policy (0 disables and frees the reference model; under LoRA the "
         "reference is the base with the adapters off, no second copy).",
     )
-    bc_weight: float = knob(
-        UPDATE_DEFAULTS.bc_weight, "Weight of the behaviour-cloning loss on experience-pool demos."
-    )
+    bc_weight: float = knob(0.0, "Weight of the behaviour-cloning loss on experience-pool demos.")
     pool_mix_steps: int = knob(
         0,
         "Experience-pool demo steps (a new draw each update) mixed into every RL update and "
@@ -128,7 +125,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         """The section's checks, one per rule, in the order of its fields: long because the
         rules are many, and one list reads against the fields above."""
-        in_update_range(self, "lr")
+        _valid(self, "lr", self.lr > 0, "must be > 0")
         check(
             self.lr_warmup_updates >= 0,
             "lr_warmup_updates",
@@ -182,12 +179,10 @@ class TrainerConfig:
         else:
             check(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        in_update_range(self, "grad_clip", "max_grad_norm")
+        _valid(self, "grad_clip", self.grad_clip > 0, "must be > 0")
         check(self.min_groups >= 1, "min_groups", "must be >= 1")
         check(self.max_steps_per_update >= 1, "max_steps_per_update", "must be >= 1")
-        for name in ("micro_batch", "clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high",
-                     "ppo_epochs", "mini_batches", "kl_coef", "bc_weight"):  # fmt: skip
-            in_update_range(self, name)
+        self._check_loss()
         if self.loss_type == "gspo":
             unused_knob(self, "clip_low", "under loss_type gspo (set gspo_clip_low)")
             unused_knob(self, "clip_high", "under loss_type gspo (set gspo_clip_high)")
@@ -220,6 +215,57 @@ class TrainerConfig:
             )
         check(self.max_updates >= 0, "max_updates", "must be >= 0")
 
+    def _check_loss(self) -> None:
+        """The loss's knobs, in the order of their fields: what policy_update computes with."""
+        _valid(self, "micro_batch", self.micro_batch >= 1, "must be >= 1")
+        for name, choices in (("loss_type", LossType), ("loss_aggregation", Aggregation)):
+            names = get_args(choices)
+            _valid(self, name, getattr(self, name) in names, f"must be one of {', '.join(names)}")
+        for name in ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high"):
+            value = getattr(self, name)
+            if name.endswith("_low"):
+                rule = f"must be in (0, 1) (the ratio's lower bound is 1 - {name})"
+                _valid(self, name, 0 < value < 1, rule)
+            else:
+                _valid(
+                    self, name, value > 0, f"must be > 0 (the ratio's upper bound is 1 + {name})"
+                )
+        for name in ("ppo_epochs", "mini_batches"):
+            _valid(self, name, getattr(self, name) >= 1, "must be >= 1")
+        _valid(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 disables the KL)")
+        _valid(
+            self, "bc_weight", self.bc_weight >= 0, "must be >= 0 (0 disables behaviour cloning)"
+        )
+
+    @property
+    def pg_clip(self) -> tuple[float, float]:
+        """(low, high) clip range of the configured loss type."""
+        if self.loss_type == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_low, self.clip_high
+
+    def lr_at(self, updates_done: int) -> float:
+        """The learning rate of the next update, after `updates_done` updates (warm-start
+        updates count): a linear warm-up to `lr`, then constant, or a cosine or linear decay to
+        `lr * lr_min_ratio` over `lr_decay_updates` updates, held there afterwards."""
+        n = updates_done + 1
+        if n <= self.lr_warmup_updates:
+            return self.lr * n / self.lr_warmup_updates
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = min(1.0, (n - self.lr_warmup_updates - 1) / self.lr_decay_updates)
+        shape = (
+            (1 + math.cos(math.pi * progress)) / 2 if self.lr_schedule == "cosine" else 1 - progress
+        )
+        low = self.lr * self.lr_min_ratio
+        return low + (self.lr - low) * shape
+
+    def lora(self) -> LoraSpec | None:
+        """The adapters the trainer adds, or None for full fine-tuning."""
+        if self.lora_rank == 0:
+            return None
+        return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha, vision=self.lora_vision)
+
 
 @dataclass
 class CurationConfig:
@@ -235,17 +281,13 @@ class CurationConfig:
     )
     pool_ratio: float = knob(0.25, "Share of a failed group replaced by pool trajectories.")
     high_entropy: bool = knob(True, "Train only on the highest-entropy steps.")
-    entropy_top_q: float = knob(
-        UPDATE_DEFAULTS.entropy_top_q, "Fraction of steps kept by the entropy filter."
-    )
+    entropy_top_q: float = knob(0.8, "Fraction of steps kept by the entropy filter.")
     entropy_recenter: bool = knob(
-        UPDATE_DEFAULTS.entropy_recenter,
+        True,
         "Re-centre the kept steps' advantages per group (the filter favours failures).",
     )
-    truncated_is: bool = knob(
-        UPDATE_DEFAULTS.truncated_is, "Truncated importance sampling for rollout/trainer mismatch."
-    )
-    is_cap: float = knob(UPDATE_DEFAULTS.is_cap, "Truncation C of the IS weight.")
+    truncated_is: bool = knob(True, "Truncated importance sampling for rollout/trainer mismatch.")
+    is_cap: float = knob(1.0, "Truncation C of the IS weight.")
     staleness_k: int = knob(2, "Train only on steps from versions >= current - k.")
     max_uses_per_step: int = knob(1, "How often one step may be trained on.")
     # Off for a run unless set: where it pays (env time scarce or costly, a trainer that
@@ -272,8 +314,9 @@ class CurationConfig:
         check(self.default_step_cap >= 1, "default_step_cap", "must be >= 1")
         check(self.step_cap_margin >= 0, "step_cap_margin", "must be >= 0")
         check(0 <= self.pool_ratio <= 1, "pool_ratio", "must be in [0, 1]")
-        in_update_range(self, "entropy_top_q")
-        in_update_range(self, "is_cap")
+        q = self.entropy_top_q
+        _valid(self, "entropy_top_q", 0 < q <= 1, "must be in (0, 1] (1.0 keeps every step)")
+        _valid(self, "is_cap", self.is_cap > 0, "must be > 0 (DART uses 1.0)")
         check(self.staleness_k >= 0, "staleness_k", "must be >= 0")
         check(self.max_uses_per_step >= 1, "max_uses_per_step", "must be >= 1")
         check(0 <= self.backpressure <= 100, "backpressure", "must be between 0 and 100")
@@ -291,3 +334,9 @@ class CurationConfig:
         if not self.dynamic_budget:
             unused_knob(self, "n_min", "with dynamic_budget off (every task gets n_max)")
             unused_knob(self, "budget_threshold", "with dynamic_budget off")
+
+    @property
+    def entropy_q(self) -> float:
+        """The share of steps the entropy filter keeps: entropy_top_q, or every step (1.0)
+        with high_entropy off."""
+        return self.entropy_top_q if self.high_entropy else 1.0

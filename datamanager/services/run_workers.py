@@ -1,22 +1,33 @@
-"""Starting a run's workers, and resolving its starting policy."""
+"""A run's workers: started with the run, ended when they stop, pointed at its policy.
+
+`run_apply` starts, pauses, resumes or stops a run for every way in (the dashboard, the API,
+a sweep, the host agent, `manage.py start_run`); starting or resuming enqueues the run's slot
+and trainer tasks after commit, by name (datamanager/live_work.py). `run_orphans_abort` ends
+the episodes of env workers that stopped; `router_sync` tells the run's router which policy
+version to serve.
+"""
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.utils import timezone
 
-from core.artifacts import is_ref
 from datamanager.config import RunConfig
-from datamanager.models import Host, PlacementState, PolicyVersion, Run, RunStatus
-from datamanager.policies import ORACLE_POLICY, PolicyNotFound, policy_path
+from datamanager.live_work import (
+    REDIS_DOWN,
+    eval_shard_work,
+    redis_client,
+    run_live_work,
+    work_enqueue,
+)
+from datamanager.models import PlacementState, PolicyVersion, Run, RunStatus
+from datamanager.policies import ORACLE_POLICY, PolicyNotFound
 from datamanager.selectors.evaluations import eval_jobs_under_way
-from datamanager.selectors.runs import run_own_router
+from datamanager.selectors.runs import processes_per_run, run_current_policy, run_router_url
 from datamanager.services import episodes
 from datamanager.services.placement import placement_queue
 from datamanager.services.runs import (
@@ -29,43 +40,8 @@ from datamanager.services.runs import (
 )
 from datamanager.services.versions import policy_version_add_reach
 from rollout.client import RouterAdmin
-from workers.leases import (
-    REDIS_DOWN,
-    LiveWork,
-    eval_shard_work,
-    redis_client,
-    slot_work,
-    trainer_work,
-    work_enqueue,
-)
 
 log = logging.getLogger(__name__)
-
-
-def run_current_policy(*, run: Run) -> tuple[int, str]:
-    """(version, checkpoint) the run's rollouts should use now: the newest version's artifact
-    reference (a version published before the store, its directory), else the run's policy."""
-    latest = PolicyVersion.objects.filter(run=run).order_by("-version").first()
-    if latest is not None:
-        return latest.version, latest.artifact or latest.checkpoint
-    policy = run.cfg.policy
-    if is_ref(policy):  # each inference host fetches the base model itself
-        return 0, policy
-    return 0, str(policy_path(policy))
-
-
-HOST_ALIVE_S = 60.0  # a host agent reports every 10 s
-
-
-def processes_per_run() -> bool:
-    """Whether a started run waits for a host agent to start its own processes
-    (DARTBOARD_PROCESSES: per-run; auto while an agent has reported in the last minute) or
-    runs on the shared rollout service and queues."""
-    mode = settings.DARTBOARD_PROCESSES
-    if mode == "auto":
-        recent = timezone.now() - timedelta(seconds=HOST_ALIVE_S)
-        return Host.objects.filter(last_seen__gte=recent).exists()
-    return mode == "per-run"
 
 
 class RunNotStartable(Exception):
@@ -160,8 +136,7 @@ def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
             if not any(client.mget(leases)):
                 dead_jobs.append(job_id)
     except REDIS_DOWN as exc:
-        log.warning("run %s: slot leases unreadable (%s); judging by heartbeats alone",
-                    run_id, exc)  # fmt: skip
+        log.warning("run %s: slot leases unreadable (%s); judging by heartbeats alone", run_id, exc)
     finally:
         client.close()
     return episodes.trajectories_abort_orphans(
@@ -170,24 +145,6 @@ def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
         alive_slots=alive,
         dead_eval_jobs=dead_jobs,
     )
-
-
-def run_live_work(*, run_id: int, cfg: RunConfig) -> list[LiveWork]:
-    """The long-running tasks a running run needs: one per env slot (decoupled; a synchronous
-    run's driver hands out its slots' episodes itself) and its trainer (none for the scripted
-    oracle, which has nothing to train)."""
-    if cfg.mode == "synchronous":
-        return [trainer_work(run_id=run_id, mode=cfg.mode)]
-    work = [slot_work(run_id=run_id, backend=b, index=i) for b, i in cfg.env.slots()]
-    if cfg.policy != ORACLE_POLICY:
-        work.append(trainer_work(run_id=run_id, mode=cfg.mode))
-    return work
-
-
-def run_router_url(*, run_id: int) -> str:
-    """The router a run's env slots and trainer talk to: its own (a host agent's placement),
-    else the shared rollout service's."""
-    return run_own_router(run_id=run_id) or settings.DARTBOARD_INFERENCE_URLS[0]
 
 
 def router_sync(*, run_id: int, checkpoint: str | Path, version: int, rolling: bool = True) -> None:

@@ -1,7 +1,8 @@
 """How a run config's fields are declared, parsed and checked: `knob` declares a field with
 its help; `check` and its kin report a problem under the field's dotted path; `build_all`
 builds a config dataclass from JSON and raises every problem at once (`ConfigInvalid`).
-The settings themselves are `datamanager.config`'s.
+The settings themselves are `datamanager.config`'s, their trainer and curation sections
+`training.config`'s (here, below both, so the trainer declares its own).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import typing
 from contextvars import ContextVar
 from dataclasses import field
 from typing import Any, Literal, get_args, get_origin
-
-from training.ranges import range_error
 
 
 class ConfigError(ValueError):
@@ -66,13 +65,6 @@ def unused_knob(obj: Any, name: str, why: str) -> None:
 def check(cond: bool, path: str, message: str) -> None:
     if not cond:
         problem(ConfigError(path, message))
-
-
-def in_update_range(obj: Any, name: str, knob: str = "") -> None:
-    """Knob `name` becomes the update's `knob` (default: the same name): it is refused with that
-    knob's range and message (training.ranges), under its own name."""
-    message = range_error(knob or name, getattr(obj, name), name=name)
-    check(message is None, name, message or "")
 
 
 def config_override(data: dict[str, Any], path: str, value: Any) -> dict[str, Any]:

@@ -44,10 +44,17 @@ def measure(policy: Path, *, compiled: bool, repeats: int, png: bytes) -> dict[s
     from bench.machine import busy_cpu_s
     from hostagent.launcher import vllm_specs
     from rollout.auth import VLLM_KEY_ENV, ServiceTokens
+    from rollout.limits import ServingLimits
 
     tokens = ServiceTokens.derived(secrets.token_urlsafe(32))  # the adapter's: not started here
-    specs = vllm_specs(0, str(policy), 0, tokens=tokens, prefix="bench-",
-                       max_model_len=4096, images_per_prompt=1)  # fmt: skip
+    specs = vllm_specs(
+        0,
+        str(policy),
+        0,
+        tokens=tokens,
+        prefix="bench-",
+        limits=ServingLimits(max_prompt_tokens=3072, max_images=1),
+    )
     serve = specs[0]
     env = dict(serve.env)
     if compiled:

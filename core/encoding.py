@@ -21,7 +21,9 @@ there instead of on the CPU in front of it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,8 +233,41 @@ class PromptParts:
         )
 
 
+class ImageCache:
+    """The last `max_entries` screenshots encoded: each one's patches [P, C*2*14*14] uint8
+    and grid [1, 3], keyed by its data URL's digest. A step shows the last few screenshots of
+    its trajectory, so the steps of an update show each one up to `rollout.max_images` times;
+    encoded in trajectory order, each is resized and cut into patches once. A 1920x1080
+    screenshot's patches are ~13 MB: the cache holds a few, not the update's."""
+
+    def __init__(self, max_entries: int = 16) -> None:
+        self.max_entries = max_entries
+        self.hits = 0  # images served from the cache
+        self._items: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def get(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+            self.hits += 1
+        return item
+
+    def put(self, key: bytes, item: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._items[key] = item
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.hits = 0
+
+
 def prompt_parts(
-    policy: Policy, messages: list[Message], *, ids: list[int] | None = None
+    policy: Policy,
+    messages: list[Message],
+    *,
+    ids: list[int] | None = None,
+    image_cache: ImageCache | None = None,
 ) -> PromptParts:
     """Token ids of one prompt with image pads expanded, plus its images' patches/grids.
 
@@ -240,20 +275,15 @@ def prompt_parts(
     image pads expanded or one per image): the trainer trains on them instead of tokenizing
     `messages` again (the inference environment may pin another tokenizer version, whose chat
     template renders the same messages to other ids). The images still come from `messages`;
-    their token counts must be the ones `ids` hold, else ValueError (the processor changed)."""
+    their token counts must be the ones `ids` hold, else ValueError (the processor changed).
+    `image_cache`: screenshots already encoded (by content), reused and added to."""
     qwen_messages, images = to_qwen_messages(messages)
     template_ids = list(ids) if ids else _template_ids(policy, qwen_messages)
     if not images:
         return PromptParts(ids=template_ids, patches=None, image_grid_thw=None)
-    # Resize and patchify only: the values stay the resized uint8 pixels (exact in float32),
-    # and PixelNorm does the rest where the model is.
-    processed = policy.image_processor(
-        images=images, return_tensors="pt", do_rescale=False, do_normalize=False
-    )
-    grid = processed["image_grid_thw"]
+    patches, grid = _image_patches(policy, messages, images, image_cache)
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
     pad = policy.token_id("<|image_pad|>")
-    patches = processed["pixel_values"].to(torch.uint8)
     pads = template_ids.count(pad)
     if ids and pads == sum(per_image) and pads != len(images):  # expanded by the server
         return PromptParts(ids=template_ids, patches=patches, image_grid_thw=grid)
@@ -267,6 +297,47 @@ def prompt_parts(
     for tid in template_ids:
         expanded.extend([pad] * next(counts) if tid == pad else [tid])
     return PromptParts(ids=expanded, patches=patches, image_grid_thw=grid)
+
+
+def _image_patches(
+    policy: Policy,
+    messages: list[Message],
+    images: list[Image.Image],
+    cache: ImageCache | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images' patches (concatenated, in order) and grids [N, 3]: resized and cut only,
+    the values the resized uint8 pixels (exact in float32; PixelNorm does the rest where the
+    model is). The processor treats each image on its own, so images encoded apart
+    concatenate to what one call over all of them gives."""
+    keys = [hashlib.sha1(url.encode()).digest() for url in _image_urls(messages)]
+    found = {k: item for k in set(keys) if cache is not None and (item := cache.get(k))}
+    missing = [i for i, key in enumerate(keys) if key not in found]
+    if missing:
+        processed = policy.image_processor(
+            images=[images[i] for i in missing],
+            return_tensors="pt",
+            do_rescale=False,
+            do_normalize=False,
+        )
+        grids = processed["image_grid_thw"]
+        rows = processed["pixel_values"].to(torch.uint8).split(grids.prod(-1).tolist())
+        for j, i in enumerate(missing):
+            found[keys[i]] = (rows[j], grids[j : j + 1])
+            if cache is not None:
+                cache.put(keys[i], found[keys[i]])
+    parts = [found[key] for key in keys]
+    return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+
+
+def _image_urls(messages: list[Message]) -> list[str]:
+    """The image_url parts' URLs, in the order `to_qwen_messages` gives their images."""
+    return [
+        part["image_url"]["url"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
 
 
 def encode_batch(

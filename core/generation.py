@@ -254,7 +254,9 @@ def sequence_logprobs(
     *,
     image_features: Any | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward prompt + response; per-token log-probs and entropies, with gradients.
+    """Forward prompt + response; per-token log-probs (with gradients) and entropies (none:
+    no loss takes the entropy's gradient, and recording it would keep a [B, K, V] tensor per
+    micro-batch alive until the backward pass).
 
     Returns (token_logprobs [B, T], token_entropy [B, T], mask [B, T] bool), aligned with
     batch.input_ids: token_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at
@@ -280,7 +282,8 @@ def sequence_logprobs(
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, K, V]: tokens T-K..T-1
     targets = batch.input_ids[:, width - k :]
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, K]
-    entropy = -(logp.exp() * logp).sum(-1)  # [B, K]
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)  # [B, K]
     before = torch.zeros_like(picked[:, :1]).expand(-1, width - k)
     token_logprobs = torch.cat([before, picked], dim=1) * mask
     token_entropy = torch.cat([before, entropy], dim=1) * mask

@@ -28,6 +28,7 @@ from core.config_fields import (
 )
 from datamanager.curation import INSTANCE_SEED_BASE
 from envmanager.osworld_needs import CAPABILITIES, OSWORLD_VM_OFFERS
+from rollout.limits import VLLM_LORA_RANKS
 from training.config import CurationConfig, TrainerConfig
 
 __all__ = [
@@ -361,6 +362,12 @@ class RunConfig:
             "vLLM serves LoRA adapters on the language model only: its rollouts would ignore "
             "the vision tower's adapters the trainer learns (use the transformers backend, or "
             "keep the vision tower frozen)",
+        )
+        check(
+            self.rollout.backend != "vllm" or self.trainer.lora_rank <= VLLM_LORA_RANKS[-1],
+            "trainer.lora_rank",
+            f"vLLM serves LoRA adapters of rank up to {VLLM_LORA_RANKS[-1]}, got "
+            f"{self.trainer.lora_rank} (use a smaller rank, or the transformers backend)",
         )
         check(
             self.rollout.backend != "vllm"

@@ -72,6 +72,7 @@ from hostagent.placement import (
 )
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
+from rollout.limits import ServingLimits
 
 log = logging.getLogger("hostagent.agent")
 
@@ -181,8 +182,12 @@ def run_specs(
         vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
         device=placement.device,
         prefix=prefix,
-        max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        images_per_prompt=cfg.rollout.max_images,
+        limits=ServingLimits.for_run(
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+            max_images=cfg.rollout.max_images,
+            lora_rank=cfg.trainer.lora_rank,
+        ),
     )
     return specs
 

@@ -44,6 +44,7 @@ from rollout.auth import (
     service_environ,
 )
 from rollout.checkpoints import CACHE_ENV, STORE_ENV
+from rollout.limits import SHARED, ServingLimits
 from rollout.vllm_command import (
     checkpoint_dtype,
     vllm_cpu_build,
@@ -378,11 +379,11 @@ def serving_specs(
     vllm_gpu_memory: float | None = None,
     device: str = "cpu",
     prefix: str = "",
-    max_model_len: int | None = None,
-    images_per_prompt: int | None = None,
+    limits: ServingLimits = SHARED,
 ) -> list[ProcSpec]:
     """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
-    behind a router on `router_port`. `prefix` names a run's processes apart ("run-7-")."""
+    behind a router on `router_port`, taking requests up to `limits` (a run's own: its
+    budgets). `prefix` names a run's processes apart ("run-7-")."""
     if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
         log.warning(
             "inference workers get the artifact store's own keys, which can write: "
@@ -401,8 +402,7 @@ def serving_specs(
                 gpu=gpu,
                 gpu_memory=vllm_gpu_memory if device == "cuda" else None,
                 prefix=prefix,
-                max_model_len=max_model_len,
-                images_per_prompt=images_per_prompt,
+                limits=limits,
             )
             continue
         env = inference_env(tokens)
@@ -412,7 +412,7 @@ def serving_specs(
         argv = python_argv(
             "-m", "rollout.server", "--policy", policy, "--host", "127.0.0.1",
             "--port", str(wport), "--version", str(version), "--threads", "1",
-            "--device", "cuda" if gpu is not None else "cpu",
+            "--device", "cuda" if gpu is not None else "cpu", *limits.server_args(),
         )  # fmt: skip
         specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False, port=wport))
     router = python_argv("-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port))
@@ -463,8 +463,7 @@ def vllm_specs(
     gpu: int | None = None,
     gpu_memory: float | None = None,
     prefix: str = "",
-    max_model_len: int | None = None,
-    images_per_prompt: int | None = None,
+    limits: ServingLimits = SHARED,
 ) -> list[ProcSpec]:
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
     `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can
@@ -479,8 +478,7 @@ def vllm_specs(
         uds=str(sock),
         gpu_memory=gpu_memory,
         dtype=checkpoint_dtype(policy),
-        max_model_len=max_model_len,
-        images_per_prompt=images_per_prompt,
+        limits=limits,
     )
     vllm_env = {
         **service_environ(os.environ),
@@ -494,6 +492,7 @@ def vllm_specs(
     adapter = python_argv(
         "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
         "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
+        "--max-tokens-limit", str(limits.max_new_tokens), "--max-images", str(limits.max_images),
     )  # fmt: skip
     serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *args]
     return [

@@ -200,6 +200,7 @@ class InferenceServer:
         max_wait_ms: float = 50.0,
         max_tokens_limit: int = 1024,
         max_prompt_tokens: int = 32768,
+        max_images: int = MAX_IMAGES,
         model_name: str | None = None,
     ):
         self.policy = load_policy(policy_dir, device=device)
@@ -209,6 +210,7 @@ class InferenceServer:
         self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_images = max_images
         self.model_name = model_name or os.path.basename(os.path.normpath(policy_dir))
         self.status = "ok"
         self.in_flight = 0
@@ -234,7 +236,10 @@ class InferenceServer:
         """A validated request whose prompt fits (RequestError otherwise). Decodes images and
         tokenizes: call off the event loop."""
         request = parse_chat_request(
-            body, default_model=self.model_name, max_tokens_limit=self.max_tokens_limit
+            body,
+            default_model=self.model_name,
+            max_tokens_limit=self.max_tokens_limit,
+            max_images=self.max_images,
         )
         tokens = prompt_token_count(self.policy, request.qwen_messages, request.images)
         if tokens > self.max_prompt_tokens:
@@ -536,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=32768, help="longest prompt, images included"
     )
+    parser.add_argument("--max-images", type=int, default=MAX_IMAGES, help="images per prompt")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--model-name", default=None, help="name echoed in replies")
     parser.add_argument(
@@ -570,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
         max_wait_ms=0 if args.no_batching else args.max_wait_ms,
         max_tokens_limit=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_images=args.max_images,
         model_name=args.model_name,
     )
     sock = bind(args.host, args.port)

@@ -70,7 +70,7 @@ from rollout.auth import (
 )
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.registration import add_registration_options, start_registration
-from rollout.server import parse_chat_request, reload_fields
+from rollout.server import MAX_IMAGES, parse_chat_request, reload_fields
 
 log = logging.getLogger("rollout.vllm_adapter")
 
@@ -99,6 +99,7 @@ class Adapter:
         token: str | None,
         geometry: ImageGeometry,
         max_tokens_limit: int = 1024,
+        max_images: int = MAX_IMAGES,
         never_generated: tuple[int, ...] = (),
         stop_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
@@ -113,6 +114,7 @@ class Adapter:
         self.version = version
         self.geometry = geometry
         self.max_tokens_limit = max_tokens_limit
+        self.max_images = max_images
         self.never_generated = never_generated
         self.stop_ids = stop_ids
         self.tokenizer = tokenizer
@@ -155,7 +157,10 @@ class Adapter:
         with contextlib.suppress(ValueError):  # not yet: vLLM answers for itself below
             self.base_name()
         request = parse_chat_request(
-            body, default_model=self.model, max_tokens_limit=self.max_tokens_limit
+            body,
+            default_model=self.model,
+            max_tokens_limit=self.max_tokens_limit,
+            max_images=self.max_images,
         )
         with self.cond:
             if self.status != "ok":
@@ -362,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8101)
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--max-tokens-limit", type=int, default=1024)
+    parser.add_argument("--max-images", type=int, default=MAX_IMAGES, help="images per prompt")
     parser.add_argument(
         "--checkpoint-root", action="append", default=[], help="else $DARTBOARD_CHECKPOINT_ROOTS"
     )
@@ -383,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         token=os.environ.get(VLLM_KEY_ENV) or None,
         geometry=ImageGeometry.from_policy_dir(args.policy_dir),
         max_tokens_limit=args.max_tokens_limit,
+        max_images=args.max_images,
         never_generated=never_generated_tokens(tokenizer),
         stop_ids=tuple(stop_token_ids(args.policy_dir, tokenizer)),
         tokenizer=tokenizer,

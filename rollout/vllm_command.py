@@ -30,11 +30,11 @@ import os
 from pathlib import Path
 
 from rollout.auth import VLLM_KEY_ENV
+from rollout.limits import ServingLimits
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 VLLM_PYTHON_ENV = "DARTBOARD_VLLM_PYTHON"
-MAX_LORA_RANK = 64
 
 
 def vllm_serve_args(
@@ -45,15 +45,15 @@ def vllm_serve_args(
     uds: str | None = None,
     gpu_memory: float | None = None,
     dtype: str = "auto",
-    max_model_len: int | None = None,
-    images_per_prompt: int | None = None,
+    limits: ServingLimits | None = None,
 ) -> list[str]:
     """`vllm serve`'s arguments (after the program) for the policy in `model_dir`, listening
     on `uds` (a unix socket path) or on host:port; `gpu_memory`: the fraction of its GPU it
     takes (vLLM's default 0.9 when None); `dtype`: the weights' (`checkpoint_dtype`).
-    `max_model_len` and `images_per_prompt` come from the run's budgets (prompt plus reply
-    tokens, screenshots kept): without them vLLM sizes its cache for the model's whole
-    context (128k tokens for Qwen2.5-VL) and its own default image count."""
+    `limits`: the run's budgets (`ServingLimits.for_run`: its prompt plus reply tokens, the
+    screenshots kept, its LoRA rank): without them vLLM sizes its cache for the model's whole
+    context (128k tokens for Qwen2.5-VL) and its own default image count, and serves
+    adapters up to the shared workers' rank."""
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
@@ -63,11 +63,12 @@ def vllm_serve_args(
         *listen,
         "--max-logprobs", "20", "--logprobs-mode", "raw_logprobs",
         "--generation-config", "vllm", "--dtype", dtype,
-        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "2",
+        "--enable-lora", "--max-lora-rank", str((limits or ServingLimits()).max_lora_rank),
+        "--max-loras", "2",
         *(["--gpu-memory-utilization", str(gpu_memory)] if gpu_memory is not None else []),
-        *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-        *(["--limit-mm-per-prompt", json.dumps({"image": images_per_prompt})]
-          if images_per_prompt else []),
+        *(["--max-model-len", str(limits.max_model_len),
+           "--limit-mm-per-prompt", json.dumps({"image": limits.max_images})]
+          if limits is not None else []),
     ]  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from core.encoding import PromptParts, prompt_parts
+from core.encoding import ImageCache, PromptParts, prompt_parts
 from core.policy import Policy
 from core.samples import TrainSample
 
@@ -41,6 +41,8 @@ class PromptCache:
         self.reused = 0  # encodings served from the cache since the last clear
         self.images_reused = 0  # micro-batches whose image features were reused
         self._images: tuple[tuple[int, ...], Any] | None = None
+        # Screenshots encoded, by content; none when nothing is kept (max_bytes 0).
+        self._screens = ImageCache() if max_bytes > 0 else None
         self._lock = threading.Condition()
         self._encoding = threading.Lock()  # one prompt at a time
         self._served: set[int] = set()  # step ids asked for since the last clear
@@ -83,7 +85,7 @@ class PromptCache:
                 self._busy.add(sample.step_id)
             try:
                 with self._encoding:
-                    parts = prompt_parts(policy, sample.messages, ids=sample.prompt_token_ids)
+                    parts = self._encode(policy, sample)
             except Exception:  # the update encodes it again and meets the error on its own thread
                 with self._lock:
                     self._busy.discard(sample.step_id)
@@ -118,7 +120,7 @@ class PromptCache:
             self._busy.add(sample.step_id)
         try:
             with self._encoding:
-                parts = prompt_parts(policy, sample.messages, ids=sample.prompt_token_ids)
+                parts = self._encode(policy, sample)
         finally:
             with self._lock:
                 self._busy.discard(sample.step_id)
@@ -128,6 +130,12 @@ class PromptCache:
             if self.max_bytes > 0:
                 self._insert(sample.step_id, parts)
         return parts
+
+    def _encode(self, policy: Policy, sample: TrainSample) -> PromptParts:
+        """Encode one prompt (the caller holds `_encoding`), its screenshots once each."""
+        return prompt_parts(
+            policy, sample.messages, ids=sample.prompt_token_ids, image_cache=self._screens
+        )
 
     def _insert(self, step_id: int, parts: PromptParts) -> None:
         self._parts[step_id] = parts
@@ -150,5 +158,7 @@ class PromptCache:
         self.reused = 0
         self.images_reused = 0
         self._images = None
+        if self._screens is not None:
+            self._screens.clear()
         self._served.clear()
         self._busy.clear()

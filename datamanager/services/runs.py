@@ -12,11 +12,13 @@ from django.utils import timezone
 
 from datamanager.config import ConfigError, ConfigInvalid, RunConfig
 from datamanager.models import Run, RunAction, RunStatus, Task
-from datamanager.policies import NAMED_POLICIES
+from datamanager.policies import NAMED_POLICIES, ORACLE_POLICY
 from datamanager.roles import CAN_ADMINISTER
+from datamanager.selectors.runs import processes_per_run
 from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
+from rollout.limits import SHARED
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -66,6 +68,7 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
                 ConfigError("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
             )
     problems += _osworld_problems(config)
+    problems += _serving_problems(config)
     if problems:
         raise ConfigInvalid(problems)
     return config
@@ -74,6 +77,30 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
 def _listed(items: list[str], limit: int = 10) -> str:
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return "; ".join(items[:limit]) + more
+
+
+def _serving_problems(config: RunConfig) -> list[ConfigError]:
+    """The settings the shared inference workers would refuse request by request (they run at
+    `rollout.limits.SHARED`, whatever run they serve). A run with its own processes starts
+    its workers at its own budgets, so only a run on the shared stack is checked."""
+    if config.policy == ORACLE_POLICY or processes_per_run():
+        return []
+    r = config.rollout
+    refused = SHARED.refusals(
+        max_new_tokens=r.max_new_tokens,
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_images=r.max_images,
+        lora_rank=config.trainer.lora_rank if r.backend == "vllm" else 0,
+    )
+    return [
+        ConfigError(
+            name,
+            f"{why} on the shared inference workers (--processes shared), which serve every "
+            "run with the same limits; a run with its own processes (a host agent) starts "
+            "its workers at its own settings",
+        )
+        for name, why in refused
+    ]
 
 
 def _osworld_problems(config: RunConfig) -> list[ConfigError]:

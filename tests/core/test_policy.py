@@ -10,7 +10,13 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from core.encoding import encode_prompt, encode_prompt_response, to_qwen_messages
+from core.encoding import (
+    ImageCache,
+    encode_prompt,
+    encode_prompt_response,
+    prompt_parts,
+    to_qwen_messages,
+)
 from core.generation import NEVER_GENERATED, generate, sequence_logprobs
 from core.policy import load_policy, load_weights_into, save_checkpoint
 from training.tiny_policy import build_tiny_policy
@@ -181,8 +187,10 @@ def test_rollout_and_training_tokenize_and_score_alike(policy):
 def test_training_forward_has_gradients_only_through_the_response(policy):
     first, _ = encode_prompt_response(policy, step_messages(), UI_TARS_RESPONSE)
     policy.model.zero_grad()
-    logprobs, _, mask = sequence_logprobs(policy, first)
+    logprobs, entropy, mask = sequence_logprobs(policy, first)
     assert logprobs.shape == mask.shape == first.input_ids.shape
+    # The entropy is measured, never trained on: no graph is kept for it.
+    assert logprobs.requires_grad and not entropy.requires_grad and (entropy[mask] > 0).all()
     assert (logprobs[~mask] == 0).all() and (logprobs[mask] < 0).all()
     logprobs.sum().backward()
     assert policy.model.lm_head.weight.grad.abs().sum() > 0
@@ -217,3 +225,43 @@ def test_replies_never_contain_image_or_turn_tokens(policy):
     banned = {policy.token_id(t) for t in NEVER_GENERATED}
     assert all(not banned & set(g.token_ids) for g in gens)
     assert all(t not in g.text for g in gens for t in NEVER_GENERATED)
+
+
+def test_a_screenshot_shown_again_is_encoded_once_and_alike(policy):
+    """Three steps of a trajectory, each showing the last two screenshots: with an image
+    cache each screenshot is resized and cut once, and every prompt's ids, patches and grids
+    are the ones encoding it alone gives."""
+    shots = [screenshot_url(160 + 16 * i, 210) for i in range(3)]
+    prompts = [
+        [
+            {"role": "system", "content": "You are a GUI agent."},
+            {
+                "role": "user",
+                "content": [
+                    *(
+                        {"type": "image_url", "image_url": {"url": u}}
+                        for u in shots[max(0, i - 1) : i + 1]
+                    ),
+                    {"type": "text", "text": f"step {i}"},
+                ],
+            },
+        ]
+        for i in range(3)
+    ]
+    processed: list[int] = []
+    real = policy.image_processor.__class__.__call__
+
+    def counting(self, *args, images, **kwargs):
+        processed.append(len(images))
+        return real(self, *args, images=images, **kwargs)
+
+    alone = [prompt_parts(policy, m) for m in prompts]
+    processed.clear()
+    cache = ImageCache()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(policy.image_processor.__class__, "__call__", counting)
+        cached = [prompt_parts(policy, m, image_cache=cache) for m in prompts]
+    assert sum(processed) == 3 and cache.hits == 2  # 5 images shown, 3 distinct
+    for a, b in zip(alone, cached, strict=True):
+        assert a.ids == b.ids
+        assert torch.equal(a.patches, b.patches) and torch.equal(a.image_grid_thw, b.image_grid_thw)

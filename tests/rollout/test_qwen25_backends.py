@@ -27,6 +27,7 @@ from core.replies import stop_token_ids
 from envmanager.sim_env import SimEnv
 from hostagent.launcher import Supervisor, vllm_specs
 from rollout.auth import ServiceTokens, bearer
+from rollout.limits import ServingLimits
 from rollout.local_server import LocalPolicyServer
 from rollout.vllm_command import vllm_missing
 from tests.helpers import free_port, needs, wait_until
@@ -57,8 +58,14 @@ def servers(qwen25) -> Iterator[tuple[str, str, ServiceTokens]]:
         pytest.fail(missing)
     tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
     port = free_port()
-    specs = vllm_specs(0, str(qwen25), port, tokens=tokens, prefix="q25-",
-                       max_model_len=4096, images_per_prompt=1)  # fmt: skip
+    specs = vllm_specs(
+        0,
+        str(qwen25),
+        port,
+        tokens=tokens,
+        prefix="q25-",
+        limits=ServingLimits(max_prompt_tokens=3072, max_images=1),
+    )
     supervisor = Supervisor(home=Path(settings.DARTBOARD_HOME), specs=specs, group="q25")
     supervisor.start()
     vllm = f"http://127.0.0.1:{port}"

@@ -379,11 +379,12 @@ def serving_specs(
     vllm_gpu_memory: float | None = None,
     device: str = "cpu",
     prefix: str = "",
-    limits: ServingLimits = SHARED,
+    limits: ServingLimits | None = None,
 ) -> list[ProcSpec]:
     """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
     behind a router on `router_port`, taking requests up to `limits` (a run's own: its
-    budgets). `prefix` names a run's processes apart ("run-7-")."""
+    budgets; None: the shared workers' defaults). `prefix` names a run's processes apart
+    ("run-7-")."""
     if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
         log.warning(
             "inference workers get the artifact store's own keys, which can write: "
@@ -412,7 +413,7 @@ def serving_specs(
         argv = python_argv(
             "-m", "rollout.server", "--policy", policy, "--host", "127.0.0.1",
             "--port", str(wport), "--version", str(version), "--threads", "1",
-            "--device", "cuda" if gpu is not None else "cpu", *limits.server_args(),
+            "--device", "cuda" if gpu is not None else "cpu", *(limits or SHARED).server_args(),
         )  # fmt: skip
         specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False, port=wport))
     router = python_argv("-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port))
@@ -463,14 +464,16 @@ def vllm_specs(
     gpu: int | None = None,
     gpu_memory: float | None = None,
     prefix: str = "",
-    limits: ServingLimits = SHARED,
+    limits: ServingLimits | None = None,
 ) -> list[ProcSpec]:
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
     `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can
     reach (its dev mode reloads weights from any path, with no key), and the adapter that
     puts it behind the inference-worker contract on `port`. The API key is a fresh one that
-    only these two hold, in their environments. `policy` is the base checkpoint; the router's first sync loads the run's current version
-    (an adapter, or full weights)."""
+    only these two hold, in their environments. `policy` is the base checkpoint; the router's
+    first sync loads the run's current version (an adapter, or full weights). `limits`: a
+    run's (`ServingLimits.for_run`); None: the shared workers' defaults, and vLLM sizes its
+    context from the model's own."""
     sock = vllm_socket(i, prefix)
     key = secrets.token_urlsafe(32)
     args = vllm_serve_args(
@@ -492,7 +495,8 @@ def vllm_specs(
     adapter = python_argv(
         "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
         "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
-        "--max-tokens-limit", str(limits.max_new_tokens), "--max-images", str(limits.max_images),
+        "--max-tokens-limit", str((limits or SHARED).max_new_tokens),
+        "--max-images", str((limits or SHARED).max_images),
     )  # fmt: skip
     serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", *args]
     return [

@@ -49,10 +49,15 @@ class ServingLimits:
         return self.max_prompt_tokens + self.max_new_tokens
 
     def server_args(self) -> list[str]:
-        """`rollout.server`'s flags for these limits (the vLLM adapter takes the first)."""
+        """`rollout.server`'s flags for these limits (the vLLM adapter takes the first and the
+        last). Its prompt limit is never below the default: unlike vLLM's context, which sizes
+        its cache, a longer prompt costs this server nothing until one comes, and a prompt
+        whose system text, instruction and current screen alone pass the run's budget is sent
+        whole (`core.prompts.build_messages`)."""
+        prompt = max(self.max_prompt_tokens, ServingLimits.max_prompt_tokens)
         return [
             *("--max-tokens-limit", str(self.max_new_tokens)),
-            *("--max-prompt-tokens", str(self.max_prompt_tokens)),
+            *("--max-prompt-tokens", str(prompt)),
             *("--max-images", str(self.max_images)),
         ]
 

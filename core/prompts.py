@@ -284,6 +284,21 @@ def step_image_part(step: int) -> dict[str, Any]:
     return {"type": STEP_IMAGE, "step": step}
 
 
+def _is_step_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == STEP_IMAGE
+
+
+def prompt_steps_shown(prompt: Sequence[Message]) -> list[int]:
+    """The steps whose screenshots a stored prompt shows, in order."""
+    return [
+        part["step"]
+        for message in prompt
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if _is_step_image(part)
+    ]
+
+
 def prompt_messages(prompt: Sequence[Message], screenshots: Sequence[bytes]) -> list[Message]:
     """A stored prompt (`build_messages` with `step_refs`) as the messages the policy was
     given: each step reference replaced by that step's screenshot (`screenshots[step]`)."""
@@ -292,9 +307,7 @@ def prompt_messages(prompt: Sequence[Message], screenshots: Sequence[bytes]) -> 
         content = message.get("content")
         if isinstance(content, list):
             content = [
-                image_part(screenshots[part["step"]])
-                if isinstance(part, dict) and part.get("type") == STEP_IMAGE
-                else part
+                image_part(screenshots[part["step"]]) if _is_step_image(part) else part
                 for part in content
             ]
         out.append({**message, "content": content})

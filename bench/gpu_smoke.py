@@ -199,7 +199,7 @@ def _trainer_checks(rows: list[tuple[str, str]], *, model: Path, messages: list[
     if full_update:
         trainers += [("full fine-tuning", replace(update, lr=1e-5)),
                      ("full fine-tuning, gradient checkpointing",
-                      replace(update, lr=1e-5, gradient_checkpointing=True))]  # fmt: skip
+                      replace(update, lr=1e-5, gradient_checkpointing="on"))]  # fmt: skip
     first = True
     for label, settings in trainers:
         trainer = PolicyTrainer(config=settings, start_checkpoint=model,

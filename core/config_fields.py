@@ -125,6 +125,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return _build(tp, value, path + ".")
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and "on" in choices and "off" in choices:
+            value = "on" if value else "off"  # a switch that gained `auto` takes true/false
         if value not in choices:
             raise ConfigError(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value

@@ -40,6 +40,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
+from core.artifacts import is_ref
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
 from datamanager.policies import ORACLE_POLICY, policy_path
@@ -73,6 +74,7 @@ from hostagent.placement import (
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
 from rollout.limits import ServingLimits
+from training.memory_plan import TrainerRequest, budget_sample, checkpoint_shape
 
 log = logging.getLogger("hostagent.agent")
 
@@ -145,7 +147,27 @@ def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:
         weights_gib=0.0 if scripted else checkpoint_gib(checkpoint),
         lora=cfg.trainer.lora_rank > 0,
         shard=cfg.trainer.shard,
+        trainer=None if scripted else trainer_request(cfg),
     )
+
+
+def trainer_request(cfg: RunConfig) -> TrainerRequest | None:
+    """What the run's trainer asks of a GPU, from its start checkpoint's config (the shape
+    does not change as it trains) and its budgets; None where that is not on this host."""
+    if is_ref(cfg.policy):
+        return None
+    policy = policy_path(cfg.policy)
+    shape = checkpoint_shape(policy)
+    r = cfg.rollout
+    sample = budget_sample(
+        policy,
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_new_tokens=r.max_new_tokens,
+        max_images=r.max_images,
+    )
+    if shape is None or sample is None:
+        return None
+    return TrainerRequest.of(cfg.trainer, shape=shape, sample=sample)
 
 
 def run_prefix(run_id: int) -> str:

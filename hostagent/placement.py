@@ -6,8 +6,10 @@ returns a `Placement` (which GPU each trainer replica and each inference worker 
 the ports of the run's router and workers), or the reason the run waits, in the words the
 run's page shows: "needs 4 GPUs with 40 GiB free; 2 are free on gpu-host-1".
 
-The memory a run needs per GPU is an estimate from its checkpoint's size on disk
-(`checkpoint_gib`, as bf16): the trainer holds the bf16 weights and its activations under
+The memory a trainer replica needs is `training.memory_plan`'s plan from the checkpoint's
+config and the run's budgets, for the host's largest GPU, where the config is on this host;
+otherwise an estimate from its checkpoint's size on disk (`checkpoint_gib`, as bf16): the
+trainer holds the bf16 weights and its activations under
 LoRA, or fp32 weights, gradients and AdamW's two moments plus a bf16 reference (9x the bf16
 weights, divided over FSDP2 shards) and its activations under full fine-tuning; a
 transformers inference worker holds the bf16 weights and a cache; vLLM takes its configured
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from training.memory_plan import HEADROOM_GIB, DoesNotFit, TrainerRequest
 
 GIB = 1024**3
 ACTIVATION_GIB = 8.0  # a real-size micro-batch's activations under checkpointing (realsize)
@@ -55,8 +59,18 @@ class RunNeeds:
     weights_gib: float = 0.0  # the weights in bf16
     lora: bool = True
     shard: bool = False
+    trainer: TrainerRequest | None = None  # the memory plan's input, where the config is here
 
-    def trainer_gib(self) -> float:
+    def trainer_gib(self, gpu_gib: float) -> float:
+        """GiB of a `gpu_gib` GPU one trainer replica takes: the memory plan's peak and the
+        CUDA context (`training.memory_plan`, its `auto` settings picked for that GPU), or,
+        without the checkpoint's config on this host, an estimate from the weights' size.
+
+        Raises:
+            DoesNotFit: the plan fits no such GPU.
+        """
+        if self.trainer is not None:
+            return self.trainer.plan(gpu_gib).total / GIB + HEADROOM_GIB
         if self.lora:  # bf16 weights; adapters and their optimizer state are small
             return self.weights_gib + ACTIVATION_GIB
         shards = self.trainer_replicas if self.shard else 1
@@ -144,7 +158,10 @@ def place(
             "run's device to cpu"
         )
     free = _free_gib(host, taken)
-    trainer_gib = needs.trainer_gib()
+    try:
+        trainer_gib = needs.trainer_gib(max(gpu.memory_gib for gpu in host.gpus))
+    except DoesNotFit as exc:
+        return f"{host.name}: {exc}"
     # Trainer replicas first, on the GPUs with the most room; then the inference workers.
     order = sorted(free, key=lambda i: (-free[i], i))
     trainer = [i for i in order if free[i] >= trainer_gib][: needs.trainer_replicas]

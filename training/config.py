@@ -21,6 +21,7 @@ from core.lora import LoraSpec
 LossType = Literal["ppo", "gspo"]  # "ppo": token-level clipped ratio; "gspo": sequence-level
 # "trajectory": every trajectory weighs the same; "token": DART's mean over all tokens.
 Aggregation = Literal["trajectory", "token"]
+Switch = Literal["auto", "on", "off"]  # auto: the memory plan decides (true/false read as on/off)
 
 
 def _valid(obj: Any, name: str, ok: bool, rule: str) -> None:
@@ -112,8 +113,10 @@ class TrainerConfig:
     )
     lora_alpha: int = knob(32, "LoRA scaling numerator (the update is scaled by alpha / rank).")
     lora_vision: bool = knob(False, "LoRA adapters on the vision tower too (else it is frozen).")
-    gradient_checkpointing: bool = knob(
-        False, "Recompute activations in the backward pass (less memory, about 30% more time)."
+    gradient_checkpointing: Switch = knob(
+        "auto",
+        "Recompute activations in the backward pass (less memory, about 30% more time). auto: "
+        "on a GPU, on only when the memory plan needs it (training.memory_plan); off on a CPU.",
     )
     replicas: int = knob(
         1, "Data-parallel trainer processes, one per GPU (the worker starts N-1 followers)."
@@ -230,6 +233,12 @@ class TrainerConfig:
                 _valid(
                     self, name, value > 0, f"must be > 0 (the ratio's upper bound is 1 + {name})"
                 )
+        _valid(
+            self,
+            "gradient_checkpointing",
+            self.gradient_checkpointing in get_args(Switch),
+            "must be auto, on or off",
+        )
         for name in ("ppo_epochs", "mini_batches"):
             _valid(self, name, getattr(self, name) >= 1, "must be >= 1")
         _valid(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 disables the KL)")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from core.procutil import die_with_parent, terminate_pid
 from core.samples import samples_read
 from training.config import TrainerConfig
+from training.memory_plan import Sample
 from training.replicas import Replicas
 from training.trainer import PolicyTrainer
 
@@ -51,6 +52,7 @@ class TrainerSpec:
     start_checkpoint: str
     run_dir: str
     published_versions: list[int] = field(default_factory=list)
+    sample: Sample | None = None  # the largest step the run's budgets allow (memory plan)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -58,7 +60,8 @@ class TrainerSpec:
     @classmethod
     def from_json(cls, text: str) -> TrainerSpec:
         data = json.loads(text)
-        return cls(**{**data, "config": TrainerConfig(**data["config"])})
+        sample = Sample(**data["sample"]) if data.get("sample") else None
+        return cls(**{**data, "config": TrainerConfig(**data["config"]), "sample": sample})
 
     def build(self, replicas: Replicas | None, *, device: str) -> PolicyTrainer:
         return PolicyTrainer(
@@ -68,6 +71,7 @@ class TrainerSpec:
             device=device,
             published_versions=self.published_versions,
             replicas=replicas,
+            sample=self.sample,
         )
 
 

@@ -16,7 +16,8 @@ choose the mode, the precision and the optimizer, and set each update's learning
 Modes: full fine-tuning (a frozen second copy is the KL reference), or LoRA adapters on the
 language model's projections (`lora_rank` > 0; base weights frozen; the KL reference is the
 same model with its adapters disabled, so nothing is held twice). Either can turn on
-gradient checkpointing (activations recomputed in the backward pass).
+gradient checkpointing (activations recomputed in the backward pass); left at `auto`, the
+memory plan turns it on where the GPU needs it (`training.memory_plan`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir, is
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
 from training.config import CurationConfig, TrainerConfig
+from training.memory_plan import GIB, Sample, TrainerMemory, TrainerRequest, checkpoint_shape
 from training.prompt_cache import PromptCache
 from training.replicas import Replicas
 from training.sharding import (
@@ -119,12 +121,14 @@ class PolicyTrainer:
         published_versions: Sequence[int] = (),
         replicas: Replicas | None = None,
         prompt_cache_bytes: int = 2 * 1024**3,
+        sample: Sample | None = None,
     ) -> None:
         """`config`: the run's trainer settings. `replicas`: this process is one of several
         data-parallel replicas (one per GPU, `training.replicas`); every replica builds the
         trainer the same way and calls `update` with the same samples, and only the leader
         saves versions. `prompt_cache_bytes`: host memory for the update's encoded prompts
-        (`PromptCache`; 0 encodes a prompt on every pass)."""
+        (`PromptCache`; 0 encodes a prompt on every pass). `sample`: the largest step the
+        run's budgets allow, which the memory plan sizes with on a GPU (`auto` settings)."""
         self.config = config
         lora = config.lora()
         self.run_dir = run_dir
@@ -146,7 +150,8 @@ class PolicyTrainer:
             self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
         self.policy.model.train()
         self._disable_dropout(self.policy.model)
-        if config.gradient_checkpointing:
+        self.memory = self._plan_memory(start_checkpoint, sample)
+        if config.gradient_checkpointing == "on" or (self.memory and self.memory.checkpointing):
             _enable_checkpointing(self.policy.model)
         if self.sharded:
             shard_model(self.policy.model, compute_dtype=self.autocast_dtype)
@@ -181,6 +186,24 @@ class PolicyTrainer:
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.state = TrainerState(updates=state["updates"], version=state["version"])
+
+    def _plan_memory(self, start: Path, sample: Sample | None) -> TrainerMemory | None:
+        """On a GPU, the memory plan for the settings left at `auto` (`training.memory_plan`),
+        sized to this GPU; None on a CPU, or without the run's budgets or a readable config
+        (the settings' non-auto values, and checkpointing off, then stand).
+
+        Raises:
+            DoesNotFit: nothing left at auto makes the trainer fit this GPU.
+        """
+        config = self.config
+        shape = checkpoint_shape(start)
+        if not self.device.startswith("cuda") or sample is None or shape is None:
+            return None
+        if config.gradient_checkpointing != "auto":
+            return None
+        gpu = torch.cuda.get_device_properties(torch.device(self.device))
+        request = TrainerRequest.of(config, shape=shape, sample=sample)
+        return request.plan(gpu.total_memory / GIB)
 
     @staticmethod
     def _load_with_adapters(

@@ -40,6 +40,7 @@ from datamanager.services.run_workers import (
 )
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
+from training.memory_plan import budget_sample
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer, version_dir
 from training.update import UpdateInterrupted
@@ -80,6 +81,12 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
             start_checkpoint=str(policy_path(cfg.policy)),
             run_dir=str(run_dir),
             published_versions=published,
+            sample=budget_sample(
+                policy_path(cfg.policy),
+                max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                max_images=cfg.rollout.max_images,
+            ),
         )
         if cfg.trainer.replicas > 1:
             group = _GROUPS[run.pk] = ReplicaGroup.start(spec, world=cfg.trainer.replicas)

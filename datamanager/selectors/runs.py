@@ -234,6 +234,18 @@ def processes_per_run() -> bool:
     return mode == "per-run"
 
 
+def largest_gpu_gib() -> float | None:
+    """The memory of the largest GPU a host agent has reported that its torch can use
+    (GiB); None when no such host has reported."""
+    sizes = [
+        float(gpu["memory_gib"])
+        for host in Host.objects.filter(cuda_torch=True)
+        for gpu in host.gpus
+        if isinstance(gpu, dict) and "memory_gib" in gpu
+    ]
+    return max(sizes) if sizes else None
+
+
 @dataclass(frozen=True)
 class CheckpointDisk:
     """What a run's published versions take on disk (as each one's trainer measured it)."""

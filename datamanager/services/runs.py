@@ -10,15 +10,17 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from core.artifacts import is_ref
 from datamanager.config import ConfigError, ConfigInvalid, RunConfig
 from datamanager.models import Run, RunAction, RunStatus, Task
-from datamanager.policies import NAMED_POLICIES, ORACLE_POLICY
+from datamanager.policies import NAMED_POLICIES, ORACLE_POLICY, policy_path
 from datamanager.roles import CAN_ADMINISTER
-from datamanager.selectors.runs import processes_per_run
+from datamanager.selectors.runs import largest_gpu_gib, processes_per_run
 from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
 from rollout.limits import SHARED
+from training.memory_plan import DoesNotFit, TrainerRequest, budget_sample, checkpoint_shape
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -69,6 +71,7 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
             )
     problems += _osworld_problems(config)
     problems += _serving_problems(config)
+    problems += _memory_problems(config)
     if problems:
         raise ConfigInvalid(problems)
     return config
@@ -101,6 +104,39 @@ def _serving_problems(config: RunConfig) -> list[ConfigError]:
         )
         for name, why in refused
     ]
+
+
+def _memory_problems(config: RunConfig) -> list[ConfigError]:
+    """A trainer that no GPU of the cluster can hold, whatever its `auto` settings pick
+    (`training.memory_plan`), with the plan's numbers and what would fit. Checked where a
+    host agent has reported GPUs its torch can use and the run may go there; a run that
+    trains on the CPU, or a checkpoint not on this disk, is not planned here."""
+    if config.policy == ORACLE_POLICY or config.device == "cpu":
+        return []
+    gpu_gib = largest_gpu_gib()
+    if gpu_gib is None:
+        return []
+    r = config.rollout
+    if is_ref(config.policy):
+        return []  # in the store: not fetched to validate a form
+    try:
+        policy = policy_path(config.policy)
+    except (OSError, ValueError):
+        return []  # the policy's own check reports it
+    shape = checkpoint_shape(policy)
+    sample = budget_sample(
+        policy,
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_new_tokens=r.max_new_tokens,
+        max_images=r.max_images,
+    )
+    if shape is None or sample is None:
+        return []
+    try:
+        TrainerRequest.of(config.trainer, shape=shape, sample=sample).plan(gpu_gib)
+    except DoesNotFit as exc:
+        return [ConfigError("trainer", str(exc))]
+    return []
 
 
 def _osworld_problems(config: RunConfig) -> list[ConfigError]:

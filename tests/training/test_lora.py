@@ -178,7 +178,7 @@ def test_a_lora_run_refuses_to_resume_from_full_weights(tiny_policy_dir, tmp_pat
 def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, tmp_path, mode) -> None:
     kwargs = LORA if mode == "lora" else {}
     plain = trainer(tiny_policy_dir, tmp_path / "a", **kwargs)
-    recomputed = trainer(tiny_policy_dir, tmp_path / "b", gradient_checkpointing=True, **kwargs)
+    recomputed = trainer(tiny_policy_dir, tmp_path / "b", gradient_checkpointing="on", **kwargs)
     base_model = recomputed.policy.model
     if mode == "lora":
         base_model = base_model.get_base_model()

@@ -1,0 +1,271 @@
+"""The trainer's memory plan (`training.memory_plan`): against the GPU peaks measured on the
+H100/H200 (docs/gpu-and-vllm.md), against peaks of real updates measured here on the CPU at
+two shapes, and what it picks and refuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training.config import TrainerConfig
+from training.memory_plan import (
+    GIB,
+    DoesNotFit,
+    ModelShape,
+    Sample,
+    TrainerRequest,
+    checkpoint_shape,
+    trainer_memory,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# bench/realsize.py's shapes, as the released config.json files give them.
+MID = {
+    "text_config": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936},
+    "model_type": "qwen2_5_vl",
+    "vision_config": {"depth": 8, "hidden_size": 1280, "intermediate_size": 3420},
+}  # fmt: skip
+QWEN25_7B = {
+    "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064},
+    "model_type": "qwen2_5_vl",
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420},
+}  # fmt: skip
+SCREEN_PATCHES = 10_764  # one 1920x1080 screenshot at the released processor's bounds
+
+
+@pytest.mark.parametrize(
+    ("what", "config", "settings", "sample", "measured_gib"),
+    [
+        # docs/gpu-and-vllm.md, "On an H100 and an H200": one step of 5 screenshots, 14,141
+        # tokens, 64 response tokens, micro-batch 1.
+        ("mid LoRA r16", MID, {"lora_rank": 16, "checkpointing": False},
+         Sample(tokens=14_141, reply=64, patches=5 * SCREEN_PATCHES), 22.0),
+        ("mid full, KL", MID, {"lora_rank": 0, "checkpointing": False},
+         Sample(tokens=14_141, reply=64, patches=5 * SCREEN_PATCHES), 62.0),
+        ("mid full, KL, checkpointing", MID, {"lora_rank": 0, "checkpointing": True},
+         Sample(tokens=14_141, reply=64, patches=5 * SCREEN_PATCHES), 18.4),
+        # "The whole loop at 7B shape": the longest prompt 8,627 tokens (4 screenshots).
+        ("7B LoRA r16, checkpointing", QWEN25_7B, {"lora_rank": 16, "checkpointing": True},
+         Sample(tokens=8_627 + 64, reply=64, patches=4 * SCREEN_PATCHES), 20.7),
+    ],
+)  # fmt: skip
+def test_plan_is_within_15_percent_of_the_gpu_peaks(
+    what: str, config: dict, settings: dict, sample: Sample, measured_gib: float
+) -> None:
+    memory = trainer_memory(
+        ModelShape.from_config(config), kl=True, micro_batch_tokens=sample.tokens,
+        sample=sample, cuda=True, **settings,
+    )  # fmt: skip
+    assert abs(memory.total / GIB / measured_gib - 1) <= 0.15, (what, memory.describe())
+
+
+def _request(config: dict, **settings: object) -> TrainerRequest:
+    trainer = TrainerConfig(**settings)  # type: ignore[arg-type]
+    sample = Sample.of_budgets(
+        ModelShape.from_config(config), max_prompt_tokens=16_384, max_new_tokens=1024,
+        max_images=5, image_tokens=SCREEN_PATCHES // 4,
+    )  # fmt: skip
+    return TrainerRequest.of(trainer, shape=ModelShape.from_config(config), sample=sample)
+
+
+def test_a_7b_full_fine_tune_on_one_80_gb_gpu_is_refused_saying_what_would_fit() -> None:
+    with pytest.raises(DoesNotFit) as refused:
+        _request(QWEN25_7B).plan(80.0)
+    message = str(refused.value)
+    assert "8.3B-parameter model (full fine-tuning" in message
+    assert "AdamW 61.8" in message  # two fp32 moments of 8.3B parameters
+    assert "trainer.replicas 4 with trainer.shard on" in message
+    assert "trainer.lora_rank 16" in message
+    # What it says would fit, fits.
+    assert _request(QWEN25_7B, replicas=4, shard=True).plan(80.0).total <= 76 * GIB
+    assert _request(QWEN25_7B, lora_rank=16).plan(80.0).total <= 76 * GIB
+
+
+def test_auto_turns_checkpointing_on_only_where_the_gpu_needs_it() -> None:
+    roomy = _request(MID, lora_rank=16).plan(141.0)  # an H200: 4 steps a micro-batch
+    smaller = _request(MID, lora_rank=16).plan(40.0)  # fewer steps before recomputing
+    tight = _request(MID, lora_rank=16).plan(24.0)
+    assert not roomy.checkpointing and roomy.micro_batch_tokens == 4 * 17_408
+    assert not smaller.checkpointing and smaller.micro_batch_tokens == 17_408
+    assert tight.checkpointing and tight.total <= 20 * GIB
+    pinned = _request(MID, lora_rank=16, gradient_checkpointing="off")
+    with pytest.raises(DoesNotFit, match="without gradient checkpointing"):
+        pinned.plan(24.0)
+
+
+def test_stored_true_and_false_still_read() -> None:
+    from datamanager.config import RunConfig
+
+    assert RunConfig.from_dict({"trainer": {"gradient_checkpointing": True}}).trainer.gradient_checkpointing == "on"  # fmt: skip
+    assert RunConfig.from_dict({"trainer": {"gradient_checkpointing": False}}).trainer.gradient_checkpointing == "off"  # fmt: skip
+
+
+def test_the_parameters_are_the_weights_own_count() -> None:
+    from safetensors.torch import load_file
+
+    policy = ROOT / "policies" / "tiny-grounded"
+    shape = checkpoint_shape(policy)
+    assert shape is not None
+    assert shape.params == sum(t.numel() for t in load_file(policy / "model.safetensors").values())
+    # The count from the config alone (no weights at hand) is within 2% of it.
+    config = json.loads((policy / "config.json").read_text())
+    assert abs(ModelShape.from_config(config).params / shape.params - 1) < 0.02
+
+
+# ------------------------------------------------------------------ real peaks on the CPU
+
+CHILD = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from training.tiny_policy import build_tiny_policy
+from training.memory_plan import checkpoint_shape, trainer_memory, Sample, GIB
+
+shape_args = json.loads(sys.argv[3])
+out = Path(sys.argv[2])
+build_tiny_policy(out / "model", arch="qwen2_5_vl", **shape_args)
+
+import base64, io
+from PIL import Image
+from core.samples import TrainSample
+from core.encoding import encode_batch, response_token_ids
+from training.config import CurationConfig, TrainerConfig
+from training.trainer import PolicyTrainer
+
+def png(w, h, seed):
+    img = Image.effect_noise((w, h), 60 + seed).convert("RGB")
+    buf = io.BytesIO(); img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+torch.set_num_threads(2)
+samples = [
+    TrainSample(step_id=i, trajectory_id=i, group_id=i // 2,
+                messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Click the red button on the left. " * 60},
+                    {"type": "image_url", "image_url": {"url": png(448, 448, i)}}]}],
+                response_text="Thought: the red button.\nAction: click(start_box='(100,200)')" * 2,
+                reward=float(i % 2), rollout_logprobs=[], mean_entropy=1.0, policy_version=0)
+    for i in range(4)
+]
+lora = shape_args.pop("_lora", 0) if False else int(sys.argv[4])
+
+def status(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+import gc; gc.collect()
+before = status("VmRSS")
+settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=4, lora_rank=lora, **({"lora_alpha": 32} if lora else {}))
+trainer = PolicyTrainer(config=settings, start_checkpoint=out / "model", run_dir=out / "run",
+                        prompt_cache_bytes=0)
+Path("/proc/self/clear_refs").write_text("5")
+curation = CurationConfig(high_entropy=False, truncated_is=False)
+for _ in range(2):
+    trainer.update(samples, curation)
+peak = status("VmHWM") - before
+batch = encode_batch(trainer.policy, [s.messages for s in samples],
+                     responses=[response_token_ids(trainer.policy, s.response_text) for s in samples])
+tokens = int(batch.attention_mask.sum())
+patches = int(batch.image_grid_thw.prod(-1).sum())
+reply = int(batch.response_mask.sum(1).max())
+shape = checkpoint_shape(out / "model")
+per = Sample(tokens=tokens // 4, reply=reply, patches=patches // 4)
+plan = trainer_memory(shape, lora_rank=lora, kl=True, checkpointing=False,
+                      micro_batch_tokens=tokens, sample=per, cuda=False)
+print(json.dumps({"ratio": plan.total / peak, "peak": peak, "plan": plan.total, "describe": plan.describe(), "tokens": tokens}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("shape", "lora"),
+    [
+        ({"hidden": 512, "layers": 6, "heads": 8, "kv_heads": 2, "intermediate": 2048,
+          "vision_hidden": 256, "vision_depth": 4, "vision_heads": 4}, 0),
+        ({"hidden": 768, "layers": 8, "heads": 12, "kv_heads": 4, "intermediate": 3072,
+          "vision_hidden": 384, "vision_depth": 4, "vision_heads": 6}, 16),
+    ],
+)  # fmt: skip
+def test_plan_is_within_20_percent_of_a_real_update_on_the_cpu(
+    shape: dict, lora: int, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(ROOT), str(tmp_path), json.dumps(shape), str(lora)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    ratio = measured["plan"] / measured["peak"]
+    assert 0.8 <= ratio <= 1.2, measured
+
+
+# ------------------------------------------------------------------ at create, and placement
+
+
+def _seven_b_checkpoint(path: Path) -> Path:
+    """Qwen2.5-VL-7B's config.json and the released processor's bounds: what the plan reads
+    (no weights: the shape is counted from the config)."""
+    path.mkdir()
+    config = {**QWEN25_7B, "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    processor = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+                 "min_pixels": 3136, "max_pixels": 12_845_056}  # fmt: skip
+    (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    return path
+
+
+@pytest.mark.django_db
+def test_run_create_refuses_a_trainer_no_gpu_of_the_cluster_holds(tmp_path: Path) -> None:
+    from django.utils import timezone
+
+    from datamanager.config import ConfigInvalid
+    from datamanager.models import Host
+    from datamanager.services.runs import run_config_validate
+
+    policy = str(_seven_b_checkpoint(tmp_path / "qwen7b"))
+    budgets = {"max_prompt_tokens": 16_384, "max_new_tokens": 1024, "max_images": 5}
+    full = {"policy": policy, "device": "cuda", "rollout": budgets}
+    run_config_validate(data=full, user=None)  # no GPU host has reported: placement decides
+    Host.objects.create(name="gpu-1", cuda_torch=True, last_seen=timezone.now(),
+                        gpus=[{"index": i, "name": "H100", "memory_gib": 80.0} for i in range(8)])  # fmt: skip
+    with pytest.raises(ConfigInvalid) as refused:
+        run_config_validate(data=full, user=None)
+    assert refused.value.problems[0].path == "trainer"
+    assert "the largest GPU has 80 GiB" in str(refused.value)
+    assert "trainer.replicas 4 with trainer.shard on" in str(refused.value)
+    run_config_validate(data={**full, "trainer": {"lora_rank": 16}}, user=None)
+    run_config_validate(data={**full, "trainer": {"replicas": 4, "shard": True}}, user=None)
+    run_config_validate(data={**full, "device": "cpu"}, user=None)  # not a GPU run
+
+
+def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
+    from hostagent.placement import Gpu, HostInventory, RunNeeds, place
+
+    policy = _seven_b_checkpoint(tmp_path / "qwen7b")
+    shape = checkpoint_shape(policy)
+    assert shape is not None
+    sample = Sample.of_budgets(shape, max_prompt_tokens=16_384, max_new_tokens=1024,
+                               max_images=5, image_tokens=SCREEN_PATCHES // 4)  # fmt: skip
+    host = HostInventory(name="gpu-1", cuda_torch=True,
+                         gpus=tuple(Gpu(i, "H100", 80.0) for i in range(2)))  # fmt: skip
+    lora = RunNeeds(inference_workers=1, backend="transformers", trainer_replicas=1,
+                    device="cuda", weights_gib=15.4,
+                    trainer=TrainerRequest.of(TrainerConfig(lora_rank=16), shape=shape, sample=sample))  # fmt: skip
+    placed = place(lora, host, taken=[], port_base=9000)
+    assert not isinstance(placed, str), placed
+    planned = lora.trainer.plan(80.0).total / GIB  # type: ignore[union-attr]
+    assert placed.gpu_gib[str(placed.trainer_gpus[0])] == pytest.approx(planned + 4.0, abs=0.01)
+    full = RunNeeds(inference_workers=1, backend="transformers", trainer_replicas=1,
+                    device="cuda", weights_gib=15.4, lora=False,
+                    trainer=TrainerRequest.of(TrainerConfig(), shape=shape, sample=sample))  # fmt: skip
+    reason = place(full, host, taken=[], port_base=9000)
+    assert isinstance(reason, str) and reason.startswith("gpu-1: the trainer needs")

@@ -167,6 +167,7 @@ def _loop(
     from rollout.auth import ServiceTokens
     from rollout.client import PolicyClient
     from training.config import CurationConfig, TrainerConfig
+    from training.memory_plan import Sample, checkpoint_shape, trainer_memory
     from training.trainer import PolicyTrainer
 
     device = "cpu" if cpu else "cuda"
@@ -220,6 +221,18 @@ def _loop(
         rows.append(("LoRA r16 update, gradient checkpointing",
                      f"{metrics.duration_s:.1f} s for {len(batch)} steps ({metrics.passes}; "
                      f"encode {metrics.encode_s:.1f} s){peak}"))  # fmt: skip
+        # The memory plan of the same update (its longest step, micro-batch 1), beside it.
+        shown = min(steps, 5) * geometry.tokens(width=SCREEN[0], height=SCREEN[1])
+        shape = checkpoint_shape(model)
+        assert shape is not None
+        step = Sample(tokens=longest + max_new_tokens, reply=max_new_tokens, patches=shown * 4)
+        plan = trainer_memory(shape, lora_rank=16, kl=True, checkpointing=True,
+                              micro_batch_tokens=step.tokens, sample=step, cuda=not cpu)  # fmt: skip
+        measured = torch.cuda.max_memory_allocated() / plan.total if not cpu else None
+        rows.append(("the memory plan of that update (training.memory_plan)",
+                     plan.describe() + (f"; measured / plan {measured:.2f}" if measured else "")))  # fmt: skip
+        if measured:
+            figures["peak_over_plan"] = measured
         if metrics.optimizer_steps != 1:
             raise SystemExit(f"the update took {metrics.optimizer_steps} optimizer steps, not 1")
         saved = trainer.save_version(1)

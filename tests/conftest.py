@@ -117,6 +117,14 @@ def redis_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _tests_checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The checkpoints tests build live under the session's temporary directory, which the
+    tests count as a checkpoint root (a deployment's are DARTBOARD_CHECKPOINT_ROOTS): run
+    create refuses a policy outside the roots."""
+    settings.DARTBOARD_CHECKPOINT_ROOTS.append(str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _clean_home() -> Iterator[None]:
     yield
     shutil.rmtree(settings.DARTBOARD_HOME, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -70,6 +71,8 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
                 ConfigError("env.osworld_addresses", "only an admin may give a run OSWorld VMs")
             )
     problems += _osworld_problems(config)
+    if not any(p.path == "policy" for p in problems):  # one reason a policy is refused
+        problems += _policy_root_problems(config)
     problems += _serving_problems(config)
     problems += _memory_problems(config)
     if problems:
@@ -103,6 +106,27 @@ def _serving_problems(config: RunConfig) -> list[ConfigError]:
             "its workers at its own settings",
         )
         for name, why in refused
+    ]
+
+
+def _policy_root_problems(config: RunConfig) -> list[ConfigError]:
+    """A checkpoint directory the run's inference workers would refuse to load: they load only
+    from under the checkpoint roots (`rollout.auth.checkpoint_allowed`), and would fail at every
+    start. Named policies and artifact references are under them by construction."""
+    if config.policy in NAMED_POLICIES or is_ref(config.policy):
+        return []
+    resolved = Path(config.policy).resolve()
+    roots = [Path(root).resolve() for root in settings.DARTBOARD_CHECKPOINT_ROOTS]
+    if any(resolved.is_relative_to(root) for root in roots):
+        return []
+    return [
+        ConfigError(
+            "policy",
+            f"{config.policy} is outside the checkpoint roots ({', '.join(map(str, roots))}), "
+            "the only directories the inference workers load weights from: move the "
+            "checkpoint under one of them, or add its directory to DARTBOARD_CHECKPOINT_ROOTS "
+            "on every host",
+        )
     ]
 
 

@@ -73,7 +73,9 @@ def test_rules_beyond_the_config_come_with_its_problems_for_a_user_not_the_shell
     assert [p.path for p in caught.value.problems] == ["tasks.names", "policy", "env.desktop_slots"]
     with pytest.raises(ConfigInvalid) as shell:
         run_config_validate(data=data, user=None)  # the command line: its user has a shell
-    assert [p.path for p in shell.value.problems] == ["tasks.names"]
+    # The command line may name any checkpoint the inference workers can load.
+    assert [p.path for p in shell.value.problems] == ["tasks.names", "policy"]
+    assert "/tmp/weights is outside the checkpoint roots" in shell.value.problems[1].message
 
 
 @pytest.mark.django_db
@@ -87,3 +89,23 @@ def test_start_run_lists_every_problem(tmp_path):
     assert lines[1] == "  env.miniwob_slots: must be between 0 and 64"
     assert lines[2].startswith("  trainer.lr: must be > 0")
     assert not Run.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_outside_the_roots_is_refused_at_create_with_the_roots(tmp_path, settings):
+    root = tmp_path / "root"
+    root.mkdir()
+    outside = tmp_path / "my-model"
+    outside.mkdir()
+    settings.DARTBOARD_CHECKPOINT_ROOTS = [str(root)]
+    with pytest.raises(ConfigInvalid) as refused:
+        run_config_validate(data={"policy": str(outside)}, user=None)
+    problem = refused.value.problems[0]
+    assert problem.path == "policy" and "outside the checkpoint roots" in problem.message
+    assert f"({root})" in problem.message  # the roots named
+    # A link from inside a root that leads out of it is outside too.
+    (root / "link").symlink_to(outside)
+    with pytest.raises(ConfigInvalid, match="outside the checkpoint roots"):
+        run_config_validate(data={"policy": str(root / "link")}, user=None)
+    settings.DARTBOARD_CHECKPOINT_ROOTS = [str(root), str(tmp_path)]
+    assert run_config_validate(data={"policy": str(outside)}, user=None).policy == str(outside)

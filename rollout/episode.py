@@ -22,13 +22,8 @@ from typing import Any, Protocol
 from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
 from core.completion import Completion
 from core.imaging import ImageGeometry
-from core.prompts import (
-    PROMPT_TEMPLATES,
-    HistoryTurn,
-    build_messages,
-    image_token_counter,
-    prompt_messages,
-)
+from core.prompt_counter import PromptCounter
+from core.prompts import PROMPT_TEMPLATES, HistoryTurn, Message, build_messages, prompt_messages
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 from core.steps import StepRecord
 
@@ -90,10 +85,15 @@ class EpisodeConfig:
     prompt: str = "dartboard"  # a key of core.prompts.PROMPT_TEMPLATES
     language: str = "English"  # the UI-TARS-1.5 template's Thought language
     seed: int | None = None
-    # The policy's processor (`ImageGeometry.from_policy_dir`): prompt token budgets, and
-    # coordinates when the server does not report its own. No default: a guessed geometry
-    # silently maps every click to the wrong pixel.
-    image_geometry: ImageGeometry = field(kw_only=True)
+    # The policy's processor (`PromptCounter.from_policy_dir`): prompt token budgets, and its
+    # image geometry for coordinates when the server does not report its own. No default: a
+    # guessed geometry silently maps every click to the wrong pixel.
+    prompt_counter: PromptCounter = field(kw_only=True)
+
+    @property
+    def image_geometry(self) -> ImageGeometry:
+        """The policy's processor's geometry (the counter's: one reading of the checkpoint)."""
+        return self.prompt_counter.geometry
 
 
 class EndReason(StrEnum):
@@ -176,31 +176,16 @@ def _episode_loop(
     end_reason = EndReason.STEP_CAP
     ended_by: ActionType | None = None  # finished / call_user, for the env's verdict
     index = 0
-    count_image_tokens = image_token_counter(config.image_geometry)
     for index in range(config.step_cap):
         if pacer is not None:
             pacer.turn(index)
-        # The prompt as the step stores it (its images name their steps), then as the
-        # policy gets it: the trainer reads the stored one back, never rebuilds it.
-        shown = screenshots[-config.max_images :]
-        prompt = build_messages(
+        prompt, completion = _prompt_and_reply(
+            policy=policy,
+            config=config,
             instruction=instruction,
             history=history,
-            screenshots=shown,
-            max_images=config.max_images,
-            template=PROMPT_TEMPLATES[config.prompt],
-            language=config.language,
-            max_prompt_tokens=config.max_prompt_tokens,
-            count_image_tokens=count_image_tokens,
-            step_refs=range(len(screenshots) - len(shown), len(screenshots)),
-        )
-        messages = prompt_messages(prompt, screenshots)
-        completion = policy.complete(
-            messages,
-            max_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=None if config.seed is None else config.seed * 1000 + index,
+            screenshots=screenshots,
+            index=index,
         )
         model_total += completion.latency_ms
         action, thought, parse_error = _parse(completion, obs, config)
@@ -274,6 +259,45 @@ def _episode_loop(
         env_ms=env_total,
         model_ms=model_total,
     )
+
+
+def _prompt_and_reply(
+    *,
+    policy: PolicyEndpoint,
+    config: EpisodeConfig,
+    instruction: str,
+    history: list[HistoryTurn],
+    screenshots: list[bytes],
+    index: int,
+) -> tuple[list[Message], Completion]:
+    """Turn `index`'s prompt as the step stores it (its images name their steps: the trainer
+    reads the stored one back, never rebuilds it) and the policy's reply."""
+
+    def prompt_for(counter: PromptCounter) -> list[Message]:
+        shown = screenshots[-config.max_images :]
+        return build_messages(
+            instruction=instruction,
+            history=history,
+            screenshots=shown,
+            max_images=config.max_images,
+            template=PROMPT_TEMPLATES[config.prompt],
+            language=config.language,
+            max_prompt_tokens=config.max_prompt_tokens,
+            counter=counter,
+            step_refs=range(len(screenshots) - len(shown), len(screenshots)),
+        )
+
+    def reply_to(prompt: list[Message]) -> Completion:
+        return policy.complete(
+            prompt_messages(prompt, screenshots),
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=None if config.seed is None else config.seed * 1000 + index,
+        )
+
+    prompt = prompt_for(config.prompt_counter)
+    return prompt, reply_to(prompt)
 
 
 def _parse(

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from core.imaging import QWEN25_VL
+from core.prompt_counter import PromptCounter
 from core.protocol import Action, ActionType, TaskSpec
 from envmanager.latency import PROFILES, LatencyEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
@@ -31,7 +32,7 @@ def test_the_oracle_clicks_every_box_in_order_through_the_policy_contract(k: int
             policy=oracle,
             recorder=recorder,
             task=_task(k, seed),
-            config=EpisodeConfig(step_cap=k + 2, image_geometry=QWEN25_VL),
+            config=EpisodeConfig(step_cap=k + 2, prompt_counter=PromptCounter.bound(QWEN25_VL)),
         )
         assert (result.status, result.reward, result.end_reason) == ("succeeded", 1.0, "env_done")
         assert len(recorder.steps) == k  # one click per box, nothing after the last

@@ -7,9 +7,12 @@ It receives the environment, the policy client and a recorder as arguments, so t
 real small ones (a real browser, the tiny policy's server, the database recorder).
 
 Failures: an unparsable output is recorded on its step (the step is a no-op) and
-`max_parse_errors` in a row end the episode as failed; `EnvUnavailable` (the env died or
-timed out) and `InferenceUnavailable` (no policy answer in time) propagate to the caller,
-which marks the trajectory `error` with the reason.
+`max_parse_errors` in a row end the episode as failed; a prompt the server refuses for its
+length (`PromptTooLong`) is built again once, its text counted at the counter's upper bound
+(`PromptCounter.as_bound`), and the refusal kept in the trajectory's
+`details["prompts_refused"]`; `EnvUnavailable` (the env died or timed out) and
+`InferenceUnavailable` (no policy answer in time) propagate to the caller, which marks the
+trajectory `error` with the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from core.prompt_counter import PromptCounter
 from core.prompts import PROMPT_TEMPLATES, HistoryTurn, Message, build_messages, prompt_messages
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 from core.steps import StepRecord
+from rollout.client import PromptTooLong
 
 
 class PolicyEndpoint(Protocol):
@@ -176,6 +180,7 @@ def _episode_loop(
     end_reason = EndReason.STEP_CAP
     ended_by: ActionType | None = None  # finished / call_user, for the env's verdict
     index = 0
+    prompts_refused: list[dict[str, Any]] = []
     for index in range(config.step_cap):
         if pacer is not None:
             pacer.turn(index)
@@ -186,6 +191,7 @@ def _episode_loop(
             history=history,
             screenshots=screenshots,
             index=index,
+            refused=prompts_refused,
         )
         model_total += completion.latency_ms
         action, thought, parse_error = _parse(completion, obs, config)
@@ -250,6 +256,8 @@ def _episode_loop(
     # reset_ms: the per-host health map's reset time (a host whose resets slow down is
     # overloaded before its episodes start failing).
     details = {**evaluation.details, "end_reason": end_reason, "reset_ms": round(reset_ms, 1)}
+    if prompts_refused:
+        details["prompts_refused"] = prompts_refused
     return EpisodeResult(
         status=Outcome.SUCCEEDED if evaluation.success else Outcome.FAILED,
         reward=evaluation.reward,
@@ -269,9 +277,12 @@ def _prompt_and_reply(
     history: list[HistoryTurn],
     screenshots: list[bytes],
     index: int,
+    refused: list[dict[str, Any]],
 ) -> tuple[list[Message], Completion]:
     """Turn `index`'s prompt as the step stores it (its images name their steps: the trainer
-    reads the stored one back, never rebuilds it) and the policy's reply."""
+    reads the stored one back, never rebuilds it) and the policy's reply. A prompt refused
+    for its length is appended to `refused` and built once more with its text counted at the
+    counter's upper bound; then the reply or the error stands."""
 
     def prompt_for(counter: PromptCounter) -> list[Message]:
         shown = screenshots[-config.max_images :]
@@ -297,7 +308,13 @@ def _prompt_and_reply(
         )
 
     prompt = prompt_for(config.prompt_counter)
-    return prompt, reply_to(prompt)
+    try:
+        return prompt, reply_to(prompt)
+    except PromptTooLong as refusal:
+        # The server counted more than the counter did (a tokenizer of another version, say).
+        refused.append({"step": index, "refusal": str(refusal)})
+        prompt = prompt_for(config.prompt_counter.as_bound())
+        return prompt, reply_to(prompt)
 
 
 def _parse(

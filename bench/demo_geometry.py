@@ -24,7 +24,8 @@ from core.generation import sequence_logprobs  # noqa: E402
 from core.imaging import QWEN25_VL, ImageGeometry  # noqa: E402
 from core.losses import bc_loss  # noqa: E402
 from core.policy import load_policy  # noqa: E402
-from core.prompts import HistoryTurn, build_messages, image_token_counter  # noqa: E402
+from core.prompt_counter import PromptCounter  # noqa: E402
+from core.prompts import HistoryTurn, build_messages  # noqa: E402
 from core.protocol import TaskSpec  # noqa: E402
 from envmanager.demo_collection import collect_demo  # noqa: E402
 from envmanager.desktop_env import DesktopEnv  # noqa: E402
@@ -34,8 +35,9 @@ from envmanager.miniwob_env import MiniWoBEnv  # noqa: E402
 SHIPPED = ROOT / "policies" / "tiny-grounded"
 
 
-def demo_nll(policy, outcome, geometry: ImageGeometry) -> float:
+def demo_nll(policy, outcome) -> float:
     """Mean NLL per response token over the demo's steps (max_images 3, as make run)."""
+    counter = PromptCounter.from_policy_dir(policy.path)
     history: list[HistoryTurn] = []
     shots: list[bytes] = []
     losses = []
@@ -48,7 +50,7 @@ def demo_nll(policy, outcome, geometry: ImageGeometry) -> float:
             screenshots=shots[-3:],
             max_images=3,
             max_prompt_tokens=4096,
-            count_image_tokens=image_token_counter(geometry),
+            counter=counter,
         )
         batch = encode_batch(policy, [messages], responses=[response_token_ids(policy, raw)])
         with torch.no_grad():
@@ -69,7 +71,7 @@ def main() -> None:
             spec = TaskSpec(name=name, env_kind="desktop", env_config={"task": name}, seed=10_000)
             old = collect_demo(env=env, task=spec, geometry=QWEN25_VL)
             new = collect_demo(env=env, task=spec, geometry=shipped)
-            rows.append((name, demo_nll(policy, old, QWEN25_VL), demo_nll(policy, new, shipped)))
+            rows.append((name, demo_nll(policy, old), demo_nll(policy, new)))
     finally:
         env.close()
     # Control: a MiniWoB++ click demo (160x210 is the same model image in both geometries),
@@ -83,7 +85,7 @@ def main() -> None:
             seed=10_000,
         )
         demo = collect_demo(env=miniwob, task=spec, geometry=shipped)
-        control = demo_nll(policy, demo, shipped)
+        control = demo_nll(policy, demo)
     finally:
         miniwob.close()
     print(f"shipped policy {SHIPPED.name}: processor {shipped}")

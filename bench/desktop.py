@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.grounding import ModelEndpoint  # noqa: E402
 from core.actions import format_screen_action  # noqa: E402
-from core.imaging import ImageGeometry  # noqa: E402
+from core.prompt_counter import PromptCounter  # noqa: E402
 from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from rollout.client import Completion  # noqa: E402
 from rollout.episode import EpisodeConfig, ListRecorder, Outcome, play_episode  # noqa: E402
@@ -50,8 +50,9 @@ POLICIES = {
 class BlindEndpoint:
     """A left click at the task's target, then finished, whatever the screenshots show."""
 
-    def __init__(self, geometry: ImageGeometry, screen: tuple[int, int]):
-        self.geometry = geometry
+    def __init__(self, counter: PromptCounter, screen: tuple[int, int]):
+        self.counter = counter
+        self.geometry = counter.geometry
         self.screen = screen
         self.target = (0, 0)
 
@@ -76,7 +77,7 @@ def task_target(name: str) -> tuple[int, int]:
     return 400, 300
 
 
-def preset_episode_config(geometry: ImageGeometry) -> EpisodeConfig:
+def preset_episode_config(counter: PromptCounter) -> EpisodeConfig:
     """`make run-desktop`'s rollout settings, greedy (as the run's evaluations decode)."""
     from datamanager.config import CurationConfig
     from hostagent.main_job import DESKTOP_ROLLOUT
@@ -87,7 +88,7 @@ def preset_episode_config(geometry: ImageGeometry) -> EpisodeConfig:
         max_new_tokens=DESKTOP_ROLLOUT["max_new_tokens"],
         max_parse_errors=DESKTOP_ROLLOUT["max_parse_errors"],
         temperature=0.0,
-        image_geometry=geometry,
+        prompt_counter=counter,
     )
 
 
@@ -136,15 +137,15 @@ def main() -> None:
         for name in args.policies.split(","):
             started = time.perf_counter()
             if name == "blind":
-                geometry = ImageGeometry.from_policy_dir(POLICIES["shipped"])
-                endpoint: Any = BlindEndpoint(geometry, screen=(WIDTH, HEIGHT))
+                counter = PromptCounter.from_policy_dir(POLICIES["shipped"])
+                endpoint: Any = BlindEndpoint(counter, screen=(WIDTH, HEIGHT))
             else:
                 path = POLICIES.get(name, Path(name))
                 if not (path / "config.json").exists():
                     print(f"skipping {name}: no checkpoint at {path}", file=sys.stderr)
                     continue
                 endpoint = ModelEndpoint(path, max_new_tokens=48)
-            config = preset_episode_config(endpoint.geometry)
+            config = preset_episode_config(endpoint.counter)
             per_task = {}
             for task in tasks:
                 if isinstance(endpoint, BlindEndpoint):

@@ -105,7 +105,7 @@ def build_model(workdir: Path, *, cpu: bool) -> Path:
     return out
 
 
-def run_group(url: str, screens: list[bytes], geometry, *, max_new_tokens: int,
+def run_group(url: str, screens: list[bytes], counter, *, max_new_tokens: int,
               steps: int) -> tuple[RecordingClient, list]:  # fmt: skip
     """EPISODES episodes at once through the episode runner, UI-TARS-1.5's prompt."""
     from core.protocol import TaskSpec
@@ -115,7 +115,7 @@ def run_group(url: str, screens: list[bytes], geometry, *, max_new_tokens: int,
     client = RecordingClient(PolicyClient(url, timeout=900))
     config = EpisodeConfig(step_cap=steps, max_images=SCREENS, max_prompt_tokens=32768,
                            max_new_tokens=max_new_tokens, max_parse_errors=steps,
-                           prompt="ui-tars-1.5", image_geometry=geometry, seed=0)  # fmt: skip
+                           prompt="ui-tars-1.5", prompt_counter=counter, seed=0)  # fmt: skip
     results: list = [None] * EPISODES
 
     def one(i: int) -> None:
@@ -162,7 +162,7 @@ def _loop(
     import torch
     from django.conf import settings
 
-    from core.imaging import ImageGeometry
+    from core.prompt_counter import PromptCounter
     from hostagent.launcher import ProcSpec, Supervisor, inference_env, python_argv, wait_http
     from rollout.auth import ServiceTokens
     from rollout.client import PolicyClient
@@ -178,7 +178,7 @@ def _loop(
     model = build_model(home, cpu=cpu)
     rows.append(("model", f"{model.name} ({'built here, ' if not cpu else ''}"
                           f"{time.monotonic() - started:.0f} s)"))  # fmt: skip
-    geometry = ImageGeometry.from_policy_dir(model)
+    counter = PromptCounter.from_policy_dir(model)
     screens = _screens(SCREENS, SCREEN)
 
     tokens = ServiceTokens(settings.DARTBOARD_INFERENCE_TOKEN, settings.DARTBOARD_ADMIN_TOKEN)
@@ -200,7 +200,7 @@ def _loop(
 
         # 1. A group of episodes, served.
         started = time.monotonic()
-        client, results = run_group(url, screens, geometry, max_new_tokens=max_new_tokens,
+        client, results = run_group(url, screens, counter, max_new_tokens=max_new_tokens,
                                     steps=steps)  # fmt: skip
         seconds = time.monotonic() - started
         longest = max(c.prompt_tokens for _, _, c in client.calls)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from core.actions import format_screen_action  # noqa: E402
-from core.imaging import ImageGeometry  # noqa: E402
+from core.prompt_counter import PromptCounter  # noqa: E402
 from core.protocol import Action, ActionType, TaskSpec  # noqa: E402
 from envmanager.grounding_screens import PRETRAIN_TASKS, TRAIN_SEED_BASE  # noqa: E402
 from rollout.client import Completion  # noqa: E402
@@ -49,7 +49,8 @@ class BlindEndpoint:
         self.targets = targets
         self.screen = screen
         self.task = ""
-        self.geometry = ImageGeometry.from_policy_dir(SHIPPED)  # writes as the policy would
+        self.counter = PromptCounter.from_policy_dir(SHIPPED)  # writes as the policy would
+        self.geometry = self.counter.geometry
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         started = time.perf_counter()
@@ -67,7 +68,8 @@ class ModelEndpoint:
 
         self.policy = load_policy(path)
         self.max_new_tokens = max_new_tokens
-        self.geometry = self.policy.image_geometry
+        self.counter = PromptCounter.from_policy_dir(path)
+        self.geometry = self.counter.geometry
 
     def complete(self, messages: list[dict[str, Any]], **_: Any) -> Completion:
         from core.generation import generate
@@ -94,7 +96,7 @@ def play(env, endpoint, *, task: str, seed: int) -> dict:
     if isinstance(endpoint, BlindEndpoint):
         endpoint.task = task
     config = EpisodeConfig(
-        step_cap=1, max_images=1, max_new_tokens=40, image_geometry=endpoint.geometry
+        step_cap=1, max_images=1, max_new_tokens=40, prompt_counter=endpoint.counter
     )
     spec = TaskSpec(
         name=f"miniwob/{task}", env_kind="miniwob", env_config={"task": task}, seed=seed

@@ -35,26 +35,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from core.imaging import ImageGeometry
 from core.lora import adapter_base, attach_adapter, is_adapter_dir, is_peft_model, swap_adapter
+from core.prompt_counter import chat_template_of
 from core.vision_attention import use_packed_vision_attention
-
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _MODEL_CLASSES: dict[str, Any] = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
@@ -147,17 +129,9 @@ def load_policy(
         model=model,
         tokenizer=tokenizer,
         image_processor=image_processor,
-        chat_template=_find_chat_template(path, tokenizer),
+        chat_template=chat_template_of(path),
         path=path,
     )
-
-
-def _find_chat_template(path: Path, tokenizer: Any) -> str:
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    if (path / "chat_template.json").is_file():
-        return json.loads((path / "chat_template.json").read_text())["chat_template"]
-    return tokenizer.chat_template or QWEN2_VL_CHAT_TEMPLATE
 
 
 def save_checkpoint(

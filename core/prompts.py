@@ -11,9 +11,10 @@ r"""The prompt builder shared by the rollout service and the trainer.
     user       [image] the current screen            (always)
 
 Screenshots beyond the last `max_images` are left out but their turns keep their text, as
-UI-TARS does ("all texts and the most recent 5 images"). Under a token budget the oldest
-turns go first, whole (their text and, if they still have one, their image); the system
-prompt, the instruction and the current screenshot are never dropped.
+UI-TARS does ("all texts and the most recent 5 images"). Under a token budget, counted as the
+policy's processor counts it (`core.prompt_counter`), the oldest screenshots go first, their
+turns keeping their text; then the oldest turns' texts. The system prompt, the instruction and
+the current screenshot are never dropped.
 
 `core.encoding.to_qwen_messages` turns these messages into the Qwen2-VL chat-template form
 used by the inference server and the trainer; `decode_image_parts` returns the images' bytes.
@@ -25,16 +26,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image
-
 from core.actions import split_output
-from core.imaging import ImageGeometry
+from core.prompt_counter import PromptCounter
 
 DEFAULT_SYSTEM_PROMPT = r"""You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
 
@@ -162,22 +159,6 @@ class HistoryTurn:
         return "\n".join(parts)
 
 
-def estimate_tokens(text: str) -> int:
-    """A rough token count: one token per 4 characters, rounded up."""
-    return math.ceil(len(text) / 4)
-
-
-def image_token_counter(geometry: ImageGeometry) -> Callable[[bytes], int]:
-    """Counts the image tokens a PNG costs the policy whose processor has `geometry`."""
-
-    def count(png: bytes) -> int:
-        with Image.open(io.BytesIO(png)) as image:  # reads the header only
-            width, height = image.size
-        return geometry.tokens(width=width, height=height)
-
-    return count
-
-
 def image_part(png: bytes) -> dict[str, Any]:
     """An OpenAI content part holding a PNG as a base64 data URL."""
     url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
@@ -193,8 +174,7 @@ def build_messages(
     template: PromptTemplate = PROMPT_TEMPLATES["dartboard"],
     language: str = "English",
     max_prompt_tokens: int | None = None,
-    count_tokens: Callable[[str], int] = estimate_tokens,
-    count_image_tokens: Callable[[bytes], int] | None = None,
+    counter: PromptCounter | None = None,
     step_refs: Sequence[int] | None = None,
 ) -> list[Message]:
     """The chat messages for the next turn (layout in the module docstring).
@@ -207,10 +187,12 @@ def build_messages(
     screen and the one before belongs to ``history[-1]``. Between 1 and len(history) + 1 may
     be given (the caller only needs to load the last `max_images`).
 
-    Budget: with `max_prompt_tokens`, the prompt's size is the sum of `count_tokens` over its
-    texts and `count_image_tokens` over its images (`image_token_counter` of the policy's
-    geometry; required with a budget); the oldest turns are dropped until it fits. If even system + instruction + current screen do not fit, those are returned
-    anyway (the server then rejects the request with its own message).
+    Budget: with `max_prompt_tokens`, `counter` (the policy's `PromptCounter`; required with a
+    budget) counts each message as the server will, framing and generation prompt included.
+    While the prompt passes the budget, the oldest screenshot of an earlier turn goes (its
+    turn keeps its text), and once none is left, the oldest turn's text. If even system +
+    instruction + current screen do not fit, those are returned anyway (the server then
+    rejects the request with its own message).
 
     Long because the layout, the image window and the token budget decide together which
     turns stay; split apart, each would need the others' intermediate lists.
@@ -224,13 +206,34 @@ def build_messages(
         )
     if max_images < 1:
         raise ValueError(f"max_images must be at least 1 (the current screen), got {max_images}")
+    if step_refs is not None and len(step_refs) != len(screenshots):
+        raise ValueError(f"{len(step_refs)} step_refs for {len(screenshots)} screenshots")
 
     n_turns = len(history)
     offset = n_turns + 1 - len(screenshots)  # turns before this one have no screenshot given
-    first_image_turn = max(offset, n_turns + 1 - max_images)
-
-    def turn_image(i: int) -> bytes | None:
-        return screenshots[i - offset] if i >= first_image_turn else None
+    first_image = max(offset, n_turns + 1 - max_images)  # the oldest turn shown with its screen
+    first_text = 0  # the oldest turn shown at all
+    head = template.first_user_message(instruction=instruction, language=language)
+    if max_prompt_tokens is not None:
+        if counter is None:
+            raise ValueError("a prompt token budget needs the policy's PromptCounter")
+        texts = [counter.text(role="assistant", text=turn.text) for turn in history]
+        images = [counter.image(png) for png in screenshots[first_image - offset : -1]]
+        total = (
+            counter.text(role="system", text=template.system)
+            + counter.text(role="user", text=head)
+            + counter.image(screenshots[-1])
+            + counter.reply
+            + sum(texts)
+            + sum(images)
+        )
+        while total > max_prompt_tokens and first_text < n_turns:
+            if first_image < n_turns:
+                total -= images.pop(0)
+                first_image += 1
+            else:
+                total -= texts[first_text]
+                first_text += 1
 
     def part(i: int) -> dict[str, Any]:
         """Turn i's image part (i == n_turns: the current screen)."""
@@ -239,37 +242,12 @@ def build_messages(
             step_image_part(step_refs[k]) if step_refs is not None else image_part(screenshots[k])
         )
 
-    if step_refs is not None and len(step_refs) != len(screenshots):
-        raise ValueError(f"{len(step_refs)} step_refs for {len(screenshots)} screenshots")
-
-    head = template.first_user_message(instruction=instruction, language=language)
-    first_kept = 0
-    if max_prompt_tokens is not None:
-        if count_image_tokens is None:
-            raise ValueError(
-                "a prompt token budget needs count_image_tokens (image_token_counter of the "
-                "policy's image geometry)"
-            )
-        fixed = count_tokens(template.system) + count_tokens(head)
-        fixed += count_image_tokens(screenshots[-1])
-        costs = []
-        for i, turn in enumerate(history):
-            image = turn_image(i)
-            costs.append(
-                count_tokens(turn.text) + (count_image_tokens(image) if image is not None else 0)
-            )
-        total = fixed + sum(costs)
-        while first_kept < n_turns and total > max_prompt_tokens:
-            total -= costs[first_kept]
-            first_kept += 1
-
     messages: list[Message] = [
         {"role": "system", "content": template.system},
         {"role": "user", "content": head},
     ]
-    for i in range(first_kept, n_turns):
-        image = turn_image(i)
-        if image is not None:
+    for i in range(first_text, n_turns):
+        if i >= first_image:
             messages.append({"role": "user", "content": [part(i)]})
         messages.append({"role": "assistant", "content": history[i].text})
     messages.append({"role": "user", "content": [part(n_turns)]})

@@ -206,7 +206,11 @@ class EnvConfig:
 @dataclass
 class RolloutConfig:
     max_images: int = knob(5, "Screenshots kept in the prompt (the last K).")
-    max_prompt_tokens: int = knob(4096, "Token budget of a prompt; oldest text turns drop first.")
+    max_prompt_tokens: int = knob(
+        4096,
+        "Token budget of a prompt, counted by the policy's tokenizer and processor; past it the "
+        "oldest screenshots drop first, then the oldest text turns.",
+    )
     max_new_tokens: int = knob(64, "Tokens the policy may generate per step.")
     temperature: float = knob(1.0, "Sampling temperature for training rollouts.")
     top_p: float = knob(1.0, "Nucleus sampling for training rollouts.")

@@ -3,7 +3,7 @@
 A policy is a name (`shipped`, `shipped-desktop`, `untrained`, `oracle`), a local checkpoint
 directory, or an artifact reference (`artifact:policies/...@sha256`, made by `manage.py
 publish_policy DIR`): a base model an admin brought, stored once in the artifact store, that
-every host (trainer, inference, env workers reading its image geometry) fetches and verifies
+every host (trainer, inference, env workers reading its image geometry and tokenizer) fetches and verifies
 into its own cache.
 On more than one host, give a run a reference, not a path: no host reads another's disk.
 """
@@ -26,6 +26,7 @@ from core.artifacts import (
     upload_dir,
 )
 from core.imaging import GEOMETRY_FILE, QWEN25_VL, ImageGeometry
+from core.prompt_counter import COUNTER_FILES, PromptCounter
 from datamanager.models import PolicyVersion
 
 ORACLE_POLICY = "oracle"  # a run config policy name: the scripted oracle, no model
@@ -83,6 +84,28 @@ def policy_geometry(name: str) -> ImageGeometry:
     if is_ref(name):  # the processor's config, not the weights (an env worker needs no more)
         return _geometry_of(str(_fetch_policy(name, only=frozenset({GEOMETRY_FILE}))))
     return _geometry_of(str(policy_path(name)))
+
+
+@functools.lru_cache(maxsize=64)
+def _counter_of(path: str) -> PromptCounter:
+    return PromptCounter.from_policy_dir(path)
+
+
+def checkpoint_prompt_counter(path: Path) -> PromptCounter:
+    """The prompt counter of a checkpoint directory on this host (a full one or an adapter:
+    both carry the tokenizer and processor configs), read once per process."""
+    return _counter_of(str(path))
+
+
+def policy_prompt_counter(name: str) -> PromptCounter:
+    """How the policy's processor counts a prompt (its tokenizer, chat template and image
+    geometry): a run's prompt budgets are met with it. The scripted oracle, which no server
+    counts, gets the byte bound over its geometry."""
+    if name == ORACLE_POLICY:
+        return PromptCounter.bound(policy_geometry(name))
+    if is_ref(name):  # the tokenizer and processor configs, not the weights
+        return _counter_of(str(_fetch_policy(name, only=COUNTER_FILES)))
+    return _counter_of(str(policy_path(name)))
 
 
 def resolve_checkpoint(policy: str) -> tuple[Path | None, int | None]:

@@ -50,6 +50,12 @@ ENV_CONFIG_KEYS: dict[str, tuple[EnvConfigKey, ...]] = {
     ),
     "sim": (
         EnvConfigKey("targets", (int,), "Buttons to click on the simulated screen (default 1)."),
+        EnvConfigKey(
+            "width", (int,), "The simulated screen's width in pixels (320, the default, to 4096)."
+        ),
+        EnvConfigKey(
+            "height", (int,), "The simulated screen's height in pixels (200, the default, to 4096)."
+        ),
         STEP_CAP,
         EnvConfigKey(
             "crash_first", (int,), "Resets that fail before one succeeds (fault drills; 0)."

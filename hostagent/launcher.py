@@ -476,18 +476,20 @@ def vllm_specs(
     context from the model's own."""
     sock = vllm_socket(i, prefix)
     key = secrets.token_urlsafe(32)
+    cpu_build = vllm_cpu_build()
     args = vllm_serve_args(
         model_dir=policy,
         uds=str(sock),
         gpu_memory=gpu_memory,
         dtype=checkpoint_dtype(policy),
         limits=limits,
+        cpu_build=cpu_build,
     )
     vllm_env = {
         **service_environ(os.environ),
         # vLLM's own settings (VLLM_CPU_KVCACHE_SPACE, ...); the key is set below, not taken.
         **{k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k != VLLM_KEY_ENV},
-        **vllm_environment(api_key=key, cpu_build=vllm_cpu_build()),
+        **vllm_environment(api_key=key, cpu_build=cpu_build),
         "CUDA_VISIBLE_DEVICES": str(i if gpu is None else gpu),
     }
     vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on a CPU host (default 4)

@@ -55,11 +55,13 @@ THREADS = 1024  # blocking requests served at once (each waits on a generation o
 
 
 class RequestError(ValueError):
-    """A malformed request; `param` names the offending field (a 400)."""
+    """A malformed request; `param` names the offending field (a 400); `code`, when given,
+    says which refusal it is (`rollout.client.PROMPT_TOO_LONG`)."""
 
-    def __init__(self, message: str, *, param: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class JSONReply(Response):
@@ -72,16 +74,23 @@ class JSONReply(Response):
         return json.dumps(content).encode()
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape; `code` carries the HTTP status."""
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape; `code` carries the refusal's code, else the HTTP status."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
 def error_reply(
-    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONReply:
-    return JSONReply(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONReply(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -157,7 +166,7 @@ async def _refused(request: Request, exc: Exception) -> Response:
 
 async def _bad_field(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return error_reply(400, str(exc), param=exc.param)
+    return error_reply(400, str(exc), param=exc.param, code=exc.code)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -8,7 +8,8 @@ It speaks to the transformers server (rollout.server), a vLLM OpenAI server or a
 in front of several. A 503 (worker draining for a weight reload), a 502/504 or a
 connection failure is retried on the next URL (the same one after a short pause when only
 one is given) until `timeout` seconds have passed, then `InferenceUnavailable` is raised.
-Any other error status raises `InferenceError` with the server's message, unretried.
+Any other error status raises `InferenceError` with the server's message, unretried; a prompt
+refused for its length, `PromptTooLong` (the episode drops more history and asks again).
 
     admin = RouterAdmin("http://127.0.0.1:8100")
     admin.register("http://127.0.0.1:8101")
@@ -45,6 +46,15 @@ class InferenceError(Exception):
 
 class InferenceUnavailable(InferenceError):
     """No worker answered within the client's timeout."""
+
+
+PROMPT_TOO_LONG = "context_length_exceeded"
+"""The error `code` of a prompt refused for its length (OpenAI's): `rollout.server` and the
+vLLM adapter answer such a 400 with it."""
+
+
+class PromptTooLong(InferenceError):
+    """The server refused the prompt for its length; the message is the server's."""
 
 
 class WorkerStatus(StrEnum):
@@ -165,6 +175,8 @@ class PolicyClient(_HttpClient):
                     served_by = response.headers.get("X-Dartboard-Worker") or url
                     return _parse_completion(response.json(), latency_ms, served_by)
                 message = _error_message(response)
+                if _error_code(response) == PROMPT_TOO_LONG:
+                    raise PromptTooLong(f"{url} answered {response.status_code}: {message}")
                 if response.status_code not in RETRYABLE_STATUS:
                     raise InferenceError(f"{url} answered {response.status_code}: {message}")
                 errors.append(f"{url}: {response.status_code} {message}")
@@ -238,6 +250,13 @@ def _error_message(response: httpx.Response) -> str:
         return str(response.json()["error"]["message"])
     except Exception:
         return response.text[:200]
+
+
+def _error_code(response: httpx.Response) -> object:
+    try:
+        return response.json()["error"]["code"]
+    except Exception:
+        return None
 
 
 def _parse_completion(body: dict[str, Any], latency_ms: float, served_by: str) -> Completion:

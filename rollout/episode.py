@@ -7,9 +7,12 @@ It receives the environment, the policy client and a recorder as arguments, so t
 real small ones (a real browser, the tiny policy's server, the database recorder).
 
 Failures: an unparsable output is recorded on its step (the step is a no-op) and
-`max_parse_errors` in a row end the episode as failed; `EnvUnavailable` (the env died or
-timed out) and `InferenceUnavailable` (no policy answer in time) propagate to the caller,
-which marks the trajectory `error` with the reason.
+`max_parse_errors` in a row end the episode as failed; a prompt the server refuses for its
+length (`PromptTooLong`) is built again once, its text counted at the counter's upper bound
+(`PromptCounter.as_bound`), and the refusal kept in the trajectory's
+`details["prompts_refused"]`; `EnvUnavailable` (the env died or timed out) and
+`InferenceUnavailable` (no policy answer in time) propagate to the caller, which marks the
+trajectory `error` with the reason.
 """
 
 from __future__ import annotations
@@ -22,15 +25,11 @@ from typing import Any, Protocol
 from core.actions import ActionParseError, CoordSpace, parse_output, to_screen
 from core.completion import Completion
 from core.imaging import ImageGeometry
-from core.prompts import (
-    PROMPT_TEMPLATES,
-    HistoryTurn,
-    build_messages,
-    image_token_counter,
-    prompt_messages,
-)
+from core.prompt_counter import PromptCounter
+from core.prompts import PROMPT_TEMPLATES, HistoryTurn, Message, build_messages, prompt_messages
 from core.protocol import Action, ActionNotSupported, ActionType, Env, Observation, TaskSpec
 from core.steps import StepRecord
+from rollout.client import PromptTooLong
 
 
 class PolicyEndpoint(Protocol):
@@ -90,10 +89,15 @@ class EpisodeConfig:
     prompt: str = "dartboard"  # a key of core.prompts.PROMPT_TEMPLATES
     language: str = "English"  # the UI-TARS-1.5 template's Thought language
     seed: int | None = None
-    # The policy's processor (`ImageGeometry.from_policy_dir`): prompt token budgets, and
-    # coordinates when the server does not report its own. No default: a guessed geometry
-    # silently maps every click to the wrong pixel.
-    image_geometry: ImageGeometry = field(kw_only=True)
+    # The policy's processor (`PromptCounter.from_policy_dir`): prompt token budgets, and its
+    # image geometry for coordinates when the server does not report its own. No default: a
+    # guessed geometry silently maps every click to the wrong pixel.
+    prompt_counter: PromptCounter = field(kw_only=True)
+
+    @property
+    def image_geometry(self) -> ImageGeometry:
+        """The policy's processor's geometry (the counter's: one reading of the checkpoint)."""
+        return self.prompt_counter.geometry
 
 
 class EndReason(StrEnum):
@@ -176,31 +180,18 @@ def _episode_loop(
     end_reason = EndReason.STEP_CAP
     ended_by: ActionType | None = None  # finished / call_user, for the env's verdict
     index = 0
-    count_image_tokens = image_token_counter(config.image_geometry)
+    prompts_refused: list[dict[str, Any]] = []
     for index in range(config.step_cap):
         if pacer is not None:
             pacer.turn(index)
-        # The prompt as the step stores it (its images name their steps), then as the
-        # policy gets it: the trainer reads the stored one back, never rebuilds it.
-        shown = screenshots[-config.max_images :]
-        prompt = build_messages(
+        prompt, completion = _prompt_and_reply(
+            policy=policy,
+            config=config,
             instruction=instruction,
             history=history,
-            screenshots=shown,
-            max_images=config.max_images,
-            template=PROMPT_TEMPLATES[config.prompt],
-            language=config.language,
-            max_prompt_tokens=config.max_prompt_tokens,
-            count_image_tokens=count_image_tokens,
-            step_refs=range(len(screenshots) - len(shown), len(screenshots)),
-        )
-        messages = prompt_messages(prompt, screenshots)
-        completion = policy.complete(
-            messages,
-            max_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=None if config.seed is None else config.seed * 1000 + index,
+            screenshots=screenshots,
+            index=index,
+            refused=prompts_refused,
         )
         model_total += completion.latency_ms
         action, thought, parse_error = _parse(completion, obs, config)
@@ -265,6 +256,8 @@ def _episode_loop(
     # reset_ms: the per-host health map's reset time (a host whose resets slow down is
     # overloaded before its episodes start failing).
     details = {**evaluation.details, "end_reason": end_reason, "reset_ms": round(reset_ms, 1)}
+    if prompts_refused:
+        details["prompts_refused"] = prompts_refused
     return EpisodeResult(
         status=Outcome.SUCCEEDED if evaluation.success else Outcome.FAILED,
         reward=evaluation.reward,
@@ -274,6 +267,54 @@ def _episode_loop(
         env_ms=env_total,
         model_ms=model_total,
     )
+
+
+def _prompt_and_reply(
+    *,
+    policy: PolicyEndpoint,
+    config: EpisodeConfig,
+    instruction: str,
+    history: list[HistoryTurn],
+    screenshots: list[bytes],
+    index: int,
+    refused: list[dict[str, Any]],
+) -> tuple[list[Message], Completion]:
+    """Turn `index`'s prompt as the step stores it (its images name their steps: the trainer
+    reads the stored one back, never rebuilds it) and the policy's reply. A prompt refused
+    for its length is appended to `refused` and built once more with its text counted at the
+    counter's upper bound; then the reply or the error stands."""
+
+    def prompt_for(counter: PromptCounter) -> list[Message]:
+        shown = screenshots[-config.max_images :]
+        return build_messages(
+            instruction=instruction,
+            history=history,
+            screenshots=shown,
+            max_images=config.max_images,
+            template=PROMPT_TEMPLATES[config.prompt],
+            language=config.language,
+            max_prompt_tokens=config.max_prompt_tokens,
+            counter=counter,
+            step_refs=range(len(screenshots) - len(shown), len(screenshots)),
+        )
+
+    def reply_to(prompt: list[Message]) -> Completion:
+        return policy.complete(
+            prompt_messages(prompt, screenshots),
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=None if config.seed is None else config.seed * 1000 + index,
+        )
+
+    prompt = prompt_for(config.prompt_counter)
+    try:
+        return prompt, reply_to(prompt)
+    except PromptTooLong as refusal:
+        # The server counted more than the counter did (a tokenizer of another version, say).
+        refused.append({"step": index, "refusal": str(refusal)})
+        prompt = prompt_for(config.prompt_counter.as_bound())
+        return prompt, reply_to(prompt)
 
 
 def _parse(

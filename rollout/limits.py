@@ -13,11 +13,6 @@ from dataclasses import dataclass
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM serves (`--max-lora-rank` takes one of these)."""
 
-PROMPT_MARGIN = 1.25
-"""The prompt a worker takes beyond the run's `max_prompt_tokens`: the rollout measures a
-prompt's text before sending it with an estimate, which tokenizes longer for code or CJK
-text; a prompt inside the margin is served, not refused."""
-
 
 @dataclass(frozen=True)
 class ServingLimits:
@@ -34,11 +29,15 @@ class ServingLimits:
     def for_run(
         cls, *, max_new_tokens: int, max_prompt_tokens: int, max_images: int, lora_rank: int
     ) -> ServingLimits:
-        """The limits a run's own workers start with: its budgets, the prompt with its margin,
-        the LoRA rank rounded up to one vLLM serves (64 under full fine-tuning)."""
+        """The limits a run's own workers start with: its budgets, the LoRA rank rounded up to
+        one vLLM serves (64 under full fine-tuning). The prompt's takes no margin: the rollout
+        counts a prompt as the policy's processor does (`core.prompt_counter`), to the token
+        of both backends' `prompt_token_ids` (tests/rollout/test_prompt_budget.py); a prompt
+        refused all the same (a tokenizer of another version where the worker runs) is sent
+        once more with less history (`rollout.episode`)."""
         return cls(
             max_new_tokens=max_new_tokens,
-            max_prompt_tokens=int(max_prompt_tokens * PROMPT_MARGIN),
+            max_prompt_tokens=max_prompt_tokens,
             max_images=max_images,
             max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank else cls.max_lora_rank,
         )

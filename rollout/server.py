@@ -76,6 +76,7 @@ from rollout.asgi import (
 )
 from rollout.auth import ROOTS_ENV, ServiceTokens, checkpoint_roots, service_tokens
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
+from rollout.client import PROMPT_TOO_LONG
 from rollout.registration import add_registration_options, start_registration
 
 log = logging.getLogger("rollout.server")
@@ -247,6 +248,7 @@ class InferenceServer:
                 f"the prompt takes {tokens} tokens (images included); at most "
                 f"{self.max_prompt_tokens}",
                 param="messages",
+                code=PROMPT_TOO_LONG,
             )
         return request
 

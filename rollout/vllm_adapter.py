@@ -10,10 +10,11 @@ The adapter answers like `rollout.server`, so the router and the env slots canno
 difference: POST /v1/chat/completions is checked field by field as `rollout.server` checks it
 (`parse_chat_request`: a bad field is a 400 naming it, before vLLM sees anything), then passed
 through asking vLLM for per-token logprobs and top-5 alternatives (from which the client
-estimates the entropy), and the reply gains `policy_version`; POST /v1/reload {"checkpoint",
-"version"} with a LoRA adapter directory loads it into vLLM beside the serving one
-(/v1/load_lora_adapter), sends new requests to it at once and unloads the old adapter when its
-last request ends: no pause. Full weights drain, reload in place
+estimates the entropy), and the reply gains `policy_version` (vLLM's refusal of a prompt
+past its --max-model-len gains `rollout.server`'s error code for it, `context_length_exceeded`);
+POST /v1/reload {"checkpoint", "version"} with a LoRA adapter directory loads it into vLLM
+beside the serving one (/v1/load_lora_adapter), sends new requests to it at once and unloads
+the old adapter when its last request ends: no pause. Full weights drain, reload in place
 (/collective_rpc, vLLM's `reload_weights`), then reset vLLM's prefix and multimodal caches
 (entries computed by the old weights would otherwise mix into new generations silently). GET /v1/models is vLLM's list;
 GET /health reports status, version, served name, image geometry (from the processor of
@@ -37,6 +38,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 from typing import Any
@@ -69,6 +71,7 @@ from rollout.auth import (
     service_tokens,
 )
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
+from rollout.client import PROMPT_TOO_LONG
 from rollout.registration import add_registration_options, start_registration
 from rollout.server import MAX_IMAGES, parse_chat_request, reload_fields
 
@@ -199,6 +202,8 @@ class Adapter:
                 reply["image_geometry"] = self.geometry.to_json()
                 if self.tokenizer is not None:
                     self._texts_from_ids(reply)
+            elif response.status_code == 400 and _refused_for_length(reply):
+                reply["error"]["code"] = PROMPT_TOO_LONG  # as `rollout.server` says it
             return response.status_code, reply
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
@@ -314,6 +319,17 @@ class Adapter:
                 "image_geometry": self.geometry.to_json(),
                 "backend": "vllm",
             }
+
+
+_VLLM_TOO_LONG = re.compile(r"maximum (model|context) length")
+"""What vLLM's refusals of a prompt past --max-model-len say (vLLM 0.32: the renderer's
+"This model's maximum context length is ...", the input processor's "The decoder prompt
+(length N) is longer than the maximum model length of M"); they carry no code of their own."""
+
+
+def _refused_for_length(reply: Any) -> bool:
+    error = reply.get("error") if isinstance(reply, dict) else None
+    return isinstance(error, dict) and bool(_VLLM_TOO_LONG.search(str(error.get("message"))))
 
 
 def never_generated_tokens(tokenizer: Any) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ def vllm_serve_args(
     gpu_memory: float | None = None,
     dtype: str = "auto",
     limits: ServingLimits | None = None,
+    cpu_build: bool = False,
 ) -> list[str]:
     """`vllm serve`'s arguments (after the program) for the policy in `model_dir`, listening
     on `uds` (a unix socket path) or on host:port; `gpu_memory`: the fraction of its GPU it
@@ -53,7 +54,11 @@ def vllm_serve_args(
     `limits`: the run's budgets (`ServingLimits.for_run`: its prompt plus reply tokens, the
     screenshots kept, its LoRA rank): without them vLLM sizes its cache for the model's whole
     context (128k tokens for Qwen2.5-VL) and its own default image count, and serves
-    adapters up to the shared workers' rank."""
+    adapters up to the shared workers' rank. `cpu_build`: vLLM's CPU build (`vllm_cpu_build`)
+    takes each prompt in one prefill: it cannot split a seeded request's (vLLM 0.32 rewinds
+    the request's generator after a partial prefill, which a CPU generator refuses, "CPU
+    Generator does not use offset", and its engine dies), and its default prefill chunk is
+    2,048 tokens, less than one full-HD screenshot of UI-TARS-1.5's."""
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
@@ -69,6 +74,7 @@ def vllm_serve_args(
         *(["--max-model-len", str(limits.max_model_len),
            "--limit-mm-per-prompt", json.dumps({"image": limits.max_images})]
           if limits is not None else []),
+        *(["--no-enable-chunked-prefill"] if cpu_build else []),
     ]  # fmt: skip
 
 

@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from core.imaging import QWEN_MERGE, QWEN_PATCH, ImageGeometry
-from core.policy import QWEN2_VL_CHAT_TEMPLATE
+from core.prompt_counter import QWEN2_VL_CHAT_TEMPLATE
 
 TINY_GEOMETRY = ImageGeometry.from_tokens(
     min_tokens=4, max_tokens=256, factor=QWEN_PATCH * QWEN_MERGE
@@ -153,6 +153,7 @@ def build_tiny_policy(
     fullatt_blocks: tuple[int, ...] | None = None,
     init_device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    geometry: ImageGeometry = TINY_GEOMETRY,
 ) -> Path:
     """Write a random-weight vision-language model (~6M params by default) plus tokenizer,
     image processor config and chat template to `out_dir`; return the directory.
@@ -160,9 +161,12 @@ def build_tiny_policy(
     `model_vocab` sizes the embedding and output layers past the tokenizer's vocabulary (a
     real model's 152k, for memory benchmarks); by default they match the tokenizer.
     `fullatt_blocks` (Qwen2.5-VL): the vision blocks that attend over whole images, the
-    others within 112 px windows; by default the last block (the released 7B: 7, 15, 23, 31).
+    others within 112 px windows; by default the last block (the released 7B: 7, 15, 23, 31);
+    () for none (every block within windows: a full-HD screen costs the CPU little).
     `init_device` and `dtype`: where the random weights are drawn and how they are saved (a
     7B-shaped model is drawn on a GPU in bf16 in seconds; on the CPU in fp32, minutes).
+    `geometry`: the image processor's bounds (`core.imaging.QWEN25_VL` for a checkpoint that
+    sees screens as UI-TARS-1.5 does; its factor must be the patch times the merge, 28).
 
     `arch` is "qwen3_vl" (default) or "qwen2_5_vl". Both keep patch 14 and a 2x2 merge (one
     image token = 28x28 px, so rollout's coordinate mapping is the same). What differs is
@@ -193,6 +197,10 @@ def build_tiny_policy(
 
     tokenizer = _train_tokenizer(seed=seed, vocab_size=vocab_size)
     ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # type: ignore[arg-type]
+    if geometry.factor != QWEN_PATCH * QWEN_MERGE:
+        raise ValueError(
+            f"geometry.factor must be {QWEN_PATCH * QWEN_MERGE}, got {geometry.factor}"
+        )
     if arch not in ("qwen3_vl", "qwen2_5_vl"):
         raise ValueError(f"arch must be 'qwen3_vl' or 'qwen2_5_vl', got {arch!r}")
     half = head_dim // 2
@@ -233,7 +241,7 @@ def build_tiny_policy(
         "intermediate_size": 2 * vision_hidden,
         "num_heads": vision_heads,
         "out_hidden_size": hidden,
-        # The processor's geometry (TINY_GEOMETRY's factor) is this patch times this merge.
+        # The processor's geometry (its factor) is this patch times this merge.
         "patch_size": QWEN_PATCH,
         "spatial_merge_size": QWEN_MERGE,
     }
@@ -258,7 +266,8 @@ def build_tiny_policy(
             )
     else:
         text["max_window_layers"] = layers
-        vision["fullatt_block_indexes"] = list(fullatt_blocks or (vision_depth - 1,))
+        last = (vision_depth - 1,)
+        vision["fullatt_block_indexes"] = list(last if fullatt_blocks is None else fullatt_blocks)
         with torch.device(init_device):
             model = Qwen2_5_VLForConditionalGeneration._from_config(
                 Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special), dtype=dtype
@@ -269,7 +278,7 @@ def build_tiny_policy(
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    TINY_GEOMETRY.processor().save_pretrained(out)
+    geometry.processor().save_pretrained(out)
     # Processor-level copy, where Qwen2-VL / UI-TARS checkpoints keep their template.
     (out / "chat_template.json").write_text(
         json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}, indent=2) + "\n"

@@ -9,15 +9,15 @@ name), so a new knob cannot be dropped on the way to the code it is meant to cha
 
 from __future__ import annotations
 
-from core.imaging import ImageGeometry
+from core.prompt_counter import PromptCounter
 from datamanager.config import RunConfig
-from datamanager.policies import policy_geometry
+from datamanager.policies import policy_prompt_counter
 from rollout.episode import EpisodeConfig
 
 READ_ELSEWHERE: dict[str, str] = {
     "mode": "datamanager.live_work.run_live_work (decoupled or the synchronous driver)",
     "sync_lockstep": "workers.sync_loop.sync_round",
-    "policy": "datamanager.policies (start checkpoint and image geometry)",
+    "policy": "datamanager.policies (start checkpoint, image geometry and prompt counter)",
     "seed": "datamanager.services.episodes (task sampling and decode seeds)",
     "tasks.*": "datamanager.selectors.tasks.task_list",
     "env.*": "workers.slot_worker and datamanager.services.run_workers (slots, timeouts, heartbeats)",
@@ -95,10 +95,10 @@ def episode_config(
     step_cap: int,
     seed: int | None,
     temperature: float | None = None,
-    geometry: ImageGeometry | None = None,
+    counter: PromptCounter | None = None,
 ) -> EpisodeConfig:
     """Rollout settings of this run for one episode. `temperature` overrides the run's
-    (evaluation decodes greedily with 0); `geometry` that of the run's policy (evaluation of
+    (evaluation decodes greedily with 0); `counter` that of the run's policy (evaluation of
     another checkpoint)."""
     r = cfg.rollout
     return EpisodeConfig(
@@ -113,5 +113,5 @@ def episode_config(
         prompt=r.prompt,
         language=r.language,
         seed=seed,
-        image_geometry=geometry or policy_geometry(cfg.policy),
+        prompt_counter=counter or policy_prompt_counter(cfg.policy),
     )

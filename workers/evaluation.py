@@ -21,11 +21,16 @@ from collections.abc import Callable, Iterator
 
 from django.conf import settings
 
-from core.imaging import QWEN25_VL, ImageGeometry
+from core.imaging import QWEN25_VL
 from datamanager.config import RunConfig
 from datamanager.live_work import eval_shard_work, redis_client
 from datamanager.models import EvalJob, EvalStatus, Task
-from datamanager.policies import resolve_checkpoint
+from datamanager.policies import (
+    ORACLE_POLICY,
+    checkpoint_prompt_counter,
+    policy_prompt_counter,
+    resolve_checkpoint,
+)
 from datamanager.roles import run_env_check
 from datamanager.selectors.evaluations import eval_episode_ended, eval_shard_tasks
 from datamanager.services import evaluations
@@ -154,7 +159,8 @@ def _run_config(job: EvalJob) -> RunConfig:
 
 def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
     """The run's rollout settings (the defaults for an evaluation outside a run) with the
-    job's decoding, in the image geometry of the checkpoint under evaluation."""
+    job's decoding, with the processor (image geometry, tokenizer) of the checkpoint under
+    evaluation."""
     cfg = _run_config(job)
     checkpoint, _ = resolve_checkpoint(job.policy)
     return episode_config(
@@ -162,7 +168,11 @@ def _episode_config(job: EvalJob, seed: int) -> EpisodeConfig:
         step_cap=cfg.curation.default_step_cap,
         seed=seed,
         temperature=0.0 if job.greedy else job.temperature,
-        geometry=QWEN25_VL if checkpoint is None else ImageGeometry.from_policy_dir(checkpoint),
+        counter=(
+            policy_prompt_counter(ORACLE_POLICY)
+            if checkpoint is None
+            else checkpoint_prompt_counter(checkpoint)
+        ),
     )
 
 

@@ -25,7 +25,6 @@ from core.prompts import (
     HistoryTurn,
     PromptTemplate,
     build_messages,
-    image_token_counter,
     prompt_messages,
     prompt_steps_shown,
 )
@@ -33,7 +32,7 @@ from core.protocol import Action
 from core.steps import StepRecord, unpack_token_ids
 from datamanager.config import RunConfig
 from datamanager.models import Step, Trajectory
-from datamanager.policies import policy_geometry
+from datamanager.policies import policy_prompt_counter
 
 REPLY_FROM_ACTION = "reply_from_action"
 """A trajectory's `details` key: its steps' replies are written from their actions for the
@@ -93,10 +92,10 @@ def trajectory_turns(
     keep: set[int] | None = None,
 ) -> list[Turn]:
     """The turns of `steps` (a trajectory's, in index order), only those in `keep` (step
-    ids; None: all). `cfg`: the run whose policy reads them (its prompt template, image
-    geometry and coordinates build the prompts of steps that stored none)."""
-    geometry = policy_geometry(cfg.policy)
-    count_image_tokens = image_token_counter(geometry)
+    ids; None: all). `cfg`: the run whose policy reads them (its prompt template, prompt
+    counter, image geometry and coordinates build the prompts of steps that stored none)."""
+    counter = policy_prompt_counter(cfg.policy)
+    geometry = counter.geometry
     template = PROMPT_TEMPLATES[cfg.rollout.prompt]
     shots: list[bytes] = []
     history: list[HistoryTurn] = []
@@ -121,7 +120,7 @@ def trajectory_turns(
                     template=template,
                     language=cfg.rollout.language,
                     max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                    count_image_tokens=count_image_tokens,
+                    counter=counter,
                 )
             out.append(
                 Turn(

@@ -1,4 +1,5 @@
-"""The prompt builder: image window, order, token budget, and the Qwen chat-template form."""
+"""The prompt builder: image window, order, the token budget's drop order, and the Qwen
+chat-template form (the counter's agreement with the server: tests/core/test_prompt_counter.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import pytest
 from PIL import Image
 
 from core.imaging import QWEN25_VL
+from core.prompt_counter import PromptCounter
 from core.prompts import (
     DEFAULT_SYSTEM_PROMPT,
     HistoryTurn,
-    PromptTemplate,
     build_messages,
     decode_image_parts,
-    estimate_tokens,
     image_part,
-    image_token_counter,
 )
 from training.tiny_policy import TINY_GEOMETRY
+
+BOUND = PromptCounter.bound(QWEN25_VL)  # text at one token per byte: costs easy to follow
 
 
 def png(width: int, height: int, shade: int = 0) -> bytes:
@@ -86,7 +87,7 @@ def test_a_tiny_budget_keeps_instruction_and_current_screen() -> None:
         history=history,
         screenshots=screenshots,
         max_prompt_tokens=1,
-        count_image_tokens=image_token_counter(QWEN25_VL),
+        counter=BOUND,
     )
     assert messages == [
         {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
@@ -95,57 +96,57 @@ def test_a_tiny_budget_keeps_instruction_and_current_screen() -> None:
     ]
 
 
-def test_the_budget_drops_the_oldest_turns_first() -> None:
-    history, screenshots = episode(6)
+def test_the_budget_drops_the_oldest_screenshots_first_then_the_oldest_texts() -> None:
+    history, screenshots = episode(6)  # 5 images: turns 2-5 and the current screen
 
-    def chars(text: str) -> int:
-        return len(text)
+    def build(budget: int | None) -> list[dict]:
+        return build_messages(
+            instruction="go",
+            history=history,
+            screenshots=screenshots,
+            max_prompt_tokens=budget,
+            counter=BOUND,
+        )
 
-    def image_cost(_: bytes) -> int:
-        return 100
-
-    fixed = len("sys") + len("go") + 100
-    # Room for the last two turns: both within the 5-image window, so text + image each.
-    budget = fixed + sum(len(turn.text) + 100 for turn in history[-2:])
-    messages = build_messages(
-        instruction="go",
-        history=history,
-        screenshots=screenshots,
-        template=PromptTemplate("test", "sys", "{instruction}"),
-        max_prompt_tokens=budget,
-        count_tokens=chars,
-        count_image_tokens=image_cost,
+    whole = (
+        BOUND.text(role="system", text=DEFAULT_SYSTEM_PROMPT)
+        + BOUND.text(role="user", text="go")
+        + BOUND.reply
+        + sum(BOUND.text(role="assistant", text=turn.text) for turn in history)
+        + sum(BOUND.image(png) for png in screenshots[2:])
     )
-    assert assistant_texts(messages) == [history[4].text, history[5].text]
+    assert build(whole) == build(None)
+    # Turn 2's screenshot goes, then turn 3's; every text stays.
+    one_fewer = whole - BOUND.image(screenshots[2])
+    messages = build(one_fewer)
+    assert assistant_texts(messages) == [turn.text for turn in history]
+    assert decode_image_parts(messages) == screenshots[3:]
+    messages = build(one_fewer - 1)
+    assert assistant_texts(messages) == [turn.text for turn in history]
     assert decode_image_parts(messages) == screenshots[4:]
-    # One token less and the older of the two goes.
-    messages = build_messages(
-        instruction="go",
-        history=history,
-        screenshots=screenshots,
-        template=PromptTemplate("test", "sys", "{instruction}"),
-        max_prompt_tokens=budget - 1,
-        count_tokens=chars,
-        count_image_tokens=image_cost,
-    )
-    assert assistant_texts(messages) == [history[5].text]
-    assert decode_image_parts(messages) == screenshots[5:]
+    # No earlier screenshot left: then the oldest texts go, the current screen stays.
+    texts_only = whole - sum(BOUND.image(png) for png in screenshots[2:-1])
+    first_text = BOUND.text(role="assistant", text=history[0].text)
+    messages = build(texts_only - first_text)
+    assert assistant_texts(messages) == [turn.text for turn in history[1:]]
+    assert decode_image_parts(messages) == screenshots[-1:]
+    assert assistant_texts(build(texts_only - 1)) == [turn.text for turn in history[1:]]
+    assert assistant_texts(build(texts_only)) == [turn.text for turn in history]
 
 
-def test_default_budget_counts_qwen_image_tokens() -> None:
-    assert estimate_tokens("abcde") == 2
-    count = image_token_counter(QWEN25_VL)
-    assert count(png(160, 210)) == 48  # 168x224 model image, 6x8 tokens
-    assert image_token_counter(TINY_GEOMETRY)(png(800, 600)) == 234  # 504x364: 18x13
-    history, screenshots = episode(3)
-    small = build_messages(
-        instruction="x",
-        history=history,
-        screenshots=screenshots,
-        max_prompt_tokens=10_000,
-        count_image_tokens=count,
-    )
-    assert len(assistant_texts(small)) == 3
+def test_a_budget_needs_the_policys_counter() -> None:
+    history, screenshots = episode(1)
+    with pytest.raises(ValueError, match="needs the policy's PromptCounter"):
+        build_messages(
+            instruction="x", history=history, screenshots=screenshots, max_prompt_tokens=99
+        )
+
+
+def test_images_cost_the_tokens_of_the_policys_geometry() -> None:
+    frame = BOUND.image(png(28, 28)) - 4  # a 28x28 screen is min_pixels: 4 image tokens
+    assert BOUND.image(png(160, 210)) - frame == 48  # 168x224 model image, 6x8 tokens
+    tiny = PromptCounter.bound(TINY_GEOMETRY)
+    assert tiny.image(png(800, 600)) - frame == 234  # 504x364: 18x13
 
 
 def test_history_turn_text_and_from_output() -> None:

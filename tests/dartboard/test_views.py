@@ -385,6 +385,14 @@ def test_trajectory_page_shows_steps_action_overlay_and_trainer_view(ada_client)
     assert "thinking about step 0" in first and "v5" in first
     assert "not trained yet" in second
     assert "hidden" in first and "hidden" not in fourth.split(">")[0]
+    assert 'id="prompts-refused"' not in html
+    refusal = (
+        "http://w answered 400: the prompt takes 16400 tokens (images included); at most 16384"
+    )
+    traj.details = {**traj.details, "prompts_refused": [{"step": 2, "refusal": refusal}]}
+    traj.save(update_fields=["details"])
+    html = ada_client.get(f"/trajectories/{traj.pk}/").content.decode()
+    assert "Prompts refused for length" in html and "step 2: " + refusal in html
     assert ada_client.get("/trajectories/999999/").status_code == 404
 
 

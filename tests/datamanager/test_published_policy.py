@@ -1,6 +1,6 @@
 """A base model an admin brings, through the artifact store: published once from wherever it
 is (`manage.py publish_policy DIR`), given to a run by reference, fetched and verified by each
-host that needs it (the trainer, the env workers reading its image geometry) and synced to
+host that needs it (the trainer, the env workers reading its image geometry and tokenizer) and synced to
 the inference workers by reference. Real moto S3 server."""
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from datamanager.policies import PolicyNotFound, policy_geometry, policy_path
+from datamanager.policies import (
+    PolicyNotFound,
+    policy_geometry,
+    policy_path,
+    policy_prompt_counter,
+)
 from datamanager.selectors.runs import run_current_policy
 from tests.datamanager.factories import make_running_run, make_tasks
 
@@ -37,6 +42,16 @@ def test_a_published_base_policy_is_fetched_on_each_host_and_synced_by_reference
     assert policy_geometry(ref) == policy_geometry(str(tiny_policy_dir))
     fetched = {p.name for p in (tmp_path / "host-b-cache").rglob("*") if p.is_file()}
     assert fetched == {"preprocessor_config.json", "MANIFEST.json"}
+    # And its prompt counter: the tokenizer and chat template too, still not the weights.
+    counter = policy_prompt_counter(ref)
+    local_counter = policy_prompt_counter(str(tiny_policy_dir))
+    text = "Thought: click 1234 in 管理\nAction: wait()"
+    assert counter.text(role="assistant", text=text) == local_counter.text(
+        role="assistant", text=text
+    )
+    assert counter.tokenizer is not None and counter.framing == local_counter.framing
+    fetched = {p.name for p in (tmp_path / "host-b-cache").rglob("*") if p.is_file()}
+    assert "model.safetensors" not in fetched and "tokenizer.json" in fetched
     # The trainer loads the whole model.
     local = policy_path(ref)
     assert local.parent == tmp_path / "host-b-cache"

@@ -105,7 +105,7 @@ def test_the_desktop_policy_does_a_real_desktop_task_greedily(
         desktop_env,
         desktop_policy,
         task=name,
-        config=preset_episode_config(desktop_policy.geometry),
+        config=preset_episode_config(desktop_policy.counter),
     )
     assert result["success"], result["actions"]
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from core.prompt_counter import PromptCounter
 from core.protocol import Action, ActionType, EnvUnavailable, TaskSpec
 from envmanager.miniwob_env import SCREEN_HEIGHT, SCREEN_WIDTH, MiniWoBEnv, png_size
 from envmanager.miniwob_tasks import (
@@ -171,7 +172,7 @@ def test_episode_ends_when_the_task_ends_itself(miniwob_env: ThreadedEnv) -> Non
     from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
     from rollout.episode import EpisodeConfig, ListRecorder, play_episode
 
-    config = EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY)
+    config = EpisodeConfig(step_cap=3, prompt_counter=PromptCounter.bound(TINY_GEOMETRY))
     oracle = OracleEndpoint(geometry=config.image_geometry)
     clicker = _RepeatFirstAnswer(lambda messages: oracle.complete(messages).text)
     recorder = ListRecorder()
@@ -238,7 +239,7 @@ def test_a_paced_episode_asks_the_policy_only_once_the_batch_is_at_that_turn(
     result = play_episode(
         env=miniwob_env, policy=Timed(), recorder=ListRecorder(),
         task=miniwob_spec("click-test", seed=4), pacer=pacer(),
-        config=EpisodeConfig(step_cap=3, image_geometry=TINY_GEOMETRY),
+        config=EpisodeConfig(step_cap=3, prompt_counter=PromptCounter.bound(TINY_GEOMETRY)),
     )  # fmt: skip
     thread.join(timeout=20)
     assert (result.end_reason, result.steps) == ("step_cap", 3)

@@ -3,11 +3,14 @@ a wrong click fails) and OSWorld latency, scaled."""
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
+from PIL import Image
 
 from core.imaging import QWEN25_VL
+from core.prompt_counter import PromptCounter
 from core.protocol import Action, ActionType, TaskSpec
 from envmanager.latency import PROFILES, LatencyEnv
 from envmanager.oracle_policy import ObservedEnv, OracleEndpoint
@@ -31,7 +34,7 @@ def test_the_oracle_clicks_every_box_in_order_through_the_policy_contract(k: int
             policy=oracle,
             recorder=recorder,
             task=_task(k, seed),
-            config=EpisodeConfig(step_cap=k + 2, image_geometry=QWEN25_VL),
+            config=EpisodeConfig(step_cap=k + 2, prompt_counter=PromptCounter.bound(QWEN25_VL)),
         )
         assert (result.status, result.reward, result.end_reason) == ("succeeded", 1.0, "env_done")
         assert len(recorder.steps) == k  # one click per box, nothing after the last
@@ -63,6 +66,28 @@ def test_a_group_sees_the_same_screen_and_other_seeds_another() -> None:
     action = oracle_action(env_kind="sim", task_name="sim/click-4", observation=obs)
     assert action is not None
     assert a.step(action).screenshot_png != obs.screenshot_png  # the clicked box greys out
+
+
+def test_a_task_can_ask_for_a_full_hd_screen_and_the_oracle_still_solves_it() -> None:
+    env = SimEnv()
+    oracle = OracleEndpoint(geometry=QWEN25_VL)
+    task = TaskSpec(
+        name="sim/click-3", env_kind="sim", env_config={"targets": 3, "width": 1920, "height": 1080}
+    )
+    obs = env.reset(task)
+    assert (obs.width, obs.height) == (1920, 1080)
+    assert Image.open(io.BytesIO(obs.screenshot_png)).size == (1920, 1080)
+    assert max(box[2] for box in obs.metadata["targets"]) > 320  # the whole screen is used
+    result = play_episode(
+        env=ObservedEnv(env, oracle),
+        policy=oracle,
+        recorder=ListRecorder(),
+        task=task,
+        config=EpisodeConfig(step_cap=5, prompt_counter=PromptCounter.bound(QWEN25_VL)),
+    )
+    assert (result.status, result.steps) == ("succeeded", 3)
+    with pytest.raises(ValueError, match="a screen of 100x1080"):
+        env.reset(TaskSpec(name="sim/x", env_kind="sim", env_config={"width": 100, "height": 1080}))
 
 
 def test_osworld_latency_scaled() -> None:

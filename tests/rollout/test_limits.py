@@ -37,14 +37,18 @@ def test_a_runs_workers_start_at_its_own_budgets() -> None:
     [server] = [s for s in specs if s.name == "run-7-inference-0"]
     assert _flag(server.argv, "--max-tokens-limit") == "2048"
     assert _flag(server.argv, "--max-images") == "20"
-    assert int(_flag(server.argv, "--max-prompt-tokens")) >= 40000  # with its margin
+    assert int(_flag(server.argv, "--max-prompt-tokens")) == 40000
 
     limits = ServingLimits.for_run(max_new_tokens=2048, max_prompt_tokens=40000, max_images=20,
                                    lora_rank=96)  # fmt: skip
     vllm = vllm_serve_args(model_dir="/ckpt", uds="/tmp/v.sock", limits=limits)
     assert _flag(vllm, "--max-lora-rank") == "128"  # the smallest rank vLLM serves above 96
-    assert int(_flag(vllm, "--max-model-len")) >= 40000 + 2048
+    assert int(_flag(vllm, "--max-model-len")) == 40000 + 2048
     assert _flag(vllm, "--limit-mm-per-prompt") == '{"image": 20}'
+    assert "--no-enable-chunked-prefill" not in vllm
+    # vLLM's CPU build takes a prompt in one prefill (a seeded one split in chunks kills it).
+    cpu = vllm_serve_args(model_dir="/ckpt", uds="/tmp/v.sock", limits=limits, cpu_build=True)
+    assert cpu == [*vllm, "--no-enable-chunked-prefill"]
 
 
 def test_a_server_refuses_more_images_than_it_was_started_with() -> None:

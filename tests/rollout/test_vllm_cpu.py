@@ -26,7 +26,8 @@ from core.completion import Completion
 from core.encoding import batch_from_parts, prompt_parts
 from core.generation import sequence_logprobs
 from core.policy import Policy, load_policy
-from core.prompts import build_messages
+from core.prompt_counter import PromptCounter
+from core.prompts import build_messages, decode_image_parts
 from core.protocol import TaskSpec
 from envmanager.sim_env import SimEnv
 from hostagent.launcher import Supervisor, vllm_specs
@@ -224,6 +225,20 @@ def test_vllm_serves_the_trainers_log_probs_and_the_text_it_wrote(vllm_stack):
     same_ids = sum(
         e.prompt_token_ids == s.prompt_token_ids for e, s in zip(expected, served, strict=True)
     )
+    # The rollout's count of each prompt (`core.prompt_counter`) is both servers' own.
+    counter = PromptCounter.from_policy_dir(SHIPPED)
+    counted = [
+        counter.reply
+        + sum(
+            counter.text(role=m["role"], text=m["content"])
+            if isinstance(m["content"], str)
+            else counter.image(decode_image_parts([m])[0])
+            for m in messages
+        )
+        for messages in prompts
+    ]
+    assert [len(s.prompt_token_ids) for s in served] == counted
+    assert [len(e.prompt_token_ids) for e in expected] == counted
     print(f"\nvLLM vs the trainer on vLLM's greedy tokens, 6 screens: {len(diffs)} tokens, "
           f"mean |dlogp| {statistics.mean(diffs):.5f}, max {max(diffs):.5f} nats; "
           f"greedy replies equal to the transformers server's: {same} of 6, prompt ids "

@@ -13,6 +13,7 @@ import pytest
 from core.actions import ActionParseError, parse_output, to_screen
 from core.completion import Completion
 from core.imaging import QWEN25_VL
+from core.prompt_counter import PromptCounter
 from core.protocol import TaskSpec
 from envmanager.desktop_env import DesktopEnv
 from envmanager.threaded import ThreadedEnv
@@ -122,7 +123,7 @@ def test_fuzzed_outputs_step_real_miniwob_and_desktop_envs_and_each_failure_is_r
                 step_cap=n - steps,
                 max_parse_errors=n + 1,
                 max_images=1,
-                image_geometry=TINY_GEOMETRY,
+                prompt_counter=PromptCounter.bound(TINY_GEOMETRY),
             )
             started = time.monotonic()
             recorder = ListRecorder()

@@ -222,7 +222,7 @@ def _loop(
                      f"{metrics.duration_s:.1f} s for {len(batch)} steps ({metrics.passes}; "
                      f"encode {metrics.encode_s:.1f} s){peak}"))  # fmt: skip
         # The memory plan of the same update (its longest step, micro-batch 1), beside it.
-        shown = min(steps, 5) * geometry.tokens(width=SCREEN[0], height=SCREEN[1])
+        shown = min(steps, 5) * counter.geometry.tokens(width=SCREEN[0], height=SCREEN[1])
         shape = checkpoint_shape(model)
         assert shape is not None
         step = Sample(tokens=longest + max_new_tokens, reply=max_new_tokens, patches=shown * 4)

@@ -288,6 +288,8 @@ DARTBOARD_PROCESSES = config_env.env_choice(
 )
 # CPU inference workers a host agent runs at once on a host without GPUs (runs past it wait).
 DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOTS", 2)
+# A run fails when one of its processes failed at start this many times in a row.
+DARTBOARD_START_FAILURES = config_env.env_int("DARTBOARD_START_FAILURES", 5)
 # The master secret, held by the web and the workers only; each other process gets the token
 # of its purpose, derived from it (rollout/auth.py): the env slots' inference token, the
 # trainer's router-admin token, one token per desktop. The rollout service loads weights only

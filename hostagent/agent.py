@@ -53,7 +53,7 @@ from datamanager.services.placement import (
     placement_wait,
 )
 from datamanager.services.run_workers import run_start_workers
-from datamanager.services.runs import run_begin, run_fail_queued, run_set_message
+from datamanager.services.runs import run_begin, run_fail, run_fail_queued, run_set_message
 from hostagent.launcher import (
     CELERY,
     ProcSpec,
@@ -249,6 +249,7 @@ class HostAgent:
         self._move_off_taken_ports()
         for group in self.groups.values():
             group.watch_once()
+        self._fail_what_cannot_start()
 
     def stop_all(self) -> None:
         """The agent stops (the launcher's Ctrl-C): every run's processes stop, the runs keep
@@ -435,7 +436,12 @@ class HostAgent:
         specs = run_specs(
             run_id=run.pk, cfg=cfg, placement=plan, checkpoint=str(checkpoint), version=version
         )
-        group = Supervisor(home=self.home, specs=specs, group=f"run-{run.pk}")
+        group = Supervisor(
+            home=self.home,
+            specs=specs,
+            group=f"run-{run.pk}",
+            give_up_after=settings.DARTBOARD_START_FAILURES,
+        )
         group.start()
         self.groups[run.pk] = group
         log.info(
@@ -452,6 +458,27 @@ class HostAgent:
         group = self.groups.pop(run_id, None)
         if group is not None:
             group.stop()
+
+    def _fail_what_cannot_start(self) -> None:
+        """A run one of whose processes failed at start DARTBOARD_START_FAILURES times in a
+        row fails, its processes stopped, with that process's last log line as the reason
+        (on the run page and in the API); its data stays."""
+        for run_id, group in list(self.groups.items()):
+            gave_up = group.gave_up()
+            if not gave_up:
+                continue
+            first = gave_up[0]
+            reason = (
+                f"{first.name.removeprefix(run_prefix(run_id))} on {self.name} failed at start "
+                f"{first.failed_starts} times in a row (exit {first.exit_code}): "
+                f"{first.last_line or 'its log is empty'} (log: {first.log})"
+            )
+            self._stop_group(run_id)
+            placement = RunPlacement.objects.filter(run_id=run_id).first()
+            if placement is not None:
+                placement_set(placement_id=placement.pk, state=PlacementState.ENDED, reason=reason)
+            run_fail(run_id=run_id, message=reason)
+            log.error("run %s failed: %s", run_id, reason)
 
     def _fail(self, placement: RunPlacement, reason: str) -> None:
         placement_set(placement_id=placement.pk, state=PlacementState.ENDED, reason=reason)

@@ -85,12 +85,29 @@ class ProcSpec:
     port: int | None = None
 
 
+STAYED_UP_S = 60.0  # a child that exits sooner failed at start (else it crashed while up)
+
+
 @dataclass
 class _Child:
     spec: ProcSpec
     proc: subprocess.Popen[bytes] | zygote.ZygoteChild
     started: float
     restarts: int = 0
+    failed_starts: int = 0  # exits in a row, each within STAYED_UP_S of its start
+    exited_at: float | None = None  # when it was first seen exited
+    exit_code: int | None = None  # set when the supervisor gave up on it
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """A child the supervisor stopped restarting: it failed at start too often."""
+
+    name: str
+    failed_starts: int
+    exit_code: int
+    log: Path
+    last_line: str
 
 
 class Supervisor:
@@ -103,9 +120,13 @@ class Supervisor:
         specs: list[ProcSpec],
         redis: EmbeddedRedis | None = None,
         group: str = "children",
+        give_up_after: int | None = None,
+        first_backoff_s: float = 1.0,
     ) -> None:
         """group: names the pid file (DARTBOARD_HOME/run/<group>.json); a run's processes
-        are a group of their own (`hostagent.agent`)."""
+        are a group of their own (`hostagent.agent`). give_up_after: a child that failed at
+        start this many times in a row is not restarted again (`gave_up`); None: always
+        restarted. A restart waits first_backoff_s, doubling with each, up to 30 s."""
         self.home = home
         self.specs = specs
         self.redis = redis
@@ -114,6 +135,8 @@ class Supervisor:
         self.pid_file = self.run_dir / f"{group}.json"
         self.children: dict[str, _Child] = {}
         self._stopping = False
+        self.give_up_after = give_up_after
+        self.first_backoff_s = first_backoff_s
 
     def reap_stale(self) -> list[int]:
         """Stop children recorded by a previous launcher that was killed: its own and every
@@ -186,18 +209,43 @@ class Supervisor:
             self._watch_redis(self.redis)
         for name, child in list(self.children.items()):
             code = child.proc.poll()
-            if code is None or self._stopping:
+            if code is None or self._stopping or child.exit_code is not None:
                 continue
-            delay = min(30.0, 2.0**child.restarts)
-            if time.monotonic() - child.started < delay:
+            now = time.monotonic()
+            if child.exited_at is None:  # seen exited for the first time (watched every tick)
+                child.exited_at = now
+            delay = min(30.0, self.first_backoff_s * 2.0**child.restarts)
+            if now - child.started < delay:
+                continue
+            failed_start = child.exited_at - child.started < STAYED_UP_S
+            child.failed_starts = child.failed_starts + 1 if failed_start else 0
+            if self.give_up_after is not None and child.failed_starts >= self.give_up_after:
+                child.exit_code = code
+                log.error(
+                    "%s failed at start %d times in a row (exit %s); not restarted (see %s)",
+                    name,
+                    child.failed_starts,
+                    code,
+                    self.log_dir / f"{name}.log",
+                )
                 continue
             log.warning(
                 "%s exited with %s; restarting (see %s)", name, code, self.log_dir / f"{name}.log"
             )
             child.proc = self._spawn(child.spec)
-            child.started = time.monotonic()
+            child.started, child.exited_at = time.monotonic(), None
             child.restarts += 1
             self._record()
+
+    def gave_up(self) -> list[GaveUp]:
+        """The children no longer restarted (`give_up_after`), with their logs' last line."""
+        out = []
+        for name, child in self.children.items():
+            if child.exit_code is None:
+                continue
+            path = self.log_dir / f"{name}.log"
+            out.append(GaveUp(name, child.failed_starts, child.exit_code, path, _last_line(path)))
+        return out
 
     def ports_taken(self) -> list[tuple[str, int]]:
         """(name, port) of each child that exited while another process holds its port:
@@ -261,6 +309,17 @@ class Supervisor:
         self.pid_file.unlink(missing_ok=True)
         if self.redis is not None:
             self.redis.stop()
+
+
+def _last_line(path: Path, *, tail_bytes: int = 8192) -> str:
+    """The last non-empty line of a log (its end only: logs grow)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
+            lines = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")[:500]
 
 
 def _end(child: _Child, timeout: float = 30.0) -> None:

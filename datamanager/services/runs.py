@@ -319,6 +319,21 @@ def run_finish(*, run_id: int, message: str) -> bool:
     return True
 
 
+@transaction.atomic
+def run_fail(*, run_id: int, message: str) -> bool:
+    """A run that cannot go on (a process of it keeps failing at start) becomes FAILED,
+    saying why; its data stays, and it may be started again once the cause is fixed. False
+    if it had already ended."""
+    run = Run.objects.select_for_update(of=("self",)).get(pk=run_id)
+    if run.status in ENDED:
+        return False
+    run.status = RunStatus.FAILED
+    run.finished_at = timezone.now()
+    run.status_message = message
+    run.save(update_fields=["status", "finished_at", "status_message", "updated_at"])
+    return True
+
+
 def run_fail_queued(*, run_id: int, message: str) -> None:
     """A queued run that cannot start (its policy is gone, say) fails, saying why."""
     Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(

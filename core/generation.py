@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from core.encoding import EncodedBatch, Message, PackedBatch, encode_batch
-from core.lora import is_peft_model
+from core.lora import base_model
 from core.policy import Policy
 from core.replies import reply_text, stop_token_ids
 
@@ -291,13 +291,6 @@ def sequence_logprobs(
     return token_logprobs, token_entropy, mask
 
 
-def _qwen_model(model: PreTrainedModel | PeftModel) -> Any:
-    """The Qwen-VL model under the LM head (and under a peft wrapper): what owns
-    `get_rope_index`."""
-    base = model.get_base_model() if is_peft_model(model) else model
-    return base.model
-
-
 def packed_position_ids(model: PreTrainedModel | PeftModel, packed: PackedBatch) -> torch.Tensor:
     """Position ids [4, 1, L] of a packed row, on the row's device. Row 0: each token's index
     within its own sequence, restarting at 0, which is how transformers finds the sequences
@@ -305,7 +298,7 @@ def packed_position_ids(model: PreTrainedModel | PeftModel, packed: PackedBatch)
     the text model's 4-row form); rows 1-3: each sequence's M-RoPE positions (temporal,
     height, width) as the model's `get_rope_index` gives them for that sequence alone, which
     are the positions the same sequence gets in a left-padded batch."""
-    inner = _qwen_model(model)
+    inner: Any = base_model(model).model  # the Qwen-VL model under the LM head
     row = packed.row
     grids = row.image_grid_thw
     parts = []

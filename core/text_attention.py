@@ -6,8 +6,8 @@ The trainer packs a micro-batch's sequences into one row without padding
 attention mask. transformers then builds a block-diagonal causal mask for SDPA and eager
 (`masking_utils.find_packed_sequence_indices`), which is exact, but the kernel still computes
 every query against every key of the row: (sum of lengths)^2 scores where the sequences need
-the sum of their squares: on the CPU a packed micro-batch of eight steps of the tiny policy
-took longer than the padded one.
+the sum of their squares, which made packing slower than padding on the CPU
+(docs/benchmarks.md, *Packed micro-batches*).
 
 `use_packed_text_attention(model)` registers `packed_causal_attention` with transformers'
 `AttentionInterface` and selects it for the language model only. On a packed row (one row

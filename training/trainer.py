@@ -47,7 +47,14 @@ from core.encoding import (
     response_token_ids,
 )
 from core.generation import packed_logprobs, sequence_logprobs
-from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir, is_peft_model
+from core.lora import (
+    LoraSpec,
+    add_adapters,
+    attach_adapter,
+    base_model,
+    is_adapter_dir,
+    is_peft_model,
+)
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
 from core.text_attention import use_packed_text_attention
@@ -78,17 +85,10 @@ class _AdaptersOff(nn.Module):
         object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters
 
 
-def _hf_model(model: nn.Module) -> PreTrainedModel:
-    """The transformers model under a peft wrapper (or the model itself)."""
-    base = model.get_base_model() if is_peft_model(model) else model
-    assert isinstance(base, PreTrainedModel)
-    return base
-
-
 def _enable_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass. Non-reentrant, so
     frozen inputs (LoRA's frozen embeddings) still get gradients through the adapters."""
-    base = _hf_model(model)
+    base = base_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
 
@@ -156,7 +156,7 @@ class PolicyTrainer:
             self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
         self.pack = pack
         if pack:
-            use_packed_text_attention(_hf_model(self.policy.model))
+            use_packed_text_attention(base_model(self.policy.model))
         self.policy.model.train()
         self._disable_dropout(self.policy.model)
         if config.gradient_checkpointing:
@@ -178,7 +178,7 @@ class PolicyTrainer:
             replicas.align(self.trainable_parameters())
         # LoRA on the language model only: the vision tower's output is the same in every
         # pass of a micro-batch (`PromptCache.image_features`).
-        visual = _hf_model(self.policy.model).model.visual
+        visual = base_model(self.policy.model).model.visual
         self.vision_frozen = not any(p.requires_grad for p in visual.parameters())
         # No rate given here: `_set_lr` sets the schedule's before each update, the one place
         # the rate is set (AdamW's default is never stepped with).
@@ -276,7 +276,7 @@ class PolicyTrainer:
         batch = batch.to(self.policy.device)
         pixels = batch.pixel_values()
         assert pixels is not None and batch.image_grid_thw is not None
-        inner = _hf_model(self.policy.model).model
+        inner = base_model(self.policy.model).model
         with torch.no_grad(), self.autocast():
             return inner.get_image_features(pixels, batch.image_grid_thw, return_dict=True)
 

@@ -4,11 +4,15 @@ optimizer, save, sync), attention calls and peak memory, before and after, in on
     .venv/bin/python bench/update_cost.py                          # tiny and narrow, CPU
     .venv/bin/python bench/update_cost.py --shapes narrow --samples 2 --repeats 2
     .venv/bin/python bench/update_cost.py --device cuda --shapes mid   # on a GPU host
+    .venv/bin/python bench/update_cost.py --shapes narrow --modes padded,after \
+        --samples 4 --screens 1,3 --micro-batch 8 --repeats 1     # packing, steps of 1 and 3
 
-A step is SCREENS screenshots at 1920x1080 (the UI-TARS prompt's context) and a 30-token
-reply; an update is `--samples` such steps of one task (half rewarded), LoRA r16 on the
-language model, KL to the base (adapters off), micro-batch 1, repeated `--repeats` times on
-one trainer (the last is reported: the first pays one-time costs).
+A step is SCREENS screenshots at 1920x1080 (the UI-TARS prompt's context; `--screens`: each
+step's count in turn, as an episode's first steps show fewer) and a 30-token reply; an update
+is `--samples` such steps of one task (half rewarded), LoRA r16 on the language model, KL to
+the base (adapters off), micro-batches of `--micro-batch` steps (1 by default) and the
+default token budget, repeated `--repeats` times on one trainer (the last is reported: the
+first pays one-time costs).
 
 Shapes:
 - tiny: the shipped policy (policies/tiny-grounded, Qwen3-VL, 256 image tokens a screen);
@@ -20,6 +24,8 @@ Shapes:
 Modes:
 - before: transformers' per-window vision attention, every pass encodes its prompts, pi_old in
   a separate pass (what the trainer did before `core.vision_attention` and `PromptCache`);
+- padded: the trainer as it runs now, but a micro-batch's steps left-padded into rows
+  instead of packed into one (`PolicyTrainer(pack=False)`);
 - after: the trainer as it runs now.
 
 Each (shape, mode) runs in a child process, so its peak memory is its own.
@@ -41,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SCREENS, SCREEN = 5, (1920, 1080)
-MODES = ("before", "after")
+MODES = ("before", "padded", "after")
 PHASES = (
     ("encode_s", "encode (inside the passes)"),
     ("old_pass_s", "old-policy pass"),
@@ -82,16 +88,18 @@ def released_processor(checkpoint: Path) -> None:
     QWEN25_VL.processor().save_pretrained(checkpoint)
 
 
-def _samples(policy, n: int) -> list:
+def _samples(policy, n: int, screens: list[int]) -> list:
+    """`n` steps, step i showing screens[i % len(screens)] screenshots."""
     from bench.gpu_smoke import _messages, _screens
     from core.encoding import response_token_ids
     from core.samples import TrainSample
 
-    messages = _messages(_screens(SCREENS, SCREEN))
+    shown = _screens(max(screens), SCREEN)
     reply = "Thought: the Submit button.\nAction: click(start_box='(250,250)')"
     ids = response_token_ids(policy, reply)
     return [
-        TrainSample(step_id=i + 1, trajectory_id=i + 1, group_id=0, messages=messages,
+        TrainSample(step_id=i + 1, trajectory_id=i + 1, group_id=0,
+                    messages=_messages(shown[: screens[i % len(screens)]]),
                     response_text=reply, reward=float(i % 2 == 0),
                     rollout_logprobs=[-1.0] * len(ids), mean_entropy=1.0, policy_version=0,
                     response_token_ids=ids)
@@ -117,7 +125,10 @@ def _attention_calls(update) -> tuple[object, int]:
     return result, Count.calls
 
 
-def child(checkpoint: Path, mode: str, *, samples: int, repeats: int, device: str) -> dict:
+def child(
+    checkpoint: Path, mode: str, *, samples: int, repeats: int, device: str, screens: list[int],
+    micro_batch: int,
+) -> dict:  # fmt: skip
     """One (shape, mode): `repeats` updates on one trainer; the last one's phases."""
     import torch
 
@@ -129,14 +140,14 @@ def child(checkpoint: Path, mode: str, *, samples: int, repeats: int, device: st
     torch.manual_seed(0)
     before = mode == "before"
     with tempfile.TemporaryDirectory() as runs:
-        settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=1, lora_rank=16,
+        settings = TrainerConfig(lr=1e-4, kl_coef=0.1, micro_batch=micro_batch, lora_rank=16,
                                  lora_alpha=32)  # fmt: skip
         trainer = PolicyTrainer(config=settings, start_checkpoint=checkpoint, run_dir=Path(runs),
-                                device=device,
+                                device=device, pack=mode == "after",
                                 prompt_cache_bytes=0 if before else 2 * 1024**3)  # fmt: skip
         if before:
             use_reference_vision_attention(trainer.policy.model.get_base_model())
-        batch = _samples(trainer.policy, samples)
+        batch = _samples(trainer.policy, samples, screens)
         curation = CurationConfig(high_entropy=False)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -166,7 +177,7 @@ def child(checkpoint: Path, mode: str, *, samples: int, repeats: int, device: st
         text = trainer.policy.model.get_base_model().config.text_config
         vision = trainer.policy.model.get_base_model().config.vision_config
         out["blocks_layers"] = [vision.depth, text.num_hidden_layers]
-        out["tokens"] = sum(len(p.ids) for p in [_prompt(trainer.policy, batch[0])])
+        out["tokens"] = [len(_prompt(trainer.policy, s).ids) for s in batch]
         return out
 
 
@@ -182,15 +193,24 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="steps in an update")
     ap.add_argument("--repeats", type=int, default=2, help="updates on one trainer")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--modes", default="before,after", help=f"of {', '.join(MODES)}")
+    ap.add_argument("--screens", default=str(SCREENS),
+                    help="screenshots of each step in turn (comma list)")  # fmt: skip
+    ap.add_argument("--micro-batch", type=int, default=1, help="steps a micro-batch holds")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.samples < 2:
         ap.error("--samples must be at least 2: a task group of one trajectory has no advantage")
+    screens = [int(n) for n in args.screens.split(",")]
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes) or not 1 <= max(screens) <= SCREENS:
+        ap.error(f"--modes must be of {', '.join(MODES)}; --screens from 1 to {SCREENS}")
     if args.child:
         checkpoint, mode = args.child
         result = child(Path(checkpoint), mode, samples=args.samples, repeats=args.repeats,
-                       device=args.device)  # fmt: skip
+                       device=args.device, screens=screens,
+                       micro_batch=args.micro_batch)  # fmt: skip
         print("RESULT " + json.dumps(result))
         return
     results: dict[str, dict[str, dict]] = {}
@@ -198,10 +218,11 @@ def main() -> None:
         for shape in args.shapes.split(","):
             checkpoint = build(shape, Path(tmp))
             results[shape] = {}
-            for mode in MODES:
+            for mode in modes:
                 command = [sys.executable, __file__, "--child", str(checkpoint), mode,
                            "--samples", str(args.samples), "--repeats", str(args.repeats),
-                           "--device", args.device]  # fmt: skip
+                           "--device", args.device, "--screens", args.screens,
+                           "--micro-batch", str(args.micro_batch)]  # fmt: skip
                 done = subprocess.run(command, capture_output=True, text=True,
                                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
                 line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -215,26 +236,29 @@ def main() -> None:
 
 
 def print_table(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
-    print(f"\nOne update of {args.samples} steps ({SCREENS} screenshots at "
-          f"{SCREEN[0]}x{SCREEN[1]} each), LoRA r16, micro-batch 1, device {args.device}; "
-          f"update {args.repeats} of {args.repeats} on one trainer\n")  # fmt: skip
-    for shape, modes in results.items():
-        b, a = modes["before"], modes["after"]
-        blocks, layers = a["blocks_layers"]
+    print(f"\nOne update of {args.samples} steps ({args.screens} screenshots at "
+          f"{SCREEN[0]}x{SCREEN[1]} each), LoRA r16, micro-batch {args.micro_batch}, device "
+          f"{args.device}; update {args.repeats} of {args.repeats} on one trainer\n")  # fmt: skip
+    for shape, runs in results.items():
+        modes = list(runs)
+        first, last = runs[modes[0]], runs[modes[-1]]
+        blocks, layers = last["blocks_layers"]
         print(f"### {shape}: {blocks} vision blocks, {layers} text layers, "
-              f"{a['tokens']:,} prompt tokens a step\n")  # fmt: skip
-        print("| phase | before | after | before / after |")
-        print("|---|---:|---:|---:|")
+              f"{', '.join(f'{n:,}' for n in last['tokens'])} prompt tokens a step\n")  # fmt: skip
+        print(f"| phase | {' | '.join(modes)} | {modes[0]} / {modes[-1]} |")
+        print("|---|" + "---:|" * (len(modes) + 1))
         for key, label in PHASES:
-            ratio = f"{b[key] / a[key]:.2f}x" if a[key] > 0 else "skipped"
-            print(f"| {label} | {b[key]:.2f} s | {a[key]:.2f} s | {ratio} |")
-        print(f"| passes over each micro-batch | {b['passes']} | {a['passes']} | |")
-        print(
-            f"| attention calls in the update | {b['attention_calls']:,} | "
-            f"{a['attention_calls']:,} | {b['attention_calls'] / a['attention_calls']:.0f}x |"
-        )
+            ratio = f"{first[key] / last[key]:.2f}x" if last[key] > 0 else "skipped"
+            cells = " | ".join(f"{runs[m][key]:.2f} s" for m in modes)
+            print(f"| {label} | {cells} | {ratio} |")
+        passes = " | ".join(runs[m]["passes"] for m in modes)
+        print(f"| passes over each micro-batch | {passes} | |")
+        calls = " | ".join(f"{runs[m]['attention_calls']:,}" for m in modes)
+        print(f"| attention calls in the update | {calls} | "
+              f"{first['attention_calls'] / last['attention_calls']:.0f}x |")  # fmt: skip
         unit = "GPU memory, GiB" if args.device == "cuda" else "process RSS, GiB"
-        print(f"| peak {unit} | {b['peak_gib']:.2f} | {a['peak_gib']:.2f} | |\n")  # fmt: skip
+        peaks = " | ".join(f"{runs[m]['peak_gib']:.2f}" for m in modes)
+        print(f"| peak {unit} | {peaks} | |\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ there instead of on the CPU in front of it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 from collections import OrderedDict
@@ -181,7 +182,8 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 pixels are decoded, so a small PNG declaring a huge canvas costs nothing."""
 
 
-def _decode_data_url(url: Any, *, where: str) -> Image.Image:
+def _open_data_url(url: Any, *, where: str) -> Image.Image:
+    """The image of a data URL with its header read and its pixels not decoded yet."""
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
         raise ValueError(f"{where} must be a data:image/...;base64, URL")
     try:
@@ -193,6 +195,11 @@ def _decode_data_url(url: Any, *, where: str) -> Image.Image:
         raise ValueError(
             f"{where} is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels per image"
         )
+    return image
+
+
+def _decode_data_url(url: Any, *, where: str) -> Image.Image:
+    image = _open_data_url(url, where=where)
     try:
         return image.convert("RGB")
     except Exception as exc:
@@ -208,6 +215,21 @@ def prompt_token_count(
     geometry = policy.image_geometry
     image_tokens = sum(geometry.tokens(width=im.width, height=im.height) for im in images)
     return len(ids) - len(images) + image_tokens
+
+
+def prompt_length(policy: Policy, messages: list[Message], *, ids: list[int] | None = None) -> int:
+    """Tokens the prompt takes in a batch, image pads expanded, as `prompt_parts` encodes it
+    (`ids` as it takes them), without decoding a pixel: each image's tokens come from the
+    size in its header and the processor's geometry. What a micro-batch's token budget counts
+    (`training.micro_batches`)."""
+    qwen_messages, urls = _qwen_layout(messages)
+    template_ids = list(ids) if ids else _template_ids(policy, qwen_messages)
+    pads = template_ids.count(policy.token_id("<|image_pad|>"))
+    if not urls or pads != len(urls):  # no images, or the server's ids have them expanded
+        return len(template_ids)
+    geometry = policy.image_geometry
+    sizes = [_open_data_url(url, where=where).size for url, where in urls]
+    return len(template_ids) - pads + sum(geometry.tokens(width=w, height=h) for w, h in sizes)
 
 
 def _template_ids(policy: Policy, qwen_messages: list[Message]) -> list[int]:
@@ -382,6 +404,60 @@ def batch_from_parts(
         image_grid_thw=torch.cat(grids) if grids else None,
         response_mask=response_mask,
         pixel_norm=PixelNorm.of(policy.image_processor) if pixels else None,
+    )
+
+
+@dataclass
+class PackedBatch:
+    """B conversations packed into one row without padding (N images in total): each
+    sequence is its prompt then its response, the sequences back to back in order.
+
+    row: the model inputs as one row of L = sum(lengths) tokens: input_ids,
+    mm_token_type_ids, response_mask [1, L] (attention_mask [1, L] all ones: the model is
+    given none, the position ids restarting at each sequence keep attention within it),
+    patches and image_grid_thw [N, 3] as `EncodedBatch` holds them, in sequence order.
+    lengths: [B] tokens of each sequence; responses: [B] response tokens of each (its last
+    ones); images: [B] images of each sequence.
+    """
+
+    row: EncodedBatch
+    lengths: list[int]
+    responses: list[int]
+    images: list[int]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return dataclasses.replace(self, row=self.row.to(device))
+
+
+def pack_parts(
+    policy: Policy, prompts: list[PromptParts], *, responses: list[list[int]]
+) -> PackedBatch:
+    """Pack B encoded prompts, each followed by its response token ids, into one row."""
+    pad = policy.token_id("<|image_pad|>")
+    ids: list[int] = []
+    in_response: list[bool] = []
+    for prompt, response in zip(prompts, responses, strict=True):
+        if not prompt.ids:  # its first response token would be predicted from the sequence before
+            raise ValueError("pack_parts: every sequence needs a prompt before its response")
+        ids += prompt.ids + list(response)
+        in_response += [False] * len(prompt.ids) + [True] * len(response)
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    patches = [p.patches for p in prompts if p.patches is not None]
+    grids = [p.image_grid_thw for p in prompts if p.image_grid_thw is not None]
+    row = EncodedBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == pad).long(),
+        patches=torch.cat(patches) if patches else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        response_mask=torch.tensor([in_response], dtype=torch.bool),
+        pixel_norm=PixelNorm.of(policy.image_processor) if patches else None,
+    )
+    return PackedBatch(
+        row=row,
+        lengths=[len(p.ids) + len(r) for p, r in zip(prompts, responses, strict=True)],
+        responses=[len(r) for r in responses],
+        images=[0 if p.image_grid_thw is None else len(p.image_grid_thw) for p in prompts],
     )
 
 

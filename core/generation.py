@@ -23,7 +23,8 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from core.encoding import EncodedBatch, Message, encode_batch
+from core.encoding import EncodedBatch, Message, PackedBatch, encode_batch
+from core.lora import base_model
 from core.policy import Policy
 from core.replies import reply_text, stop_token_ids
 
@@ -287,4 +288,74 @@ def sequence_logprobs(
     before = torch.zeros_like(picked[:, :1]).expand(-1, width - k)
     token_logprobs = torch.cat([before, picked], dim=1) * mask
     token_entropy = torch.cat([before, entropy], dim=1) * mask
+    return token_logprobs, token_entropy, mask
+
+
+def packed_position_ids(model: PreTrainedModel | PeftModel, packed: PackedBatch) -> torch.Tensor:
+    """Position ids [4, 1, L] of a packed row, on the row's device. Row 0: each token's index
+    within its own sequence, restarting at 0, which is how transformers finds the sequences
+    and keeps each one's attention within it (`masking_utils.find_packed_sequence_indices`,
+    the text model's 4-row form); rows 1-3: each sequence's M-RoPE positions (temporal,
+    height, width) as the model's `get_rope_index` gives them for that sequence alone, which
+    are the positions the same sequence gets in a left-padded batch."""
+    inner: Any = base_model(model).model  # the Qwen-VL model under the LM head
+    row = packed.row
+    grids = row.image_grid_thw
+    parts = []
+    start = first_image = 0
+    for length, n_images in zip(packed.lengths, packed.images, strict=True):
+        end = start + length
+        mrope, _ = inner.get_rope_index(
+            input_ids=row.input_ids[:, start:end],
+            mm_token_type_ids=row.mm_token_type_ids[:, start:end],
+            image_grid_thw=None if grids is None else grids[first_image : first_image + n_images],
+        )  # [3, 1, length]
+        text = torch.arange(length, device=mrope.device).view(1, 1, -1)
+        parts.append(torch.cat([text, mrope]))
+        start, first_image = end, first_image + n_images
+    return torch.cat(parts, dim=-1)
+
+
+def packed_logprobs(
+    model: PreTrainedModel | PeftModel | Policy,
+    packed: PackedBatch,
+    *,
+    image_features: Any | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` on B sequences packed in one row without padding: the same
+    per-token log-probs (with gradients) and entropies (none), each token scored given only
+    its own sequence before it.
+
+    Returns (token_logprobs [B, K], token_entropy [B, K], mask [B, K] bool), K the longest
+    response: row b's first n_b positions hold sequence b's n_b response tokens in order
+    (mask True there), 0 elsewhere. `image_features`: as `sequence_logprobs` takes them.
+    """
+    if isinstance(model, Policy):
+        model = model.model
+    positions = packed_position_ids(model, packed)  # on the CPU: a loop over token types
+    row = packed.row
+    if image_features is not None:  # the tower's output stands in: no pixels to move
+        row = dataclasses.replace(row, patches=None)
+    device = next(model.parameters()).device
+    row = row.to(device)
+    inputs: dict[str, Any] = dict(row.model_inputs(pixels=image_features is None))
+    # No attention mask: with none, the restarting positions build one that keeps each
+    # sequence to itself (block-diagonal causal), where a mask of ones would join them.
+    del inputs["attention_mask"]
+    inputs["position_ids"] = positions.to(device)
+    if image_features is not None:
+        inputs["mm_encoder_outputs"] = {"image": image_features}
+    targets = row.response_mask[0].nonzero()[:, 0]  # [N] the response tokens' positions
+    # Only the positions that predict a response token need logits (each is the one before
+    # it: a prompt precedes every response, so it is in the same sequence).
+    logits = model(**inputs, use_cache=False, logits_to_keep=targets - 1).logits  # [1, N, V]
+    logp = torch.log_softmax(logits[0].float(), dim=-1)  # [N, V]
+    picked = logp.gather(-1, row.input_ids[0, targets].unsqueeze(-1)).squeeze(-1)  # [N]
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)  # [N]
+    counts = torch.tensor(packed.responses, device=device)
+    mask = torch.arange(int(counts.max()), device=device)[None, :] < counts[:, None]  # [B, K]
+    # Row-major order of mask's True positions is the row's order of response tokens.
+    token_logprobs = picked.new_zeros(mask.shape).masked_scatter(mask, picked)
+    token_entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
     return token_logprobs, token_entropy, mask

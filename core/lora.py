@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # torch and peft (which pulls in transformers' model code) co
     # never loads them
     from peft import LoraConfig, PeftModel
     from torch import nn
+    from transformers import PreTrainedModel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -79,6 +80,16 @@ def is_peft_model(model: object) -> TypeGuard[PeftModel]:
     attached an adapter never imported it, and holds no peft model."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def base_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    # Imported here for start-up cost, as at the top of this module.
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    assert isinstance(base, PreTrainedModel)
+    return base
 
 
 def is_adapter_dir(path: str | Path) -> bool:

@@ -63,7 +63,15 @@ class TrainerConfig:
         "minutes (environment errors, aborted, rejected or labelled as environment bugs, or "
         "steps too stale to train) exceeds this (0: off).",
     )
-    micro_batch: int = knob(8, "Steps per forward/backward (gradient accumulation unit).")
+    micro_batch: int = knob(
+        8, "Most steps in one forward/backward (the gradient accumulation unit), packed in one row."
+    )
+    micro_batch_tokens: int = knob(
+        16384,
+        "Most tokens (prompts and replies, image tokens included) in one forward/backward; a "
+        "longer step trains alone. The default holds micro_batch tiny-policy steps (about 1.3k "
+        "tokens at most) or one UI-TARS step of five 1920x1080 screenshots (about 14k).",
+    )
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
     loss_type: LossType = knob("ppo", "Token-level PPO clipping or GSPO sequence ratio.")
@@ -221,6 +229,12 @@ class TrainerConfig:
     def _check_loss(self) -> None:
         """The loss's knobs, in the order of their fields: what policy_update computes with."""
         _valid(self, "micro_batch", self.micro_batch >= 1, "must be >= 1")
+        _valid(
+            self,
+            "micro_batch_tokens",
+            self.micro_batch_tokens >= 1,
+            "must be >= 1 (a step longer than it still trains, alone)",
+        )
         for name, choices in (("loss_type", LossType), ("loss_aggregation", Aggregation)):
             names = get_args(choices)
             _valid(self, name, getattr(self, name) in names, f"must be one of {', '.join(names)}")

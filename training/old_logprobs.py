@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from core.losses import truncated_is_weights
 from core.samples import TrainSample, UpdateMetrics
 from training.config import CurationConfig, TrainerConfig
+from training.micro_batches import micro_batches
 from training.replicas import Replicas
 from training.update_plan import UpdatePlan
 
@@ -83,8 +84,18 @@ def _logprob_gap(metrics: UpdateMetrics, gaps: list[Tensor | None]) -> None:
     metrics.logprob_gap_p99 = float(torch.quantile(tokens.cpu(), 0.99))
 
 
-def batches(items: Sequence[int], size: int) -> list[list[int]]:
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+def batches(
+    items: Sequence[int], *, sample_tokens: Sequence[int] | None, config: TrainerConfig
+) -> list[list[int]]:
+    """The micro-batches of the samples `items` (indices into the update's samples), under
+    the run's `micro_batch_tokens` and `micro_batch` (`training.micro_batches`).
+    `sample_tokens`: each sample's tokens, index-aligned with the update's samples; None
+    counts every sample as 0 tokens (a logprob_fn that knows no lengths: `micro_batch` alone)."""
+    lengths = [sample_tokens[i] if sample_tokens is not None else 0 for i in items]
+    groups = micro_batches(
+        lengths, max_tokens=config.micro_batch_tokens, max_samples=config.micro_batch
+    )
+    return [[items[p] for p in group] for group in groups]
 
 
 def _sample_stats(
@@ -168,19 +179,21 @@ def pi_old_pass(
     config: TrainerConfig,
     curation: CurationConfig,
     seconds: dict[str, float],
+    sample_tokens: Sequence[int] | None = None,
     replicas: Replicas | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> tuple[dict[int, TokenStats], int]:
     """Log-probs of pi_old (and pi_ref) for the samples in `order`, no gradient, plus IS weights.
     With `replicas`, each computes its share of the micro-batches and all get every result.
     Adds the seconds of its policy and reference forward passes to `seconds` ("old", "ref").
+    `sample_tokens`: as `batches` takes them.
 
     Returns per-sample stats (keyed by sample index) and the count of steps whose
     `rollout_logprobs` do not line up with their response tokens (their IS weight is 1).
     """
     stats: dict[int, TokenStats] = {}
     misaligned = 0
-    micros = batches(order, config.micro_batch)
+    micros = batches(order, sample_tokens=sample_tokens, config=config)
     with torch.no_grad():
         for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
             check_stop(stop, 0)

@@ -13,6 +13,10 @@ checkpoint.
 It takes the run's trainer settings as they are (`training.config.TrainerConfig`): they
 choose the mode, the precision and the optimizer, and set each update's learning rate.
 
+A micro-batch's sequences go through the model packed in one row, without padding, each
+attending only to itself (`core.generation.packed_logprobs`, `core.text_attention`); the
+micro-batches are formed by tokens (`training.micro_batches`).
+
 Modes: full fine-tuning (a frozen second copy is the KL reference), or LoRA adapters on the
 language model's projections (`lora_rank` > 0; base weights frozen; the KL reference is the
 same model with its adapters disabled, so nothing is held twice). Either can turn on
@@ -39,12 +43,22 @@ from core.artifacts import STATE_FILE
 from core.encoding import (
     EncodedBatch,
     batch_from_parts,
+    pack_parts,
+    prompt_length,
     response_token_ids,
 )
-from core.generation import sequence_logprobs
-from core.lora import LoraSpec, add_adapters, attach_adapter, is_adapter_dir, is_peft_model
+from core.generation import packed_logprobs, sequence_logprobs
+from core.lora import (
+    LoraSpec,
+    add_adapters,
+    attach_adapter,
+    base_model,
+    is_adapter_dir,
+    is_peft_model,
+)
 from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
+from core.text_attention import use_packed_text_attention
 from training.config import CurationConfig, TrainerConfig
 from training.memory_plan import GIB, Sample, TrainerMemory, TrainerRequest, checkpoint_shape
 from training.prompt_cache import PromptCache
@@ -73,17 +87,10 @@ class _AdaptersOff(nn.Module):
         object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters
 
 
-def _hf_model(model: nn.Module) -> PreTrainedModel:
-    """The transformers model under a peft wrapper (or the model itself)."""
-    base = model.get_base_model() if is_peft_model(model) else model
-    assert isinstance(base, PreTrainedModel)
-    return base
-
-
 def _enable_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass. Non-reentrant, so
     frozen inputs (LoRA's frozen embeddings) still get gradients through the adapters."""
-    base = _hf_model(model)
+    base = base_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
 
@@ -122,13 +129,17 @@ class PolicyTrainer:
         replicas: Replicas | None = None,
         prompt_cache_bytes: int = 2 * 1024**3,
         sample: Sample | None = None,
+        pack: bool = True,
     ) -> None:
         """`config`: the run's trainer settings. `replicas`: this process is one of several
         data-parallel replicas (one per GPU, `training.replicas`); every replica builds the
         trainer the same way and calls `update` with the same samples, and only the leader
         saves versions. `prompt_cache_bytes`: host memory for the update's encoded prompts
         (`PromptCache`; 0 encodes a prompt on every pass). `sample`: the largest step the
-        run's budgets allow, which the memory plan sizes with on a GPU (`auto` settings)."""
+        run's budgets allow, which the memory plan sizes with on a GPU (`auto` settings).
+        `pack`: a micro-batch's sequences in one row without padding; False: left-padded
+        rows, the baseline the benchmark and the tests compare against (the same log-probs
+        and gradients)."""
         self.config = config
         lora = config.lora()
         self.run_dir = run_dir
@@ -148,6 +159,9 @@ class PolicyTrainer:
             )
         else:
             self.policy = self._load_with_adapters(start_checkpoint, resume, lora, device)
+        self.pack = pack
+        if pack:
+            use_packed_text_attention(base_model(self.policy.model))
         self.policy.model.train()
         self._disable_dropout(self.policy.model)
         self.memory = self._plan_memory(start_checkpoint, sample)
@@ -160,6 +174,8 @@ class PolicyTrainer:
             self.ref_model = _AdaptersOff(self.policy.model)
         elif config.kl_coef > 0:
             self.ref_model = load_policy(start_checkpoint, device=device).model.eval()
+            if pack:
+                use_packed_text_attention(self.ref_model)
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
             if self.sharded:
@@ -168,7 +184,7 @@ class PolicyTrainer:
             replicas.align(self.trainable_parameters())
         # LoRA on the language model only: the vision tower's output is the same in every
         # pass of a micro-batch (`PromptCache.image_features`).
-        visual = _hf_model(self.policy.model).model.visual
+        visual = base_model(self.policy.model).model.visual
         self.vision_frozen = not any(p.requires_grad for p in visual.parameters())
         # No rate given here: `_set_lr` sets the schedule's before each update, the one place
         # the rate is set (AdamW's default is never stepped with).
@@ -244,7 +260,8 @@ class PolicyTrainer:
     def logprob_fn(
         self, model: nn.Module, samples: Sequence[TrainSample]
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Response-token log-probs, entropies and mask [B, T] for a micro-batch."""
+        """Response-token log-probs, entropies and mask [B, T] for a micro-batch: T the
+        longest response when packed, the longest sequence when padded."""
         # policy_update passes back what update() gave it: self.policy.model or self.ref_model.
         if isinstance(model, _AdaptersOff):
             with model.peft_model.disable_adapter():
@@ -257,13 +274,25 @@ class PolicyTrainer:
             for s in samples
         ]
         prompts = [self.prompts.get(self.policy, s) for s in samples]
+        if self.pack:
+            packed = pack_parts(self.policy, prompts, responses=responses)
+            features = self._frozen_image_features(samples, packed.row)
+            with self.autocast():
+                return packed_logprobs(model, packed, image_features=features)
         batch = batch_from_parts(self.policy, prompts, responses=responses)
-        features = None
-        if self.vision_frozen and batch.patches is not None:
-            key = tuple(s.step_id for s in samples)
-            features = self.prompts.image_features(key, lambda: self._image_features(batch))
+        features = self._frozen_image_features(samples, batch)
         with self.autocast():
             return sequence_logprobs(model, batch, image_features=features)
+
+    def _frozen_image_features(
+        self, samples: Sequence[TrainSample], batch: EncodedBatch
+    ) -> Any | None:
+        """The micro-batch's image features when the vision tower is frozen (computed once
+        for its passes, `PromptCache.image_features`); None: the forward encodes the images."""
+        if not self.vision_frozen or batch.patches is None:
+            return None
+        key = tuple(s.step_id for s in samples)
+        return self.prompts.image_features(key, lambda: self._image_features(batch))
 
     def _image_features(self, batch: EncodedBatch) -> Any:
         """The frozen vision tower's output for the batch's images (no gradient flows into
@@ -271,7 +300,7 @@ class PolicyTrainer:
         batch = batch.to(self.policy.device)
         pixels = batch.pixel_values()
         assert pixels is not None and batch.image_grid_thw is not None
-        inner = _hf_model(self.policy.model).model
+        inner = base_model(self.policy.model).model
         with torch.no_grad(), self.autocast():
             return inner.get_image_features(pixels, batch.image_grid_thw, return_dict=True)
 
@@ -330,6 +359,13 @@ class PolicyTrainer:
             )
             for s in samples
         ]
+        # What the micro-batches' token budget counts, read from the ids and image headers
+        # (no image is decoded here).
+        sample_tokens = [
+            prompt_length(self.policy, s.messages, ids=s.prompt_token_ids)
+            + len(s.response_token_ids or ())
+            for s in samples
+        ]
         self.prompts.clear()
         # On a CPU, encoding ahead would take the cores the update runs on; a replica takes
         # only its share of the micro-batches, which the prefetch's order does not know.
@@ -348,6 +384,7 @@ class PolicyTrainer:
                 replicas=self.replicas,
                 separate_old_pass=separate_old_pass,
                 stop=stop if self.replicas is None else None,
+                sample_tokens=sample_tokens,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
             metrics.image_features_reused = self.prompts.images_reused

@@ -5,8 +5,10 @@ curation settings as they are (`training.config`), decides which steps train
 (`training.update_plan`: group advantages over trajectories of a task, high-entropy
 selection), computes pi_old (and reference) log-probs once with no gradient
 (`training.old_logprobs`), then runs `ppo_epochs` x `mini_batches` optimizer steps with
-gradient accumulation over micro-batches of `micro_batch` samples, at the optimizer's
-learning rate (the trainer's schedule sets it). With one epoch in one optimizer step (the
+gradient accumulation over micro-batches of at most `micro_batch` samples and
+`micro_batch_tokens` tokens (`training.micro_batches`), at the optimizer's learning rate (the
+trainer's schedule sets it). Every loss term is normalised per optimizer step
+(`_step_norms`), so how the step's samples are grouped into micro-batches changes no gradient. With one epoch in one optimizer step (the
 default) the policy has not moved when the gradient pass runs, so pi_old is that pass's own
 log-probs, detached: no separate pass, and each micro-batch's reference pass runs just
 before its gradient pass (the trainer then encodes the micro-batch once for both).
@@ -253,6 +255,7 @@ def _optimizer_step(
     logprob_fn: LogprobFn,
     config: TrainerConfig,
     curation: CurationConfig,
+    sample_tokens: Sequence[int] | None = None,
     fused_ref: FusedRef | None = None,
     replicas: Replicas | None = None,
     stop: Callable[[], bool] | None = None,
@@ -262,14 +265,15 @@ def _optimizer_step(
     With `replicas`, each takes its share of the micro-batches and the gradients (and totals)
     are summed before clipping, so every replica takes the same step.
 
-    `n_tokens`: each sample's response tokens. With `fused_ref` the pi_old pass did not run:
+    `n_tokens`: each sample's response tokens; `sample_tokens`: each sample's tokens in all,
+    what the micro-batches' token budget counts (`batches`). With `fused_ref` the pi_old pass did not run:
     each micro-batch's reference pass runs just before its gradient pass (the trainer then
     encodes the micro-batch once for both), and the gradient pass's own log-probs, detached,
     are pi_old's, filling `stats` (and `fused_ref.misaligned`) as it goes."""
     norms = _step_norms(part, samples=samples, plan=plan, n_tokens=n_tokens, config=config)
     totals = _StepTotals()
     optimizer.zero_grad(set_to_none=True)
-    micros = batches(part, config.micro_batch)
+    micros = batches(part, sample_tokens=sample_tokens, config=config)
     for micro, counts in replicas.deal(micros) if replicas else [(m, True) for m in micros]:
         check_stop(stop, steps_taken)
         micro_samples = [samples[i] for i in micro]
@@ -311,11 +315,16 @@ def _check_inputs(
     config: TrainerConfig,
     replicas: Replicas | None,
     stop: Callable[[], bool] | None,
+    sample_tokens: Sequence[int] | None,
 ) -> None:
     if not samples:
         raise ValueError("policy_update needs at least one sample")
     if stop is not None and replicas is not None:
         raise ValueError("policy_update: stop is for a single process, not replicas")
+    if sample_tokens is not None and len(sample_tokens) != len(samples):
+        raise ValueError(
+            f"policy_update: {len(sample_tokens)} sample_tokens for {len(samples)} samples"
+        )
     if config.kl_coef > 0 and ref_model is None:
         raise ValueError(
             f"kl_coef={config.kl_coef} needs a reference model: pass ref_model (a frozen copy "
@@ -379,6 +388,7 @@ def policy_update(
     replicas: Replicas | None = None,
     separate_old_pass: bool = False,
     stop: Callable[[], bool] | None = None,
+    sample_tokens: Sequence[int] | None = None,
 ) -> UpdateMetrics:
     """Run one policy update on `samples` and return what it did.
 
@@ -402,6 +412,10 @@ def policy_update(
         stop: asked before each micro-batch and each optimizer step; True ends the update
             with UpdateInterrupted (a worker shutting down need not finish a long update).
             Not with replicas: they would be left waiting in a collective.
+        sample_tokens: each sample's tokens, prompt and reply, image tokens included
+            (index-aligned with `samples`): micro-batches hold at most `micro_batch_tokens`
+            of them. None: `micro_batch` alone forms the micro-batches (a logprob_fn whose
+            samples have no token lengths, as tests' toy models).
     Returns:
         UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
@@ -413,7 +427,14 @@ def policy_update(
     pass of their own, or fused into the gradient pass), the epochs' optimizer steps, the
     metrics.
     """
-    _check_inputs(samples, ref_model=ref_model, config=config, replicas=replicas, stop=stop)
+    _check_inputs(
+        samples,
+        ref_model=ref_model,
+        config=config,
+        replicas=replicas,
+        stop=stop,
+        sample_tokens=sample_tokens,
+    )
     started = time.perf_counter()
     plan = plan_update(samples, config, curation)
     use_bc = config.bc_weight > 0
@@ -450,6 +471,7 @@ def policy_update(
             config=config,
             curation=curation,
             seconds=seconds,
+            sample_tokens=sample_tokens,
             replicas=replicas,
             stop=stop,
         )
@@ -468,6 +490,7 @@ def policy_update(
                 logprob_fn=logprob_fn,
                 config=config,
                 curation=curation,
+                sample_tokens=sample_tokens,
                 fused_ref=fused_ref,
                 replicas=replicas,
                 stop=stop,

@@ -175,7 +175,7 @@ def test_kl_coef_zero_needs_no_ref_model_but_positive_kl_does() -> None:
 
 
 def test_gradient_accumulation_matches_one_big_batch() -> None:
-    """Token-mean over the whole batch, whatever the micro-batch size (SGD exposes the grad)."""
+    """Token-mean over the whole batch, whatever the micro-batches (SGD exposes the grad)."""
     base = tiny_lm(seed=1)
     batch = with_rollout_logprobs(base, bandit_batch())
     # Make the rollout policy differ so the IS weights are not all 1.
@@ -186,17 +186,23 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
         for s in batch
     ]
     ref = tiny_lm(seed=2).requires_grad_(False)
+    lengths = [len(s.messages[-1]["content"]) + len(s.response_text) for s in batch]
     results = []
-    for micro_batch in (1, 3, 8):
+    # By samples (1, 3, 8 a micro-batch), then by a token budget (micro-batches of 1 to 3).
+    for micro_batch, budget in ((1, 100), (3, 100), (8, 100), (8, 12)):
         model = copy.deepcopy(base)
-        config = TrainerConfig(micro_batch=micro_batch, kl_coef=0.1, grad_clip=1e6)
+        config = TrainerConfig(micro_batch=micro_batch, micro_batch_tokens=budget, kl_coef=0.1,
+                               grad_clip=1e6)  # fmt: skip
         metrics = policy_update(
             model=model, ref_model=ref, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             samples=batch, logprob_fn=toy_logprob_fn, config=config, curation=RUN,
+            sample_tokens=lengths,
         )  # fmt: skip
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics))
-    (p1, m1), (p3, _), (p8, m8) = results
+    (p1, m1), (p3, _), (p8, m8), (p_tokens, m_tokens) = results
     assert torch.allclose(p1, p8, atol=1e-5) and torch.allclose(p3, p8, atol=1e-5)
+    assert torch.allclose(p_tokens, p8, atol=1e-5)
+    assert m_tokens.loss == pytest.approx(m8.loss, abs=1e-5)
     assert m1.loss == pytest.approx(m8.loss, abs=1e-5)
     assert m1.kl == pytest.approx(m8.kl, abs=1e-6) and m8.kl > 0
     assert m8.is_weight_min < 1.0 and m8.is_weight_max == pytest.approx(1.0)
@@ -386,6 +392,7 @@ def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
         (CurationConfig, {"is_cap": 0.0}, "is_cap: must be > 0"),
         (TrainerConfig, {"kl_coef": -1.0}, "kl_coef: must be >= 0"),
         (TrainerConfig, {"micro_batch": 0}, "micro_batch: must be >= 1"),
+        (TrainerConfig, {"micro_batch_tokens": 0}, "micro_batch_tokens: must be >= 1"),
         (TrainerConfig, {"ppo_epochs": 0}, "ppo_epochs: must be >= 1"),
         (TrainerConfig, {"grad_clip": 0.0}, "grad_clip: must be > 0"),
     ],

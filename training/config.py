@@ -21,6 +21,7 @@ from core.lora import LoraSpec
 LossType = Literal["ppo", "gspo"]  # "ppo": token-level clipped ratio; "gspo": sequence-level
 # "trajectory": every trajectory weighs the same; "token": DART's mean over all tokens.
 Aggregation = Literal["trajectory", "token"]
+CPU_MICRO_BATCH_TOKENS = 16384  # micro_batch_tokens' auto on a CPU
 Switch = Literal["auto", "on", "off"]  # auto: the memory plan decides (true/false read as on/off)
 
 
@@ -67,10 +68,12 @@ class TrainerConfig:
         8, "Most steps in one forward/backward (the gradient accumulation unit), packed in one row."
     )
     micro_batch_tokens: int = knob(
-        16384,
+        0,
         "Most tokens (prompts and replies, image tokens included) in one forward/backward; a "
-        "longer step trains alone. The default holds micro_batch tiny-policy steps (about 1.3k "
-        "tokens at most) or one UI-TARS step of five 1920x1080 screenshots (about 14k).",
+        "longer step trains alone. 0 (auto): on a GPU the most whole steps of the run's "
+        "largest (at most micro_batch) that the memory plan fits (training.memory_plan); on a "
+        "CPU 16,384, which holds micro_batch tiny-policy steps or one UI-TARS step of five "
+        "1920x1080 screenshots.",
     )
     min_groups: int = knob(2, "Ready task groups needed before an update.")
     max_steps_per_update: int = knob(128, "Most steps trained in one update.")
@@ -232,8 +235,8 @@ class TrainerConfig:
         _valid(
             self,
             "micro_batch_tokens",
-            self.micro_batch_tokens >= 1,
-            "must be >= 1 (a step longer than it still trains, alone)",
+            self.micro_batch_tokens >= 0,
+            "must be >= 0 (0: auto; a step longer than it still trains, alone)",
         )
         for name, choices in (("loss_type", LossType), ("loss_aggregation", Aggregation)):
             names = get_args(choices)

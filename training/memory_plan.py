@@ -20,8 +20,8 @@ moments of what trains; frozen weights and the KL reference in the compute dtype
   in memory (flash or memory-efficient kernels). Bytes per element: 4 in fp32 (the CPU),
   2.27 under bf16 autocast, from the H200's full fine-tuning peak (docs/gpu-and-vllm.md).
   With gradient checkpointing a layer keeps its input only, plus one layer's activations
-  while it is recomputed. On the CPU, a padded batch's attention keeps each head's T x T
-  weights too (the math kernel: the only one that takes a mask there). The response logits are kept in fp32 (log-softmax and its
+  while it is recomputed. On the CPU, attention keeps each head's T x T weights per
+  sequence too. The response logits are kept in fp32 (log-softmax and its
   gradient), per response token and vocabulary entry.
 
 `TrainerRequest.plan` picks gradient checkpointing and the micro-batch's token budget (`auto`, the
@@ -254,8 +254,9 @@ def trainer_memory(
     else:
         kept = layer * shape.layers + block * shape.vision_depth
     if not cuda:
-        # The CPU's attention kernel for a padded batch (a mask) is the math path: it keeps
-        # each head's T x T weights (on GPUs the memory-efficient kernel takes the mask).
+        # On the CPU, attention under autograd keeps each head's T x T weights per sequence
+        # (measured: the peaks of packed and of padded updates both need it); GPUs' flash and
+        # memory-efficient kernels keep O(T).
         square = shape.heads * sample.tokens**2 * sequences
         kept += square if checkpointing else square * shape.layers
     logits = LOGIT_ELEMENTS * sequences * (sample.reply + 1) * shape.vocab * 4
@@ -283,6 +284,7 @@ class TrainerRequest:
     shards: int
     checkpointing: bool | None
     micro_batch_tokens: int | None
+    max_samples: int = 8  # whole steps in a micro-batch at most (trainer.micro_batch)
 
     @classmethod
     def of(cls, config: TrainerConfig, *, shape: ModelShape, sample: Sample) -> TrainerRequest:
@@ -295,13 +297,14 @@ class TrainerRequest:
             kl=config.kl_coef > 0,
             shards=config.replicas if config.shard else 1,
             checkpointing=None if switch == "auto" else switch == "on",
-            micro_batch_tokens=None,
+            micro_batch_tokens=config.micro_batch_tokens or None,
+            max_samples=config.micro_batch,
         )
 
     def plan(self, gpu_gib: float) -> TrainerMemory:
         """The plan on a GPU of `gpu_gib`: the settings left at None are picked, the fastest
-        first (checkpointing off, then on; the largest micro-batch, in whole samples, up to
-        8), so the total stays under `gpu_gib - HEADROOM_GIB`.
+        first (checkpointing off, then on; the largest micro-batch, in whole steps of the
+        largest size, up to max_samples), so the total stays under `gpu_gib - HEADROOM_GIB`.
 
         Raises:
             DoesNotFit: with the settings given, nothing left to pick fits; the message gives
@@ -310,11 +313,7 @@ class TrainerRequest:
         budget = (gpu_gib - HEADROOM_GIB) * GIB
         tried: TrainerMemory | None = None
         for checkpoint in (False, True) if self.checkpointing is None else (self.checkpointing,):
-            sizes = (
-                [self.micro_batch_tokens]
-                if self.micro_batch_tokens
-                else [self.sample.tokens * n for n in (8, 4, 2, 1)]
-            )
+            sizes = [self.micro_batch_tokens] if self.micro_batch_tokens else self._sizes()
             for size in sizes:
                 memory = self.memory(checkpointing=checkpoint, micro_batch_tokens=size)
                 if memory.total <= budget:
@@ -322,6 +321,14 @@ class TrainerRequest:
                 tried = memory
         assert tried is not None
         raise DoesNotFit(_does_not_fit(self, tried, gpu_gib=gpu_gib))
+
+    def _sizes(self) -> list[int]:
+        """Micro-batch budgets to try, largest first: max_samples whole steps, halved to 1."""
+        sizes, n = [], self.max_samples
+        while n >= 1:
+            sizes.append(self.sample.tokens * n)
+            n //= 2
+        return sizes if sizes[-1] == self.sample.tokens else [*sizes, self.sample.tokens]
 
     def memory(self, *, checkpointing: bool, micro_batch_tokens: int) -> TrainerMemory:
         return trainer_memory(

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from core.losses import truncated_is_weights
 from core.samples import TrainSample, UpdateMetrics
-from training.config import CurationConfig, TrainerConfig
+from training.config import CPU_MICRO_BATCH_TOKENS, CurationConfig, TrainerConfig
 from training.micro_batches import micro_batches
 from training.replicas import Replicas
 from training.update_plan import UpdatePlan
@@ -92,9 +92,9 @@ def batches(
     `sample_tokens`: each sample's tokens, index-aligned with the update's samples; None
     counts every sample as 0 tokens (a logprob_fn that knows no lengths: `micro_batch` alone)."""
     lengths = [sample_tokens[i] if sample_tokens is not None else 0 for i in items]
-    groups = micro_batches(
-        lengths, max_tokens=config.micro_batch_tokens, max_samples=config.micro_batch
-    )
+    # 0 (auto) reaches here only where no memory plan replaced it (a CPU trainer).
+    budget = config.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS
+    groups = micro_batches(lengths, max_tokens=budget, max_samples=config.micro_batch)
     return [[items[p] for p in group] for group in groups]
 
 

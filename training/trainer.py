@@ -167,6 +167,9 @@ class PolicyTrainer:
         self.memory = self._plan_memory(start_checkpoint, sample)
         if config.gradient_checkpointing == "on" or (self.memory and self.memory.checkpointing):
             _enable_checkpointing(self.policy.model)
+        if not config.micro_batch_tokens and self.memory is not None:  # auto: the plan's
+            tokens = self.memory.micro_batch_tokens
+            self.config = config = dataclasses.replace(config, micro_batch_tokens=tokens)
         if self.sharded:
             shard_model(self.policy.model, compute_dtype=self.autocast_dtype)
         self.ref_model: nn.Module | None = None
@@ -204,9 +207,10 @@ class PolicyTrainer:
             self.state = TrainerState(updates=state["updates"], version=state["version"])
 
     def _plan_memory(self, start: Path, sample: Sample | None) -> TrainerMemory | None:
-        """On a GPU, the memory plan for the settings left at `auto` (`training.memory_plan`),
-        sized to this GPU; None on a CPU, or without the run's budgets or a readable config
-        (the settings' non-auto values, and checkpointing off, then stand).
+        """On a GPU, the memory plan for the settings left at `auto` (`training.memory_plan`:
+        gradient checkpointing, the micro-batch's tokens), sized to this GPU; None on a CPU, or
+        without the run's budgets or a readable config (then checkpointing is off and the
+        micro-batch `training.config.CPU_MICRO_BATCH_TOKENS`).
 
         Raises:
             DoesNotFit: nothing left at auto makes the trainer fit this GPU.
@@ -215,8 +219,8 @@ class PolicyTrainer:
         shape = checkpoint_shape(start)
         if not self.device.startswith("cuda") or sample is None or shape is None:
             return None
-        if config.gradient_checkpointing != "auto":
-            return None
+        if config.gradient_checkpointing != "auto" and config.micro_batch_tokens:
+            return None  # nothing left to pick
         gpu = torch.cuda.get_device_properties(torch.device(self.device))
         request = TrainerRequest.of(config, shape=shape, sample=sample)
         return request.plan(gpu.total_memory / GIB)

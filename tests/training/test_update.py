@@ -392,7 +392,7 @@ def test_a_pool_demo_in_two_groups_of_one_batch_counts_in_each() -> None:
         (CurationConfig, {"is_cap": 0.0}, "is_cap: must be > 0"),
         (TrainerConfig, {"kl_coef": -1.0}, "kl_coef: must be >= 0"),
         (TrainerConfig, {"micro_batch": 0}, "micro_batch: must be >= 1"),
-        (TrainerConfig, {"micro_batch_tokens": 0}, "micro_batch_tokens: must be >= 1"),
+        (TrainerConfig, {"micro_batch_tokens": -1}, "micro_batch_tokens: must be >= 0"),
         (TrainerConfig, {"ppo_epochs": 0}, "ppo_epochs: must be >= 1"),
         (TrainerConfig, {"grad_clip": 0.0}, "grad_clip: must be > 0"),
     ],

@@ -32,6 +32,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -371,10 +372,10 @@ class PolicyTrainer:
             for s in samples
         ]
         self.prompts.clear()
-        # On a CPU, encoding ahead would take the cores the update runs on; a replica takes
-        # only its share of the micro-batches, which the prefetch's order does not know.
-        if torch.device(self.device).type == "cuda" and self.replicas is None:
-            self.prompts.prefetch(self.policy, samples, ahead=2)
+        # On a CPU, encoding ahead would take the cores the update runs on.
+        ahead = None
+        if torch.device(self.device).type == "cuda":
+            ahead = partial(self.prompts.prefetch, self.policy, ahead=2)
         try:
             metrics = policy_update(
                 model=self.policy.model,
@@ -389,6 +390,7 @@ class PolicyTrainer:
                 separate_old_pass=separate_old_pass,
                 stop=stop if self.replicas is None else None,
                 sample_tokens=sample_tokens,
+                encode_ahead=ahead,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
             metrics.image_features_reused = self.prompts.images_reused

@@ -68,6 +68,20 @@ def _chunks(items: Sequence[int], n_parts: int) -> list[list[int]]:
     return parts
 
 
+def _first_pass(
+    order: Sequence[int],
+    sample_tokens: Sequence[int] | None,
+    config: TrainerConfig,
+    replicas: Replicas | None,
+) -> list[int]:
+    """The samples this process's first pass over `order` takes, in its order: the pi_old
+    pass and a fused gradient pass (one mini-batch) both deal `batches(order)` to the
+    replicas. A sharded replica's lockstep repeats are left out (encoded already)."""
+    micros = batches(order, sample_tokens=sample_tokens, config=config)
+    dealt = replicas.deal(micros) if replicas else [(m, True) for m in micros]
+    return [i for micro, counts in dealt if counts for i in micro]
+
+
 def _scatter(rows: Sequence[Tensor], mask: Tensor) -> Tensor:
     """Place per-sample 1-D token values at the True positions of mask [B, T] -> [B, T]."""
     out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
@@ -389,6 +403,7 @@ def policy_update(
     separate_old_pass: bool = False,
     stop: Callable[[], bool] | None = None,
     sample_tokens: Sequence[int] | None = None,
+    encode_ahead: Callable[[list[TrainSample]], None] | None = None,
 ) -> UpdateMetrics:
     """Run one policy update on `samples` and return what it did.
 
@@ -416,6 +431,9 @@ def policy_update(
             (index-aligned with `samples`): micro-batches hold at most `micro_batch_tokens`
             of them. None: `micro_batch` alone forms the micro-batches (a logprob_fn whose
             samples have no token lengths, as tests' toy models).
+        encode_ahead: given, before the first pass, the samples this process's first pass
+            takes, in its order (a replica's share only), so their prompts can be encoded
+            ahead of it (`training.prompt_cache.PromptCache.prefetch`).
     Returns:
         UpdateMetrics. With nothing to train (every group skipped, no BC) no optimizer step is
         taken and `optimizer_steps` is 0; the per-step decisions are still filled in.
@@ -455,6 +473,8 @@ def policy_update(
         and config.mini_batches == 1
         and all(samples[i].response_token_ids for i in order)
     )
+    if encode_ahead is not None:
+        encode_ahead([samples[i] for i in _first_pass(order, sample_tokens, config, replicas)])
     seconds = {"old": 0.0, "ref": 0.0}
     fused_ref = None
     if fused:

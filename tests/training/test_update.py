@@ -500,3 +500,36 @@ def test_a_stop_between_micro_batches_leaves_the_weights_as_they_were() -> None:
             config=TrainerConfig(kl_coef=0.0, micro_batch=2), curation=EVERY_STEP, stop=stop,
         )  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_encode_ahead_gets_the_first_pass_order_of_this_replica() -> None:
+    """The prompts encoded ahead are the ones the first pass asks for, in its order, in the
+    fused and the separate pi_old pass; a replica is told its own share only."""
+    from training.replicas import Replicas
+    from training.update import _first_pass
+
+    start = tiny_lm()
+    rollout = with_rollout_logprobs(tiny_lm(seed=1), bandit_batch())
+    with_ids = [dataclasses.replace(s, response_token_ids=encode(s.response_text)) for s in rollout]
+    config = TrainerConfig(kl_coef=0.0, micro_batch=3)
+    for batch in (rollout, with_ids):  # the separate pi_old pass, then the fused one
+        asked: list[int] = []
+        ahead: list[list[int]] = []
+
+        def recording_logprob_fn(model, samples):
+            asked.extend(s.step_id for s in samples)
+            return toy_logprob_fn(model, samples)
+
+        model = copy.deepcopy(start)
+        policy_update(
+            model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            samples=batch, logprob_fn=recording_logprob_fn, config=config, curation=EVERY_STEP,
+            encode_ahead=lambda steps: ahead.append([s.step_id for s in steps]),
+        )  # fmt: skip
+        assert len(ahead) == 1 and ahead[0] == asked[: len(ahead[0])] and ahead[0]
+        assert sorted(ahead[0]) == sorted(s.step_id for s in batch)
+    # Two replicas: each is told the micro-batches dealt to it, together every step once.
+    order = list(range(len(rollout)))
+    shares = [_first_pass(order, None, config, Replicas(rank=r, world=2)) for r in (0, 1)]
+    assert shares[0] == [0, 1, 2, 6, 7] and shares[1] == [3, 4, 5]
+    assert sorted(shares[0] + shares[1]) == order

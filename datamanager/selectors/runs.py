@@ -234,6 +234,15 @@ def processes_per_run() -> bool:
     return mode == "per-run"
 
 
+def gpu_hosts() -> dict[str, int]:
+    """Hosts whose agent reported GPUs its torch can use: name -> how many."""
+    return {
+        host.name: len(host.gpus)
+        for host in Host.objects.filter(cuda_torch=True)
+        if isinstance(host.gpus, list) and host.gpus
+    }
+
+
 def largest_gpu_gib() -> float | None:
     """The memory of the largest GPU a host agent has reported that its torch can use
     (GiB); None when no such host has reported."""

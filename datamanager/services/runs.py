@@ -16,7 +16,7 @@ from datamanager.config import ConfigError, ConfigInvalid, RunConfig
 from datamanager.models import Run, RunAction, RunStatus, Task
 from datamanager.policies import NAMED_POLICIES, ORACLE_POLICY, policy_path
 from datamanager.roles import CAN_ADMINISTER
-from datamanager.selectors.runs import largest_gpu_gib, processes_per_run
+from datamanager.selectors.runs import gpu_hosts, largest_gpu_gib, processes_per_run
 from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
@@ -74,6 +74,7 @@ def run_config_validate(*, data: Any, user: User | None) -> RunConfig:
     if not any(p.path == "policy" for p in problems):  # one reason a policy is refused
         problems += _policy_root_problems(config)
     problems += _serving_problems(config)
+    problems += _gpu_count_problems(config)
     problems += _memory_problems(config)
     if problems:
         raise ConfigInvalid(problems)
@@ -126,6 +127,35 @@ def _policy_root_problems(config: RunConfig) -> list[ConfigError]:
             "the only directories the inference workers load weights from: move the "
             "checkpoint under one of them, or add its directory to DARTBOARD_CHECKPOINT_ROOTS "
             "on every host",
+        )
+    ]
+
+
+def _gpu_count_problems(config: RunConfig) -> list[ConfigError]:
+    """A GPU run that asks for more GPUs than any host of the cluster has (a run's processes
+    go on one host): refused with the cluster's totals, not queued for ever. Checked where
+    host agents have reported GPUs."""
+    hosts = gpu_hosts()
+    if config.device != "cuda" or not hosts:
+        return []
+    r, trainer = config.rollout, 0 if config.policy == ORACLE_POLICY else config.trainer.replicas
+    workers = 0 if config.policy == ORACLE_POLICY else r.inference_workers
+    if r.backend == "vllm":  # one GPU each, the trainer's own when shared
+        inference = 0 if r.vllm_gpus == "shared" else workers
+    else:  # transformers workers share the GPUs the trainer leaves
+        inference = min(workers, 1)
+    needed = trainer + inference
+    largest = max(hosts.values())
+    if needed <= largest:
+        return []
+    name = "trainer.replicas" if trainer > largest else "rollout.inference_workers"
+    return [
+        ConfigError(
+            name,
+            f"the run needs {needed} GPUs on one host ({trainer} for the trainer's replicas, "
+            f"{inference} for inference), but the largest host has {largest} (the cluster: "
+            f"{len(hosts)} GPU host{'s' if len(hosts) != 1 else ''}, {sum(hosts.values())} "
+            "GPUs; a run's processes go on one host)",
         )
     ]
 

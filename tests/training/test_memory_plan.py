@@ -103,8 +103,9 @@ def test_auto_turns_checkpointing_on_only_where_the_gpu_needs_it() -> None:
 def test_stored_true_and_false_still_read() -> None:
     from datamanager.config import RunConfig
 
-    assert RunConfig.from_dict({"trainer": {"gradient_checkpointing": True}}).trainer.gradient_checkpointing == "on"  # fmt: skip
-    assert RunConfig.from_dict({"trainer": {"gradient_checkpointing": False}}).trainer.gradient_checkpointing == "off"  # fmt: skip
+    for stored, read in ((True, "on"), (False, "off")):
+        config = RunConfig.from_dict({"trainer": {"gradient_checkpointing": stored}})
+        assert config.trainer.gradient_checkpointing == read
 
 
 def test_the_parameters_are_the_weights_own_count() -> None:
@@ -215,7 +216,7 @@ def _seven_b_checkpoint(path: Path) -> Path:
     """Qwen2.5-VL-7B's config.json and the released processor's bounds: what the plan reads
     (no weights: the shape is counted from the config)."""
     path.mkdir()
-    config = {**QWEN25_7B, "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]}  # fmt: skip
+    config = {**QWEN25_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
     (path / "config.json").write_text(json.dumps(config))
     processor = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                  "min_pixels": 3136, "max_pixels": 12_845_056}  # fmt: skip
@@ -269,3 +270,31 @@ def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
                     trainer=TrainerRequest.of(TrainerConfig(), shape=shape, sample=sample))  # fmt: skip
     reason = place(full, host, taken=[], port_base=9000)
     assert isinstance(reason, str) and reason.startswith("gpu-1: the trainer needs")
+
+
+@pytest.mark.django_db
+def test_run_create_refuses_more_gpus_than_any_host_has_with_the_clusters_totals() -> None:
+    from django.utils import timezone
+
+    from datamanager.config import ConfigInvalid
+    from datamanager.models import Host
+    from datamanager.services.runs import run_config_validate
+
+    wide = {"device": "cuda", "trainer": {"replicas": 8},
+            "rollout": {"backend": "vllm", "inference_workers": 2}}  # fmt: skip  # one setting a line
+    run_config_validate(data=wide, user=None)  # no GPU host has reported: placement decides
+    for name in ("gpu-1", "gpu-2"):
+        Host.objects.create(name=name, cuda_torch=True, last_seen=timezone.now(),
+                            gpus=[{"index": i, "name": "H100", "memory_gib": 80.0} for i in range(8)])  # fmt: skip  # one host a line
+    with pytest.raises(ConfigInvalid) as refused:
+        run_config_validate(data=wide, user=None)
+    problem = refused.value.problems[0]
+    assert problem.path == "rollout.inference_workers"
+    assert (
+        "needs 10 GPUs on one host (8 for the trainer's replicas, 2 for inference)"
+        in problem.message
+    )
+    assert "the largest host has 8 (the cluster: 2 GPU hosts, 16 GPUs" in problem.message
+    shared = {**wide, "rollout": {**wide["rollout"], "vllm_gpus": "shared", "vllm_gpu_memory": 0.4}}
+    run_config_validate(data=shared, user=None)  # vLLM on the trainer's GPUs: 8 fit
+    run_config_validate(data={**wide, "device": "auto"}, user=None)  # may run on a CPU host

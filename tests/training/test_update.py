@@ -512,14 +512,16 @@ def test_encode_ahead_gets_the_first_pass_order_of_this_replica() -> None:
     rollout = with_rollout_logprobs(tiny_lm(seed=1), bandit_batch())
     with_ids = [dataclasses.replace(s, response_token_ids=encode(s.response_text)) for s in rollout]
     config = TrainerConfig(kl_coef=0.0, micro_batch=3)
+    asked: list[int] = []
+    ahead: list[list[int]] = []
+
+    def recording_logprob_fn(model, samples):
+        asked.extend(s.step_id for s in samples)
+        return toy_logprob_fn(model, samples)
+
     for batch in (rollout, with_ids):  # the separate pi_old pass, then the fused one
-        asked: list[int] = []
-        ahead: list[list[int]] = []
-
-        def recording_logprob_fn(model, samples):
-            asked.extend(s.step_id for s in samples)
-            return toy_logprob_fn(model, samples)
-
+        asked.clear()
+        ahead.clear()
         model = copy.deepcopy(start)
         policy_update(
             model=model, ref_model=None, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -288,6 +288,9 @@ DARTBOARD_PROCESSES = config_env.env_choice(
 )
 # CPU inference workers a host agent runs at once on a host without GPUs (runs past it wait).
 DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOTS", 2)
+# Where this host's runs' routers and inference workers listen, and what its agent reports:
+# the host's address on the cluster's private network when runs span hosts.
+DARTBOARD_HOST_ADDRESS = os.environ.get("DARTBOARD_HOST_ADDRESS", "").strip() or "127.0.0.1"
 # A run fails when one of its processes failed at start this many times in a row.
 DARTBOARD_START_FAILURES = config_env.env_int("DARTBOARD_START_FAILURES", 5)
 # The master secret, held by the web and the workers only; each other process gets the token

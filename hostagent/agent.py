@@ -28,12 +28,14 @@ and Redis remain the engine.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import shutil
 import socket
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -44,7 +46,7 @@ from core.artifacts import is_ref
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
 from datamanager.policies import ORACLE_POLICY, policy_path
-from datamanager.selectors.runs import run_current_policy
+from datamanager.selectors.runs import HOST_ALIVE_S, run_current_policy
 from datamanager.services.placement import (
     host_report,
     placement_claim,
@@ -170,6 +172,23 @@ def trainer_request(cfg: RunConfig) -> TrainerRequest | None:
     return TrainerRequest.of(cfg.trainer, shape=shape, sample=sample)
 
 
+def cluster_address_problem(address: str, others: list[str]) -> str | None:
+    """The one line to say when this host's address (DARTBOARD_HOST_ADDRESS, where its runs'
+    routers and workers listen) is a loopback address while other hosts report: they cannot
+    reach what runs here. None when it is fine."""
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a name
+        loopback = address == "localhost"
+    if not loopback or not others:
+        return None
+    return (
+        f"DARTBOARD_HOST_ADDRESS is {address}, a loopback address, but {len(others)} other "
+        f"host{'s' if len(others) != 1 else ''} report ({', '.join(sorted(others)[:5])}): they "
+        "cannot reach this host's routers and workers; set it to this host's cluster address"
+    )
+
+
 def run_prefix(run_id: int) -> str:
     return f"run-{run_id}-"
 
@@ -204,6 +223,7 @@ def run_specs(
         vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
         device=placement.device,
         prefix=prefix,
+        address=settings.DARTBOARD_HOST_ADDRESS,
         limits=ServingLimits.for_run(
             max_new_tokens=cfg.rollout.max_new_tokens,
             max_prompt_tokens=cfg.rollout.max_prompt_tokens,
@@ -271,7 +291,17 @@ class HostAgent:
             memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
             cpu_inference_slots=inv.cpu_inference_slots,
             env_kinds=env_kinds_here(),
+            address=settings.DARTBOARD_HOST_ADDRESS,
         )
+        if not self._reported:  # at start: an address the cluster's other hosts cannot reach
+            others = list(
+                Host.objects.exclude(name=self.name)
+                .filter(last_seen__gte=timezone.now() - timedelta(seconds=HOST_ALIVE_S))
+                .values_list("name", flat=True)
+            )
+            warning = cluster_address_problem(settings.DARTBOARD_HOST_ADDRESS, others)
+            if warning:
+                log.warning("%s", warning)
         self._reported = time.monotonic()
 
     def _mine(self):
@@ -322,7 +352,11 @@ class HostAgent:
                     placement_wait(placement_id=placement.pk, reason=reason)
                     run_set_message(run_id=run.pk, message=reason)
                 continue
-            router_url = f"http://127.0.0.1:{plan.router_port}" if needs.inference_workers else ""
+            router_url = (
+                f"http://{settings.DARTBOARD_HOST_ADDRESS}:{plan.router_port}"
+                if needs.inference_workers
+                else ""
+            )
             if not placement_claim(
                 placement_id=placement.pk,
                 host=self.host,
@@ -386,7 +420,7 @@ class HostAgent:
             placement_move(
                 placement_id=placement.pk,
                 plan=plan.to_dict(),
-                router_url=f"http://127.0.0.1:{router}",
+                router_url=f"http://{settings.DARTBOARD_HOST_ADDRESS}:{router}",
                 reason=reason,
             )
             run_set_message(run_id=run_id, message=reason)

@@ -439,11 +439,13 @@ def serving_specs(
     device: str = "cpu",
     prefix: str = "",
     limits: ServingLimits | None = None,
+    address: str = "127.0.0.1",
 ) -> list[ProcSpec]:
     """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
     behind a router on `router_port`, taking requests up to `limits` (a run's own: its
     budgets; None: the shared workers' defaults). `prefix` names a run's processes apart
-    ("run-7-")."""
+    ("run-7-"). `address`: where they listen, the host's cluster address for a run whose
+    other processes are on other hosts (DARTBOARD_HOST_ADDRESS)."""
     if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
         log.warning(
             "inference workers get the artifact store's own keys, which can write: "
@@ -463,6 +465,7 @@ def serving_specs(
                 gpu_memory=vllm_gpu_memory if device == "cuda" else None,
                 prefix=prefix,
                 limits=limits,
+                address=address,
             )
             continue
         env = inference_env(tokens)
@@ -470,14 +473,14 @@ def serving_specs(
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         # Laid out by hand: each flag beside its values, as on the command line.
         argv = python_argv(
-            "-m", "rollout.server", "--policy", policy, "--host", "127.0.0.1",
+            "-m", "rollout.server", "--policy", policy, "--host", address,
             "--port", str(wport), "--version", str(version), "--threads", "1",
             "--device", "cuda" if gpu is not None else "cpu", *(limits or SHARED).server_args(),
         )  # fmt: skip
         specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False, port=wport))
-    router = python_argv("-m", "rollout.router", "--host", "127.0.0.1", "--port", str(router_port))
+    router = python_argv("-m", "rollout.router", "--host", address, "--port", str(router_port))
     for wport in worker_ports:
-        router += ["--worker", f"http://127.0.0.1:{wport}"]
+        router += ["--worker", f"http://{address}:{wport}"]
     specs.append(
         ProcSpec(f"{prefix}router", router, env=router_env(tokens), inherit=False, port=router_port)
     )
@@ -524,6 +527,7 @@ def vllm_specs(
     gpu_memory: float | None = None,
     prefix: str = "",
     limits: ServingLimits | None = None,
+    address: str = "127.0.0.1",
 ) -> list[ProcSpec]:
     """vLLM i (from its own environment, `vllm_python`) on `gpu` (default i) taking
     `gpu_memory` of it, or on the CPU with its CPU build, on a unix socket only this user can
@@ -555,7 +559,7 @@ def vllm_specs(
     # Laid out by hand: each flag beside its values, as on the command line.
     adapter = python_argv(
         "-m", "rollout.vllm_adapter", "--vllm", f"unix:{sock}",
-        "--policy-dir", policy, "--host", "127.0.0.1", "--port", str(port),
+        "--policy-dir", policy, "--host", address, "--port", str(port),
         "--max-tokens-limit", str((limits or SHARED).max_new_tokens),
         "--max-images", str((limits or SHARED).max_images),
     )  # fmt: skip

@@ -22,7 +22,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from training.memory_plan import HEADROOM_GIB, DoesNotFit, TrainerRequest
+from rollout.limits import MAX_BATCH
+from training.memory_plan import HEADROOM_GIB, DoesNotFit, TrainerRequest, inference_bytes
 
 GIB = 1024**3
 ACTIVATION_GIB = 8.0  # a real-size micro-batch's activations under checkpointing (realsize)
@@ -79,8 +80,17 @@ class RunNeeds:
         return self.weights_gib * 9 / shards + ACTIVATION_GIB
 
     def inference_gib(self, gpu: Gpu) -> float:
+        """GiB of `gpu` one inference worker takes: vLLM its configured share; the
+        transformers server the memory plan's weights and the KV cache of a full batch at
+        the run's context (`training.memory_plan.inference_bytes`) and the CUDA context, or
+        without the checkpoint's config here, the weights and 2 GiB."""
         if self.backend == "vllm":
             return gpu.memory_gib * self.vllm_gpu_memory
+        if self.trainer is not None:
+            held = inference_bytes(
+                self.trainer.shape, context_tokens=self.trainer.sample.tokens, sequences=MAX_BATCH
+            )
+            return held / GIB + HEADROOM_GIB
         return self.weights_gib + 2.0  # bf16 weights and a KV cache
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_BATCH = 8  # requests rollout.server generates together (--max-batch's default)
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM serves (`--max-lora-rank` takes one of these)."""
 

@@ -77,6 +77,7 @@ from rollout.asgi import (
 from rollout.auth import ROOTS_ENV, ServiceTokens, checkpoint_roots, service_tokens
 from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
 from rollout.client import PROMPT_TOO_LONG
+from rollout.limits import MAX_BATCH
 from rollout.registration import add_registration_options, start_registration
 
 log = logging.getLogger("rollout.server")
@@ -197,7 +198,7 @@ class InferenceServer:
         policy_dir: str,
         version: int = 0,
         device: str = "cpu",
-        max_batch: int = 8,
+        max_batch: int = MAX_BATCH,
         max_wait_ms: float = 50.0,
         max_tokens_limit: int = 1024,
         max_prompt_tokens: int = 32768,
@@ -534,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     parser.add_argument("--version", type=int, default=0, help="policy version now loaded")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH)
     parser.add_argument(
         "--max-wait-ms", type=float, default=50.0, help="longest a request waits for batch-mates"
     )

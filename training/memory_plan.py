@@ -401,3 +401,24 @@ def budget_sample(
         max_images=max_images,
         image_tokens=geometry.max_pixels // geometry.factor**2,
     )
+
+
+def inference_bytes(shape: ModelShape, *, context_tokens: int, sequences: int) -> float:
+    """What one inference worker holds on a GPU: the weights in bf16 and the KV cache of
+    `sequences` requests of `context_tokens` (keys and values, bf16, every decoder layer).
+    vLLM takes its configured share of the GPU whatever this says, but refuses to start when
+    that share holds less than the weights and one request's cache (`vllm_fits`)."""
+    kv_per_token = 2 * shape.layers * shape.kv_width * 2
+    return shape.params * 2 + kv_per_token * context_tokens * sequences
+
+
+def vllm_fits(shape: ModelShape, *, context_tokens: int, share_gib: float) -> str | None:
+    """Why vLLM with `share_gib` of a GPU cannot serve one request of `context_tokens`
+    (its weights and that request's KV cache), or None when it can."""
+    needed = inference_bytes(shape, context_tokens=context_tokens, sequences=1)
+    if needed <= share_gib * GIB:
+        return None
+    return (
+        f"vLLM's share of the GPU ({share_gib:.0f} GiB) holds less than the weights and one "
+        f"request's KV cache at {context_tokens:,} tokens ({needed / GIB:.1f} GiB)"
+    )

@@ -21,7 +21,13 @@ from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
 from rollout.limits import SHARED
-from training.memory_plan import DoesNotFit, TrainerRequest, budget_sample, checkpoint_shape
+from training.memory_plan import (
+    DoesNotFit,
+    TrainerRequest,
+    budget_sample,
+    checkpoint_shape,
+    vllm_fits,
+)
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -162,7 +168,8 @@ def _gpu_count_problems(config: RunConfig) -> list[ConfigError]:
 
 def _memory_problems(config: RunConfig) -> list[ConfigError]:
     """A trainer that no GPU of the cluster can hold, whatever its `auto` settings pick
-    (`training.memory_plan`), with the plan's numbers and what would fit. Checked where a
+    (`training.memory_plan`), with the plan's numbers and what would fit; a vLLM share of
+    the GPU that cannot hold the weights and one request's KV cache. Checked where a
     host agent has reported GPUs its torch can use and the run may go there; a run that
     trains on the CPU, or a checkpoint not on this disk, is not planned here."""
     if config.policy == ORACLE_POLICY or config.device == "cpu":
@@ -186,11 +193,17 @@ def _memory_problems(config: RunConfig) -> list[ConfigError]:
     )
     if shape is None or sample is None:
         return []
+    problems = []
     try:
         TrainerRequest.of(config.trainer, shape=shape, sample=sample).plan(gpu_gib)
     except DoesNotFit as exc:
-        return [ConfigError("trainer", str(exc))]
-    return []
+        problems.append(ConfigError("trainer", str(exc)))
+    if r.backend == "vllm":
+        share = gpu_gib * r.vllm_gpu_memory
+        short = vllm_fits(shape, context_tokens=sample.tokens, share_gib=share)
+        if short:
+            problems.append(ConfigError("rollout.vllm_gpu_memory", short))
+    return problems
 
 
 def _osworld_problems(config: RunConfig) -> list[ConfigError]:

@@ -246,6 +246,11 @@ def test_run_create_refuses_a_trainer_no_gpu_of_the_cluster_holds(tmp_path: Path
     run_config_validate(data={**full, "trainer": {"lora_rank": 16}}, user=None)
     run_config_validate(data={**full, "trainer": {"replicas": 4, "shard": True}}, user=None)
     run_config_validate(data={**full, "device": "cpu"}, user=None)  # not a GPU run
+    small_vllm = {**full, "trainer": {"lora_rank": 16},
+                  "rollout": {**budgets, "backend": "vllm", "vllm_gpu_memory": 0.2}}  # fmt: skip  # a run's settings, one section a line
+    with pytest.raises(ConfigInvalid) as refused:
+        run_config_validate(data=small_vllm, user=None)
+    assert [p.path for p in refused.value.problems] == ["rollout.vllm_gpu_memory"]
 
 
 def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
@@ -265,6 +270,9 @@ def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
     assert not isinstance(placed, str), placed
     planned = lora.trainer.plan(80.0).total / GIB  # type: ignore[union-attr]
     assert placed.gpu_gib[str(placed.trainer_gpus[0])] == pytest.approx(planned + 4.0, abs=0.01)
+    # The inference worker: bf16 weights and a full batch's KV cache at the run's context.
+    worker = placed.gpu_gib[str(placed.inference_gpus[0])]
+    assert worker == pytest.approx(shape.params * 2 / GIB + 8 * 57_344 * 17_408 / GIB + 4, abs=0.01)
     full = RunNeeds(inference_workers=1, backend="transformers", trainer_replicas=1,
                     device="cuda", weights_gib=15.4, lora=False,
                     trainer=TrainerRequest.of(TrainerConfig(), shape=shape, sample=sample))  # fmt: skip
@@ -298,3 +306,15 @@ def test_run_create_refuses_more_gpus_than_any_host_has_with_the_clusters_totals
     shared = {**wide, "rollout": {**wide["rollout"], "vllm_gpus": "shared", "vllm_gpu_memory": 0.4}}
     run_config_validate(data=shared, user=None)  # vLLM on the trainer's GPUs: 8 fit
     run_config_validate(data={**wide, "device": "auto"}, user=None)  # may run on a CPU host
+
+
+def test_inference_memory_counts_the_weights_and_the_kv_cache() -> None:
+    from training.memory_plan import inference_bytes, vllm_fits
+
+    shape = ModelShape.from_config(QWEN25_7B)
+    # Qwen2.5-VL-7B: 28 layers x 4 KV heads x 128 = 512 wide keys and values, bf16.
+    one = inference_bytes(shape, context_tokens=32_768, sequences=1)
+    assert one == shape.params * 2 + 2 * 28 * 512 * 2 * 32_768
+    assert vllm_fits(shape, context_tokens=32_768, share_gib=0.9 * 80) is None
+    short = vllm_fits(shape, context_tokens=32_768, share_gib=0.2 * 80)
+    assert short is not None and "(16 GiB) holds less than" in short

@@ -51,6 +51,7 @@ from datamanager.services.placement import (
     host_report,
     placement_claim,
     placement_move,
+    placement_requeue_lost,
     placement_set,
     placement_wait,
 )
@@ -81,6 +82,7 @@ from training.memory_plan import TrainerRequest, budget_sample, checkpoint_shape
 log = logging.getLogger("hostagent.agent")
 
 REPORT_EVERY_S = 10.0
+HOST_LOST_S = 90.0  # a host silent this long is gone: its runs are placed again
 SLOW_START_S = 300.0  # a run starting this long says what to read
 ACTIVE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
 
@@ -264,6 +266,7 @@ class HostAgent:
             self._report()
         self._stop_ended()
         self._restore()
+        self._replace_lost_hosts()
         self._place_queued()
         self._promote_starting()
         self._move_off_taken_ports()
@@ -324,6 +327,13 @@ class HostAgent:
                 log.info("run %s: bringing back its processes", placement.run_id)
                 self._start_group(placement.run, Placement.from_dict(placement.plan))
                 placement_set(placement_id=placement.pk, state=PlacementState.STARTING)
+
+    def _replace_lost_hosts(self) -> None:
+        """Runs placed on a host whose agent stopped reporting HOST_LOST_S ago go back to the
+        queue, for this host or another (any live agent does it, once)."""
+        seen_before = timezone.now() - timedelta(seconds=HOST_LOST_S)
+        for run_id, host in placement_requeue_lost(seen_before=seen_before):
+            log.warning("run %s: its host %s stopped reporting; placed again", run_id, host)
 
     def _place_queued(self) -> None:
         assert self.host is not None and self.inventory is not None

@@ -3,12 +3,13 @@ processes run (the host agent, `hostagent/agent.py`, is their one writer besides
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
-from datamanager.models import Host, PlacementState, RunPlacement
+from datamanager.models import Host, PlacementState, Run, RunPlacement, RunStatus
 
 
 def host_report(*, name: str, **facts: Any) -> Host:
@@ -68,6 +69,38 @@ def placement_move(
         reason=reason,
         updated_at=timezone.now(),
     )
+
+
+@transaction.atomic
+def placement_requeue_lost(*, seen_before: datetime) -> list[tuple[int, str]]:
+    """The placements of runs still going on hosts whose agent last reported before
+    `seen_before` (the host is gone, and its processes with it): queued again, at the front,
+    for any host with room, saying which host was lost and since when (on the run's page).
+    Returns (run id, lost host) for each. The lost host's agent, if it comes back, stops
+    what it held of them (`HostAgent._stop_ended`)."""
+    lost = (
+        RunPlacement.objects.select_for_update(of=("self",))
+        .select_related("host")
+        .filter(
+            state__in=(PlacementState.STARTING, PlacementState.UP),
+            host__last_seen__lt=seen_before,
+            run__status__in=(RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED),
+        )
+    )
+    moved = []
+    for placement in lost:
+        assert placement.host is not None
+        name, seen = placement.host.name, placement.host.last_seen
+        placement.reason = (
+            f"its host {name} stopped reporting at {seen:%Y-%m-%d %H:%M:%S} UTC; placed again "
+            "on the next host with room"
+        )
+        placement.state, placement.host, placement.plan = PlacementState.QUEUED, None, {}
+        placement.router_url = ""
+        placement.save()
+        Run.objects.filter(pk=placement.run_id).update(status_message=placement.reason)
+        moved.append((placement.run_id, name))
+    return moved
 
 
 def placement_set(*, placement_id: int, state: str, reason: str = "") -> None:

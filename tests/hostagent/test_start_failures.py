@@ -98,3 +98,39 @@ def test_the_run_fails_with_the_process_last_line_and_keeps_its_data(
     token = api_token_create(user=researcher, name="tests").secret
     api = client.get(f"/api/v1/runs/{run.pk}/", HTTP_AUTHORIZATION=f"Bearer {token}").json()
     assert api["status"] == "failed" and REFUSAL in api["status_message"]
+
+
+@pytest.mark.django_db
+def test_a_run_on_a_host_that_stopped_reporting_is_placed_again(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from hostagent.agent import HOST_LOST_S
+
+    now = timezone.now()
+    gone = Host.objects.create(name="gpu-1", last_seen=now - timedelta(seconds=HOST_LOST_S + 5))
+    alive = Host.objects.create(name="gpu-2", last_seen=now)
+    runs = {}
+    for name, host in (("on-gone", gone), ("on-alive", alive)):
+        run = run_create(name=name, config=RunConfig())
+        Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+        placement = placement_queue(run_id=run.pk)
+        assert placement_claim(placement_id=placement.pk, host=host, plan={"host": host.name},
+                               router_url="http://10.0.0.1:8200")  # fmt: skip  # as an agent
+        RunPlacement.objects.filter(pk=placement.pk).update(state=PlacementState.UP)
+        runs[name] = run
+    agent = HostAgent(home=tmp_path, name="gpu-2")
+    agent._replace_lost_hosts()
+    moved = RunPlacement.objects.get(run=runs["on-gone"])
+    assert (moved.state, moved.host, moved.plan, moved.router_url) == (
+        PlacementState.QUEUED,
+        None,
+        {},
+        "",
+    )
+    assert moved.reason.startswith("its host gpu-1 stopped reporting at ")
+    assert Run.objects.get(pk=runs["on-gone"].pk).status_message == moved.reason
+    assert Run.objects.get(pk=runs["on-gone"].pk).status == RunStatus.RUNNING  # its data goes on
+    kept = RunPlacement.objects.get(run=runs["on-alive"])
+    assert (kept.state, kept.host) == (PlacementState.UP, alive)
+    agent._replace_lost_hosts()  # once
+    assert RunPlacement.objects.get(run=runs["on-gone"]).reason == moved.reason

@@ -89,6 +89,9 @@ class EncodedBatch:
     image_grid_thw: torch.Tensor | None
     response_mask: torch.Tensor
     pixel_norm: PixelNorm | None = None
+    # [N] each image's content key (its data URL's digest), where the prompts were encoded
+    # with them (`PromptParts.image_keys`): the same screenshot has the same key.
+    image_keys: tuple[bytes, ...] = ()
 
     def pixel_values(self) -> torch.Tensor | None:
         """The model's float32 pixel values, computed on the patches' device."""
@@ -131,6 +134,7 @@ class EncodedBatch:
             image_grid_thw=move(self.image_grid_thw),
             response_mask=move(self.response_mask),
             pixel_norm=self.pixel_norm,
+            image_keys=self.image_keys,
         )
 
 
@@ -252,6 +256,7 @@ class PromptParts:
     ids: list[int]
     patches: torch.Tensor | None  # [P, C*2*14*14] uint8 or None
     image_grid_thw: torch.Tensor | None  # [N, 3] or None
+    image_keys: tuple[bytes, ...] = ()  # [N] each image's data URL digest (its content)
 
     @property
     def nbytes(self) -> int:
@@ -309,12 +314,12 @@ def prompt_parts(
     template_ids = list(ids) if ids else _template_ids(policy, qwen_messages)
     if not urls:
         return PromptParts(ids=template_ids, patches=None, image_grid_thw=None)
-    patches, grid = _image_patches(policy, urls, image_cache)
+    patches, grid, keys = _image_patches(policy, urls, image_cache)
     per_image = (grid.prod(-1) // policy.image_processor.merge_size**2).tolist()
     pad = policy.token_id("<|image_pad|>")
     pads = template_ids.count(pad)
     if ids and pads == sum(per_image) and pads != len(urls):  # expanded by the server
-        return PromptParts(ids=template_ids, patches=patches, image_grid_thw=grid)
+        return PromptParts(ids=template_ids, patches=patches, image_grid_thw=grid, image_keys=keys)
     if pads != len(urls):
         where = "the stored prompt ids have" if ids else "prompt has"
         raise ValueError(
@@ -324,14 +329,14 @@ def prompt_parts(
     counts = iter(per_image)
     for tid in template_ids:
         expanded.extend([pad] * next(counts) if tid == pad else [tid])
-    return PromptParts(ids=expanded, patches=patches, image_grid_thw=grid)
+    return PromptParts(ids=expanded, patches=patches, image_grid_thw=grid, image_keys=keys)
 
 
 def _image_patches(
     policy: Policy, urls: list[tuple[Any, str]], cache: ImageCache | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patches (concatenated, in order) and grids [N, 3] of the images at `urls` ((data
-    URL, field) pairs): resized and cut only, the values the resized uint8 pixels (exact in
+) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, ...]]:
+    """The patches (concatenated, in order), grids [N, 3] and content keys (the data URLs'
+    digests) of the images at `urls` ((data URL, field) pairs): resized and cut only, the values the resized uint8 pixels (exact in
     float32; PixelNorm does the rest where the model is). Only the images not in `cache` are
     decoded and processed; the processor treats each image on its own, so images encoded
     apart concatenate to what one call over all of them gives."""
@@ -352,7 +357,14 @@ def _image_patches(
             if cache is not None:
                 cache.put(keys[i], found[keys[i]])
     parts = [found[key] for key in keys]
-    return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+    return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts]), tuple(keys)
+
+
+def _keys_of(prompts: list[PromptParts]) -> tuple[bytes, ...]:
+    """The prompts' images' content keys in order, or () unless every image has one."""
+    keys = tuple(k for p in prompts for k in p.image_keys)
+    images = sum(0 if p.image_grid_thw is None else len(p.image_grid_thw) for p in prompts)
+    return keys if len(keys) == images else ()
 
 
 def encode_batch(
@@ -404,6 +416,7 @@ def batch_from_parts(
         image_grid_thw=torch.cat(grids) if grids else None,
         response_mask=response_mask,
         pixel_norm=PixelNorm.of(policy.image_processor) if pixels else None,
+        image_keys=_keys_of(prompts),
     )
 
 
@@ -452,6 +465,7 @@ def pack_parts(
         image_grid_thw=torch.cat(grids) if grids else None,
         response_mask=torch.tensor([in_response], dtype=torch.bool),
         pixel_norm=PixelNorm.of(policy.image_processor) if patches else None,
+        image_keys=_keys_of(prompts),
     )
     return PackedBatch(
         row=row,

@@ -120,7 +120,7 @@ class UpdateMetrics:
     optimizer_s: float = 0.0  # Seconds in gradient clipping and the optimizer steps.
     encode_s: float = 0.0  # Seconds encoding prompts (the image processor), inside the passes.
     encode_reused: int = 0  # Prompt encodings reused from an earlier pass of this update.
-    image_features_reused: int = 0  # Micro-batches whose frozen vision tower ran only once.
+    image_features_reused: int = 0  # Screenshots a frozen vision tower did not encode again.
     samples_per_s: float = 0.0  # Forwarded samples / duration_s.
     staleness: dict[int, int] = field(default_factory=dict)  # versions behind -> online steps.
     step_kept: dict[int, bool] = field(default_factory=dict)  # step_id -> got pg signal.

@@ -11,9 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 from core.encoding import ImageCache, PromptParts, prompt_parts
 from core.policy import Policy
@@ -29,9 +28,7 @@ class PromptCache:
     the last one asked for, so the next micro-batch is ready when the GPU finishes this one.
     One prompt is encoded at a time (the tokenizer is not shared between threads).
 
-    It also keeps the last micro-batch's image features, for a frozen vision tower (LoRA on
-    the language model): the reference pass and the gradient pass of one micro-batch see the
-    same images through the same weights. `max_bytes` 0 keeps nothing and prefetches nothing."""
+    `max_bytes` 0 keeps nothing and prefetches nothing."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -39,8 +36,6 @@ class PromptCache:
         self._bytes = 0
         self.seconds = 0.0  # the update waited this long on encoding since the last clear
         self.reused = 0  # encodings served from the cache since the last clear
-        self.images_reused = 0  # micro-batches whose image features were reused
-        self._images: tuple[tuple[int, ...], Any] | None = None
         # Screenshots encoded, by content; none when nothing is kept (max_bytes 0).
         self._screens = ImageCache() if max_bytes > 0 else None
         self._lock = threading.Condition()
@@ -49,17 +44,6 @@ class PromptCache:
         self._busy: set[int] = set()  # step ids being encoded now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def image_features(self, key: tuple[int, ...], compute: Callable[[], Any]) -> Any:
-        """The image features of the micro-batch of these step ids: `compute()`d, or the last
-        ones when the key is the same."""
-        if self._images is not None and self._images[0] == key:
-            self.images_reused += 1
-            return self._images[1]
-        features = compute()
-        if self.max_bytes > 0:
-            self._images = (key, features)
-        return features
 
     def prefetch(self, policy: Policy, samples: Sequence[TrainSample], *, ahead: int = 2) -> None:
         """Encode `samples` in order on a thread, `ahead` steps beyond the last asked for."""
@@ -156,8 +140,6 @@ class PromptCache:
         self._bytes = 0
         self.seconds = 0.0
         self.reused = 0
-        self.images_reused = 0
-        self._images = None
         if self._screens is not None:
             self._screens.clear()
         self._served.clear()

@@ -61,6 +61,7 @@ from core.policy import Policy, load_policy, save_checkpoint
 from core.samples import TrainSample, UpdateMetrics, samples_write
 from core.text_attention import use_packed_text_attention
 from training.config import CurationConfig, TrainerConfig
+from training.image_features import ImageFeatures
 from training.memory_plan import GIB, Sample, TrainerMemory, TrainerRequest, checkpoint_shape
 from training.prompt_cache import PromptCache
 from training.replicas import Replicas
@@ -145,6 +146,8 @@ class PolicyTrainer:
         lora = config.lora()
         self.run_dir = run_dir
         self.prompts = PromptCache(prompt_cache_bytes)
+        # Off with the prompt cache: the baseline where every pass encodes everything.
+        self.image_features = ImageFeatures(max_images=64 if prompt_cache_bytes > 0 else 0)
         self._shared_updates = 0  # batches handed to the replicas (their file names)
         self.replicas = replicas
         self.sharded = replicas is not None and replicas.sharded
@@ -292,12 +295,12 @@ class PolicyTrainer:
     def _frozen_image_features(
         self, samples: Sequence[TrainSample], batch: EncodedBatch
     ) -> Any | None:
-        """The micro-batch's image features when the vision tower is frozen (computed once
-        for its passes, `PromptCache.image_features`); None: the forward encodes the images."""
+        """The micro-batch's image features when the vision tower is frozen (each screenshot
+        through the tower once per update, `training.image_features`); None: the forward
+        encodes the images."""
         if not self.vision_frozen or batch.patches is None:
             return None
-        key = tuple(s.step_id for s in samples)
-        return self.prompts.image_features(key, lambda: self._image_features(batch))
+        return self.image_features.of(batch, self._image_features)
 
     def _image_features(self, batch: EncodedBatch) -> Any:
         """The frozen vision tower's output for the batch's images (no gradient flows into
@@ -372,6 +375,7 @@ class PolicyTrainer:
             for s in samples
         ]
         self.prompts.clear()
+        self.image_features.clear()
         # On a CPU, encoding ahead would take the cores the update runs on.
         ahead = None
         if torch.device(self.device).type == "cuda":
@@ -393,9 +397,10 @@ class PolicyTrainer:
                 encode_ahead=ahead,
             )
             metrics.encode_s, metrics.encode_reused = self.prompts.seconds, self.prompts.reused
-            metrics.image_features_reused = self.prompts.images_reused
+            metrics.image_features_reused = self.image_features.reused
         finally:
             self.prompts.clear()
+            self.image_features.clear()
             if shared is not None:  # every replica read it before the update's collectives
                 shared.unlink(missing_ok=True)
         self.state.updates += 1

@@ -77,7 +77,7 @@ from hostagent.placement import (
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
 from rollout.limits import ServingLimits
-from training.memory_plan import TrainerRequest, budget_sample, checkpoint_shape
+from training.memory_plan import TrainerRequest, run_trainer_request
 
 log = logging.getLogger("hostagent.agent")
 
@@ -156,22 +156,18 @@ def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:
 
 
 def trainer_request(cfg: RunConfig) -> TrainerRequest | None:
-    """What the run's trainer asks of a GPU, from its start checkpoint's config (the shape
-    does not change as it trains) and its budgets; None where that is not on this host."""
+    """What the run's trainer asks of a GPU (`training.memory_plan`); None where its policy
+    is in the store (not fetched to place the run) or not readable here."""
     if is_ref(cfg.policy):
         return None
-    policy = policy_path(cfg.policy)
-    shape = checkpoint_shape(policy)
     r = cfg.rollout
-    sample = budget_sample(
-        policy,
+    return run_trainer_request(
+        policy_path(cfg.policy),
+        cfg.trainer,
         max_prompt_tokens=r.max_prompt_tokens,
         max_new_tokens=r.max_new_tokens,
         max_images=r.max_images,
     )
-    if shape is None or sample is None:
-        return None
-    return TrainerRequest.of(cfg.trainer, shape=shape, sample=sample)
 
 
 def cluster_address_problem(address: str, others: list[str]) -> str | None:

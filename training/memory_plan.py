@@ -422,3 +422,26 @@ def vllm_fits(shape: ModelShape, *, context_tokens: int, share_gib: float) -> st
         f"vLLM's share of the GPU ({share_gib:.0f} GiB) holds less than the weights and one "
         f"request's KV cache at {context_tokens:,} tokens ({needed / GIB:.1f} GiB)"
     )
+
+
+def run_trainer_request(
+    policy_dir: str | Path,
+    config: TrainerConfig,
+    *,
+    max_prompt_tokens: int,
+    max_new_tokens: int,
+    max_images: int,
+) -> TrainerRequest | None:
+    """What a run's trainer asks of a GPU: the policy at `policy_dir` (its start checkpoint:
+    the shape does not change as it trains) at the run's budgets (`rollout.*`); None where
+    its config or processor is not on this disk."""
+    shape = checkpoint_shape(policy_dir)
+    sample = budget_sample(
+        policy_dir,
+        max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        max_images=max_images,
+    )
+    if shape is None or sample is None:
+        return None
+    return TrainerRequest.of(config, shape=shape, sample=sample)

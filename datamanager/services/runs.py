@@ -21,13 +21,7 @@ from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
 from rollout.limits import SHARED
-from training.memory_plan import (
-    DoesNotFit,
-    TrainerRequest,
-    budget_sample,
-    checkpoint_shape,
-    vllm_fits,
-)
+from training.memory_plan import DoesNotFit, run_trainer_request, vllm_fits
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -184,23 +178,23 @@ def _memory_problems(config: RunConfig) -> list[ConfigError]:
         policy = policy_path(config.policy)
     except (OSError, ValueError):
         return []  # the policy's own check reports it
-    shape = checkpoint_shape(policy)
-    sample = budget_sample(
+    request = run_trainer_request(
         policy,
+        config.trainer,
         max_prompt_tokens=r.max_prompt_tokens,
         max_new_tokens=r.max_new_tokens,
         max_images=r.max_images,
     )
-    if shape is None or sample is None:
+    if request is None:
         return []
     problems = []
     try:
-        TrainerRequest.of(config.trainer, shape=shape, sample=sample).plan(gpu_gib)
+        request.plan(gpu_gib)
     except DoesNotFit as exc:
         problems.append(ConfigError("trainer", str(exc)))
     if r.backend == "vllm":
         share = gpu_gib * r.vllm_gpu_memory
-        short = vllm_fits(shape, context_tokens=sample.tokens, share_gib=share)
+        short = vllm_fits(request.shape, context_tokens=request.sample.tokens, share_gib=share)
         if short:
             problems.append(ConfigError("rollout.vllm_gpu_memory", short))
     return problems

@@ -42,17 +42,23 @@ def policy(request, tmp_path_factory):
     return load_policy(path)
 
 
-def test_the_cache_gives_the_towers_own_output_encoding_each_screen_once(policy) -> None:
+def _tower(policy, calls: list[int]):
+    """The policy's vision tower as the trainer calls it, counting the images of each call."""
     inner = base_model(policy.model).model
-    encoded: list[int] = []
 
     def encode(batch):
-        encoded.append(len(batch.image_grid_thw))
+        calls.append(len(batch.image_grid_thw))
         with torch.no_grad():
             return inner.get_image_features(
                 batch.pixel_values(), batch.image_grid_thw, return_dict=True
             )
 
+    return encode
+
+
+def test_the_cache_gives_the_towers_own_output_encoding_each_screen_once(policy) -> None:
+    encoded: list[int] = []
+    encode = _tower(policy, encoded)
     cache = ImageFeatures()
     for step in _steps(_screens()):
         batch = encode_batch(policy, [step])
@@ -75,16 +81,8 @@ def test_the_cache_gives_the_towers_own_output_encoding_each_screen_once(policy)
 def test_without_keys_the_patches_are_the_key_and_zero_keeps_nothing(policy) -> None:
     import dataclasses
 
-    inner = base_model(policy.model).model
     calls: list[int] = []
-
-    def encode(batch):
-        calls.append(len(batch.image_grid_thw))
-        with torch.no_grad():
-            return inner.get_image_features(
-                batch.pixel_values(), batch.image_grid_thw, return_dict=True
-            )
-
+    encode = _tower(policy, calls)
     steps = _steps(_screens())
     batches = [dataclasses.replace(encode_batch(policy, [s]), image_keys=()) for s in steps]
     cache = ImageFeatures()

@@ -31,8 +31,6 @@ from tests import netns
 from tests.helpers import needs, wait_until
 from tests.private_services import PrivatePostgres, postgres_bindir
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "dartboard-agents.sbatch"
 NODES = ("a", "b")
@@ -238,6 +236,7 @@ def agent_pid(cluster: Cluster, node: str) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_the_batch_script_starts_an_agent_per_node_that_scancel_stops(slurm_cluster):
     cluster, hosts = slurm_cluster, slurm_cluster.hosts
     output = cluster.root / "job.out"

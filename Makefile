@@ -11,11 +11,14 @@ SUDO_BIN ?= sudo
 APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils x11-xserver-utils scrot imagemagick python3-tk fonts-dejavu-core bubblewrap postgresql
 # OSWorld's applications on Dartboard's desktops (docs/osworld.md): `make desktop-apps`.
 DESKTOP_APP_PACKAGES := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird
+# What only the suite needs: Slurm's daemons and commands, for the batch script's test
+# (tests/deploy/test_slurm.py runs a two-node Slurm cluster): `make test-deps`.
+TEST_PACKAGES := slurm-wlm
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 3
 ARGS ?=
 
-.PHONY: help docs run run-desktop run-vllm vllm-env vllm-gpu-env test test-fast lint format bench policy policy-desktop system-deps desktop-apps install torch-cuda clean flower
+.PHONY: help docs run run-desktop run-vllm vllm-env vllm-gpu-env test test-fast lint format bench policy policy-desktop system-deps desktop-apps test-deps install torch-cuda clean flower
 
 help: ## this list
 	@echo "Dartboard: make TARGET (the first install takes about 10 minutes)"
@@ -40,6 +43,10 @@ system-deps: ## the Debian packages Dartboard needs (apt, as root or through sud
 
 desktop-apps: ## OSWorld's apps for the desktops: LibreOffice, GIMP, VLC, Thunderbird (apt)
 	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(DESKTOP_APP_PACKAGES)" \
+	  APT_FLAGS=--no-install-recommends
+
+test-deps: ## what only the suite needs: Slurm (slurm-wlm) for the batch script's test (apt)
+	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(TEST_PACKAGES)" \
 	  APT_FLAGS=--no-install-recommends
 
 $(PY):
@@ -128,7 +135,7 @@ run-desktop: install ## the X desktop tasks preset
 # The whole suite: three pytest-xdist workers (the live tests wait on their processes part of
 # the time), each taking the next whole module as it frees up, heaviest modules first
 # (tests/conftest.py `HEAVY_FIRST`).
-test: install vllm-env desktop-apps ## install, then the whole suite (how long: `docs/tests.md`)
+test: install vllm-env desktop-apps test-deps ## install, then the whole suite (how long: `docs/tests.md`)
 	@echo "==> import contracts (the layers in pyproject.toml)"
 	$(VENV)/bin/lint-imports --no-cache
 	@echo "==> running the test suite (DB: $${TEST_DATABASE_URL:-SQLite}, Redis: $${TEST_REDIS_URL:-embedded})"

@@ -10,7 +10,9 @@ rollout service and the trainer both run, so both see the same prompts, tokens a
 - the model: `policy` (loading and saving a checkpoint), `lora` (adapters), `generation`
   (sampling and scoring), `vision_attention`, and `losses` (the trainer's loss functions,
   pure);
-- `artifacts` (checkpoints in object storage) and `procutil` (process helpers).
+- `artifacts` (checkpoints in object storage), `weight_wire` (how a version's weights travel
+  from the trainer's weight server to an inference worker over torch.distributed, and how
+  both check them) and `procutil` (process helpers).
 
 The bottom layer: imports nothing first-party, and never Django or Celery (pyproject.toml's
 import-linter contracts).

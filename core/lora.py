@@ -118,9 +118,16 @@ def attach_adapter(model: nn.Module, path: str | Path, *, trainable: bool = Fals
 def swap_adapter(model: PeftModel, path: str | Path) -> None:
     """Copy the adapter weights of `path` into `model`'s live adapter, in place. Raises
     ValueError when the adapter's shape (rank, targets) differs from the live one."""
-    import torch
-    from peft import LoraConfig, set_peft_model_state_dict
     from safetensors.torch import load_file
+
+    check_adapter_shape(model, path)
+    set_adapter_weights(model, load_file(str(Path(path) / ADAPTER_WEIGHTS)), where=str(path))
+
+
+def check_adapter_shape(model: PeftModel, path: str | Path) -> None:
+    """Raise ValueError when the adapter of `path` has another rank, alpha or targets than
+    `model`'s live one."""
+    from peft import LoraConfig
 
     live = model.peft_config["default"]
     new = LoraConfig.from_pretrained(str(path))
@@ -130,9 +137,15 @@ def swap_adapter(model: PeftModel, path: str | Path) -> None:
                 f"{path}: adapter {field} {getattr(new, field)!r} differs from the live "
                 f"adapter's {getattr(live, field)!r}"
             )
-    state = load_file(str(Path(path) / ADAPTER_WEIGHTS))
+
+
+def set_adapter_weights(model: PeftModel, state: dict, *, where: str) -> None:
+    """Copy an adapter file's tensors (`state`, as peft saves them) into the live adapter."""
+    import torch
+    from peft import set_peft_model_state_dict
+
     with torch.no_grad():
         result = set_peft_model_state_dict(model, state)
     unexpected = list(getattr(result, "unexpected_keys", []))
     if unexpected:
-        raise ValueError(f"{path}: adapter weights do not fit ({unexpected[:3]})")
+        raise ValueError(f"{where}: adapter weights do not fit ({unexpected[:3]})")

@@ -3,6 +3,8 @@
     policy = load_policy("policies/tiny-grounded")        # or a LoRA adapter directory
     save_checkpoint(policy, "checkpoints/run-1/v3")
     load_weights_into(policy, "checkpoints/run-1/v4")    # in place, same architecture
+    staged = stage_weights(policy, "checkpoints/run-1/v5")  # beside the live weights...
+    install_weights(policy, staged)                      # ...swapped in between forward passes
 
 Works for the tiny policy (Qwen3-VL architecture, patch 14) and for any local Qwen2-VL /
 Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B); nothing is downloaded. Released Qwen3-VL
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -34,7 +36,15 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from core.imaging import ImageGeometry
-from core.lora import adapter_base, attach_adapter, is_adapter_dir, is_peft_model, swap_adapter
+from core.lora import (
+    ADAPTER_WEIGHTS,
+    adapter_base,
+    attach_adapter,
+    check_adapter_shape,
+    is_adapter_dir,
+    is_peft_model,
+    set_adapter_weights,
+)
 from core.prompt_counter import chat_template_of
 from core.vision_attention import use_packed_vision_attention
 
@@ -150,42 +160,93 @@ def save_checkpoint(
     return out
 
 
+@dataclass
+class StagedWeights:
+    """Weights loaded beside the live ones, ready for `install_weights` to swap in.
+
+    `tensors` are by the live model's parameter names (the plain model's for "full", the
+    peft model's for "adapter"), already in each parameter's dtype and on its device, except
+    for an adapter directory's (`adapter_dir`), which keep the file's names for peft."""
+
+    kind: Literal["full", "adapter"]
+    tensors: dict[str, torch.Tensor]
+    source: str  # where they came from, for logs and replies
+    path: Path | None = None  # the directory they were read from (None: pulled over the network)
+    adapter_dir: Path | None = None  # a LoRA adapter directory: peft maps and attaches it
+
+
 @torch.no_grad()
 def load_weights_into(policy: Policy, checkpoint_dir: str | Path) -> None:
-    """Copy the weights of `checkpoint_dir` (same architecture) into policy.model in place.
-    An adapter directory swaps only the adapter (`core.lora`); a full checkpoint after an
-    adapter drops the adapter first.
+    """Copy the weights of `checkpoint_dir` (same architecture) into policy.model in place:
+    `stage_weights` then `install_weights`, for a caller with no one generating meanwhile."""
+    install_weights(policy, stage_weights(policy, checkpoint_dir))
 
-    The checkpoint is loaded through from_pretrained (which maps saved key names to module
-    names) on the CPU, then copied into the live parameters (on whatever device they are);
-    peak host memory is one extra copy of the weights. Raises ValueError when the architectures differ.
+
+@torch.no_grad()
+def stage_weights(policy: Policy, checkpoint_dir: str | Path) -> StagedWeights:
+    """Load `checkpoint_dir`'s weights beside the live ones without touching the model (so
+    generation goes on meanwhile). An adapter directory stages only the adapter (`core.lora`).
+
+    A full checkpoint is loaded through from_pretrained (which maps saved key names to module
+    names) on the CPU, in the live weights' dtype, then moved to their device: peak memory is
+    one extra copy of the weights. Raises ValueError when the architectures differ.
     """
+    checkpoint_dir = Path(checkpoint_dir)
     if is_adapter_dir(checkpoint_dir):
-        _load_adapter_into(policy, Path(checkpoint_dir))
-        return
-    if is_peft_model(policy.model):  # a full checkpoint after adapters: plain again
-        policy.model = policy.model.unload()
-    model = policy.model
+        return _stage_adapter(policy, checkpoint_dir)
+    model: PreTrainedModel = (
+        policy.model.get_base_model() if is_peft_model(policy.model) else policy.model  # type: ignore[assignment]
+    )
+    live = next(model.parameters())
     fresh = type(model).from_pretrained(  # type: ignore[attr-defined]
-        checkpoint_dir, local_files_only=True, dtype=next(model.parameters()).dtype
+        checkpoint_dir, local_files_only=True, dtype=live.dtype
     )
     if fresh.config.to_dict() != model.config.to_dict():
         diff = _config_diff(fresh.config.to_dict(), model.config.to_dict())
         if diff:
             raise ValueError(f"{checkpoint_dir} has another architecture: {diff}")
-    missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
-    if missing or unexpected:
+    tensors = {name: p.detach().to(live.device) for name, p in fresh.named_parameters()}
+    return StagedWeights("full", tensors, str(checkpoint_dir), path=checkpoint_dir)
+
+
+@torch.no_grad()
+def install_weights(policy: Policy, staged: StagedWeights) -> None:
+    """Swap `staged` in. Call where no forward pass runs meanwhile (the server's generation
+    thread, between batches): full weights and pulled adapters swap pointers (microseconds a
+    tensor), an adapter directory is copied into the live adapter (megabytes). Raises
+    ValueError, before changing anything, when the names do not fit the model.
+
+    A full checkpoint after an adapter drops the adapter first."""
+    if staged.adapter_dir is not None:
+        _install_adapter(policy, staged)
+        return
+    if staged.kind == "full" and is_peft_model(policy.model):  # full weights after adapters
+        policy.model = policy.model.unload()
+    live = dict(policy.model.named_parameters())
+    wanted = set(live) if staged.kind == "full" else {n for n in live if "lora_" in n}
+    if set(staged.tensors) != wanted:
+        missing, unexpected = (
+            sorted(wanted - set(staged.tensors)),
+            sorted(set(staged.tensors) - wanted),
+        )
         raise ValueError(
-            f"{checkpoint_dir}: weights do not match the model "
+            f"{staged.source}: weights do not match the model "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    del fresh
-    policy.path = policy.base = Path(checkpoint_dir)
+    for name, tensor in staged.tensors.items():
+        if tensor.shape != live[name].shape or tensor.dtype != live[name].dtype:
+            raise ValueError(f"{staged.source}: {name} is {tensor.dtype}{list(tensor.shape)}")
+    for name, tensor in staged.tensors.items():
+        live[name].data = tensor
+    if staged.path is not None:
+        policy.path = policy.base = staged.path
 
 
-def _load_adapter_into(policy: Policy, adapter_dir: Path) -> None:
-    """Swap the adapter in place (or attach it to the plain base); the base must be the one
-    the adapter was trained on."""
+def _stage_adapter(policy: Policy, adapter_dir: Path) -> StagedWeights:
+    """An adapter directory's weights, read; the base must be the one the adapter was trained
+    on, and a live adapter must have its shape (rank, targets)."""
+    from safetensors.torch import load_file
+
     base = adapter_base(adapter_dir).resolve()
     assert policy.base is not None
     if base != policy.base.resolve():
@@ -193,10 +254,21 @@ def _load_adapter_into(policy: Policy, adapter_dir: Path) -> None:
             f"{adapter_dir} adapts {base}, but this policy's base is {policy.base.resolve()}"
         )
     if policy.has_adapter:
-        swap_adapter(policy.model, adapter_dir)  # type: ignore[arg-type]
+        check_adapter_shape(policy.model, adapter_dir)  # type: ignore[arg-type]
+    tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    return StagedWeights(
+        "adapter", tensors, str(adapter_dir), path=adapter_dir, adapter_dir=adapter_dir
+    )
+
+
+def _install_adapter(policy: Policy, staged: StagedWeights) -> None:
+    """Copy a staged adapter directory into the live adapter, or attach it to the plain base."""
+    assert staged.adapter_dir is not None
+    if policy.has_adapter:
+        set_adapter_weights(policy.model, staged.tensors, where=staged.source)  # type: ignore[arg-type]
     else:
-        policy.model = attach_adapter(policy.model, adapter_dir).eval()  # type: ignore[assignment]
-    policy.path = adapter_dir
+        policy.model = attach_adapter(policy.model, staged.adapter_dir).eval()  # type: ignore[assignment]
+    policy.path = staged.adapter_dir
 
 
 def _config_diff(a: dict, b: dict) -> list[str]:

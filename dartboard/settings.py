@@ -4,6 +4,7 @@ Variables: DARTBOARD_HOME, DATABASE_URL, REDIS_URL, SECRET_KEY, DARTBOARD_ENV, A
 DARTBOARD_S3_BUCKET (+ AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
 DARTBOARD_DEBUG, DARTBOARD_LEASE_TTL_S, DARTBOARD_WATCHDOG_PERIOD_S, DARTBOARD_WATCHDOG_GRACE_S,
 DARTBOARD_DB_RETRY_S, DARTBOARD_REDIS_RETRY_S, DARTBOARD_ARTIFACTS, DARTBOARD_ARTIFACT_CACHE,
+DARTBOARD_WEIGHT_SERVER,
 DARTBOARD_WANDB_PROJECT (+ W&B's own WANDB_MODE, WANDB_DIR, WANDB_API_KEY, WANDB_ENTITY),
 DARTBOARD_MLFLOW_TRACKING_URI, DARTBOARD_MLFLOW_EXPERIMENT.
 See docs/configuration.md.
@@ -318,6 +319,12 @@ except config_env.SettingsError as exc:
 DARTBOARD_ARTIFACT_CACHE = Path(
     os.environ.get("DARTBOARD_ARTIFACT_CACHE") or DARTBOARD_HOME / "artifact-cache"
 )
+# The address the trainer's weight server listens on, which inference workers pull new
+# versions from over torch.distributed (training/weight_server.py): the trainer host's, as
+# the inference hosts reach it. "off": workers load every version from its checkpoint.
+DARTBOARD_WEIGHT_SERVER = (os.environ.get("DARTBOARD_WEIGHT_SERVER") or "127.0.0.1").strip()
+if DARTBOARD_WEIGHT_SERVER == "off":
+    DARTBOARD_WEIGHT_SERVER = ""
 DARTBOARD_CHECKPOINT_ROOTS = [
     str(CHECKPOINT_ROOT),
     str(BASE_DIR / "policies"),

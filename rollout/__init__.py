@@ -5,7 +5,9 @@
 - `router` and `router_state`: least-loaded routing over the workers and the rolling weight
   sync; `registration`: a worker that joins a router by itself;
 - `asgi` and `auth`: the HTTP edge and the tokens the three servers share; `checkpoints`:
-  where a worker's weights may come from; `local_server`: a worker as a child process;
+  where a worker's weights may come from; `reloads`: what a reload asks for;
+  `weight_receive`: pulling a version from the trainer's weight server into a staging
+  buffer; `local_server`: a worker as a child process;
   `zygote`: workers forked from a process that imported them once (how every one starts);
 - `client`: `PolicyClient`, what an episode calls, and the router's admin client;
 - `episode`: one multi-turn episode (reset, prompt, policy, parse, step, record).

@@ -29,13 +29,16 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
 from core.completion import Completion
 from core.imaging import ImageGeometry
 from rollout.auth import ADMIN_ENV, bearer, client_token
+
+if TYPE_CHECKING:
+    from core.weight_wire import WeightSource
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -211,9 +214,16 @@ class RouterAdmin(_HttpClient):
         self._call("DELETE", "/admin/workers", params={"url": url})
 
     def sync(
-        self, checkpoint: str, version: int, *, run: int | None = None, rolling: bool = True
+        self,
+        checkpoint: str,
+        version: int,
+        *,
+        run: int | None = None,
+        rolling: bool = True,
+        weights: WeightSource | None = None,
     ) -> dict[str, Any]:
-        """Publish `version` (of `run`); returns at once, the rollout runs in the router."""
+        """Publish `version` (of `run`); returns at once, the rollout runs in the router.
+        `weights`: the trainer's weight server holding it (workers pull it from there)."""
         body: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "version": version,
@@ -221,6 +231,8 @@ class RouterAdmin(_HttpClient):
         }
         if run is not None:
             body["run"] = run
+        if weights is not None:
+            body["weights"] = weights.to_json()
         return self._call("POST", "/admin/sync", json=body)
 
     def workers(self) -> list[WorkerInfo]:

@@ -17,12 +17,17 @@ Endpoints:
   the router's own cost (bench/overhead.py).
 - POST /admin/workers {"url"}: register; DELETE /admin/workers {"url"} (or ?url=): unregister;
   GET /admin/workers: [{url, status, in_flight, policy_version, served, ...}].
-- POST /admin/sync {"checkpoint", "version", "run"?, "rolling"?}: weight sync in the
-  background. Rolling (default), for each worker in turn: draining (no new requests
-  routed), wait for its in-flight requests, POST /v1/reload, wait until its /health reports
-  the version, active again. rolling=false (the synchronous baseline) drains every worker
-  first, then reloads them all. A newer sync supersedes an older one; within a run an older
-  version than the target is refused (409); a new `run` starts its own version numbering.
+- POST /admin/sync {"checkpoint", "version", "run"?, "rolling"?, "weights"?}: weight sync in
+  the background. Rolling (default), for each worker in turn: POST /v1/reload, wait until
+  its /health reports the version. A worker that swaps live (its /health says
+  `swaps_live`: the transformers server) goes on serving meanwhile; any other is drained
+  first (no new requests routed, its in-flight ones finish) and active again after.
+  rolling=false (the synchronous baseline) drains every such worker first, then reloads
+  them all. `weights` {"host", "port", "digest", "key"}: the trainer's weight server holding
+  the version (`training.weight_server`); workers that pull weights get it, and the
+  checkpoint only when the pull fails. A newer sync supersedes an older one; within a run
+  an older version than the target is refused (409); a new `run` starts its own version
+  numbering.
 - GET /health: {"status": "up"} or {"status": "down"} (an active worker or none), open to
   probes; with a token of the router, {"status", "workers", "target_version", "syncing",
   "active"};
@@ -55,6 +60,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.artifacts import ArtifactError, ArtifactRef, is_ref
+from core.weight_wire import WeightSource, WireError
 from rollout.asgi import (
     JSONReply,
     RequestError,
@@ -149,9 +155,15 @@ def build_app(router: Router, *, tokens: ServiceTokens) -> TokenGate:
             raise RequestError("run must be an integer (or left out)", param="run")
         if not isinstance(rolling, bool):
             raise RequestError("rolling must be true or false", param="rolling")
+        weights = None
+        if body.get("weights") is not None:
+            try:
+                weights = WeightSource.from_json(body["weights"], version=version)
+            except WireError as exc:
+                raise RequestError(str(exc), param="weights") from None
         try:
             state = router.request_sync(
-                checkpoint=checkpoint, version=version, run=run, rolling=rolling
+                checkpoint=checkpoint, version=version, run=run, rolling=rolling, weights=weights
             )
         except SyncRejected as exc:
             return error_reply(409, str(exc), param="version")

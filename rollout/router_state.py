@@ -2,6 +2,12 @@
 and the rolling, one-worker-at-a-time weight sync. `rollout.router` serves it over HTTP (its
 module doc lists the endpoints and how to run it); `rollout.client.RouterAdmin` drives it.
 
+A worker whose /health says `swaps_live` (the transformers server) loads a version beside
+the live one and swaps it in between batches: the sync reloads it while it stays active,
+drained by nobody. Other workers (vLLM's full-weight reload) are drained first. A worker
+that says `pulls_weights` is sent the trainer's weight server, when the sync names one, and
+the checkpoint only if that pull fails.
+
 A worker's status is a `rollout.client.WorkerStatus` (what each one means is said there). A
 background prober polls every worker's /health and brings suspect and dead workers back. No
 Django here: the router runs on inference hosts without the database.
@@ -20,6 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
+from core.weight_wire import WeightSource
 from rollout.asgi import error_body
 from rollout.auth import ServiceTokens, bearer
 from rollout.client import WorkerInfo, WorkerStatus
@@ -65,6 +72,8 @@ class _Worker:
     retry_reload_at: float = 0.0  # its store was unreachable: retry no sooner (monotonic)
     loaded_run: int | None = None  # the run whose checkpoint the router loaded here (None: unknown)
     model: str = ""  # the name its /health reports
+    swaps_live: bool = False  # reloads with no pause: never drained (its /health says so)
+    pulls_weights: bool = False  # takes weights from the trainer's weight server
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -103,6 +112,7 @@ class Router:
         self.target_version: int | None = None
         self.target_run: int | None = None  # versions count per run; a new run starts anew
         self.checkpoint: str | None = None
+        self.weights: WeightSource | None = None  # where the target can be pulled from
         self.rolling = True  # False: every worker reloads at once (synchronous baseline)
         self.syncing = False
         self._workers: dict[str, _Worker] = {}
@@ -184,10 +194,11 @@ class Router:
     def _event(
         self,
         worker: _Worker,
-        status: WorkerStatus | Literal["registered", "unregistered"],
+        status: WorkerStatus | Literal["registered", "unregistered", "swapped"],
         detail: str = "",
     ) -> None:
-        """Record a status change (or a registration). Caller holds _cond."""
+        """Record a status change (or a registration, or a version swapped in while the
+        worker served). Caller holds _cond."""
         if isinstance(status, WorkerStatus):
             if worker.status == status:
                 return
@@ -351,6 +362,8 @@ class Router:
                 worker.model = health["model"]
             if isinstance(health.get("policy_version"), int):
                 worker.policy_version = health["policy_version"]
+            worker.swaps_live = health.get("swaps_live") is True
+            worker.pulls_weights = health.get("pulls_weights") is True
             if health.get("status", "ok") != "ok":
                 self._event(worker, WorkerStatus.SUSPECT, f"worker reports {health.get('status')}")
             elif worker.status != WorkerStatus.ACTIVE and self._needs_reload(worker):
@@ -378,9 +391,16 @@ class Router:
     # --------------------------------------------------------- weight sync
 
     def request_sync(
-        self, *, checkpoint: str, version: int, run: int | None = None, rolling: bool = True
+        self,
+        *,
+        checkpoint: str,
+        version: int,
+        run: int | None = None,
+        rolling: bool = True,
+        weights: WeightSource | None = None,
     ) -> dict[str, Any]:
         """Set the target version; the sync thread rolls it out (module doc). Non-blocking.
+        `weights`: the trainer's weight server holding it (workers that pull try it first).
 
         Within one run the policy never moves backwards; a different `run` starts its own
         numbering (its workers reload even at a lower version number)."""
@@ -408,6 +428,7 @@ class Router:
             self.target_version = version
             self.target_run = run if run is not None else self.target_run
             self.checkpoint = checkpoint
+            self.weights = weights
             self.rolling = rolling
             self.syncing = any(self._needs_reload(w) for w in self._workers.values())
             self._cond.notify_all()
@@ -415,6 +436,7 @@ class Router:
                 "target_version": version,
                 "run": self.target_run,
                 "checkpoint": checkpoint,
+                "weights": weights.address if weights is not None else None,
                 "rolling": rolling,
                 "syncing": self.syncing,
             }
@@ -430,6 +452,7 @@ class Router:
                     self._cond.wait(timeout=1.0)
                     continue
                 checkpoint, version, rolling = self.checkpoint, self.target_version, self.rolling
+                weights = self.weights
                 batch = (
                     [worker]
                     if rolling
@@ -441,11 +464,12 @@ class Router:
                     ]
                 )
             assert checkpoint is not None and version is not None
-            # Rolling: one worker drains and reloads while the others serve. All at once (the
-            # synchronous baseline): every worker drains first, then all reload.
-            drained = [w for w in batch if self._drain(w, version=version)]
-            for w in drained:
-                self._reload(w, checkpoint=checkpoint, version=version)
+            # Rolling: one worker reloads while the others serve. All at once (the
+            # synchronous baseline): every worker is drained first, then all reload. A worker
+            # that swaps live is drained by neither.
+            ready = [w for w in batch if w.swaps_live or self._drain(w, version=version)]
+            for w in ready:
+                self._reload(w, checkpoint=checkpoint, version=version, weights=weights)
 
     def _next_to_sync(self) -> _Worker | None:
         """A worker behind the target: idle stale ones first, then the least-loaded active.
@@ -478,23 +502,33 @@ class Router:
                 return False
             return True
 
-    def _reload(self, worker: _Worker, *, checkpoint: str, version: int) -> None:
-        """Load `version` on a drained worker, wait for it to report it, reactivate it."""
+    def _reload(
+        self, worker: _Worker, *, checkpoint: str, version: int, weights: WeightSource | None
+    ) -> None:
+        """Load `version` on `worker` (drained, or one that swaps live and goes on serving),
+        wait for it to report it, make it active: pulled from `weights` where the worker
+        pulls, else (or when the pull fails) from `checkpoint`."""
         with self._cond:
-            self._event(worker, WorkerStatus.LOADING, f"v{version} from {checkpoint}")
+            live = worker.swaps_live and worker.status == WorkerStatus.ACTIVE
+            pull = weights is not None and worker.pulls_weights
+            where = f"the weight server {weights.address}" if pull and weights else checkpoint
+            if not live:
+                self._event(worker, WorkerStatus.LOADING, f"v{version} from {where}")
             run = self.target_run
         started = time.monotonic()
-        try:
-            response = self._http.post(
-                f"{worker.url}/v1/reload",
-                json={"checkpoint": checkpoint, "version": version},
-                headers=self._admin,
-                timeout=self.reload_timeout,
-            )
-        except httpx.HTTPError as exc:
-            with self._cond:
-                worker.last_error = f"reload: {type(exc).__name__}: {exc}"
-                self._event(worker, WorkerStatus.DEAD, worker.last_error)
+        response = None
+        if pull and weights is not None:
+            body = {"version": version, "weights": weights.to_json()}
+            response = self._post_reload(worker, body)
+            if response is not None and response.status_code not in (200, 409):
+                failure = _json_or_error(response).get("error", {}).get("message", "")
+                log.warning(
+                    "%s: pull of v%d failed (%s); its checkpoint next", worker.url, version, failure
+                )
+                response = None  # the checkpoint, which the trainer also published
+        if response is None:
+            response = self._post_reload(worker, {"checkpoint": checkpoint, "version": version})
+        if response is None:
             return
         if response.status_code not in (200, 409):  # 409: a reload already runs there
             with self._cond:
@@ -509,7 +543,31 @@ class Router:
         with self._cond:
             worker.loaded_run = run
         self._await_version(worker, version=version)
-        log.info("%s reached v%d in %.1f s", worker.url, version, time.monotonic() - started)
+        reply = _json_or_error(response)
+        origin = "the weight server" if reply.get("source") == "weights" else "the checkpoint"
+        detail = (
+            f"v{version} from {origin} in {time.monotonic() - started:.2f} s, generation "
+            f"paused {reply.get('swap_ms', '?')} ms"
+        )
+        log.info("%s: %s", worker.url, detail)
+        if live:
+            with self._cond:
+                self._event(worker, "swapped", detail)
+
+    def _post_reload(self, worker: _Worker, body: dict[str, Any]) -> httpx.Response | None:
+        """POST /v1/reload; None (the worker marked dead) when it does not answer."""
+        try:
+            return self._http.post(
+                f"{worker.url}/v1/reload",
+                json=body,
+                headers=self._admin,
+                timeout=self.reload_timeout,
+            )
+        except httpx.HTTPError as exc:
+            with self._cond:
+                worker.last_error = f"reload: {type(exc).__name__}: {exc}"
+                self._event(worker, WorkerStatus.DEAD, worker.last_error)
+            return None
 
     def _await_version(self, worker: _Worker, *, version: int) -> None:
         deadline = time.monotonic() + 60

@@ -12,13 +12,19 @@ Endpoints:
   chat.completion; each logprobs entry also carries `token_id`, and the body adds
   `policy_version` and `mean_entropy` (with return_token_ids, as vLLM does, the prompt's
   `prompt_token_ids`, image pads expanded, and the choice's `token_ids`). Log-probs are those of the model at temperature 1.
-- POST /v1/reload {"checkpoint": dir, "version": int}: stops taking requests (503 +
-  Retry-After), finishes the accepted ones, copies the new weights in, resumes. A LoRA
-  adapter directory (`core.lora`) swaps only the adapter's weights (megabytes) into the live
-  model; its base must be the one served.
-- GET /health: {"status": "ok"|"draining"|"loading", "policy_version", "in_flight",
-  "queued", "pid", ...}; GET /v1/models: the served model (--model-name, else the
-  directory's name).
+- POST /v1/reload {"version": int, "checkpoint": dir} or {"version": int, "weights":
+  {"host", "port", "digest", "key"}}: loads the new weights beside the live ones while
+  serving goes on (from the checkpoint, or pulled from the trainer's weight server over
+  torch.distributed, `rollout.weight_receive`), then the generation thread swaps them in
+  between two batches: nobody is drained or refused, a batch under way finishes on the
+  weights it began with, and the version every reply reports is the one it was generated
+  with. The reply: {"policy_version", "reload_s", "swap_ms" (how long generation paused),
+  "source", "bytes"}. A LoRA adapter directory (`core.lora`) swaps only the adapter's weights
+  (megabytes); its base must be the one served. A pull that fails (502) or does not fit
+  this model (422) leaves the live weights and version as they were.
+- GET /health: {"status": "ok", "policy_version", "reloading" (the version being loaded, or
+  null), "swaps_live": true, "pulls_weights": true, "in_flight", "queued", "pid", ...};
+  GET /v1/models: the served model (--model-name, else the directory's name).
 
 Starlette on uvicorn (`rollout.asgi`): every route but /health needs a token
 (DARTBOARD_INFERENCE_TOKEN; DARTBOARD_ADMIN_TOKEN for /v1/reload, `rollout.auth`), a
@@ -57,11 +63,11 @@ from PIL import Image
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core.artifacts import ArtifactError, is_ref
+from core.artifacts import is_ref
 from core.encoding import prompt_token_count, to_qwen_messages
 from core.generation import generate
-from core.lora import is_adapter_dir
-from core.policy import load_policy, load_weights_into
+from core.policy import StagedWeights, install_weights, load_policy
+from core.weight_wire import WeightSource, WireError, WireMismatch
 from rollout.asgi import (
     JSONReply,
     RequestError,
@@ -75,10 +81,12 @@ from rollout.asgi import (
     worker_app,
 )
 from rollout.auth import ROOTS_ENV, ServiceTokens, checkpoint_roots, service_tokens
-from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
+from rollout.checkpoints import CheckpointSource, add_store_options
 from rollout.client import PROMPT_TOO_LONG
 from rollout.limits import MAX_BATCH
 from rollout.registration import add_registration_options, start_registration
+from rollout.reloads import ReloadRefused, local_checkpoint, reload_request
+from rollout.weight_receive import WeightReceiver
 
 log = logging.getLogger("rollout.server")
 
@@ -175,6 +183,42 @@ def parse_chat_request(
     )
 
 
+class ReloadBusy(RuntimeError):
+    """Another reload runs on this worker (a 409)."""
+
+
+@dataclass
+class _Swap:
+    """Staged weights queued for the generation thread, which swaps them in between two
+    batches and sets `done`."""
+
+    staged: StagedWeights
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0  # how long generation waited for the swap
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """One finished reload, as POST /v1/reload answers it."""
+
+    version: int
+    seconds: float  # staging (read or pulled) and the swap
+    swap_ms: float  # the part generation waited for
+    source: str  # "checkpoint" or "weights"
+    bytes: int  # pulled over the network (0 for a checkpoint)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy_version": self.version,
+            "reload_s": round(self.seconds, 3),
+            "swap_ms": round(self.swap_ms, 3),
+            "source": self.source,
+            "bytes": self.bytes,
+        }
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -186,8 +230,9 @@ def _is_number(value: Any) -> bool:
 class InferenceServer:
     """Holds the policy, the request queue, the batching thread and the reload state.
 
-    `_cond` guards status, in_flight, version and the arrival log; a request counts as in flight from the
-    moment it is accepted until its reply is ready, so a reload drains exactly those.
+    The batching thread alone runs the model and swaps weights in (`_Swap` items on the
+    queue), so a swap never meets a batch. `_cond` guards in_flight, version, reloading and
+    the arrival log; `version` is written by the batching thread only.
     """
 
     CONCURRENCY_WINDOW_S = 2.0  # how far back "recently in flight together" looks
@@ -214,15 +259,17 @@ class InferenceServer:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_images = max_images
         self.model_name = model_name or os.path.basename(os.path.normpath(policy_dir))
-        self.status = "ok"
+        self.reloading: int | None = None  # the version being loaded beside the live one
+        self.last_swap_ms = 0.0
         self.in_flight = 0
         self.worker_name = ""
         self.busy_seconds = 0.0  # time spent generating (inference utilisation)
         self.batches_run = 0
         self.requests_served = 0
-        self._queue: queue.Queue[ChatRequest | None] = queue.Queue()
+        self._queue: queue.Queue[ChatRequest | _Swap | None] = queue.Queue()
         self._cond = threading.Condition()
         self._reload_lock = threading.Lock()
+        self.receiver = WeightReceiver()
         self._thread = threading.Thread(target=self._batch_loop, name="batcher", daemon=True)
 
     def start(self) -> None:
@@ -253,15 +300,12 @@ class InferenceServer:
             )
         return request
 
-    def submit(self, request: ChatRequest) -> bool:
-        """Queue a request; False when the server is draining or loading (caller sends 503)."""
+    def submit(self, request: ChatRequest) -> None:
+        """Queue a request (always taken: a reload never refuses one)."""
         with self._cond:
-            if self.status != "ok":
-                return False
             self.in_flight += 1
             self._arrivals.append((time.monotonic(), self.in_flight))
         self._queue.put(request)
-        return True
 
     def finish(self) -> None:
         with self._cond:
@@ -276,8 +320,13 @@ class InferenceServer:
     def health(self) -> dict[str, Any]:
         with self._cond:
             return {
-                "status": self.status,
+                "status": "ok",
                 "policy_version": self.version,
+                "reloading": self.reloading,
+                # What the router reads: no drain before a reload, and weights may be pulled.
+                "swaps_live": True,
+                "pulls_weights": True,
+                "last_swap_ms": self.last_swap_ms,
                 "in_flight": self.in_flight,
                 "queued": self._queue.qsize(),
                 "max_batch": self.max_batch,
@@ -294,7 +343,10 @@ class InferenceServer:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
+            if isinstance(first, _Swap):
+                self._install(first)
+                continue
+            batch, swap = [first], None
             # Wait (at most max_wait) only for as many requests as were recently in flight
             # together: closed-loop clients come back a few ms after their batch, and
             # waiting for them gives full batches; a lone client is never held back.
@@ -312,8 +364,13 @@ class InferenceServer:
                 if item is None:
                     self._queue.put(None)
                     break
+                if isinstance(item, _Swap):  # requests queued after it run on the new weights
+                    swap = item
+                    break
                 batch.append(item)
             self._run_batch(batch)
+            if swap is not None:
+                self._install(swap)
 
     def _recent_concurrency(self) -> int:
         """The most requests in flight at once during the last CONCURRENCY_WINDOW_S."""
@@ -325,6 +382,7 @@ class InferenceServer:
 
     def _run_batch(self, batch: list[ChatRequest]) -> None:
         started = time.monotonic()
+        version = self.version  # this thread alone swaps weights: these generate the batch
         try:
             gens = generate(
                 self.policy,
@@ -336,7 +394,6 @@ class InferenceServer:
                 top_logprobs=max(r.top_logprobs for r in batch),
             )
             with self._cond:
-                version = self.version
                 self.batches_run += 1
                 self.requests_served += len(batch)
                 self.busy_seconds += time.monotonic() - started
@@ -352,28 +409,68 @@ class InferenceServer:
 
     # --------------------------------------------------------- reload
 
-    def reload(self, *, checkpoint: str, version: int) -> float:
-        """Drain, load `checkpoint` into the live model, resume; returns seconds spent.
+    def reload(
+        self, *, version: int, checkpoint: str | None = None, weights: WeightSource | None = None
+    ) -> ReloadResult:
+        """Stage `version` (read from `checkpoint`, or pulled from `weights`) while serving
+        goes on, then have the generation thread swap it in between two batches.
 
-        Raises RuntimeError when another reload runs; a failed load keeps the old weights
-        and version and re-raises.
-        """
+        Raises ReloadBusy when another reload runs; WireError / WireMismatch for a failed pull,
+        and whatever staging or the swap raised otherwise: the live weights and the version
+        stay as they were then."""
         if not self._reload_lock.acquire(blocking=False):
-            raise RuntimeError("a reload is already running")
+            raise ReloadBusy("a reload is already running")
         started = time.monotonic()
         try:
             with self._cond:
-                self.status = "draining"
-                self._cond.wait_for(lambda: self.in_flight == 0)
-                self.status = "loading"
-            load_weights_into(self.policy, checkpoint)
-            with self._cond:
-                self.version = version
-            return time.monotonic() - started
+                self.reloading = version
+            swaps: list[_Swap] = []
+            pulled = self.receiver.load(
+                policy=self.policy,
+                swap=lambda staged: swaps.append(self._swap(staged, version)),
+                checkpoint=checkpoint,
+                weights=weights,
+                worker=self.worker_name,
+            )
+            return ReloadResult(
+                version=version,
+                seconds=time.monotonic() - started,
+                swap_ms=swaps[0].seconds * 1000,
+                source="weights" if weights is not None else "checkpoint",
+                bytes=pulled,
+            )
         finally:
             with self._cond:
-                self.status = "ok"
+                self.reloading = None
             self._reload_lock.release()
+
+    def _swap(self, staged: StagedWeights, version: int) -> _Swap:
+        """Queue `staged` for the generation thread and wait until it is swapped in; raise
+        what the install raised."""
+        swap = _Swap(staged, version)
+        self._queue.put(swap)
+        while not swap.done.wait(timeout=1.0):
+            if not self._thread.is_alive():
+                raise RuntimeError("the server is stopping: nothing was swapped in")
+        if swap.error is not None:
+            raise swap.error
+        return swap
+
+    def _install(self, swap: _Swap) -> None:
+        """In the generation thread, between batches: swap the weights in, then the version
+        (so every reply's version is the weights it was generated with)."""
+        started = time.perf_counter()
+        try:
+            install_weights(self.policy, swap.staged)
+            with self._cond:
+                self.version = swap.version
+        except Exception as exc:  # raised again by the reload that queued it
+            log.exception("installing %s failed", swap.staged.source)
+            swap.error = exc
+        swap.seconds = time.perf_counter() - started
+        with self._cond:
+            self.last_swap_ms = swap.seconds * 1000
+        swap.done.set()
 
 
 def completion_body(request: ChatRequest, result: Any, *, server: InferenceServer) -> dict:
@@ -462,9 +559,7 @@ def build_app(
         loop = asyncio.get_running_loop()
         answered: asyncio.Future[None] = loop.create_future()
         request.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, answered)
-        if not app.submit(request):
-            message = f"worker is {app.status}: retry on another"
-            return _reply(app, error_body(503, message), 503, {"Retry-After": "1"})
+        app.submit(request)
         try:
             await asyncio.wait_for(answered, request_timeout_s)
         except TimeoutError:
@@ -480,45 +575,34 @@ def build_app(
         return _reply(app, {"object": "list", "data": [model_card(app.model_name)]})
 
     async def reload(http: Request) -> Response:
-        body = await json_object(http)
-        named, version = reload_fields(body, source)
+        request = reload_request(await json_object(http), source)
+        kept = f"kept version {app.version}"
         try:
-            checkpoint = await run_blocking(source.local, named)
-        except ArtifactError as exc:
-            message = f"checkpoint not loaded, kept version {app.version}: {exc}"
-            status = fetch_failure_status(exc)
-            return _reply(app, error_body(status, message, param="checkpoint"), status)
-        if not is_adapter_dir(checkpoint) and not os.path.isfile(
-            os.path.join(checkpoint, "config.json")
-        ):
-            raise RequestError(
-                f"checkpoint {checkpoint} is neither a model directory (config.json) nor a "
-                "LoRA adapter (adapter_config.json)",
-                param="checkpoint",
-            )
-        try:
-            seconds = await run_blocking(app.reload, checkpoint=checkpoint, version=version)
-        except RuntimeError as exc:
+            if request.weights is not None:
+                result = await run_blocking(
+                    app.reload, version=request.version, weights=request.weights
+                )
+            else:
+                checkpoint = await run_blocking(local_checkpoint, request, source, kept=kept)
+                result = await run_blocking(
+                    app.reload, version=request.version, checkpoint=checkpoint
+                )
+        except ReloadBusy as exc:
             return _reply(app, error_body(409, str(exc)), 409)
+        except ReloadRefused as exc:
+            return _reply(app, error_body(exc.status, str(exc), param=exc.param), exc.status)
+        except WireError as exc:
+            status = 422 if isinstance(exc, WireMismatch) else 502
+            message = f"weights not pulled, {kept}: {exc}"
+            return _reply(app, error_body(status, message, param="weights"), status)
         except Exception as exc:
-            log.exception("reload from %s failed", checkpoint)
-            message = f"reload failed, kept version {app.version}: {exc}"
+            log.exception("reload to version %d failed", request.version)
+            message = f"reload failed, {kept}: {exc}"
             return _reply(app, error_body(500, message), 500)
-        return _reply(app, {"policy_version": version, "reload_s": round(seconds, 3)})
+        return _reply(app, result.to_json())
 
     endpoints = (health, models, chat, reload)
     return worker_app(endpoints, tokens=tokens, threads=(app.start, app.stop))
-
-
-def reload_fields(body: dict[str, Any], source: CheckpointSource) -> tuple[str, int]:
-    """The checkpoint (under a root, or an artifact reference) and version a reload names."""
-    checkpoint, version = body.get("checkpoint"), body.get("version")
-    if not isinstance(checkpoint, str) or not checkpoint:
-        raise RequestError("checkpoint must be a directory path string", param="checkpoint")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise RequestError("version must be an integer", param="version")
-    source.check(checkpoint)
-    return checkpoint, version
 
 
 def main(argv: list[str] | None = None) -> None:

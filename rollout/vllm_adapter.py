@@ -47,7 +47,6 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core.artifacts import ArtifactError
 from core.generation import NEVER_GENERATED
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
@@ -70,10 +69,11 @@ from rollout.auth import (
     checkpoint_roots,
     service_tokens,
 )
-from rollout.checkpoints import CheckpointSource, add_store_options, fetch_failure_status
+from rollout.checkpoints import CheckpointSource, add_store_options
 from rollout.client import PROMPT_TOO_LONG
 from rollout.registration import add_registration_options, start_registration
-from rollout.server import MAX_IMAGES, parse_chat_request, reload_fields
+from rollout.reloads import ReloadRefused, local_checkpoint, reload_request
+from rollout.server import MAX_IMAGES, parse_chat_request
 
 log = logging.getLogger("rollout.vllm_adapter")
 
@@ -352,14 +352,16 @@ def build_app(adapter: Adapter, *, tokens: ServiceTokens, source: CheckpointSour
         return JSONReply(reply, status)
 
     async def reload(http: Request) -> Response:
-        named, version = reload_fields(await json_object(http), source)
+        request = reload_request(await json_object(http), source)
+        if request.weights is not None:  # its /health does not say pulls_weights
+            message = "this worker loads weights from a checkpoint only"
+            return error_reply(422, message, param="weights")
+        kept = f"kept version {adapter.version}"
         try:
-            checkpoint = await run_blocking(source.local, named)
-        except ArtifactError as exc:
-            message = f"checkpoint not loaded, kept version {adapter.version}: {exc}"
-            status = fetch_failure_status(exc)
-            return error_reply(status, message, param="checkpoint")
-        status, reply = await run_blocking(adapter.reload, checkpoint, version)
+            checkpoint = await run_blocking(local_checkpoint, request, source, kept=kept)
+        except ReloadRefused as exc:
+            return error_reply(exc.status, str(exc), param=exc.param)
+        status, reply = await run_blocking(adapter.reload, checkpoint, request.version)
         return JSONReply(reply, status)
 
     endpoints = (health, models, chat, reload)

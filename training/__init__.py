@@ -3,7 +3,8 @@
 - `config`: the run's trainer and curation settings, one object each from the run form to
   the optimizer (no torch: the web checks run settings with it);
 - `trainer`: `PolicyTrainer` holds the model, its frozen reference and the optimizer, runs
-  updates and saves versions; `update`: one step-level GRPO update with DART's curation
+  updates and saves versions; `weight_server`: the newest version held in memory and sent to
+  the inference workers that pull it; `update`: one step-level GRPO update with DART's curation
   (`update_plan`: which steps train; `old_logprobs`: pi_old, the reference and IS weights);
 - `replicas`, `replica_group`, `sharding`: data-parallel replicas and FSDP2 over GPUs;
 - `tiny_policy`, `pretrain`, `synthetic`, `synthetic_desktop`: the tiny CPU policy, built

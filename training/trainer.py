@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -405,6 +405,27 @@ class PolicyTrainer:
                 shared.unlink(missing_ok=True)
         self.state.updates += 1
         return metrics
+
+    def served_weights(self) -> tuple[Literal["full", "adapter"], dict[str, Tensor]]:
+        """What inference workers serve of the weights held now, by parameter name (views,
+        not copies): the adapters' under LoRA, else every weight. A sharded trainer holds
+        only its shard (it syncs by checkpoint): ValueError."""
+        if self.sharded:
+            raise ValueError("a sharded trainer's weights exist whole only when gathered")
+        if self.config.lora() is not None:
+            return "adapter", {
+                n: p.detach() for n, p in self.policy.model.named_parameters() if p.requires_grad
+            }
+        return "full", {n: p.detach() for n, p in self.policy.model.named_parameters()}
+
+    @property
+    def served_dtype(self) -> torch.dtype | None:
+        """The dtype full weights travel to inference workers in: bf16 from a GPU trainer
+        (its workers serve bf16), else as held (fp32: what a CPU worker serves, so what it
+        receives equals what the checkpoint gives). Adapters travel as held (None)."""
+        if self.config.lora() is None and self.device.startswith("cuda"):
+            return torch.bfloat16
+        return None
 
     def full_state(self) -> tuple[dict[str, Tensor] | None, dict]:
         """The weights to write (None: the model's own) and the optimizer state, unsharded.

@@ -3,7 +3,9 @@
 Waits for ready groups (and says on the run what it waits for: it never hangs silently),
 builds a batch, updates the model, records the update, and every `checkpoint_every`
 updates publishes a PolicyVersion that the router syncs to the inference workers one at a
-time. A restarted trainer resumes from the newest published checkpoint.
+time: pulled from the run's weight server in this process (`training.weight_server`, at
+DARTBOARD_WEIGHT_SERVER) by the workers that pull, from its checkpoint by the others. A
+restarted trainer resumes from the newest published checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
+from core.weight_wire import WeightSource
 from datamanager.config import RunConfig
 from datamanager.events import publish_on_commit
 from datamanager.live_work import trainer_work, work_enqueue
@@ -44,6 +47,7 @@ from training.memory_plan import budget_sample
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer, version_dir
 from training.update import UpdateInterrupted
+from training.weight_server import WeightServer
 from workers.artifacts import (
     checkpoint_restore,
     checkpoint_upload,
@@ -60,6 +64,7 @@ log = logging.getLogger("dartboard.trainer")
 
 _TRAINERS: dict[int, PolicyTrainer] = {}  # one per run in this worker process
 _GROUPS: dict[int, ReplicaGroup] = {}  # a run's trainer replicas (trainer.replicas > 1)
+_WEIGHT_SERVERS: dict[int, WeightServer] = {}  # a run's newest version, served to its workers
 
 SLICE_SECONDS = 600.0
 RETRY_SECONDS = 30.0
@@ -104,6 +109,9 @@ def trainer_forget(*, run_id: int) -> None:
     group = _GROUPS.pop(run_id, None)
     if group is not None:
         group.close()
+    server = _WEIGHT_SERVERS.pop(run_id, None)
+    if server is not None:  # its workers load the versions they lack from checkpoints
+        server.close()
 
 
 def trainer_held(*, run_id: int) -> PolicyTrainer | None:
@@ -170,14 +178,48 @@ def run_loop(
     return "time slice over"
 
 
+def weights_serve(*, run_id: int, trainer: PolicyTrainer, version: int) -> WeightSource | None:
+    """Serve the weights the trainer holds now as `version` from this process's weight
+    server for the run (started on first use), so workers pull them over the network; None
+    where none runs (DARTBOARD_WEIGHT_SERVER off, or a sharded trainer). A failure is said
+    on the run and leaves the checkpoint as the only way: a sync never waits on it."""
+    if not settings.DARTBOARD_WEIGHT_SERVER or trainer.sharded:
+        return None
+    try:
+        server = _WEIGHT_SERVERS.get(run_id)
+        if server is None:
+            server = _WEIGHT_SERVERS[run_id] = WeightServer(host=settings.DARTBOARD_WEIGHT_SERVER)
+        kind, tensors = trainer.served_weights()
+        return server.publish(
+            version=version, kind=kind, tensors=tensors, dtype=trainer.served_dtype
+        )
+    except Exception as exc:
+        log.warning(
+            "run %s: version %s not served over the network", run_id, version, exc_info=True
+        )
+        run_set_message(
+            run_id=run_id,
+            message=f"version {version} not served over the network ({type(exc).__name__}: "
+            f"{exc}); inference workers load its checkpoint",
+        )
+        return None
+
+
 def policy_version_publish(
-    *, run: Run, version: int, checkpoint: Path, artifact: str = "", rolling: bool = True
+    *,
+    run: Run,
+    version: int,
+    checkpoint: Path,
+    artifact: str = "",
+    rolling: bool = True,
+    weights: WeightSource | None = None,
 ) -> PolicyVersion:
     """Publish a trained version; call inside the update's transaction. After commit the
     router loads it (one worker at a time, or all at once for the synchronous baseline,
-    which then waits for it): by its artifact reference, so every inference host fetches
-    it from the store. The run's next scheduled evaluation is enqueued unless one is under
-    way (`datamanager.services.evaluations.eval_schedule_next`)."""
+    which then waits for it): pulled from `weights` (this process's weight server) by the
+    workers that pull, else by its artifact reference, so every inference host fetches it
+    from the store. The run's next scheduled evaluation is enqueued unless one is under way
+    (`datamanager.services.evaluations.eval_schedule_next`)."""
     published = policy_version_create(
         run=run, version=version, checkpoint=checkpoint, artifact=artifact
     )
@@ -189,6 +231,7 @@ def policy_version_publish(
             checkpoint=artifact or checkpoint,
             version=version,
             rolling=rolling,
+            weights=weights,
         )
     )
     return published
@@ -241,6 +284,11 @@ def update_and_publish(
             exc=exc,
         )
         return
+    weights = (
+        weights_serve(run_id=run.pk, trainer=trainer, version=trained_version + 1)
+        if path is not None
+        else None
+    )
     with transaction.atomic():
         update = batches.batch_commit(
             run=run, batch=batch, metrics=metrics, trained_version=trained_version, kind=kind
@@ -252,6 +300,7 @@ def update_and_publish(
                 checkpoint=path,
                 artifact=artifact,
                 rolling=rolling,
+                weights=weights,
             )
         publish_on_commit(
             run_id=run.pk, kind="update", data={"number": update.number, "metrics": update.metrics}

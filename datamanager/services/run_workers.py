@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -40,6 +41,9 @@ from datamanager.services.runs import (
 )
 from datamanager.services.versions import policy_version_add_reach
 from rollout.client import RouterAdmin
+
+if TYPE_CHECKING:
+    from core.weight_wire import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +151,26 @@ def run_orphans_abort(*, run_id: int, cfg: RunConfig) -> int:
     )
 
 
-def router_sync(*, run_id: int, checkpoint: str | Path, version: int, rolling: bool = True) -> None:
+def router_sync(
+    *,
+    run_id: int,
+    checkpoint: str | Path,
+    version: int,
+    rolling: bool = True,
+    weights: WeightSource | None = None,
+) -> None:
     """Ask the router to load `version` on its workers: rolling (one worker at a time, the
-    decoupled design) or all at once (the synchronous baseline). A failure is said on the
-    run (the dashboard shows it) and logged; the next publish tries again."""
+    decoupled design) or all at once (the synchronous baseline); pulled from the trainer's
+    weight server `weights` where given, else (and where a pull fails) from `checkpoint`. A
+    failure is said on the run (the dashboard shows it) and logged; the next publish tries
+    again."""
     try:
         RouterAdmin(run_router_url(run_id=run_id), token=settings.DARTBOARD_ADMIN_TOKEN).sync(
-            checkpoint=str(checkpoint), version=version, run=run_id, rolling=rolling
+            checkpoint=str(checkpoint),
+            version=version,
+            run=run_id,
+            rolling=rolling,
+            weights=weights,
         )
     except Exception as exc:
         log.warning("run %s: router not told about version %s: %s", run_id, version, exc)

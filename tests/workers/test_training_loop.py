@@ -7,7 +7,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 
 from core.lora import is_adapter_dir
-from core.policy import load_policy
+from core.policy import install_weights, load_policy
 from datamanager.models import (
     GroupStatus,
     PolicyVersion,
@@ -18,6 +18,7 @@ from datamanager.models import (
     TrainUpdate,
 )
 from datamanager.services import batches
+from rollout.weight_receive import WeightReceiver
 from tests.datamanager.factories import make_running_run, make_tasks, play
 from workers import training_loop
 
@@ -73,6 +74,31 @@ def test_one_update_trains_marks_steps_and_publishes_a_version(run_on_tiny):
     )
     after = training_loop.trainer_held(run_id=run.pk).policy.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+
+
+def test_a_published_version_is_pulled_from_the_trainers_memory_equal_to_its_checkpoint(
+    run_on_tiny, tiny_policy_dir, monkeypatch, django_capture_on_commit_callbacks
+):
+    run = run_on_tiny
+    _fill(run)
+    syncs: list[dict] = []  # what the router is told (no router runs here)
+    monkeypatch.setattr(training_loop, "router_sync", lambda **sync: syncs.append(sync))
+    training_loop.trainers_forget_all()
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            assert training_loop.train_for(run_id=run.pk, max_seconds=120) == "max_updates reached"
+        (sync,) = syncs
+        assert sync["version"] == 1 and sync["weights"].version == 1
+        assert sync["weights"].host == settings.DARTBOARD_WEIGHT_SERVER
+        worker = load_policy(tiny_policy_dir)
+        WeightReceiver(timeout_s=30).load(
+            policy=worker, weights=sync["weights"], swap=lambda s: install_weights(worker, s)
+        )
+    finally:
+        training_loop.trainers_forget_all()  # stops the run's weight server too
+    published = load_policy(settings.CHECKPOINT_ROOT / f"run-{run.pk}" / "v00001")
+    mine, theirs = worker.model.state_dict(), published.model.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 def test_a_trajectory_whose_screenshot_is_lost_is_left_out_and_training_goes_on(run_on_tiny):

@@ -75,8 +75,10 @@ def running_web_process(
 
 
 @pytest.fixture
-def web(subprocess_env):
-    with running_web(subprocess_env) as url:
+def web(subprocess_env, tiny_policy_dir):
+    # The lab keeps its checkpoints beside the tiny policy: a run may point there.
+    roots = {"DARTBOARD_CHECKPOINT_ROOTS": str(tiny_policy_dir.parent)}
+    with running_web({**subprocess_env, **roots}) as url:
         yield url
 
 

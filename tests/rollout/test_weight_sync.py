@@ -189,41 +189,42 @@ def score_gap(policies: dict[int, Policy], completion) -> float:
     return max(abs(a - b) for a, b in zip(local, completion.token_logprobs, strict=True))
 
 
-def test_a_sync_from_the_weight_server_under_8_clients_drains_nobody(
+def test_syncs_from_the_weight_server_under_8_clients_drain_nobody(
     cluster, checkpoints, weight_server
 ):
-    trained = load_policy(checkpoints[1])
-    source = weight_server.publish(
-        version=1, kind="full", tensors=dict(trained.model.named_parameters())
-    )
+    policies = {0: load_policy(checkpoints[0]), 1: load_policy(checkpoints[1])}
+    policies[2] = policies[0]  # v2 goes back to v0's weights: two swaps per worker
     admin = RouterAdmin(cluster.router)
-    with ClientLoops(cluster.router, n=8) as loops:
+    # Replies long enough that a swap landing inside a batch would show in its log-probs.
+    with ClientLoops(cluster.router, n=8, max_tokens=24) as loops:
         wait_until(lambda: loops.each_has(1), what="first answers")
         seq_before = max(
             e["seq"] for e in httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
         )
-        admin.sync(str(checkpoints[1]), 1, weights=source)
-        admin.wait_for_version(1, timeout=90)
-        t_done = time.monotonic()
-        wait_until(lambda: loops.each_has(2, after=t_done), what="answers after the sync")
+        for version, checkpoint in ((1, checkpoints[1]), (2, checkpoints[0])):
+            tensors = dict(policies[version].model.named_parameters())
+            source = weight_server.publish(version=version, kind="full", tensors=tensors)
+            admin.sync(str(checkpoint), version, weights=source)
+            admin.wait_for_version(version, timeout=90)
+            t_done = time.monotonic()
+            wait_until(lambda t=t_done: loops.each_has(2, after=t), what="answers after a sync")
 
     assert loops.errors == []
     calls = loops.all()
-    assert {c.completion.policy_version for c in calls} == {0, 1}
+    assert {c.completion.policy_version for c in calls} == {0, 1, 2}
     # Every reply's version is the weights it was generated with.
-    policies = {0: load_policy(checkpoints[0]), 1: trained}
     gaps = [score_gap(policies, c.completion) for c in calls]
     assert max(gaps) < 1e-3, sorted(gaps)[-5:]
     # Nobody was drained or taken out of rotation: both workers stayed active throughout,
-    # and each swapped v1 in from the weight server.
+    # and each swapped both versions in from the weight server.
     events = httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
     since = [e for e in events if e["seq"] > seq_before]
     assert [e for e in since if e["status"] in ("draining", "loading")] == []
     assert min(replay_active_counts(events, since_seq=seq_before + 1)) == 2
     swapped = [e for e in since if e["status"] == "swapped"]
-    assert sorted(e["worker"] for e in swapped) == sorted(cluster.workers)
+    assert sorted(e["worker"] for e in swapped) == sorted(cluster.workers * 2)
     assert all("from the weight server" in e["detail"] for e in swapped)
-    assert sorted(r.outcome for r in weight_server.pulls) == ["verified", "verified"]
+    assert [r.outcome for r in weight_server.pulls] == ["verified"] * 4
     admin.close()
 
 

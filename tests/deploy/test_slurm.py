@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,8 +190,10 @@ def slurm_cluster(tmp_path: Path) -> Iterator[Cluster]:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         cleanups.append(lambda: (redis.terminate(), redis.wait(10)))
-        root = tmp_path / "slurm"
-        root.mkdir()
+        # slurmd's step sockets live in its spool directory and a unix socket path holds 108
+        # bytes: pytest's temporary paths (under xdist, .../popen-gw2/test_...) are too long.
+        root = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
+        cleanups.append(lambda: shutil.rmtree(root, ignore_errors=True))
         conf = slurm_conf(root, hosts)
         env = submit_env(root, hosts, REDIS_URL=f"redis://:{password}@{svc}:6379/0")
         # The operator's one-shot, from the services host: the schema.

@@ -16,6 +16,7 @@ Django here: the router runs on inference hosts without the database.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -510,7 +512,11 @@ class Router:
         pulls, else (or when the pull fails) from `checkpoint`."""
         with self._cond:
             live = worker.swaps_live and worker.status == WorkerStatus.ACTIVE
-            pull = weights is not None and worker.pulls_weights
+            pull = (
+                weights is not None
+                and worker.pulls_weights
+                and weight_server_reaches(weights.host, worker.url)
+            )
             where = f"the weight server {weights.address}" if pull and weights else checkpoint
             if not live:
                 self._event(worker, WorkerStatus.LOADING, f"v{version} from {where}")
@@ -610,3 +616,20 @@ def _json_or_error(response: httpx.Response) -> dict[str, Any]:
 
 def _error_reply(status: int, message: str, worker: str = "") -> UpstreamReply:
     return UpstreamReply(status, error_body(status, message), worker)
+
+
+def weight_server_reaches(server_host: str, worker_url: str) -> bool:
+    """Whether a worker can reach the trainer's weight server: one on a loopback address
+    (the default, DARTBOARD_WEIGHT_SERVER) only from a worker the router reaches on loopback
+    too, on the same host; a worker elsewhere loads the checkpoint instead of waiting out a
+    connection to its own loopback."""
+    if not _loopback(server_host):
+        return True
+    return _loopback(urlsplit(worker_url).hostname or "")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"

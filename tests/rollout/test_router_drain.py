@@ -114,3 +114,13 @@ def test_a_worker_that_cannot_swap_live_is_drained_and_loads_the_checkpoint(
     rpc = [body for path, body in _StandIn.posted if path == "/collective_rpc"]
     assert rpc == [{"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints[1])}}]
     admin.close()
+
+
+def test_a_loopback_weight_server_serves_only_workers_on_its_host() -> None:
+    from rollout.router_state import weight_server_reaches
+
+    assert weight_server_reaches("127.0.0.1", "http://127.0.0.1:8101")
+    assert weight_server_reaches("10.0.0.2", "http://10.0.0.5:8101")
+    # A worker on another host would connect to its own loopback and wait out the timeout.
+    assert not weight_server_reaches("127.0.0.1", "http://10.0.0.5:8101")
+    assert not weight_server_reaches("localhost", "http://gpu-2:8101")

@@ -116,7 +116,11 @@ def test_sigkill_then_restart_leaves_no_stray_processes(tmp_path):
             assert redis_pids[0] not in _our_redis_pids(tmp_path)
         finally:
             second.send_signal(signal.SIGTERM)
-            out, _ = second.communicate(timeout=60)
+            try:
+                out, _ = second.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # it did not stop: end it, then fail
+                terminate_pid(second.pid, timeout=5)
+                raise
         assert "stopped" in out
         assert "login: admin (password printed at first start" in out
         assert _all_children_gone(tmp_path, redis_pids)

@@ -225,7 +225,9 @@ def _loop(
         shown = min(steps, 5) * counter.geometry.tokens(width=SCREEN[0], height=SCREEN[1])
         shape = checkpoint_shape(model)
         assert shape is not None
-        step = Sample(tokens=longest + max_new_tokens, reply=max_new_tokens, patches=shown * 4)
+        step = Sample(
+            tokens=longest + max_new_tokens, reply=max_new_tokens, patches=shown * shape.merge
+        )
         plan = trainer_memory(shape, lora_rank=16, kl=True, checkpointing=True,
                               micro_batch_tokens=step.tokens, sample=step, cuda=not cpu)  # fmt: skip
         measured = torch.cuda.max_memory_allocated() / plan.total if not cpu else None

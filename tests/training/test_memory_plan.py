@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core.imaging import QWEN25_VL
 from training.config import TrainerConfig
 from training.memory_plan import (
     GIB,
@@ -37,7 +38,8 @@ QWEN25_7B = {
     "model_type": "qwen2_5_vl",
     "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420},
 }  # fmt: skip
-SCREEN_PATCHES = 10_764  # one 1920x1080 screenshot at the released processor's bounds
+# One 1920x1080 screenshot at the released processor's bounds (10,764 patches).
+SCREEN_PATCHES = QWEN25_VL.tokens(width=1920, height=1080) * 4
 
 
 @pytest.mark.parametrize(
@@ -219,7 +221,7 @@ def _seven_b_checkpoint(path: Path) -> Path:
     config = {**QWEN25_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
     (path / "config.json").write_text(json.dumps(config))
     processor = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
-                 "min_pixels": 3136, "max_pixels": 12_845_056}  # fmt: skip
+                 "min_pixels": QWEN25_VL.min_pixels, "max_pixels": QWEN25_VL.max_pixels}  # fmt: skip
     (path / "preprocessor_config.json").write_text(json.dumps(processor))
     return path
 

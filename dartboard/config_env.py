@@ -216,6 +216,34 @@ def env_int(name: str, default: int) -> int:
     return int(raw)
 
 
+def env_optional_int(name: str) -> int | None:
+    """A whole number >= 0 from the environment, or None when unset."""
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return None
+    return env_int(name, 0)
+
+
+ENV_KINDS = ("desktop", "miniwob", "osworld", "sim")
+
+
+def env_kinds(name: str) -> tuple[str, ...] | None:
+    """A comma-separated list of env kinds, "none" for none, or None when unset."""
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return None
+    if raw == "none":
+        return ()
+    kinds = tuple(sorted({k.strip() for k in raw.split(",") if k.strip()}))
+    unknown = [k for k in kinds if k not in ENV_KINDS]
+    if unknown:
+        raise SettingsError(
+            f"{name}={raw!r} names {', '.join(unknown)}, not an env kind; use some of "
+            f"{', '.join(ENV_KINDS)} (comma-separated), or none."
+        )
+    return kinds
+
+
 def env_seconds(name: str, default: float) -> float:
     """A positive number of seconds from the environment (default when unset)."""
     raw = os.environ.get(name)

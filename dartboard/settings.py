@@ -289,6 +289,14 @@ DARTBOARD_PROCESSES = config_env.env_choice(
 )
 # CPU inference workers a host agent runs at once on a host without GPUs (runs past it wait).
 DARTBOARD_CPU_INFERENCE_SLOTS = config_env.env_int("DARTBOARD_CPU_INFERENCE_SLOTS", 2)
+# CPU trainer replicas a host agent takes at once, across runs (unset: any); a run whose
+# replicas do not fit one host spreads them over several (hostagent/cluster.py).
+DARTBOARD_CPU_TRAINER_SLOTS = config_env.env_optional_int("DARTBOARD_CPU_TRAINER_SLOTS")
+# Env workers a host agent runs at once, across runs (unset: any).
+DARTBOARD_ENV_SLOTS = config_env.env_optional_int("DARTBOARD_ENV_SLOTS")
+# The env kinds a host agent offers, of those it can run (unset: all it can; "none": none,
+# a host kept for training and inference).
+DARTBOARD_ENV_KINDS = config_env.env_kinds("DARTBOARD_ENV_KINDS")
 # Where this host's runs' routers and inference workers listen, and what its agent reports:
 # the host's address on the cluster's private network when runs span hosts.
 DARTBOARD_HOST_ADDRESS = os.environ.get("DARTBOARD_HOST_ADDRESS", "").strip() or "127.0.0.1"

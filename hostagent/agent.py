@@ -39,7 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from core.artifacts import is_ref
@@ -57,11 +57,13 @@ from datamanager.services.placement import (
 )
 from datamanager.services.run_workers import run_start_workers
 from datamanager.services.runs import run_begin, run_fail, run_fail_queued, run_set_message
+from hostagent.cluster import ClusterPlacement, place_cluster
 from hostagent.launcher import (
     CELERY,
     ProcSpec,
     Supervisor,
     env_worker_specs,
+    python_argv,
     serving_specs,
 )
 from hostagent.placement import (
@@ -71,12 +73,12 @@ from hostagent.placement import (
     Placement,
     RunNeeds,
     checkpoint_gib,
-    place,
     port_block,
 )
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
 from rollout.limits import ServingLimits
+from training.config import RENDEZVOUS_ENV
 from training.memory_plan import TrainerRequest, run_trainer_request
 
 log = logging.getLogger("hostagent.agent")
@@ -106,6 +108,24 @@ def host_inventory(name: str) -> HostInventory:
         gpus=tuple(gpus),
         cuda_torch=cuda,
         cpu_inference_slots=settings.DARTBOARD_CPU_INFERENCE_SLOTS,
+        address=settings.DARTBOARD_HOST_ADDRESS,
+        env_kinds=tuple(env_kinds_here()),
+        cpu_trainer_slots=settings.DARTBOARD_CPU_TRAINER_SLOTS,
+        env_slots=settings.DARTBOARD_ENV_SLOTS,
+    )
+
+
+def reported_inventory(host: Host) -> HostInventory:
+    """What another host's agent reported, as placement reads it."""
+    return HostInventory(
+        name=host.name,
+        gpus=tuple(Gpu(int(g["index"]), str(g["name"]), float(g["memory_gib"])) for g in host.gpus),
+        cuda_torch=host.cuda_torch,
+        cpu_inference_slots=host.cpu_inference_slots,
+        address=host.address,
+        env_kinds=tuple(host.env_kinds),
+        cpu_trainer_slots=host.cpu_trainer_slots,
+        env_slots=host.env_slots,
     )
 
 
@@ -128,15 +148,17 @@ def _nvidia_smi_gpus() -> list[Gpu]:
 
 
 def env_kinds_here() -> list[str]:
-    """The env kinds this host can run: MiniWoB++ needs chromium, desktops Xvfb; the
-    simulated env always runs; OSWorld VMs are reached over the network."""
+    """The env kinds this host offers: of those it can run (MiniWoB++ needs chromium,
+    desktops Xvfb; the simulated env always runs; OSWorld VMs are reached over the network),
+    the ones DARTBOARD_ENV_KINDS names, where it is set."""
     chromium = os.environ.get("MINIWOB_CHROME_BINARY", "/usr/bin/chromium")
     kinds = ["sim", "osworld"]
     if Path(chromium).exists():
         kinds.append("miniwob")
     if shutil.which("Xvfb"):
         kinds.append("desktop")
-    return sorted(kinds)
+    chosen = settings.DARTBOARD_ENV_KINDS
+    return sorted(k for k in kinds if chosen is None or k in chosen)
 
 
 def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:
@@ -194,20 +216,31 @@ def run_prefix(run_id: int) -> str:
 def run_specs(
     *, run_id: int, cfg: RunConfig, placement: Placement, checkpoint: str, version: int
 ) -> list[ProcSpec]:
-    """A run's processes: its env workers, its train worker and (with a model) its
-    inference workers behind its router, on the placement's devices and ports."""
+    """A run's processes on this host, as its part of the placement says: its env workers,
+    its train worker (the trainer's rank 0) and the trainer ranks that join it from here,
+    and (with a model) its inference workers and its router, on the part's devices and
+    ports. A whole part runs all of them (`Placement.whole`)."""
     prefix = run_prefix(run_id)
-    specs = env_worker_specs(len(cfg.env.slots()), queue=f"env.run{run_id}", prefix=prefix)
-    if cfg.policy != ORACLE_POLICY or cfg.mode == "synchronous":
+    env_workers = len(cfg.env.slots()) if placement.whole else placement.env_workers
+    specs = env_worker_specs(
+        env_workers, queue=f"env.run{run_id}", prefix=prefix, first=placement.env_first
+    )
+    trains = cfg.policy != ORACLE_POLICY or cfg.mode == "synchronous"
+    if trains and (placement.whole or 0 in placement.trainer_ranks):
         devices = ",".join(map(str, placement.trainer_gpus))  # "": a CPU trainer sees no GPU
+        env = {"CUDA_VISIBLE_DEVICES": devices}
+        if placement.rendezvous:  # replicas on other hosts join it there
+            env[RENDEZVOUS_ENV] = placement.rendezvous
         specs.append(
             ProcSpec(
                 f"{prefix}worker-train",
                 [*CELERY, "-Q", f"train.run{run_id}", "--pool=solo", "-n", f"train{run_id}@%h"],
-                env={"CUDA_VISIBLE_DEVICES": devices},
+                env=env,
             )
         )
-    if cfg.policy == ORACLE_POLICY:
+    if trains and placement.rendezvous:
+        specs += trainer_rank_specs(run_id=run_id, placement=placement, prefix=prefix)
+    if cfg.policy == ORACLE_POLICY or not placement.inference_gpus:
         return specs
     if cfg.rollout.backend == "vllm":  # the router's first sync loads the run's version
         version, checkpoint = 0, str(policy_path(cfg.policy))
@@ -221,14 +254,41 @@ def run_specs(
         vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
         device=placement.device,
         prefix=prefix,
-        address=settings.DARTBOARD_HOST_ADDRESS,
+        address=placement.address if not placement.whole else settings.DARTBOARD_HOST_ADDRESS,
         limits=ServingLimits.for_run(
             max_new_tokens=cfg.rollout.max_new_tokens,
             max_prompt_tokens=cfg.rollout.max_prompt_tokens,
             max_images=cfg.rollout.max_images,
             lora_rank=cfg.trainer.lora_rank,
         ),
+        first=placement.inference_first,
+        router=placement.router,
+        router_workers=placement.router_workers or None,
     )
+    return specs
+
+
+def trainer_rank_specs(*, run_id: int, placement: Placement, prefix: str) -> list[ProcSpec]:
+    """The trainer ranks but 0 of this host's part: each a process that joins the leader's
+    group at the placement's rendezvous (`workers.trainer_rank`), started again by the
+    supervisor when the group ends (a failed update, a lost host) to join the next one."""
+    host, port = placement.rendezvous.rsplit(":", 1)
+    devices = ",".join(map(str, placement.trainer_gpus))
+    specs = []
+    for local_rank, rank in enumerate(placement.trainer_ranks):
+        if rank == 0:
+            continue
+        env = {
+            "CUDA_VISIBLE_DEVICES": devices,
+            "MASTER_ADDR": host,
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(placement.trainer_world),
+            "DARTBOARD_RUN_ID": str(run_id),
+        }
+        argv = python_argv("-m", "workers.trainer_rank")
+        specs.append(ProcSpec(f"{prefix}trainer-rank-{rank}", argv, env=env))
     return specs
 
 
@@ -289,8 +349,10 @@ class HostAgent:
             cpu_cores=os.cpu_count() or 1,
             memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
             cpu_inference_slots=inv.cpu_inference_slots,
-            env_kinds=env_kinds_here(),
-            address=settings.DARTBOARD_HOST_ADDRESS,
+            env_kinds=list(inv.env_kinds),
+            address=inv.address,
+            cpu_trainer_slots=inv.cpu_trainer_slots,
+            env_slots=inv.env_slots,
         )
         if not self._reported:  # at start: an address the cluster's other hosts cannot reach
             others = list(
@@ -304,9 +366,32 @@ class HostAgent:
         self._reported = time.monotonic()
 
     def _mine(self):
+        """The placed runs with a part on this host."""
         return RunPlacement.objects.filter(
-            host=self.host, state__in=(PlacementState.STARTING, PlacementState.UP)
+            hosts=self.host, state__in=(PlacementState.STARTING, PlacementState.UP)
         ).select_related("run")
+
+    def _my_part(self, placement: RunPlacement) -> Placement | None:
+        return ClusterPlacement.from_dict(placement.plan).part(self.name)
+
+    def _taken(self) -> dict[str, list[Placement]]:
+        """Every host's parts of the runs placed on it."""
+        taken: dict[str, list[Placement]] = {}
+        placed = RunPlacement.objects.filter(
+            state__in=(PlacementState.STARTING, PlacementState.UP)
+        ).values_list("plan", flat=True)
+        for plan in placed:
+            for part in ClusterPlacement.from_dict(plan).parts:
+                taken.setdefault(part.host, []).append(part)
+        return taken
+
+    def _cluster(self) -> list[HostInventory]:
+        """This host and every host whose agent reported lately: this one first, the
+        others by name."""
+        assert self.inventory is not None
+        recent = timezone.now() - timedelta(seconds=HOST_ALIVE_S)
+        others = Host.objects.exclude(name=self.name).filter(last_seen__gte=recent)
+        return [self.inventory, *(reported_inventory(h) for h in others.order_by("name"))]
 
     def _stop_ended(self) -> None:
         for placement in self._mine().exclude(run__status__in=ACTIVE):
@@ -317,12 +402,16 @@ class HostAgent:
             self._stop_group(run_id)  # its placement went (the run was deleted)
 
     def _restore(self) -> None:
-        """Runs placed here whose processes this agent does not hold (it restarted)."""
+        """Runs with a part here whose processes this agent does not hold (it restarted, or
+        another host's agent placed the run)."""
+        assert self.host is not None
         for placement in self._mine().filter(run__status__in=ACTIVE):
-            if placement.run_id not in self.groups:
+            part = self._my_part(placement)
+            if placement.run_id not in self.groups and part is not None:
                 log.info("run %s: bringing back its processes", placement.run_id)
-                self._start_group(placement.run, Placement.from_dict(placement.plan))
-                placement_set(placement_id=placement.pk, state=PlacementState.STARTING)
+                self._start_group(placement.run, part)
+                if placement.host_id == self.host.pk:  # the router's host says when it is up
+                    placement_set(placement_id=placement.pk, state=PlacementState.STARTING)
 
     def _replace_lost_hosts(self) -> None:
         """Runs placed on a host whose agent stopped reporting HOST_LOST_S ago go back to the
@@ -332,6 +421,8 @@ class HostAgent:
             log.warning("run %s: its host %s stopped reporting; placed again", run_id, host)
 
     def _place_queued(self) -> None:
+        """Place each queued run over the hosts that report (`hostagent.cluster`), claim it
+        and start this host's part; the other hosts' agents start theirs (`_restore`)."""
         assert self.host is not None and self.inventory is not None
         queued = RunPlacement.objects.filter(
             state=PlacementState.QUEUED, run__status__in=ACTIVE
@@ -344,34 +435,51 @@ class HostAgent:
             except Exception as exc:  # a policy gone from disk, a config no longer valid
                 self._fail(placement, f"cannot start: {type(exc).__name__}: {exc}")
                 continue
-            needs = run_needs(cfg, str(checkpoint))
-            missing = {b for b, _ in cfg.env.slots()} - set(self.host.env_kinds)
-            taken = [Placement.from_dict(p.plan) for p in self._mine()]
-            plan = (
-                f"needs env kinds {sorted(missing)}, which {self.name} cannot run"
-                if missing
-                else place(needs, self.inventory, taken=taken, port_base=self._free_base(taken))
+            plan = self._claim(placement, cfg, str(checkpoint))
+            if plan is None:
+                continue
+            where = ", ".join(plan.hosts)
+            run_set_message(run_id=run.pk, message=f"starting its processes on {where}")
+            part = plan.part(self.name)
+            if part is not None:
+                self._start_group(run, part, cfg=cfg, checkpoint=str(checkpoint), version=version)
+
+    def _claim(
+        self, placement: RunPlacement, cfg: RunConfig, checkpoint: str
+    ) -> ClusterPlacement | None:
+        """Place a queued run over the cluster and claim it, or say why it waits (None).
+        Agents place one at a time: the hosts' rows stay locked from reading what is taken
+        to the claim, so two agents never give the same GPU twice (PostgreSQL; SQLite
+        writes one transaction at a time)."""
+        with transaction.atomic():
+            list(Host.objects.select_for_update().order_by("name").values_list("pk", flat=True))
+            hosts = self._cluster()
+            taken = self._taken()
+            bases = {h.name: self.port_base for h in hosts}
+            bases[self.name] = self._free_base(taken.get(self.name, []))
+            plan = place_cluster(
+                run_needs(cfg, checkpoint),
+                hosts,
+                taken=taken,
+                port_bases=bases,
+                env_kinds={b for b, _ in cfg.env.slots()},
+                env_workers=len(cfg.env.slots()),
             )
             if isinstance(plan, str):
                 reason = f"queued: {plan}"
                 if reason != placement.reason:
                     placement_wait(placement_id=placement.pk, reason=reason)
-                    run_set_message(run_id=run.pk, message=reason)
-                continue
-            router_url = (
-                f"http://{settings.DARTBOARD_HOST_ADDRESS}:{plan.router_port}"
-                if needs.inference_workers
-                else ""
-            )
-            if not placement_claim(
+                    run_set_message(run_id=placement.run_id, message=reason)
+                return None
+            rows = {h.name: h for h in Host.objects.filter(name__in=plan.hosts)}
+            claimed = placement_claim(
                 placement_id=placement.pk,
-                host=self.host,
+                host=rows[plan.lead.host],
+                hosts=list(rows.values()),
                 plan=plan.to_dict(),
-                router_url=router_url,
-            ):
-                continue  # another agent took it, or the run stopped meanwhile
-            run_set_message(run_id=run.pk, message=f"starting its processes on {self.name}")
-            self._start_group(run, plan, cfg=cfg, checkpoint=str(checkpoint), version=version)
+                router_url=plan.router_url,
+            )
+        return plan if claimed else None  # else another agent took it, or the run stopped
 
     def _free_base(self, taken: list[Placement]) -> int:
         """The first block of run ports whose ports no process holds (placed runs' blocks
@@ -387,11 +495,15 @@ class HostAgent:
         port (taken after the agent checked it, or while the agent was down) moves to a free
         block of ports: its serving processes start again there, its env workers and trainer
         keep running (they read the router's address from the placement), and the run says
-        so. Restarted on the held port, the process would exit again and again."""
+        so. Restarted on the held port, the process would exit again and again. (A run
+        spread over hosts does not move: its other hosts know its ports; a process that
+        cannot start fails the run with its log's last line, `_fail_what_cannot_start`.)"""
         for run_id, group in list(self.groups.items()):
             taken = group.ports_taken()
             placement = self._mine().filter(run_id=run_id).first() if taken else None
-            if placement is None:
+            if placement is None or (
+                "parts" in placement.plan and len(placement.plan["parts"]) > 1
+            ):
                 continue
             name, port = taken[0]
             run = placement.run
@@ -407,8 +519,13 @@ class HostAgent:
                     run_set_message(run_id=run_id, message=message)
                     log.error("run %s: %s", run_id, message)
                 continue
-            old = Placement.from_dict(placement.plan)
-            others = [Placement.from_dict(p.plan) for p in self._mine().exclude(run_id=run_id)]
+            old = ClusterPlacement.from_dict(placement.plan).parts[0]
+            others = [
+                part
+                for p in self._mine().exclude(run_id=run_id)
+                for part in ClusterPlacement.from_dict(p.plan).parts
+                if part.host == self.name
+            ]
             blocks = [*others, old]
             router, workers = port_block(
                 len(old.worker_ports), base=self._free_base(blocks), taken=blocks
@@ -433,7 +550,9 @@ class HostAgent:
             log.warning("run %s: %s", run_id, reason)
 
     def _promote_starting(self) -> None:
-        for placement in self._mine().filter(state=PlacementState.STARTING):
+        """The runs this host answers for whose router answers: RUNNING, their work
+        enqueued."""
+        for placement in self._mine().filter(state=PlacementState.STARTING, host=self.host):
             if placement.router_url and not _router_up(placement.router_url):
                 self._say_if_slow(placement)
                 continue

@@ -375,15 +375,17 @@ def stack_specs(*, host: str, port: int) -> list[ProcSpec]:
     ]
 
 
-def env_worker_specs(count: int, *, queue: str = "env", prefix: str = "") -> list[ProcSpec]:
-    """`count` solo Celery workers on an env queue: one env slot each."""
+def env_worker_specs(
+    count: int, *, queue: str = "env", prefix: str = "", first: int = 0
+) -> list[ProcSpec]:
+    """`count` solo Celery workers on an env queue, numbered from `first`: one env slot each."""
     tag = prefix.rstrip("-").replace("-", "")
     return [
         ProcSpec(
             f"{prefix}worker-env-{i}",
             [*CELERY, "-Q", queue, "--pool=solo", "-n", f"env{tag}-{i}@%h"],
         )
-        for i in range(count)
+        for i in range(first, first + count)
     ]
 
 
@@ -440,12 +442,17 @@ def serving_specs(
     prefix: str = "",
     limits: ServingLimits | None = None,
     address: str = "127.0.0.1",
+    first: int = 0,
+    router: bool = True,
+    router_workers: list[str] | None = None,
 ) -> list[ProcSpec]:
     """Inference workers (worker i on port `worker_ports[i]`, GPU `gpus[i]`, None: the CPU)
     behind a router on `router_port`, taking requests up to `limits` (a run's own: its
     budgets; None: the shared workers' defaults). `prefix` names a run's processes apart
     ("run-7-"). `address`: where they listen, the host's cluster address for a run whose
-    other processes are on other hosts (DARTBOARD_HOST_ADDRESS)."""
+    other processes are on other hosts (DARTBOARD_HOST_ADDRESS). A run spread over hosts
+    numbers its workers from `first` on this host; its router (`router`: on this host) sends
+    to `router_workers`, every worker's URL on every host (None: these workers)."""
     if settings.DARTBOARD_ARTIFACTS.startswith("s3://") and not os.environ.get(READ_KEY_ENV):
         log.warning(
             "inference workers get the artifact store's own keys, which can write: "
@@ -457,7 +464,7 @@ def serving_specs(
     for i, (wport, gpu) in enumerate(zip(worker_ports, gpus, strict=True)):
         if backend == "vllm":
             specs += vllm_specs(
-                i,
+                first + i,
                 policy,
                 wport,
                 tokens=tokens,
@@ -477,12 +484,21 @@ def serving_specs(
             "--port", str(wport), "--version", str(version), "--threads", "1",
             "--device", "cuda" if gpu is not None else "cpu", *(limits or SHARED).server_args(),
         )  # fmt: skip
-        specs.append(ProcSpec(f"{prefix}inference-{i}", argv, env=env, inherit=False, port=wport))
-    router = python_argv("-m", "rollout.router", "--host", address, "--port", str(router_port))
-    for wport in worker_ports:
-        router += ["--worker", f"http://{address}:{wport}"]
+        specs.append(
+            ProcSpec(f"{prefix}inference-{first + i}", argv, env=env, inherit=False, port=wport)
+        )
+    if not router:
+        return specs
+    argv = python_argv("-m", "rollout.router", "--host", address, "--port", str(router_port))
+    if router_workers is None:
+        router_workers = [f"http://{address}:{wport}" for wport in worker_ports]
+    for url in router_workers:
+        argv += ["--worker", url]
+    router_argv = argv
     specs.append(
-        ProcSpec(f"{prefix}router", router, env=router_env(tokens), inherit=False, port=router_port)
+        ProcSpec(
+            f"{prefix}router", router_argv, env=router_env(tokens), inherit=False, port=router_port
+        )
     )
     return specs
 

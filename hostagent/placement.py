@@ -27,7 +27,7 @@ from training.memory_plan import HEADROOM_GIB, DoesNotFit, TrainerRequest, infer
 
 GIB = 1024**3
 ACTIVATION_GIB = 8.0  # a real-size micro-batch's activations under checkpointing (realsize)
-PORTS_PER_RUN = 17  # the router and up to 16 inference workers
+PORTS_PER_RUN = 18  # the router, up to 16 inference workers, the trainer's rendezvous
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class HostInventory:
     gpus: tuple[Gpu, ...] = ()
     cuda_torch: bool = False
     cpu_inference_slots: int = 2
+    address: str = "127.0.0.1"  # where the cluster's other hosts reach it
+    env_kinds: tuple[str, ...] = ()
+    cpu_trainer_slots: int | None = None  # CPU trainer replicas it takes at once; None: any
+    env_slots: int | None = None  # env workers it runs at once; None: any
 
 
 @dataclass(frozen=True)
@@ -96,15 +100,34 @@ class RunNeeds:
 
 @dataclass
 class Placement:
-    """Where one run's processes go. `inference_gpus[i]` is worker i's GPU (None: the CPU)."""
+    """Where one run's processes go on one host. `inference_gpus[i]` is this host's worker
+    i's GPU (None: the CPU).
+
+    `whole`: the host runs the whole run (every env worker, every trainer replica, the router
+    and its workers), as `place` decides; otherwise it is one host's part of a run spread over
+    several (`hostagent.cluster`): `env_workers` env workers numbered from `env_first`, the
+    trainer's global ranks `trainer_ranks` (rank 0, the leader, in the Celery train worker;
+    the others join its group at `rendezvous`), inference workers numbered from
+    `inference_first`, and the router where `router` is set (its workers' URLs in
+    `router_workers`)."""
 
     host: str
     device: str  # cpu or cuda
     trainer_gpus: list[int] = field(default_factory=list)
     inference_gpus: list[int | None] = field(default_factory=list)
-    router_port: int = 0
+    router_port: int = 0  # the first port of the run's block on this host
     worker_ports: list[int] = field(default_factory=list)
     gpu_gib: dict[str, float] = field(default_factory=dict)  # GPU index -> GiB this run takes
+    whole: bool = True
+    address: str = "127.0.0.1"
+    env_workers: int = 0
+    env_first: int = 0
+    trainer_ranks: list[int] = field(default_factory=list)
+    trainer_world: int = 0
+    rendezvous: str = ""  # host:port of the trainer leader's store, where ranks span hosts
+    inference_first: int = 0
+    router: bool = True
+    router_workers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +177,7 @@ def place(
         router, workers = port_block(needs.inference_workers, base=port_base, taken=taken)
         return Placement(
             host=host.name,
+            address=host.address,
             device="cpu",
             inference_gpus=[None] * needs.inference_workers,
             router_port=router,
@@ -207,6 +231,7 @@ def place(
     router, workers = port_block(needs.inference_workers, base=port_base, taken=taken)
     return Placement(
         host=host.name,
+        address=host.address,
         device="cuda",
         trainer_gpus=trainer,
         inference_gpus=inference,

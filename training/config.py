@@ -135,6 +135,12 @@ class TrainerConfig:
     shard: bool = knob(
         False, "FSDP2: shard weights, gradients and AdamW state over the replicas (full FT)."
     )
+    replica_timeout_s: float = knob(
+        300.0,
+        "How long a collective of the trainer's replicas may wait for a replica (a lost host "
+        "ends the update after this, not NCCL's 10 minutes); size it above the longest "
+        "micro-batch's forward and backward pass.",
+    )
 
     def __post_init__(self) -> None:
         """The section's checks, one per rule, in the order of its fields: long because the
@@ -184,6 +190,13 @@ class TrainerConfig:
         )
         check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
         check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")
+        if self.replicas == 1:
+            unused_knob(self, "replica_timeout_s", "with one replica (set replicas)")
+        check(
+            self.replica_timeout_s >= 10,
+            "replica_timeout_s",
+            f"must be >= 10 seconds, got {self.replica_timeout_s}",
+        )
         if self.shard:
             check(self.replicas > 1, "shard", "needs replicas > 1 (one shard per replica)")
             check(self.lora_rank == 0, "shard", "is for full fine-tuning (set lora_rank 0)")
@@ -366,3 +379,9 @@ class CurationConfig:
         """The share of steps the entropy filter keeps: entropy_top_q, or every step (1.0)
         with high_entropy off."""
         return self.entropy_top_q if self.high_entropy else 1.0
+
+
+# Where the trainer's leader (rank 0, in the run's train worker) listens for replicas that
+# join from other hosts, as host:port (`hostagent.cluster`); unset, its replicas are its own
+# children on its host.
+RENDEZVOUS_ENV = "DARTBOARD_TRAINER_RENDEZVOUS"

@@ -1,13 +1,23 @@
 """Start a run's data-parallel trainer replicas: this process is rank 0 (the leader, which
-reads batches, records updates and saves versions) and N-1 follower processes
-(`python -m training.replica_group SPEC`) build the same trainer and take every update with
-it. The followers get the environment torchrun gives its workers (MASTER_ADDR, MASTER_PORT,
-RANK, LOCAL_RANK, WORLD_SIZE) and rank r uses GPU r; on CPUs they use gloo on the loopback
-device. They die with the leader's process and stop when it closes the group. Between
-updates they wait on the group's key-value store, outside any collective
-(`Replicas.await_leader`); an update's batch reaches them as a file on this host
-(`core.samples.samples_write`), the collective carrying only its name, the curation
-settings and the update count (the learning rate's schedule follows it).
+reads batches, records updates and saves versions) and N-1 follower processes build the same
+trainer and take every update with it.
+
+On one host the leader starts its followers (`python -m training.replica_group SPEC`) with
+the environment torchrun gives its workers (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK,
+WORLD_SIZE); rank r uses GPU r; on CPUs they use gloo on the loopback device. They die with
+the leader's process. An update's batch reaches them as a file on this host
+(`core.samples.samples_write`), the collective carrying only its name, the curation settings
+and the update count (the learning rate's schedule follows it).
+
+Over several hosts (`rendezvous`, from the run's placement) the leader's store listens at
+its host's cluster address and the followers are the hosts' own processes
+(`workers.trainer_rank`, started by their host agents with the same environment), which
+read the trainer's settings from the store (`join`); the batch travels in the collective.
+The group is torch.distributed's own: NCCL on GPUs, gloo on CPUs, every collective bounded
+by the run's `trainer.replica_timeout_s`.
+
+Between updates the followers wait on the group's key-value store, outside any collective
+(`Replicas.await_leader`).
 
     group = ReplicaGroup.start(spec, world=4)     # in the trainer worker
     trainer = group.trainer                       # PolicyTrainer(replicas=...), rank 0
@@ -23,6 +33,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +52,7 @@ from training.trainer import PolicyTrainer
 log = logging.getLogger("dartboard.trainer")
 STOP = ("stop",)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # followers starting: imports and a model load
+SPEC_KEY = "dartboard/trainer-spec"  # the leader's TrainerSpec, for followers on other hosts
 
 
 @dataclass(frozen=True)
@@ -107,15 +119,26 @@ class ReplicaGroup:
         self.followers = followers
 
     @classmethod
-    def start(cls, spec: TrainerSpec, *, world: int, timeout_s: float = 600.0) -> ReplicaGroup:
-        """Start world-1 followers, join them as rank 0 and build the leader's trainer.
-        `timeout_s` bounds each collective once every replica is in it; between updates the
-        followers wait outside any collective, however long the leader takes to have a
-        batch (`MessageBoard`)."""
+    def start(
+        cls,
+        spec: TrainerSpec,
+        *,
+        world: int,
+        timeout_s: float | None = None,
+        rendezvous: str = "",
+    ) -> ReplicaGroup:
+        """Start world-1 followers (or, with `rendezvous` "host:port", wait there for the
+        followers other hosts start), join them as rank 0 and build the leader's trainer.
+        `timeout_s` (default: the run's `trainer.replica_timeout_s`) bounds each collective
+        once every replica is in it; between updates the followers wait outside any
+        collective, however long the leader takes to have a batch."""
         if world < 2:
             raise ValueError(f"a replica group needs at least 2 processes, got {world}")
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a process group")
+        timeout_s = timeout_s or spec.config.replica_timeout_s
+        if rendezvous:
+            return cls._lead(spec, world=world, timeout_s=timeout_s, rendezvous=rendezvous)
         with socket.socket() as s:  # the rendezvous listens on the loopback only
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -163,6 +186,34 @@ class ReplicaGroup:
             raise
         return cls(trainer, followers)
 
+    @classmethod
+    def _lead(
+        cls, spec: TrainerSpec, *, world: int, timeout_s: float, rendezvous: str
+    ) -> ReplicaGroup:
+        """Rank 0 of replicas on several hosts: the store at `rendezvous` (this host's
+        cluster address), the spec posted there for the followers to read, the group
+        formed when all `world` ranks have joined."""
+        host, port = rendezvous.rsplit(":", 1)
+        setup = group_setup(local_rank=0, cuda=torch.cuda.is_available())
+        store = dist.TCPStore(host, int(port), world, is_master=True, timeout=RENDEZVOUS_TIMEOUT)
+        try:
+            store.set(SPEC_KEY, spec.to_json())
+            dist.init_process_group(
+                setup.backend,
+                store=store,
+                rank=0,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+                **setup.apply(),
+            )
+            replicas = Replicas(rank=0, world=world, sharded=spec.config.shard, one_host=False)
+            trainer = spec.build(replicas, device=setup.device)
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        return cls(trainer, [])
+
     def close(self, timeout_s: float = 60.0) -> None:
         """Tell the followers to stop, leave the group and reap them. After a failed update
         the group may be broken: the followers are then terminated, and the process group is
@@ -186,10 +237,11 @@ class ReplicaGroup:
                     proc.wait()
 
 
-def follow(spec: TrainerSpec) -> None:
-    """A follower's life: build the trainer, take every update the leader shares, stop."""
-    setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
-    timeout = timedelta(seconds=float(os.environ["DARTBOARD_REPLICA_TIMEOUT_S"]))
+def join(*, spec_for: Callable[[TrainerSpec], TrainerSpec] = lambda spec: spec) -> None:
+    """A follower on another host than its leader (`workers.trainer_rank`): the leader's
+    store at MASTER_ADDR:MASTER_PORT, the trainer's settings read from it (`spec_for` makes
+    them this host's: its own copy of the run's directory), then `follow`. Returns when the
+    leader closes the group; raises when the leader or the network is gone."""
     world = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -198,6 +250,28 @@ def follow(spec: TrainerSpec) -> None:
         is_master=False,
         timeout=RENDEZVOUS_TIMEOUT,
     )
+    store.wait([SPEC_KEY], RENDEZVOUS_TIMEOUT)
+    spec = spec_for(TrainerSpec.from_json(store.get(SPEC_KEY).decode()))
+    follow(spec, store=store, one_host=False)
+
+
+def follow(spec: TrainerSpec, *, store: dist.Store | None = None, one_host: bool = True) -> None:
+    """A follower's life: build the trainer, take every update the leader shares, stop."""
+    setup = group_setup(local_rank=int(os.environ["LOCAL_RANK"]), cuda=torch.cuda.is_available())
+    timeout = timedelta(
+        seconds=float(
+            os.environ.get("DARTBOARD_REPLICA_TIMEOUT_S") or spec.config.replica_timeout_s
+        )
+    )
+    world = int(os.environ["WORLD_SIZE"])
+    if store is None:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=RENDEZVOUS_TIMEOUT,
+        )
     dist.init_process_group(
         setup.backend,
         store=store,
@@ -206,7 +280,7 @@ def follow(spec: TrainerSpec) -> None:
         timeout=timeout,
         **setup.apply(),
     )
-    replicas = Replicas.from_environment(sharded=spec.config.shard)
+    replicas = Replicas.from_environment(sharded=spec.config.shard, one_host=one_host)
     torch.set_num_threads(1)
     try:
         trainer = spec.build(replicas, device=setup.device)
@@ -219,17 +293,22 @@ def follow(spec: TrainerSpec) -> None:
                 trainer.full_state()
                 trainer.state.version = message[1]
                 continue
-            # The leader's batch, on this host's disk, and its update count (the schedule's).
-            _, batch_file, curation, behaviour_cloning, trainer.state.updates = message
-            trainer.update(
-                samples_read(Path(batch_file)), curation, behaviour_cloning=behaviour_cloning
-            )
+            # The leader's batch (a file on this host, or the samples themselves from
+            # another host), and its update count (the schedule's).
+            _, batch, curation, behaviour_cloning, trainer.state.updates = message
+            samples = samples_read(Path(batch)) if isinstance(batch, str) else batch
+            trainer.update(samples, curation, behaviour_cloning=behaviour_cloning)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    follow(TrainerSpec.from_json(sys.argv[1]))
+    # `python -m training.replica_group SPEC` (a child of its leader) or `... join` (a
+    # follower on another host, its settings from the leader's store as they are).
+    if sys.argv[1:] == ["join"]:
+        join()
+    else:
+        follow(TrainerSpec.from_json(sys.argv[1]))
     # Leave without the interpreter's teardown: after a sharded run it sometimes met a torch
     # thread still joinable and aborted ("terminate called without an active exception",
     # exit -6 in CI) although the follower's work was done and its group left.

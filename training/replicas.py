@@ -44,14 +44,17 @@ class Replicas:
     rank: int
     world: int
     sharded: bool = False  # FSDP2 (`training.sharding`): replicas run forward passes in lockstep
+    one_host: bool = True  # every replica on the leader's host (batches go as files)
     # Messages shared so far (a one-item list: the dataclass is frozen, the count is not).
     _shared: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @classmethod
-    def from_environment(cls, *, sharded: bool = False) -> Replicas:
+    def from_environment(cls, *, sharded: bool = False, one_host: bool = True) -> Replicas:
         if not dist.is_initialized():
             raise RuntimeError("Replicas need torch.distributed.init_process_group() first")
-        return cls(rank=dist.get_rank(), world=dist.get_world_size(), sharded=sharded)
+        return cls(
+            rank=dist.get_rank(), world=dist.get_world_size(), sharded=sharded, one_host=one_host
+        )
 
     @property
     def leader(self) -> bool:
@@ -125,13 +128,16 @@ class Replicas:
         rather than in a collective: a collective waiting for the first batch of a run (an
         hour of OSWorld episodes and the version-0 evaluation) would outlast its timeout
         (NCCL's 10 minutes) and abort the follower. Returns when the message is posted; the
-        follower dies with the leader's process meanwhile (`replica_group`)."""
+        follower dies with the leader's process meanwhile (`replica_group`), or, on another
+        host, raises `DistNetworkError` when the leader's store goes."""
         key = f"{_MESSAGE}{self._shared[0] + 1}"
         store = _store()
         while True:
             try:
                 store.wait([key], timedelta(seconds=poll_s))
                 return
+            except dist.DistNetworkError:  # the leader's store is gone: so is the leader
+                raise
             except (RuntimeError, dist.DistStoreError):  # not posted yet: wait on
                 continue
 

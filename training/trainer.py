@@ -344,14 +344,17 @@ class PolicyTrainer:
         together)."""
         shared = None
         if self.replicas is not None and self.replicas.leader:
-            # The followers are this process's children on this host: they read the batch
-            # from a file instead of a pickle of every screenshot sent through a collective.
-            self._shared_updates += 1
-            shared = samples_write(
-                self.run_dir / ".replica-batches" / f"update-{self._shared_updates}.jsonl",
-                samples,
-            )
-            message = ("update", str(shared), curation, behaviour_cloning, self.state.updates)
+            # Followers on this host read the batch from a file instead of a pickle of every
+            # screenshot sent through a collective; followers on other hosts get the pickle.
+            batch: str | list[TrainSample] = list(samples)
+            if self.replicas.one_host:
+                self._shared_updates += 1
+                shared = samples_write(
+                    self.run_dir / ".replica-batches" / f"update-{self._shared_updates}.jsonl",
+                    samples,
+                )
+                batch = str(shared)
+            message = ("update", batch, curation, behaviour_cloning, self.state.updates)
             self.replicas.share(message)
         config = self.config
         if behaviour_cloning:

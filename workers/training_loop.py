@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from datamanager.services.run_workers import (
 )
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
+from training.config import RENDEZVOUS_ENV
 from training.memory_plan import budget_sample
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer, version_dir
@@ -94,7 +96,11 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
             ),
         )
         if cfg.trainer.replicas > 1:
-            group = _GROUPS[run.pk] = ReplicaGroup.start(spec, world=cfg.trainer.replicas)
+            # Replicas on other hosts join at the rendezvous the run's placement gave this
+            # worker (`hostagent.cluster`); without one, they are this worker's children.
+            group = _GROUPS[run.pk] = ReplicaGroup.start(
+                spec, world=cfg.trainer.replicas, rendezvous=os.environ.get(RENDEZVOUS_ENV, "")
+            )
             trainer = group.trainer
         else:
             trainer = spec.build(None, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -122,6 +122,12 @@ class Host(models.Model):
         default=2, help_text="CPU inference workers this host serves at once."
     )
     env_kinds = models.JSONField(default=list, blank=True)
+    cpu_trainer_slots = models.PositiveIntegerField(
+        null=True, blank=True, help_text="CPU trainer replicas it takes at once (empty: any)."
+    )
+    env_slots = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Env workers it runs at once (empty: any)."
+    )
     last_seen = models.DateTimeField()
 
     class Meta:
@@ -139,19 +145,24 @@ class PlacementState(models.TextChoices):
 
 
 class RunPlacement(models.Model):
-    """A run's own processes: on which host, which GPUs and ports, and why it waits.
+    """A run's own processes: on which hosts, which GPUs and ports, and why it waits.
 
     One per run started under a host agent (DARTBOARD_PROCESSES=per-run). A run with one
-    uses its own router and its own Celery queues; a run without uses the shared ones."""
+    uses its own router and its own Celery queues; a run without uses the shared ones.
+    `host` is the host that answers for the run (its router's, else its trainer's); `hosts`
+    every host with a part of it (`hostagent.cluster.ClusterPlacement`, in `plan`)."""
 
     run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="placement")
     host = models.ForeignKey(Host, null=True, blank=True, on_delete=models.SET_NULL)
+    hosts = models.ManyToManyField(Host, blank=True, related_name="run_parts")
     state = models.CharField(
         max_length=16, choices=PlacementState.choices, default=PlacementState.QUEUED
     )
     reason = models.TextField(blank=True, help_text="Why it waits, or what failed.")
     plan = models.JSONField(
-        default=dict, blank=True, help_text="Devices and ports (hostagent.placement.Placement)."
+        default=dict,
+        blank=True,
+        help_text="Each host's part: devices and ports (hostagent.cluster.ClusterPlacement).",
     )
     router_url = models.CharField(max_length=200, blank=True)
     queued_at = models.DateTimeField()

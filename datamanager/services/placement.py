@@ -25,6 +25,7 @@ def placement_queue(*, run_id: int) -> RunPlacement:
     """A started run waits for a host agent: its placement (new, or the last one's) is queued
     again, at the back of the queue."""
     now = timezone.now()
+    RunPlacement.hosts.through.objects.filter(runplacement__run_id=run_id).delete()
     placement, _ = RunPlacement.objects.update_or_create(
         run_id=run_id,
         defaults={
@@ -41,10 +42,16 @@ def placement_queue(*, run_id: int) -> RunPlacement:
 
 @transaction.atomic
 def placement_claim(
-    *, placement_id: int, host: Host, plan: dict[str, Any], router_url: str
+    *,
+    placement_id: int,
+    host: Host,
+    plan: dict[str, Any],
+    router_url: str,
+    hosts: list[Host] | None = None,
 ) -> bool:
-    """A host agent takes a queued placement: STARTING on `host` with `plan`. False when it
-    is no longer queued (another agent took it, or the run stopped)."""
+    """A host agent takes a queued placement: STARTING with `plan`, a part on each of
+    `hosts` (by default `host` alone), `host` answering for it. False when it is no longer queued (another agent took
+    it, or the run stopped)."""
     placement = RunPlacement.objects.select_for_update().get(pk=placement_id)
     if placement.state != PlacementState.QUEUED:
         return False
@@ -54,6 +61,7 @@ def placement_claim(
     placement.state = PlacementState.STARTING
     placement.reason = ""
     placement.save()
+    placement.hosts.set(hosts or [host])
     return True
 
 
@@ -78,26 +86,27 @@ def placement_requeue_lost(*, seen_before: datetime) -> list[tuple[int, str]]:
     for any host with room, saying which host was lost and since when (on the run's page).
     Returns (run id, lost host) for each. The lost host's agent, if it comes back, stops
     what it held of them (`HostAgent._stop_ended`)."""
-    lost = (
-        RunPlacement.objects.select_for_update(of=("self",))
-        .select_related("host")
-        .filter(
+    lost_hosts = Host.objects.filter(last_seen__lt=seen_before)
+    lost = RunPlacement.objects.select_for_update().filter(
+        pk__in=RunPlacement.objects.filter(
             state__in=(PlacementState.STARTING, PlacementState.UP),
-            host__last_seen__lt=seen_before,
+            hosts__in=lost_hosts,
             run__status__in=(RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED),
-        )
+        ).values("pk")
     )
     moved = []
     for placement in lost:
-        assert placement.host is not None
-        name, seen = placement.host.name, placement.host.last_seen
+        gone = placement.hosts.filter(last_seen__lt=seen_before).order_by("name").first()
+        assert gone is not None
+        name, seen = gone.name, gone.last_seen
         placement.reason = (
             f"its host {name} stopped reporting at {seen:%Y-%m-%d %H:%M:%S} UTC; placed again "
-            "on the next host with room"
+            "on the next hosts with room"
         )
         placement.state, placement.host, placement.plan = PlacementState.QUEUED, None, {}
         placement.router_url = ""
         placement.save()
+        placement.hosts.clear()
         Run.objects.filter(pk=placement.run_id).update(status_message=placement.reason)
         moved.append((placement.run_id, name))
     return moved

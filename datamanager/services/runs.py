@@ -132,9 +132,9 @@ def _policy_root_problems(config: RunConfig) -> list[ConfigError]:
 
 
 def _gpu_count_problems(config: RunConfig) -> list[ConfigError]:
-    """A GPU run that asks for more GPUs than any host of the cluster has (a run's processes
-    go on one host): refused with the cluster's totals, not queued for ever. Checked where
-    host agents have reported GPUs."""
+    """A GPU run that asks for more GPUs than the whole cluster has (a run spreads over
+    hosts, `hostagent.cluster`): refused with the cluster's totals, not queued for ever.
+    Checked where host agents have reported GPUs."""
     hosts = gpu_hosts()
     if config.device != "cuda" or not hosts:
         return []
@@ -145,17 +145,16 @@ def _gpu_count_problems(config: RunConfig) -> list[ConfigError]:
     else:  # transformers workers share the GPUs the trainer leaves
         inference = min(workers, 1)
     needed = trainer + inference
-    largest = max(hosts.values())
-    if needed <= largest:
+    total = sum(hosts.values())
+    if needed <= total:
         return []
-    name = "trainer.replicas" if trainer > largest else "rollout.inference_workers"
+    name = "trainer.replicas" if trainer > total else "rollout.inference_workers"
     return [
         ConfigError(
             name,
-            f"the run needs {needed} GPUs on one host ({trainer} for the trainer's replicas, "
-            f"{inference} for inference), but the largest host has {largest} (the cluster: "
-            f"{len(hosts)} GPU host{'s' if len(hosts) != 1 else ''}, {sum(hosts.values())} "
-            "GPUs; a run's processes go on one host)",
+            f"the run needs {needed} GPUs ({trainer} for the trainer's replicas, {inference} "
+            f"for inference), but the cluster has {total} ({len(hosts)} GPU "
+            f"host{'s' if len(hosts) != 1 else ''}, the largest with {max(hosts.values())})",
         )
     ]
 

@@ -27,7 +27,7 @@ def test_cpu_runs_fill_the_inference_slots_then_wait_with_the_reason():
     assert (first.router_port, first.worker_ports) == (8200, [8201])
     second = place(needs(), CPU_HOST, taken=[first], port_base=8200)
     assert isinstance(second, Placement)
-    assert second.router_port == 8217 and second.worker_ports == [8218]  # apart from the first
+    assert second.router_port == 8218 and second.worker_ports == [8219]  # apart from the first
     third = place(needs(), CPU_HOST, taken=[first, second], port_base=8200)
     assert third == (
         "needs 1 CPU inference worker; 0 of 2 are free on cpu-1 (DARTBOARD_CPU_INFERENCE_SLOTS)"

@@ -283,14 +283,14 @@ def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.django_db
-def test_run_create_refuses_more_gpus_than_any_host_has_with_the_clusters_totals() -> None:
+def test_run_create_refuses_more_gpus_than_the_cluster_has_with_its_totals() -> None:
     from django.utils import timezone
 
     from datamanager.config import ConfigInvalid
     from datamanager.models import Host
     from datamanager.services.runs import run_config_validate
 
-    wide = {"device": "cuda", "trainer": {"replicas": 8},
+    wide = {"device": "cuda", "trainer": {"replicas": 16},
             "rollout": {"backend": "vllm", "inference_workers": 2}}  # fmt: skip  # one setting a line
     run_config_validate(data=wide, user=None)  # no GPU host has reported: placement decides
     for name in ("gpu-1", "gpu-2"):
@@ -300,13 +300,12 @@ def test_run_create_refuses_more_gpus_than_any_host_has_with_the_clusters_totals
         run_config_validate(data=wide, user=None)
     problem = refused.value.problems[0]
     assert problem.path == "rollout.inference_workers"
-    assert (
-        "needs 10 GPUs on one host (8 for the trainer's replicas, 2 for inference)"
-        in problem.message
+    assert problem.message == (
+        "the run needs 18 GPUs (16 for the trainer's replicas, 2 for inference), but the "
+        "cluster has 16 (2 GPU hosts, the largest with 8)"
     )
-    assert "the largest host has 8 (the cluster: 2 GPU hosts, 16 GPUs" in problem.message
     shared = {**wide, "rollout": {**wide["rollout"], "vllm_gpus": "shared", "vllm_gpu_memory": 0.4}}
-    run_config_validate(data=shared, user=None)  # vLLM on the trainer's GPUs: 8 fit
+    run_config_validate(data=shared, user=None)  # vLLM on the trainer's GPUs: 16 fit, over 2 hosts
     run_config_validate(data={**wide, "device": "auto"}, user=None)  # may run on a CPU host
 
 

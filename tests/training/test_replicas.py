@@ -176,3 +176,80 @@ def test_followers_wait_for_the_first_batch_longer_than_a_collective_may(
     assert kind == "update" and batch_file.endswith("update-1.jsonl")
     assert "data:image" not in repr(shared[0])
     assert not list((tmp_path / "run" / ".replica-batches").glob("*.jsonl"))  # removed after
+
+
+def _join(port: int, *, rank: int = 1, world: int = 2):
+    """A follower as another host's agent starts it: torchrun's environment, the trainer's
+    settings read from the leader's store."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world)}  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "training.replica_group", "join"], env=env)
+
+
+def test_sharded_replicas_that_join_at_a_rendezvous_take_the_one_process_step(
+    tiny_policy_dir, tmp_path
+) -> None:
+    """Replicas on two hosts: the leader's store at the rendezvous the placement gave it,
+    a follower that knows only that address (its settings from the store, the batch in the
+    collective, no file between them), FSDP2 over gloo: the same step as one process."""
+    from tests.helpers import free_port
+
+    def spec(name: str, shard: bool = True) -> TrainerSpec:
+        return TrainerSpec(config=dataclasses.replace(REPLICATED, replicas=2 if shard else 1,
+                                                      shard=shard),
+                           start_checkpoint=str(tiny_policy_dir), run_dir=str(tmp_path / name))  # fmt: skip
+
+    alone = spec("alone", shard=False).build(None, device="cpu")
+    start = {n: p.detach().clone() for n, p in alone.policy.model.named_parameters()}
+    losses = [_seen(alone.update(batch(), CURATION)) for _ in range(2)]
+    port = free_port()
+    follower = _join(port)
+    group = ReplicaGroup.start(spec("spread"), world=2, rendezvous=f"127.0.0.1:{port}")
+    try:
+        got = [_seen(group.trainer.update(batch(), CURATION)) for _ in range(2)]
+        saved = group.trainer.save_version(2)
+    finally:
+        group.close()
+    assert follower.wait(timeout=60) == 0
+    assert not (tmp_path / "spread" / ".replica-batches").exists()  # the batch went in the group
+    assert [g for pair in got for g in pair] == pytest.approx(
+        [x for pair in losses for x in pair], rel=1e-4
+    )
+    check = dataclasses.replace(spec("check", shard=False), start_checkpoint=str(saved))
+    weights = dict(check.build(None, device="cpu").policy.model.named_parameters())
+    _same_weights(weights, dict(alone.policy.model.named_parameters()), start)
+
+
+def test_a_lost_replica_host_ends_the_update_after_the_runs_timeout(tiny_policy_dir, tmp_path):
+    """A follower whose host stops answering (its process frozen: no reset, no exit) ends
+    the update after the run's `trainer.replica_timeout_s`, which reaches the group's
+    collectives, not after NCCL's or gloo's default of 10 or 30 minutes."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers import free_port
+
+    config = dataclasses.replace(REPLICATED, replicas=2, replica_timeout_s=10.0)
+    spec = TrainerSpec(config=config, start_checkpoint=str(tiny_policy_dir),
+                       run_dir=str(tmp_path / "run"))  # fmt: skip
+    port = free_port()
+    follower = _join(port)
+    group = ReplicaGroup.start(spec, world=2, rendezvous=f"127.0.0.1:{port}")
+    try:
+        assert group.trainer.update(batch(), CURATION).optimizer_steps == 1
+        os.kill(follower.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(RuntimeError):
+            group.trainer.update(batch(), CURATION)
+        waited = time.monotonic() - began
+    finally:
+        follower.kill()
+        follower.wait()
+        group.close(timeout_s=0)
+    assert 9.0 <= waited < 30.0, waited  # the run's 10 s and the update's own work
+    assert not torch.distributed.is_initialized()

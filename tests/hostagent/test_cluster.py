@@ -85,8 +85,9 @@ def test_nothing_starts_until_the_whole_run_fits_and_the_reason_names_each_host(
 
 def test_env_workers_go_to_hosts_that_run_their_kind_and_cpu_replicas_spread_by_slots():
     trainer = [
-        HostInventory(name=f"train-{i}", address=f"10.0.1.{i}", cpu_inference_slots=0,
-                      cpu_trainer_slots=1)  # fmt: skip
+        HostInventory(
+            name=f"train-{i}", address=f"10.0.1.{i}", cpu_inference_slots=0, cpu_trainer_slots=1
+        )
         for i in (1, 2)
     ]
     serve = HostInventory(name="serve", address="10.0.1.3", cpu_inference_slots=1,

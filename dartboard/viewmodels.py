@@ -32,6 +32,8 @@ from datamanager.selectors.dashboard import (
     hosts_with_placements,
     latest_logprob_gap,
     newest_version,
+    placement_part,
+    placement_parts,
     run_placement,
     slot_tiles,
     stale_episodes,
@@ -265,9 +267,10 @@ def host_rows() -> list[HostRow]:
         taken: dict[str, float] = {}
         cpu_used = 0
         for p in placed:
-            for index, gib in (p.plan.get("gpu_gib") or {}).items():
+            part = placement_part(p.plan, host.name)
+            for index, gib in (part.get("gpu_gib") or {}).items():
                 taken[index] = taken.get(index, 0.0) + gib
-            cpu_used += sum(1 for g in p.plan.get("inference_gpus") or [] if g is None)
+            cpu_used += sum(1 for g in part.get("inference_gpus") or [] if g is None)
         gpus = ", ".join(
             f"GPU {g['index']} {g['name']}: {taken.get(str(g['index']), 0.0):.0f} of "
             f"{g['memory_gib']:.0f} GiB taken"
@@ -300,6 +303,14 @@ def placement_note(*, run: Run) -> str:
         return f"Processes: {placement.reason or 'queued'}"
     if placement.state == PlacementState.ENDED:
         return f"Processes: stopped{': ' + placement.reason if placement.reason else ''}"
+    parts = placement_parts(plan)
+    if len(parts) > 1:
+        router = f"; router {placement.router_url}" if placement.router_url else ""
+        return (
+            f"Processes: {placement.state} over {len(parts)} hosts: "
+            + "; ".join(_part_note(part) for part in parts)
+            + router
+        )
     where = placement.host.name if placement.host else "?"
     inference = plan.get("inference_gpus") or []
     devices = (
@@ -310,6 +321,29 @@ def placement_note(*, run: Run) -> str:
     )
     router = f"; router {placement.router_url}" if placement.router_url else ""
     return f"Processes: {placement.state} on {where} ({devices}{router})"
+
+
+def _part_note(part: dict) -> str:
+    """What one host runs of a run spread over several: "gpu-2 (10.0.0.2): trainer ranks
+    8-11 on GPU 0-3, 2 inference workers on GPU 4, 5, the router"."""
+    what = []
+    ranks = part.get("trainer_ranks") or []
+    if ranks:
+        gpus = part.get("trainer_gpus") or []
+        on = f" on GPU {', '.join(map(str, gpus))}" if gpus else ""
+        what.append(
+            f"trainer rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}{on}"
+        )
+    inference = part.get("inference_gpus") or []
+    if inference:
+        on = "" if None in inference else f" on GPU {', '.join(map(str, inference))}"
+        what.append(f"{len(inference)} inference worker{'s' if len(inference) != 1 else ''}{on}")
+    if part.get("router") and part.get("worker_ports"):
+        what.append("the router")
+    if part.get("env_workers"):
+        n = part["env_workers"]
+        what.append(f"{n} env worker{'s' if n != 1 else ''}")
+    return f"{part.get('host', '?')} ({part.get('address', '?')}): {', '.join(what) or 'nothing'}"
 
 
 def unsolved_tasks_note(*, run: Run, min_attempts: int = UNSOLVED_MIN_ATTEMPTS) -> str:

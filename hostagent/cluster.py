@@ -75,28 +75,6 @@ class ClusterPlacement:
             return cls([Placement.from_dict(p) for p in data["parts"]])
         return cls([Placement.from_dict(data)])
 
-    def describe(self) -> list[str]:
-        """What each host runs, in the words of the run's page."""
-        lines = []
-        for p in self.parts:
-            what = []
-            if p.whole:
-                what.append("the whole run")
-            if p.env_workers:
-                what.append(f"{p.env_workers} env worker{'s' if p.env_workers != 1 else ''}")
-            if p.trainer_ranks and not p.whole:
-                ranks = ", ".join(map(str, p.trainer_ranks))
-                what.append(f"trainer rank{'s' if len(p.trainer_ranks) != 1 else ''} {ranks}")
-            if p.inference_gpus:
-                n = len(p.inference_gpus)
-                what.append(f"{n} inference worker{'s' if n != 1 else ''}")
-            if p.router and p.worker_ports:
-                what.append(f"the router (port {p.router_port})")
-            if p.trainer_gpus:
-                what.append(f"GPUs {', '.join(map(str, p.trainer_gpus))} for training")
-            lines.append(f"{p.host} ({p.address}, {p.device}): {'; '.join(what) or 'nothing'}")
-        return lines
-
 
 _Taken = dict[str, list[Placement]]  # host -> the parts of runs placed there
 _FreeGib = dict[str, dict[int, float]]  # host -> GPU index -> GiB free

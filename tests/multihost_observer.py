@@ -3,6 +3,11 @@ answers the test over stdin/stdout, one JSON line per request:
 
     {"op": "start", "policy": ref}   -> {"run": id}   a run of that policy created, started,
                                                       its workers enqueued
+    {"op": "start", "policy": ref, "set": {...}, "agents": true}
+                                     -> {"run": id}   with those settings ("trainer.replicas":
+                                                      2), left to the host agents to start
+    {"op": "cluster", "run": id}     -> the run's status, its placement (hosts, parts), its
+                                        versions, updates and trajectories
     {"op": "state", "run": id}       -> the run's trajectories, versions, updates, the router's
                                         workers, and the env wall as the web on A serves it
     {"op": "stop", "run": id}        -> {}            the run stopped (its workers wind down)
@@ -24,18 +29,54 @@ from typing import Any
 import django
 
 
-def _start(policy: str) -> dict[str, Any]:
-    import dataclasses
-
-    from datamanager.services.run_workers import run_start_workers
+def _start(policy: str, settings: dict[str, Any], agents: bool) -> dict[str, Any]:
+    from core.config_fields import config_override
+    from datamanager.config import RunConfig
+    from datamanager.services.run_workers import run_apply, run_start_workers
     from datamanager.services.runs import run_control, run_create
     from tests.live_stack import fault_run_config
 
-    config = dataclasses.replace(fault_run_config(), policy=policy)
-    run = run_create(name="multi-host", config=config)
-    run_control(run_id=run.pk, action="start")
-    run_start_workers(run_id=run.pk)
+    data = {**fault_run_config().to_dict(), "policy": policy}
+    for path, value in settings.items():
+        data = config_override(data, path, value)
+    run = run_create(name="multi-host", config=RunConfig.from_dict(data))
+    if agents:  # queued for the host agents, which start its processes and its work
+        run_apply(run_id=run.pk, action="start")
+    else:  # the shared workers serve it
+        run_control(run_id=run.pk, action="start")
+        run_start_workers(run_id=run.pk)
     return {"run": run.pk}
+
+
+def _cluster(run_id: int) -> dict[str, Any]:
+    from datamanager.models import PolicyVersion, Run, RunPlacement, TrainUpdate, Trajectory
+
+    run = Run.objects.get(pk=run_id)
+    placement = RunPlacement.objects.filter(run_id=run_id).first()
+    return {
+        "status": run.status,
+        "message": run.status_message,
+        "placement": None
+        if placement is None
+        else {
+            "state": placement.state,
+            "reason": placement.reason,
+            "host": placement.host.name if placement.host else "",
+            "hosts": sorted(placement.hosts.values_list("name", flat=True)),
+            "plan": placement.plan,
+            "router_url": placement.router_url,
+        },
+        "versions": list(
+            PolicyVersion.objects.filter(run_id=run_id)
+            .order_by("version")
+            .values_list("version", flat=True)
+        ),
+        "updates": TrainUpdate.objects.filter(run_id=run_id).count(),
+        "trajectories": [
+            {"id": t.pk, "status": t.status, "host": t.env_slot.host if t.env_slot else ""}
+            for t in Trajectory.objects.filter(run_id=run_id).select_related("env_slot")
+        ],
+    }
 
 
 def _session_cookie() -> str:
@@ -107,8 +148,11 @@ def main() -> None:
         request = json.loads(line)
         try:
             if request["op"] == "start":
-                reply = _start(str(request["policy"]))
-                cookie = _session_cookie()
+                agents = bool(request.get("agents"))
+                reply = _start(str(request["policy"]), request.get("set", {}), agents)
+                cookie = "" if agents else _session_cookie()
+            elif request["op"] == "cluster":
+                reply = _cluster(int(request["run"]))
             elif request["op"] == "state":
                 reply = _state(int(request["run"]), cookie)
             elif request["op"] == "stop":

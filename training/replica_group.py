@@ -33,6 +33,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -52,7 +53,46 @@ from training.trainer import PolicyTrainer
 log = logging.getLogger("dartboard.trainer")
 STOP = ("stop",)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # followers starting: imports and a model load
-SPEC_KEY = "dartboard/trainer-spec"  # the leader's TrainerSpec, for followers on other hosts
+# Over several hosts: the groups the leader formed so far (a counter), the one open for
+# followers to join (its number), and in each group the leader's TrainerSpec and how many
+# followers arrived.
+GROUPS_KEY = "dartboard/groups"
+OPEN_KEY = "dartboard/open-group"
+GROUP_PREFIX = "dartboard/group-"
+SPEC_KEY = "trainer-spec"
+ARRIVED_KEY = "arrived"
+_STORES: dict[str, dist.TCPStore] = {}  # the leader's rendezvous store, by host:port
+
+
+def _rendezvous_store(rendezvous: str, *, gloo: bool) -> dist.TCPStore:
+    """This process's store at `rendezvous`, made on first use and kept: the run's port is
+    fixed, and a store's server lives as long as anything still holds it (a failed
+    group's traceback, say), so a second one on that port could not listen."""
+    store = _STORES.get(rendezvous)
+    if store is None:
+        host, port = rendezvous.rsplit(":", 1)
+        if gloo:
+            reach_peers_from(host)
+        store = dist.TCPStore(
+            host, int(port), is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False
+        )
+        _STORES[rendezvous] = store
+    return store
+
+
+def _await_arrivals(store: dist.Store, followers: int) -> None:
+    """Until `followers` followers have read the spec and built their trainer (imports and
+    a model load: minutes on a loaded host), before the process group's own timeout
+    starts."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while store.add(ARRIVED_KEY, 0) < followers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{store.add(ARRIVED_KEY, 0)} of {followers} trainer replicas on other hosts "
+                f"joined within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s: read their logs "
+                "(dartboard run logs)"
+            )
+        time.sleep(0.5)
 
 
 @dataclass(frozen=True)
@@ -104,6 +144,27 @@ class GroupSetup:
         return {"device_id": torch.device(self.device)}
 
 
+def reach_peers_from(address: str) -> None:
+    """Make gloo talk to the group's other hosts from the interface holding `address`
+    (this host's cluster address): left to itself, gloo binds to what this host's name
+    resolves to, the loopback on many machines, and its peers on other hosts are refused.
+    NCCL finds its interfaces itself."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+    raise RuntimeError(f"no network interface of this host has the address {address}")
+
+
+def address_towards(host: str, port: int) -> str:
+    """This host's address on the route to host:port (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
 def group_setup(*, local_rank: int, cuda: bool) -> GroupSetup:
     """Replica `local_rank` of this host: GPU `local_rank` on NCCL, or the CPU on gloo."""
     if cuda:
@@ -117,6 +178,7 @@ class ReplicaGroup:
     def __init__(self, trainer: PolicyTrainer, followers: list[subprocess.Popen]) -> None:
         self.trainer = trainer
         self.followers = followers
+        self.rendezvous: dist.TCPStore | None = None  # replicas on other hosts join there
 
     @classmethod
     def start(
@@ -191,16 +253,20 @@ class ReplicaGroup:
         cls, spec: TrainerSpec, *, world: int, timeout_s: float, rendezvous: str
     ) -> ReplicaGroup:
         """Rank 0 of replicas on several hosts: the store at `rendezvous` (this host's
-        cluster address), the spec posted there for the followers to read, the group
-        formed when all `world` ranks have joined."""
-        host, port = rendezvous.rsplit(":", 1)
+        cluster address; one for the life of this process, since its port is the run's),
+        a numbered group in it, the spec posted there for the followers to read, the
+        process group formed once all `world` ranks have arrived."""
         setup = group_setup(local_rank=0, cuda=torch.cuda.is_available())
-        store = dist.TCPStore(host, int(port), world, is_master=True, timeout=RENDEZVOUS_TIMEOUT)
+        store = _rendezvous_store(rendezvous, gloo=setup.backend == "gloo")
+        prefix = f"{GROUP_PREFIX}{store.add(GROUPS_KEY, 1)}/"
+        group_store = dist.PrefixStore(prefix, store)
         try:
-            store.set(SPEC_KEY, spec.to_json())
+            group_store.set(SPEC_KEY, spec.to_json())
+            store.set(OPEN_KEY, prefix)
+            _await_arrivals(group_store, world - 1)
             dist.init_process_group(
                 setup.backend,
-                store=store,
+                store=group_store,
                 rank=0,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
@@ -209,10 +275,13 @@ class ReplicaGroup:
             replicas = Replicas(rank=0, world=world, sharded=spec.config.shard, one_host=False)
             trainer = spec.build(replicas, device=setup.device)
         except BaseException:
+            store.delete_key(OPEN_KEY)
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        return cls(trainer, [])
+        group = cls(trainer, [])
+        group.rendezvous = store
+        return group
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Tell the followers to stop, leave the group and reap them. After a failed update
@@ -227,6 +296,8 @@ class ReplicaGroup:
                     log.warning("could not tell the trainer replicas to stop: %s", exc)
                     timeout_s = 0.0
         finally:
+            if self.rendezvous is not None:  # no follower joins this group any more
+                self.rendezvous.delete_key(OPEN_KEY)
             if dist.is_initialized():
                 dist.destroy_process_group()
             for proc in self.followers:
@@ -239,20 +310,21 @@ class ReplicaGroup:
 
 def join(*, spec_for: Callable[[TrainerSpec], TrainerSpec] = lambda spec: spec) -> None:
     """A follower on another host than its leader (`workers.trainer_rank`): the leader's
-    store at MASTER_ADDR:MASTER_PORT, the trainer's settings read from it (`spec_for` makes
-    them this host's: its own copy of the run's directory), then `follow`. Returns when the
-    leader closes the group; raises when the leader or the network is gone."""
+    store at MASTER_ADDR:MASTER_PORT, the group open there, the trainer's settings read from
+    it (`spec_for` makes them this host's: its own copy of the run's directory), then
+    `follow`. Returns when the leader closes the group; raises when the leader or the
+    network is gone, or when the group it found closed before it arrived."""
     world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=False,
-        timeout=RENDEZVOUS_TIMEOUT,
-    )
-    store.wait([SPEC_KEY], RENDEZVOUS_TIMEOUT)
-    spec = spec_for(TrainerSpec.from_json(store.get(SPEC_KEY).decode()))
-    follow(spec, store=store, one_host=False)
+    leader, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if not torch.cuda.is_available():  # gloo
+        reach_peers_from(address_towards(leader, port))
+    store = dist.TCPStore(leader, port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    store.wait([OPEN_KEY], RENDEZVOUS_TIMEOUT)
+    prefix = store.get(OPEN_KEY).decode()
+    group_store = dist.PrefixStore(prefix, store)
+    spec = spec_for(TrainerSpec.from_json(group_store.get(SPEC_KEY).decode()))
+    group_store.add(ARRIVED_KEY, 1)
+    follow(spec, store=group_store, one_host=False)
 
 
 def follow(spec: TrainerSpec, *, store: dist.Store | None = None, one_host: bool = True) -> None:

@@ -25,6 +25,7 @@ def main() -> None:
     import django
 
     django.setup()
+    # Django's models and settings import only once it is set up.
     import torch
     from django.conf import settings
     from django.db import connections

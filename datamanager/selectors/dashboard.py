@@ -86,18 +86,31 @@ def evaluations_under_way(*, run: Run) -> list[EvalJob]:
 
 
 def hosts_with_placements() -> list[tuple[Host, list[RunPlacement]]]:
-    """Every host an agent reported, with the placements starting or up on it."""
+    """Every host an agent reported, with the placements starting or up with a part on it."""
     return [
         (
             host,
             list(
                 RunPlacement.objects.filter(
-                    host=host, state__in=(PlacementState.STARTING, PlacementState.UP)
+                    hosts=host, state__in=(PlacementState.STARTING, PlacementState.UP)
                 ).select_related("run")
             ),
         )
         for host in Host.objects.all()
     ]
+
+
+def placement_parts(plan: dict) -> list[dict]:
+    """A stored placement's parts, one per host (`hostagent.cluster.ClusterPlacement`): a
+    run on one host is stored as that host's part alone."""
+    if "parts" in plan:
+        return list(plan["parts"])
+    return [plan] if plan else []
+
+
+def placement_part(plan: dict, host: str) -> dict:
+    """`host`'s part of a stored placement ({} when it has none)."""
+    return next((p for p in placement_parts(plan) if p.get("host") == host), {})
 
 
 def run_placement(*, run: Run) -> RunPlacement | None:

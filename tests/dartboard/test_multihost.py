@@ -100,6 +100,8 @@ def host_env(hosts: netns.VirtualHosts, host: str, home: Path, **extra: str) -> 
     own = ("DARTBOARD_", "DATABASE_URL", "REDIS_URL", "TEST_", "AWS_", "DJANGO_", "ALLOWED_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
     svc = hosts.address("svc")
+    if "c" in hosts.hosts:  # the shared rollout service, on host C
+        env["DARTBOARD_INFERENCE_URLS"] = f"http://{hosts.address('c')}:8100"
     return {
         **env,
         **FAST_LIVENESS,
@@ -113,7 +115,6 @@ def host_env(hosts: netns.VirtualHosts, host: str, home: Path, **extra: str) -> 
         "AWS_ACCESS_KEY_ID": "dartboard-test",
         "AWS_SECRET_ACCESS_KEY": "dartboard-test-secret",
         "AWS_DEFAULT_REGION": "us-east-1",
-        "DARTBOARD_INFERENCE_URLS": f"http://{hosts.address('c')}:8100",
         "PYTHONPATH": str(ROOT),
         **extra,
     }

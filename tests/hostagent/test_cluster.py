@@ -66,7 +66,6 @@ def test_a_trainer_too_big_for_any_host_spans_two_and_meets_at_the_leaders_addre
     assert plan.router_url == f"http://10.0.0.2:{two.router_port}"
     assert two.router_workers == [f"http://10.0.0.2:{port}" for port in two.worker_ports]
     assert one.env_workers + two.env_workers == 2
-    assert {line.split(" ")[0] for line in plan.describe()} == {"gpu-1", "gpu-2"}
 
 
 def test_nothing_starts_until_the_whole_run_fits_and_the_reason_names_each_host():

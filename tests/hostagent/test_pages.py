@@ -77,3 +77,41 @@ def test_a_run_whose_router_never_answers_says_which_log_to_read(tmp_path):
     message = Run.objects.get(pk=run.pk).status_message
     assert f"router at {url} has no live inference worker after 300 s" in message
     assert str(tmp_path / "logs" / f"run-{run.pk}-inference-0.log") in message
+
+
+def test_a_run_spread_over_hosts_shows_what_each_host_runs(ada_client):
+    from hostagent.cluster import ClusterPlacement, place_cluster
+    from hostagent.placement import Gpu, HostInventory, RunNeeds
+
+    gpus = tuple(Gpu(g, "H100", 80.0) for g in range(2))
+    reported = [{"index": g.index, "name": g.name, "memory_gib": g.memory_gib} for g in gpus]
+    # Loopback addresses where nothing listens: the page asks the router for its health.
+    inventories = [
+        HostInventory(name=f"gpu-{i}", address=f"127.0.9.{i}", cuda_torch=True, gpus=gpus)
+        for i in (1, 2)
+    ]
+    hosts = [
+        Host.objects.create(name=inv.name, address=inv.address, cuda_torch=True, gpus=reported,
+                            last_seen=timezone.now())
+        for inv in inventories
+    ]  # fmt: skip
+    needs = RunNeeds(inference_workers=1, backend="transformers", trainer_replicas=3,
+                     device="cuda", lora=False, weights_gib=7.0, shard=True)  # fmt: skip
+    plan = place_cluster(needs, inventories, taken={}, port_bases={"gpu-1": 8200, "gpu-2": 8200},
+                         env_kinds=set(), env_workers=0)  # fmt: skip
+    assert isinstance(plan, ClusterPlacement) and plan.hosts == ["gpu-1", "gpu-2"]
+    run = run_create(name="spread", config=RunConfig())
+    placement = placement_queue(run_id=run.pk)
+    assert placement_claim(placement_id=placement.pk, host=hosts[1], hosts=hosts,
+                           plan=plan.to_dict(), router_url=plan.router_url)  # fmt: skip
+    detail = ada_client.get(f"/runs/{run.pk}/").content.decode()
+    assert (
+        "Processes: starting over 2 hosts: gpu-1 (127.0.9.1): trainer ranks 0, 1 on GPU 0, 1; "
+        "gpu-2 (127.0.9.2): trainer rank 2 on GPU 0, 1 inference worker on GPU 1, the router; "
+        f"router http://127.0.9.2:{plan.lead.router_port}"
+    ) in detail
+    page = ada_client.get("/").content.decode()
+    assert page.count("spread</a>") == 3  # in the runs' list, and under each of its hosts
+    # Each host's GPUs carry its own part: 29 GiB a trainer shard, 9 the inference worker.
+    assert "GPU 0 H100: 29 of 80 GiB taken, GPU 1 H100: 29 of 80 GiB taken" in page
+    assert "GPU 0 H100: 29 of 80 GiB taken, GPU 1 H100: 9 of 80 GiB taken" in page

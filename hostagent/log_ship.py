@@ -27,12 +27,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from datamanager.services.process_logs import process_log_record
+from datamanager.services.process_logs import TAIL_BYTES, process_log_record
 from hostagent.launcher import Supervisor
 
 log = logging.getLogger("hostagent.log_ship")
 
-TAIL_BYTES = 64 * 1024  # about 600 lines of a worker's log; one row per process stays small
 SHIP_EVERY_S = 5.0
 # Environment variables whose values a process may print and nobody may read from its log.
 SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)

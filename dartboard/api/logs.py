@@ -21,6 +21,7 @@ from datamanager.selectors.process_logs import (
     process_log_find,
     process_logs_list,
 )
+from datamanager.services.process_logs import TAIL_BYTES
 
 ERRORS = {**schemas.ERRORS, 404: schemas.ErrorOut}
 
@@ -43,14 +44,15 @@ class RunLogView(ApiView):
         parameters=[schemas.ProcessLogQuery],
         responses={
             (200, "text/plain"): OpenApiResponse(
-                OpenApiTypes.STR, description="The log's last lines (at most 64 KiB)."
+                OpenApiTypes.STR,
+                description=f"The log's last lines (at most {TAIL_BYTES // 1024} KiB).",
             ),
             **ERRORS,
         },
     )
     def get(self, request: Request, run_id: int, process: str) -> HttpResponse:
         """The end of one process's log as text (`inference-0`, `router`, `worker-train`,
-        `worker-env-0`), secrets written as ***; `host` names the host where the run has a
+        `worker-env-0`), its secrets masked; `host` names the host where the run has a
         process of that name on several."""
         query = query_of(request, schemas.ProcessLogQuery)
         run = get_or_404(Run, "run", pk=run_id)

@@ -10,6 +10,8 @@ from django.conf import settings
 from core.redact import redact
 from datamanager.models import Run, RunProcessLog
 
+TAIL_BYTES = 64 * 1024  # a log's end kept: about 600 lines of a worker's log, one row each
+
 # The secrets the settings hold, which the web, the agent and a launcher's children may print.
 OWN_SECRETS = (
     "SECRET_KEY",

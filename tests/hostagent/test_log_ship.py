@@ -21,12 +21,12 @@ from django.utils import timezone
 from datamanager.config import RunConfig
 from datamanager.models import Host, PlacementState, Run, RunPlacement, RunProcessLog, RunStatus
 from datamanager.services.placement import placement_claim, placement_queue
-from datamanager.services.process_logs import process_log_record
+from datamanager.services.process_logs import TAIL_BYTES, process_log_record
 from datamanager.services.runs import run_create
 from datamanager.services.tokens import api_token_create
 from hostagent.agent import HostAgent, run_prefix
 from hostagent.launcher import ProcSpec, Supervisor
-from hostagent.log_ship import SHIP_EVERY_S, TAIL_BYTES, LogShipper
+from hostagent.log_ship import SHIP_EVERY_S, LogShipper
 from tests.conftest import user_in_role
 
 pytestmark = pytest.mark.django_db

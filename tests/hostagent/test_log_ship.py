@@ -191,8 +191,8 @@ def test_only_who_may_see_the_run_reads_its_logs_and_a_name_on_two_hosts_needs_o
     for host in ("gpu-1", "gpu-2"):
         process_log_record(run_id=run.pk, host=host, process="worker-env-0",
                            tail=f"on {host}\n", size=8, running=True)  # fmt: skip  # one row
-    process_log_record(run_id=run.pk, host="gpu-1", process="router", tail="up\n", size=3,
-                       running=True)  # fmt: skip  # one row
+    process_log_record(run_id=run.pk, host="gpu-1", process="router", tail="up\x00\n", size=4,
+                       running=True)  # fmt: skip  # one row; a NUL PostgreSQL's text cannot hold
     viewer = bearer(user_in_role(django_user_model, "victor", "viewer"))
     logs = f"/api/v1/runs/{run.pk}/logs/"
 
@@ -205,7 +205,8 @@ def test_only_who_may_see_the_run_reads_its_logs_and_a_name_on_two_hosts_needs_o
     assert client.get(f"/api/v1/runs/{run.pk + 1}/logs/", **viewer).status_code == 404
     assert client.get(f"/api/v1/runs/{run.pk + 1}/logs/router/", **viewer).status_code == 404
 
-    assert client.get(f"{logs}router/", **viewer).content == b"up\n"
+    assert client.get(f"{logs}router/", **viewer).content.decode() == "up\ufffd\n"
+    assert client.get(f"{logs}router%00/", **viewer).status_code == 404
     both = client.get(f"{logs}worker-env-0/", **viewer).json()
     assert (both["code"], both["field"]) == ("invalid", "host")
     assert both["message"] == (

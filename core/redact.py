@@ -23,9 +23,18 @@ _USERINFO = re.compile(r"(//[^\s/@:]*:|\bdartboard:)[^\s/@]+@")
 _BEARER = re.compile(r"(\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.I)
 # datamanager.services.tokens: dbt_<key id>_<secret>; the key id is public, the rest is not.
 _API_TOKEN = re.compile(r"\b(dbt_[0-9a-f]+_)[A-Za-z0-9_-]+")
-_SECRET_NAME = r"[A-Za-z0-9_.-]*(?:TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)"
+# What a variable or key holding a secret is named with (DARTBOARD_ADMIN_TOKEN, VLLM_API_KEY,
+# AWS_SECRET_ACCESS_KEY, password).
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY")
+_SECRET_NAME = rf"[A-Za-z0-9_.-]*(?:{'|'.join(SECRET_WORDS)})"
 # `ADMIN_TOKEN=...`, `password: ...`; not `max_tokens=32` (the name ends in the word).
 _ASSIGNMENT = re.compile(rf"(\b{_SECRET_NAME}['\"]?\s*[=:]\s*['\"]?)[^\s'\",;]+", re.I)
+
+
+def secret_name(name: str) -> bool:
+    """Whether an environment variable (or a setting) named `name` holds a secret."""
+    upper = name.upper()
+    return any(word in upper for word in SECRET_WORDS)
 
 
 def redact_credentials(text: str) -> str:

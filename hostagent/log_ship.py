@@ -21,20 +21,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.redact import secret_name
 from datamanager.services.process_logs import TAIL_BYTES, process_log_record
 from hostagent.launcher import Supervisor
 
 log = logging.getLogger("hostagent.log_ship")
 
 SHIP_EVERY_S = 5.0
-# Environment variables whose values a process may print and nobody may read from its log.
-SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,9 @@ class LogTail:
 def read_tail(path: Path, *, limit: int = TAIL_BYTES) -> LogTail:
     """The last `limit` bytes of `path` as text (bad UTF-8 replaced), from the first whole
     line in them: a line the bound cuts is left out, so no half of a secret is kept without
-    the name before it. OSError where it cannot be read (FileNotFoundError: not yet made)."""
+    the name before it (unless no newline is in them at all: a progress bar redrawn with
+    carriage returns is kept as it is). OSError where it cannot be read (FileNotFoundError:
+    not yet made)."""
     with path.open("rb") as fh:
         size = fh.seek(0, os.SEEK_END)
         start = max(0, size - limit)
@@ -56,7 +56,7 @@ def read_tail(path: Path, *, limit: int = TAIL_BYTES) -> LogTail:
         data = fh.read(limit)
     if start > 0:
         newline = data.find(b"\n")
-        data = data[newline + 1 :] if newline >= 0 else b""
+        data = data[newline + 1 :] if newline >= 0 else data
     return LogTail(data.decode("utf-8", "replace"), size)
 
 
@@ -65,7 +65,7 @@ def group_secrets(group: Supervisor) -> list[str]:
     (which a child inherits) and each child's own (`ProcSpec.env`: purpose tokens, vLLM's
     key, S3 keys)."""
     envs = [os.environ, *(spec.env for spec in group.specs)]
-    return sorted({v for env in envs for k, v in env.items() if SECRET_ENV.search(k) and v})
+    return sorted({v for env in envs for k, v in env.items() if secret_name(k) and v})
 
 
 class LogShipper:

@@ -26,7 +26,7 @@ from datamanager.services.runs import run_create
 from datamanager.services.tokens import api_token_create
 from hostagent.agent import HostAgent, run_prefix
 from hostagent.launcher import ProcSpec, Supervisor
-from hostagent.log_ship import SHIP_EVERY_S, LogShipper
+from hostagent.log_ship import SHIP_EVERY_S, LogShipper, read_tail
 from tests.conftest import user_in_role
 
 pytestmark = pytest.mark.django_db
@@ -224,3 +224,11 @@ def test_only_who_may_see_the_run_reads_its_logs_and_a_name_on_two_hosts_needs_o
     # The dashboard: the same rule for a signed-in user without the viewer role.
     client.force_login(django_user_model.objects.get(username="mallory"))
     assert client.get(f"/runs/{run.pk}/logs/router/").status_code == 403
+
+
+def test_a_progress_bar_without_a_newline_keeps_its_end(tmp_path: Path) -> None:
+    path = tmp_path / "run-1-worker-train.log"
+    path.write_bytes(b"".join(b"\rloading %5d/10000" % i for i in range(10001)))
+    tail = read_tail(path, limit=1024)
+    assert (len(tail.text), tail.size) == (1024, path.stat().st_size)
+    assert tail.text.endswith("\rloading 10000/10000")

@@ -312,7 +312,7 @@ class HostAgent:
         self.inventory: HostInventory | None = None
         self.host: Host | None = None
         self._reported = 0.0
-        self.logs = LogShipper(host=self.name, prefix=run_prefix)
+        self.log_shipper = LogShipper(host=self.name, prefix=run_prefix)
 
     # ------------------------------------------------------------------ the loop
 
@@ -331,7 +331,7 @@ class HostAgent:
         for group in self.groups.values():
             group.watch_once()
         self._fail_what_cannot_start()
-        self.logs.ship(self.groups)  # after the stops: a stopped run's last words go too
+        self.log_shipper.ship(self.groups)  # after the stops: a stopped run's last words go too
 
     def stop_all(self) -> None:
         """The agent stops (the launcher's Ctrl-C): every run's processes stop, the runs keep

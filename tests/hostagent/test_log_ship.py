@@ -101,7 +101,7 @@ def test_the_agent_copies_each_log_and_the_api_and_the_run_page_read_it(
     run = placed_run(host)
     agent = HostAgent(home=tmp_path, name="gpu-1")
     clock = Clock()
-    agent.logs = LogShipper(host="gpu-1", prefix=run_prefix, clock=clock)
+    agent.log_shipper = LogShipper(host="gpu-1", prefix=run_prefix, clock=clock)
     prefix, go = run_prefix(run.pk), tmp_path / "go"
     server = [sys.executable, "-c", SERVER, str(go)]
     group = Supervisor(
@@ -137,11 +137,11 @@ def test_the_agent_copies_each_log_and_the_api_and_the_run_page_read_it(
 
         # Nothing changed: nothing is written again, even once the interval has passed.
         clock.now += SHIP_EVERY_S
-        assert agent.logs.ship(agent.groups) == 0
+        assert agent.log_shipper.ship(agent.groups) == 0
         go.touch()
         for name in group.children:
             wait_for(lambda name=name: logged(group, name, "second batch"), f"{name} again")
-        assert agent.logs.ship(agent.groups) == 0  # within the interval: not yet
+        assert agent.log_shipper.ship(agent.groups) == 0  # within the interval: not yet
         clock.now += SHIP_EVERY_S
         agent.tick()
         again = client.get(f"/api/v1/runs/{run.pk}/logs/inference-0/", **viewer)

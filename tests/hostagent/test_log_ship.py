@@ -27,6 +27,7 @@ from datamanager.services.tokens import api_token_create
 from hostagent.agent import HostAgent, run_prefix
 from hostagent.launcher import ProcSpec, Supervisor
 from hostagent.log_ship import SHIP_EVERY_S, LogShipper, read_tail
+from hostagent.placement import Placement
 from tests.conftest import user_in_role
 
 pytestmark = pytest.mark.django_db
@@ -83,8 +84,8 @@ def placed_run(host: Host) -> Run:
     run = run_create(name="logs", config=RunConfig())
     Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
     placement = placement_queue(run_id=run.pk)
-    assert placement_claim(placement_id=placement.pk, host=host, plan={"host": host.name},
-                           router_url="")  # fmt: skip  # as an agent claims it
+    plan = Placement(host=host.name, device="cpu").to_dict()  # no router: a scripted run's
+    assert placement_claim(placement_id=placement.pk, host=host, plan=plan, router_url="")
     RunPlacement.objects.filter(pk=placement.pk).update(state=PlacementState.UP)
     return run
 

@@ -4,7 +4,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("datamanager", "0024_step_prompt_token_ids"),
+        ("datamanager", "0025_cluster_placement"),
     ]
 
     operations = [

@@ -12,7 +12,8 @@ rollout service and the trainer both run, so both see the same prompts, tokens a
   pure);
 - `artifacts` (checkpoints in object storage), `weight_wire` (how a version's weights travel
   from the trainer's weight server to an inference worker over torch.distributed, and how
-  both check them) and `procutil` (process helpers).
+  both check them), `procutil` (process helpers) and `redact` (secrets out of text that
+  leaves its process).
 
 The bottom layer: imports nothing first-party, and never Django or Celery (pyproject.toml's
 import-linter contracts).

@@ -17,6 +17,7 @@ urlpatterns = [
     path("runs/<int:run_id>/charts.json", views.run_charts, name="run_charts"),
     path("runs/<int:run_id>/slots.json", views.run_slots_json, name="run_slots"),
     path("runs/<int:run_id>/health.json", views.run_health, name="run_health"),
+    path("runs/<int:run_id>/logs/<str:process>/", views.run_log, name="run_log"),
     path("runs/<int:run_id>/tasks/", views.task_board, name="task_board"),
     path(
         "runs/<int:run_id>/tasks/<int:stat_id>/override/",

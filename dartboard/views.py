@@ -51,6 +51,12 @@ from datamanager.selectors import charts, env_health, evaluations, groups, traje
 from datamanager.selectors import runs as run_reads
 from datamanager.selectors.aggregates import bucket_width, outcome_rows
 from datamanager.selectors.outages import recent_outages
+from datamanager.selectors.process_logs import (
+    ProcessLogNotFound,
+    ProcessOnSeveralHosts,
+    process_log_find,
+    process_logs_list,
+)
 from datamanager.selectors.runs import run_find, run_status, run_task_names, task_stat_find
 from datamanager.selectors.trajectories import failure_label
 from datamanager.services import demos, review, run_workers
@@ -126,8 +132,24 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
             "flow": viewmodels.flow_note(run=run),
             "flow_windows": viewmodels.flow_windows(run=run),
             "held": viewmodels.held_note(run=run),
+            "process_logs": process_logs_list(run_id=run.pk),
         },
     )
+
+
+@require_GET
+@permission_required(CAN_VIEW, raise_exception=True)
+def run_log(request: HttpRequest, run_id: int, process: str) -> HttpResponse:
+    """The end of one of the run's process logs as text, as its host agent copied it (the
+    run page links each, with its host; the API's `runs_log` serves the same)."""
+    run = get_object_or_404(Run, pk=run_id)
+    try:
+        row = process_log_find(run_id=run.pk, process=process, host=request.GET.get("host"))
+    except ProcessOnSeveralHosts as exc:
+        return HttpResponse(str(exc), status=400, content_type="text/plain; charset=utf-8")
+    except ProcessLogNotFound as exc:
+        raise Http404(str(exc)) from None
+    return HttpResponse(row.tail, content_type="text/plain; charset=utf-8")
 
 
 @require_GET

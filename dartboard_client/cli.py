@@ -2,6 +2,7 @@
 
     dartboard run create cfg.yaml --set trainer.lr=1e-5 --start
     dartboard run watch 12
+    dartboard run logs 12 inference-0
     dartboard sweep cfg.yaml --grid trainer.lr=1e-5,5e-5 --seeds 2
     dartboard metrics 12 --csv
     dartboard trajectories --run 12 --status failed --limit 50
@@ -267,6 +268,35 @@ def run_watch(ctx: Context, run_id: int, interval: float) -> None:
             time.sleep(interval)
     except KeyboardInterrupt:
         return
+
+
+@run.command("logs")
+@click.argument("run_id", type=int)
+@click.argument("process", required=False)
+@click.option("--host", help="The host, where the run has a process of that name on several.")
+@click.option("--json", "as_json", is_flag=True, help="The list as JSON.")
+@pass_ctx
+def run_logs(
+    ctx: Context, run_id: int, process: str | None, host: str | None, as_json: bool
+) -> None:
+    """Without PROCESS: the run's processes, each with its host and log size. With it: the
+    end of its log (inference-0, router, worker-train, worker-env-0, ...), on any host."""
+    if process is not None:
+        if as_json:
+            raise click.UsageError("--json lists the processes: leave out PROCESS")
+        click.echo(ctx.client.log(run_id, process, host=host), nl=False)
+        return
+    listed = [row for row in ctx.client.logs(run_id) if host is None or row["host"] == host]
+    if as_json:
+        emit(listed)
+        return
+    if not listed:
+        click.echo(f"run {run_id} has no process log yet" + (f" on {host}" if host else ""))
+    for row in listed:
+        state = "running" if row["running"] else "stopped"
+        click.echo(
+            f"{row['host']}  {row['process']}  {state}  {row['size']} bytes  {row['updated_at']}"
+        )
 
 
 # ---------------------------------------------------------------------- sweeps

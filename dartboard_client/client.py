@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import yaml
@@ -151,6 +152,18 @@ class Client:
 
     def slots(self, run_id: int) -> list[dict[str, Any]]:
         return self.get(f"runs/{run_id}/slots/")
+
+    def logs(self, run_id: int) -> list[dict[str, Any]]:
+        """The run's processes with a log: host, process, size, running, updated_at, url."""
+        return self.get(f"runs/{run_id}/logs/")
+
+    def log(self, run_id: int, process: str, *, host: str | None = None) -> str:
+        """The end of one process's log, as text; `host` where the run has a process of that
+        name on several hosts."""
+        params = {"host": host} if host else {}
+        return self.request(
+            "GET", f"runs/{run_id}/logs/{quote(process, safe='')}/", params=params
+        ).text
 
     # ------------------------------------------------------------------ metrics
 

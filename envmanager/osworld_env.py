@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 import shutil
 import tempfile
 import time
@@ -55,6 +54,7 @@ from core.protocol import (
     Observation,
     TaskSpec,
 )
+from core.redact import redact_credentials
 from envmanager.osworld_actions import pyautogui_command
 from envmanager.osworld_evaluator import WheelEnv, evaluate_task
 from envmanager.osworld_file_cache import (
@@ -73,12 +73,6 @@ CONTROLLER_RETRIES, CONTROLLER_RETRY_S = 2, 0.3
 
 
 WHEEL_LOGGERS = "desktopenv"  # the wheel's loggers: desktopenv.setup, desktopenv.pycontroller, ...
-_USERINFO = re.compile(r"(//[^\s/@:]*:|\bdartboard:)[^\s/@]+@")
-
-
-def redact_credentials(text: str) -> str:
-    """`http://user:secret@host` -> `http://user:***@host` (and `dartboard:<token>@host`)."""
-    return _USERINFO.sub(r"\1***@", text)
 
 
 class RedactCredentials(logging.Filter):

@@ -66,6 +66,7 @@ from hostagent.launcher import (
     python_argv,
     serving_specs,
 )
+from hostagent.log_ship import LogShipper
 from hostagent.placement import (
     PORTS_PER_RUN,
     Gpu,
@@ -311,12 +312,13 @@ class HostAgent:
         self.inventory: HostInventory | None = None
         self.host: Host | None = None
         self._reported = 0.0
+        self.log_shipper = LogShipper(host=self.name, prefix=run_prefix)
 
     # ------------------------------------------------------------------ the loop
 
     def tick(self) -> None:
         """One pass: report the host, stop what ended, place what waits, start the work of
-        runs whose router came up, restart crashed processes."""
+        runs whose router came up, restart crashed processes, copy the logs that changed."""
         close_old_connections()
         if self.host is None or time.monotonic() - self._reported > REPORT_EVERY_S:
             self._report()
@@ -329,6 +331,7 @@ class HostAgent:
         for group in self.groups.values():
             group.watch_once()
         self._fail_what_cannot_start()
+        self.log_shipper.ship(self.groups)  # after the stops: a stopped run's last words go too
 
     def stop_all(self) -> None:
         """The agent stops (the launcher's Ctrl-C): every run's processes stop, the runs keep

@@ -138,6 +138,10 @@ class Supervisor:
         self.give_up_after = give_up_after
         self.first_backoff_s = first_backoff_s
 
+    def log_path(self, name: str) -> Path:
+        """Where child `name` writes its output (appended to across its restarts)."""
+        return self.log_dir / f"{name}.log"
+
     def reap_stale(self) -> list[int]:
         """Stop children recorded by a previous launcher that was killed: its own and every
         run group's (each group's pid file in run/)."""
@@ -168,9 +172,7 @@ class Supervisor:
 
     def _spawn(self, spec: ProcSpec) -> subprocess.Popen[bytes] | zygote.ZygoteChild:
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(
-            self.log_dir / f"{spec.name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-        )
+        fd = os.open(self.log_path(spec.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         logfile = os.fdopen(fd, "ab")  # owned by the child once started
         for path in spec.stale:
             path.unlink(missing_ok=True)
@@ -199,7 +201,7 @@ class Supervisor:
             "started %s (pid %d), log %s",
             spec.name,
             self.children[spec.name].proc.pid,
-            self.log_dir / f"{spec.name}.log",
+            self.log_path(spec.name),
         )
 
     def watch_once(self) -> None:
@@ -226,12 +228,10 @@ class Supervisor:
                     name,
                     child.failed_starts,
                     code,
-                    self.log_dir / f"{name}.log",
+                    self.log_path(name),
                 )
                 continue
-            log.warning(
-                "%s exited with %s; restarting (see %s)", name, code, self.log_dir / f"{name}.log"
-            )
+            log.warning("%s exited with %s; restarting (see %s)", name, code, self.log_path(name))
             child.proc = self._spawn(child.spec)
             child.started, child.exited_at = time.monotonic(), None
             child.restarts += 1
@@ -243,7 +243,7 @@ class Supervisor:
         for name, child in self.children.items():
             if child.exit_code is None:
                 continue
-            path = self.log_dir / f"{name}.log"
+            path = self.log_path(name)
             out.append(GaveUp(name, child.failed_starts, child.exit_code, path, _last_line(path)))
         return out
 

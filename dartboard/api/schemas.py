@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 from django.urls import reverse
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
@@ -26,6 +27,7 @@ from datamanager.models import (
     Host,
     Run,
     RunPlacement,
+    RunProcessLog,
     RunStatus,
     Split,
     Step,
@@ -268,6 +270,15 @@ class TasksQuery(Page):
 
 class EvaluationsQuery(Page):
     run = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
+
+
+class ProcessLogQuery(serializers.Serializer):
+    host = Text(
+        required=False,
+        max_length=200,
+        help_text="The host the process runs on; needed only where the run has a process of "
+        "that name on several hosts.",
+    )
 
 
 # ------------------------------------------------------------------ outputs
@@ -587,6 +598,19 @@ class HostOut(serializers.ModelSerializer):
             "env_kinds",
             "last_seen",
         ]
+
+
+class ProcessLogOut(serializers.ModelSerializer):
+    url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = RunProcessLog
+        fields = ["host", "process", "size", "running", "updated_at", "url"]
+
+    def get_url(self, row: RunProcessLog) -> str:
+        """The log's tail, as text (`runs_log`)."""
+        path = reverse("api_run_log", args=[row.run_id, row.process])
+        return f"{path}?{urlencode({'host': row.host})}"
 
 
 class SlotOut(serializers.ModelSerializer):

@@ -6,7 +6,7 @@ from django.contrib.auth.decorators import login_not_required
 from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView
 
-from dartboard.api import catalog, exports, metrics, runs, sweeps, trajectories
+from dartboard.api import catalog, exports, logs, metrics, runs, sweeps, trajectories
 from dartboard.api.errors import not_found
 from dartboard.api.trajectories import curate_view
 
@@ -40,6 +40,8 @@ urlpatterns = [
     ],
     path("runs/<int:run_id>/copy/", runs.RunCopyView.as_view(), name="api_run_copy"),
     path("runs/<int:run_id>/slots/", runs.RunSlotsView.as_view(), name="api_run_slots"),
+    path("runs/<int:run_id>/logs/", logs.RunLogsView.as_view(), name="api_run_logs"),
+    path("runs/<int:run_id>/logs/<str:process>/", logs.RunLogView.as_view(), name="api_run_log"),
     path("runs/<int:run_id>/metrics/", metrics.RunMetricsView.as_view(), name="api_run_metrics"),
     path(
         "runs/<int:run_id>/metrics.csv",

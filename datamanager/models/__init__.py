@@ -1,7 +1,7 @@
 """The data manager's tables, in three modules by what they hold: `runs` (tasks, runs,
-hosts, placements, API tokens, sweeps), `episodes` (statistics, groups, trajectories, steps,
-policy versions, env slots, updates, evaluations) and `operations` (outages, failure labels,
-exports). Import them from here.
+hosts, placements, process logs, API tokens, sweeps), `episodes` (statistics, groups,
+trajectories, steps, policy versions, env slots, updates, evaluations) and `operations`
+(outages, failure labels, exports). Import them from here.
 
 Writes go through `datamanager.services`, reads through `datamanager.selectors`.
 """
@@ -43,6 +43,7 @@ from datamanager.models.runs import (
     Run,
     RunAction,
     RunPlacement,
+    RunProcessLog,
     RunStatus,
     Split,
     Sweep,
@@ -72,6 +73,7 @@ __all__ = [
     "Run",
     "RunAction",
     "RunPlacement",
+    "RunProcessLog",
     "RunStatus",
     "ServiceOutage",
     "SlotStatus",

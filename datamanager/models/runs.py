@@ -1,5 +1,5 @@
 """Tasks, runs and what owns or places them: the task catalogue, runs with their status,
-config and actions, hosts and placements, API tokens, sweeps."""
+config and actions, hosts and placements, the runs' process logs, API tokens, sweeps."""
 
 from __future__ import annotations
 
@@ -170,6 +170,28 @@ class RunPlacement(models.Model):
 
     class Meta:
         ordering = ["queued_at", "pk"]
+
+
+class RunProcessLog(models.Model):
+    """The end of one of a run's process logs, copied from its host by the host agent
+    (`hostagent.log_ship`, secrets redacted), so the web, the API and the command line read
+    it without a shell there, and after the host is gone."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="process_logs")
+    host = models.CharField(max_length=200, help_text="The host the process runs on.")
+    process = models.CharField(max_length=200, help_text='Its name in the run: "inference-0".')
+    tail = models.TextField(blank=True, help_text="The log's last lines, at most a bound.")
+    size = models.BigIntegerField(default=0, help_text="The whole log's size, in bytes.")
+    running = models.BooleanField(
+        default=True, help_text="Whether the process ran when the tail was copied."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["host", "process"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "host", "process"], name="uniq_run_process_log")
+        ]
 
 
 class RunAction(models.Model):

@@ -9,6 +9,6 @@ enqueue Celery work by name after commit but never imports `workers`.
   `versions` (policy versions published and served), `pool` (the experience pool);
 - `demos` (demonstrations imported), `review` (trajectories curated by hand), `labels`
   (failure labels), `datasets` (exports);
-- `env_slots`, `placement`, `outages`, `tokens`: slots, hosts and processes, service
-  outages, API tokens.
+- `env_slots`, `placement`, `process_logs`, `outages`, `tokens`: slots, hosts and
+  processes, the processes' logs, service outages, API tokens.
 """

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from datamanager.config import RunConfig
 from datamanager.models import Run, RunStatus, Sweep, Task
+from datamanager.services.runs import run_create
+from hostagent.agent import run_prefix
+from hostagent.launcher import ProcSpec, Supervisor
+from hostagent.log_ship import LogShipper
 from tests.dartboard.run_helpers import make_run
 from tests.dartboard.test_curation_views import finished
+from tests.hostagent.test_log_ship import logged, wait_for
 
 DARTBOARD = Path(sys.executable).parent / "dartboard"
 CONFIG = """\
@@ -140,3 +146,42 @@ def test_a_notebook_reads_a_runs_curve_with_the_client(api_url, shell, tmp_path,
         with pytest.raises(DartboardError) as refused:
             client.run_create(name="bad", config={"trainer": {"lr": 0}})
         assert refused.value.code == "invalid_config" and refused.value.field == "trainer.lr"
+
+
+def test_a_runs_process_logs_on_two_hosts_from_the_shell(shell, tmp_path):
+    """Each host's agent copies its processes' logs (`LogShipper`, as the agent's tick
+    does); `dartboard run logs` lists them and prints one, naming the host where the run has
+    a process of that name on both."""
+    run = run_create(name="spread", config=RunConfig())
+    name = f"{run_prefix(run.pk)}worker-env-0"
+    groups = {}
+    for host in ("gpu-1", "gpu-2"):
+        prints = f"import time; print('episode 1 on {host}', flush=True); time.sleep(60)"
+        spec = ProcSpec(name, [sys.executable, "-c", prints])
+        groups[host] = Supervisor(home=tmp_path / host, specs=[spec])
+        groups[host].start()
+    try:
+        for host, group in groups.items():
+            wait_for(lambda group=group, host=host: logged(group, name, host), f"{host}'s log")
+            assert LogShipper(host=host, prefix=run_prefix).ship({run.pk: group}) == 1
+    finally:
+        for group in groups.values():
+            group.stop()
+
+    listed = shell("run", "logs", str(run.pk))
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[:4] for line in listed.stdout.splitlines()] == [
+        ["gpu-1", "worker-env-0", "running", "19"],
+        ["gpu-2", "worker-env-0", "running", "19"],
+    ]
+    both = shell("run", "logs", str(run.pk), "worker-env-0")
+    assert both.returncode == 1
+    assert both.stderr.strip() == (
+        f"error (invalid): run {run.pk} has worker-env-0 on 2 hosts (gpu-1, gpu-2): name one "
+        "with host"
+    )
+    one = shell("run", "logs", str(run.pk), "worker-env-0", "--host", "gpu-2")
+    assert (one.returncode, one.stdout) == (0, "episode 1 on gpu-2\n")
+    gone = shell("run", "logs", str(run.pk), "trainer")
+    assert gone.returncode == 1
+    assert f"run {run.pk} has no log of trainer; its logs: worker-env-0 on gpu-1" in gone.stderr

@@ -57,6 +57,7 @@ from datamanager.services.placement import (
 )
 from datamanager.services.run_workers import run_start_workers
 from datamanager.services.runs import run_begin, run_fail, run_fail_queued, run_set_message
+from envmanager.sandbox_limits import ALLOW_UNLIMITED_ENV, host_limits_problem, unlimited_allowed
 from hostagent.cluster import ClusterPlacement, place_cluster
 from hostagent.launcher import (
     CELERY,
@@ -154,12 +155,26 @@ def env_kinds_here() -> list[str]:
     the ones DARTBOARD_ENV_KINDS names, where it is set."""
     chromium = os.environ.get("MINIWOB_CHROME_BINARY", "/usr/bin/chromium")
     kinds = ["sim", "osworld"]
+    sandboxed = []
     if Path(chromium).exists():
-        kinds.append("miniwob")
+        sandboxed.append("miniwob")
     if shutil.which("Xvfb"):
-        kinds.append("desktop")
+        sandboxed.append("desktop")
     chosen = settings.DARTBOARD_ENV_KINDS
-    return sorted(k for k in kinds if chosen is None or k in chosen)
+    if sandboxed and (chosen is None or set(sandboxed) & set(chosen)):
+        # Browsers and desktops run in sandboxes with memory/pids cgroups and a task-dir
+        # quota: a host that cannot make them (an agent not run as root) would fail every
+        # episode, so it does not offer them unless the admin allowed unlimited sandboxes.
+        problem = host_limits_problem()
+        if problem and not unlimited_allowed():
+            log.warning(
+                "this host does not offer %s: %s (run the agent as root, or set %s=1)",
+                " or ".join(sandboxed),
+                problem,
+                ALLOW_UNLIMITED_ENV,
+            )
+            sandboxed = []
+    return sorted(k for k in [*kinds, *sandboxed] if chosen is None or k in chosen)
 
 
 def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:

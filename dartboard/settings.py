@@ -329,8 +329,11 @@ DARTBOARD_ARTIFACT_CACHE = Path(
 )
 # The address the trainer's weight server listens on, which inference workers pull new
 # versions from over torch.distributed (training/weight_server.py): the trainer host's, as
-# the inference hosts reach it. "off": workers load every version from its checkpoint.
-DARTBOARD_WEIGHT_SERVER = (os.environ.get("DARTBOARD_WEIGHT_SERVER") or "127.0.0.1").strip()
+# the inference hosts reach it (by default its cluster address, DARTBOARD_HOST_ADDRESS).
+# "off": workers load every version from its checkpoint.
+DARTBOARD_WEIGHT_SERVER = (
+    os.environ.get("DARTBOARD_WEIGHT_SERVER") or DARTBOARD_HOST_ADDRESS
+).strip()
 if DARTBOARD_WEIGHT_SERVER == "off":
     DARTBOARD_WEIGHT_SERVER = ""
 DARTBOARD_CHECKPOINT_ROOTS = [

@@ -80,8 +80,8 @@ from hostagent.placement import (
 from hostagent.preflight import port_free
 from rollout.client import RouterAdmin, WorkerStatus
 from rollout.limits import ServingLimits
-from training.config import RENDEZVOUS_ENV
-from training.memory_plan import TrainerRequest, run_trainer_request
+from training.config import RENDEZVOUS_ENV, REPLICAS_ENV, SHARD_ENV
+from training.memory_plan import TrainerRequest, run_trainer_request, trainer_layout
 
 log = logging.getLogger("hostagent.agent")
 
@@ -177,19 +177,31 @@ def env_kinds_here() -> list[str]:
     return sorted(k for k in [*kinds, *sandboxed] if chosen is None or k in chosen)
 
 
-def run_needs(cfg: RunConfig, checkpoint: str) -> RunNeeds:
+def run_needs(cfg: RunConfig, checkpoint: str, *, hosts: list[HostInventory]) -> RunNeeds:
+    """What the run asks of the cluster `hosts`: its trainer's `auto` replicas and sharding
+    decided for their GPUs (`training.memory_plan.trainer_layout`)."""
     scripted = cfg.policy == ORACLE_POLICY
+    request = None if scripted else trainer_request(cfg)
+    gpus = [g for h in hosts if h.cuda_torch for g in h.gpus]
+    replicas, sharded = trainer_layout(
+        cfg.trainer,
+        request,
+        gpu_gib=max(g.memory_gib for g in gpus) if gpus and cfg.device != "cpu" else None,
+        gpus=len(gpus),
+    )
+    if request is not None:
+        request = dataclasses.replace(request, shards=replicas if sharded else 1)
     return RunNeeds(
         inference_workers=0 if scripted else cfg.rollout.inference_workers,
         backend=cfg.rollout.backend,
-        trainer_replicas=0 if scripted else cfg.trainer.replicas,
+        trainer_replicas=0 if scripted else replicas,
         device=cfg.device,
         vllm_gpus=cfg.rollout.vllm_gpus,
         vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
         weights_gib=0.0 if scripted else checkpoint_gib(checkpoint),
         lora=cfg.trainer.lora_rank > 0,
-        shard=cfg.trainer.shard,
-        trainer=None if scripted else trainer_request(cfg),
+        shard=sharded,
+        trainer=request,
     )
 
 
@@ -245,6 +257,9 @@ def run_specs(
     if trains and (placement.whole or 0 in placement.trainer_ranks):
         devices = ",".join(map(str, placement.trainer_gpus))  # "": a CPU trainer sees no GPU
         env = {"CUDA_VISIBLE_DEVICES": devices}
+        if placement.trainer_world:  # its auto replicas and sharding, as placed
+            env[REPLICAS_ENV] = str(placement.trainer_world)
+            env[SHARD_ENV] = "1" if placement.trainer_shard else "0"
         if placement.rendezvous:  # replicas on other hosts join it there
             env[RENDEZVOUS_ENV] = placement.rendezvous
         specs.append(
@@ -476,7 +491,7 @@ class HostAgent:
             bases = {h.name: self.port_base for h in hosts}
             bases[self.name] = self._free_base(taken.get(self.name, []))
             plan = place_cluster(
-                run_needs(cfg, checkpoint),
+                run_needs(cfg, checkpoint, hosts=hosts),
                 hosts,
                 taken=taken,
                 port_bases=bases,

@@ -139,6 +139,7 @@ def place_cluster(
         plan.env_workers = env_workers
         plan.trainer_ranks = list(range(needs.trainer_replicas))
         plan.trainer_world = needs.trainer_replicas
+        plan.trainer_shard = needs.shard
         return ClusterPlacement([plan])
     if len(hosts) == 1:
         return reasons[hosts[0].name]
@@ -384,6 +385,7 @@ def _number_and_ports(
         )
         p.router = False
         p.trainer_world = needs.trainer_replicas if p.trainer_ranks else 0
+        p.trainer_shard = needs.shard and bool(p.trainer_ranks)
         if p.inference_gpus or (spans and 0 in p.trainer_ranks):
             p.router_port, p.worker_ports = port_block(
                 len(p.inference_gpus), base=port_bases[p.host], taken=taken.get(p.host, [])

@@ -124,6 +124,7 @@ class Placement:
     env_first: int = 0
     trainer_ranks: list[int] = field(default_factory=list)
     trainer_world: int = 0
+    trainer_shard: bool = False  # FSDP2 over the trainer's replicas
     rendezvous: str = ""  # host:port of the trainer leader's store, where ranks span hosts
     inference_first: int = 0
     router: bool = True

@@ -130,10 +130,14 @@ class TrainerConfig:
         "on a GPU, on only when the memory plan needs it (training.memory_plan); off on a CPU.",
     )
     replicas: int = knob(
-        1, "Data-parallel trainer processes, one per GPU (the worker starts N-1 followers)."
+        0,
+        "Data-parallel trainer processes, one per GPU. 0: auto: one, or under full fine-tuning "
+        "on GPUs the fewest, sharded, whose memory plan fits the cluster's GPUs.",
     )
-    shard: bool = knob(
-        False, "FSDP2: shard weights, gradients and AdamW state over the replicas (full FT)."
+    shard: Switch = knob(
+        "auto",
+        "FSDP2: shard weights, gradients and AdamW state over the replicas (full FT). auto: on "
+        "when the replicas' memory plan needs it (training.memory_plan).",
     )
     replica_timeout_s: float = knob(
         300.0,
@@ -145,6 +149,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         """The section's checks, one per rule, in the order of its fields: long because the
         rules are many, and one list reads against the fields above."""
+        for name in ("gradient_checkpointing", "shard"):  # switches that were booleans
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, "on" if getattr(self, name) else "off")
         _valid(self, "lr", self.lr > 0, "must be > 0")
         check(
             self.lr_warmup_updates >= 0,
@@ -189,7 +196,11 @@ class TrainerConfig:
             f"must be a share from 0 to 1 (0 turns it off), got {self.left_out_alert}",
         )
         check(self.lora_rank >= 0, "lora_rank", f"must be >= 0, got {self.lora_rank}")
-        check(1 <= self.replicas <= 64, "replicas", f"must be from 1 to 64, got {self.replicas}")
+        check(
+            0 <= self.replicas <= 64,
+            "replicas",
+            f"must be from 1 to 64, or 0 (auto), got {self.replicas}",
+        )
         if self.replicas == 1:
             unused_knob(self, "replica_timeout_s", "with one replica (set replicas)")
         check(
@@ -197,8 +208,8 @@ class TrainerConfig:
             "replica_timeout_s",
             f"must be >= 10 seconds, got {self.replica_timeout_s}",
         )
-        if self.shard:
-            check(self.replicas > 1, "shard", "needs replicas > 1 (one shard per replica)")
+        if self.shard == "on":
+            check(self.replicas != 1, "shard", "needs replicas > 1 (one shard per replica)")
             check(self.lora_rank == 0, "shard", "is for full fine-tuning (set lora_rank 0)")
         if self.lora_rank == 0:
             unused_knob(self, "lora_alpha", "under full fine-tuning (set lora_rank)")
@@ -263,12 +274,8 @@ class TrainerConfig:
                 _valid(
                     self, name, value > 0, f"must be > 0 (the ratio's upper bound is 1 + {name})"
                 )
-        _valid(
-            self,
-            "gradient_checkpointing",
-            self.gradient_checkpointing in get_args(Switch),
-            "must be auto, on or off",
-        )
+        for name in ("gradient_checkpointing", "shard"):
+            _valid(self, name, getattr(self, name) in get_args(Switch), "must be auto, on or off")
         for name in ("ppo_epochs", "mini_batches"):
             _valid(self, name, getattr(self, name) >= 1, "must be >= 1")
         _valid(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 disables the KL)")
@@ -385,3 +392,7 @@ class CurationConfig:
 # join from other hosts, as host:port (`hostagent.cluster`); unset, its replicas are its own
 # children on its host.
 RENDEZVOUS_ENV = "DARTBOARD_TRAINER_RENDEZVOUS"
+# The trainer's replicas and whether they shard, as the run's placement decided them where
+# `trainer.replicas` or `trainer.shard` is auto (`training.memory_plan.trainer_layout`).
+REPLICAS_ENV = "DARTBOARD_TRAINER_REPLICAS"
+SHARD_ENV = "DARTBOARD_TRAINER_SHARD"

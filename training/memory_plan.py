@@ -295,7 +295,7 @@ class TrainerRequest:
             lora_rank=config.lora_rank,
             lora_vision=config.lora_vision,
             kl=config.kl_coef > 0,
-            shards=config.replicas if config.shard else 1,
+            shards=config.replicas if config.shard == "on" and config.replicas > 1 else 1,
             checkpointing=None if switch == "auto" else switch == "on",
             micro_batch_tokens=config.micro_batch_tokens or None,
             max_samples=config.micro_batch,
@@ -342,6 +342,49 @@ class TrainerRequest:
             sample=self.sample,
             cuda=True,
         )
+
+
+def fits(request: TrainerRequest, gpu_gib: float) -> bool:
+    try:
+        request.plan(gpu_gib)
+    except DoesNotFit:
+        return False
+    return True
+
+
+def trainer_layout(
+    config: TrainerConfig,
+    request: TrainerRequest | None,
+    *,
+    gpu_gib: float | None,
+    gpus: int,
+) -> tuple[int, bool]:
+    """(replicas, sharded) of a run's trainer, its `auto` settings decided for a cluster
+    whose largest GPU has `gpu_gib` (None: the trainer runs on the CPU, or its model is not
+    on this disk) and which has `gpus` GPUs in all.
+
+    replicas 0 (auto) is one replica, but under full fine-tuning on GPUs: the fewest sharded
+    replicas (1, 2, 4, ... up to `gpus`) whose plan fits one GPU; where none does, one
+    (run create refuses such a run with the plan's numbers). shard auto is on where the
+    replicas would not fit a GPU unsharded."""
+    on_gpu = request is not None and gpu_gib is not None
+    if config.replicas:
+        replicas = config.replicas
+        if config.shard != "auto" or replicas == 1:
+            return replicas, config.shard == "on" and replicas > 1
+        if config.lora_rank or not on_gpu:
+            return replicas, False
+        assert request is not None and gpu_gib is not None
+        return replicas, not fits(replace(request, shards=1), gpu_gib)
+    if config.lora_rank or not on_gpu or config.shard == "off":
+        return 1, False
+    assert request is not None and gpu_gib is not None
+    replicas = 1
+    while replicas <= min(gpus, 64):
+        if fits(replace(request, shards=replicas), gpu_gib):
+            return replicas, replicas > 1
+        replicas *= 2
+    return 1, False
 
 
 def _does_not_fit(request: TrainerRequest, least: TrainerMemory, *, gpu_gib: float) -> str:

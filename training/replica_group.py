@@ -238,7 +238,8 @@ class ReplicaGroup:
                 **setup.apply(),
             )
             trainer = spec.build(
-                Replicas(rank=0, world=world, sharded=spec.config.shard), device=setup.device
+                Replicas(rank=0, world=world, sharded=spec.config.shard == "on"),
+                device=setup.device,
             )
         except BaseException:
             for proc in followers:
@@ -272,7 +273,9 @@ class ReplicaGroup:
                 timeout=timedelta(seconds=timeout_s),
                 **setup.apply(),
             )
-            replicas = Replicas(rank=0, world=world, sharded=spec.config.shard, one_host=False)
+            replicas = Replicas(
+                rank=0, world=world, sharded=spec.config.shard == "on", one_host=False
+            )
             trainer = spec.build(replicas, device=setup.device)
         except BaseException:
             store.delete_key(OPEN_KEY)
@@ -352,7 +355,7 @@ def follow(spec: TrainerSpec, *, store: dist.Store | None = None, one_host: bool
         timeout=timeout,
         **setup.apply(),
     )
-    replicas = Replicas.from_environment(sharded=spec.config.shard, one_host=one_host)
+    replicas = Replicas.from_environment(sharded=spec.config.shard == "on", one_host=one_host)
     torch.set_num_threads(1)
     try:
         trainer = spec.build(replicas, device=setup.device)

@@ -10,6 +10,7 @@ restarted trainer resumes from the newest published checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -44,8 +45,8 @@ from datamanager.services.run_workers import (
 )
 from datamanager.services.runs import run_set_message
 from datamanager.services.versions import policy_version_create
-from training.config import RENDEZVOUS_ENV
-from training.memory_plan import budget_sample
+from training.config import RENDEZVOUS_ENV, REPLICAS_ENV, SHARD_ENV
+from training.memory_plan import budget_sample, run_trainer_request, trainer_layout
 from training.replica_group import ReplicaGroup, TrainerSpec
 from training.trainer import PolicyTrainer, version_dir
 from training.update import UpdateInterrupted
@@ -83,8 +84,14 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
         run_dir = settings.CHECKPOINT_ROOT / f"run-{run.pk}"
         checkpoint_restore(run=run, run_dir=run_dir)  # a new host fetches the newest version
         published = list(PolicyVersion.objects.filter(run=run).values_list("version", flat=True))
+        replicas, sharded = trainer_layout_here(cfg)
+        config = cfg.trainer
+        if replicas > 1:  # its auto settings decided
+            config = dataclasses.replace(
+                config, replicas=replicas, shard="on" if sharded else "off"
+            )
         spec = TrainerSpec(
-            config=cfg.trainer,
+            config=config,
             start_checkpoint=str(policy_path(cfg.policy)),
             run_dir=str(run_dir),
             published_versions=published,
@@ -95,17 +102,41 @@ def get_trainer(run: Run, cfg: RunConfig) -> PolicyTrainer:
                 max_images=cfg.rollout.max_images,
             ),
         )
-        if cfg.trainer.replicas > 1:
+        if replicas > 1:
             # Replicas on other hosts join at the rendezvous the run's placement gave this
             # worker (`hostagent.cluster`); without one, they are this worker's children.
             group = _GROUPS[run.pk] = ReplicaGroup.start(
-                spec, world=cfg.trainer.replicas, rendezvous=os.environ.get(RENDEZVOUS_ENV, "")
+                spec, world=replicas, rendezvous=os.environ.get(RENDEZVOUS_ENV, "")
             )
             trainer = group.trainer
         else:
             trainer = spec.build(None, device="cuda" if torch.cuda.is_available() else "cpu")
         _TRAINERS[run.pk] = trainer
     return trainer
+
+
+def trainer_layout_here(cfg: RunConfig) -> tuple[int, bool]:
+    """(replicas, sharded) of the run's trainer: as its host agent's placement decided them
+    (DARTBOARD_TRAINER_REPLICAS, DARTBOARD_TRAINER_SHARD), else (the shared stack) for this
+    host's GPUs (`training.memory_plan.trainer_layout`)."""
+    import torch
+
+    placed = os.environ.get(REPLICAS_ENV)
+    if placed:
+        return int(placed), os.environ.get(SHARD_ENV) == "1"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    request, gpu_gib = None, None
+    if gpus and cfg.trainer.replicas != 1:
+        r = cfg.rollout
+        request = run_trainer_request(
+            policy_path(cfg.policy),
+            cfg.trainer,
+            max_prompt_tokens=r.max_prompt_tokens,
+            max_new_tokens=r.max_new_tokens,
+            max_images=r.max_images,
+        )
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+    return trainer_layout(cfg.trainer, request, gpu_gib=gpu_gib, gpus=gpus)
 
 
 def trainer_forget(*, run_id: int) -> None:

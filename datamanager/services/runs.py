@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from datamanager.selectors.tasks import osworld_placements, task_list
 from datamanager.task_import import TaskRecord, osworld_task_name
 from envmanager.osworld_file_cache import FileCache
 from rollout.limits import SHARED
-from training.memory_plan import DoesNotFit, run_trainer_request, vllm_fits
+from training.memory_plan import DoesNotFit, run_trainer_request, trainer_layout, vllm_fits
 
 # A run's status after which nothing more happens to it on its own.
 ENDED = (RunStatus.STOPPED, RunStatus.FINISHED, RunStatus.FAILED)
@@ -138,6 +139,7 @@ def _gpu_count_problems(config: RunConfig) -> list[ConfigError]:
     hosts = gpu_hosts()
     if config.device != "cuda" or not hosts:
         return []
+    # auto replicas ask for no more GPUs than there are (`trainer_layout`)
     r, trainer = config.rollout, 0 if config.policy == ORACLE_POLICY else config.trainer.replicas
     workers = 0 if config.policy == ORACLE_POLICY else r.inference_workers
     if r.backend == "vllm":  # one GPU each, the trainer's own when shared
@@ -186,6 +188,10 @@ def _memory_problems(config: RunConfig) -> list[ConfigError]:
     )
     if request is None:
         return []
+    replicas, sharded = trainer_layout(
+        config.trainer, request, gpu_gib=gpu_gib, gpus=sum(gpu_hosts().values())
+    )
+    request = replace(request, shards=replicas if sharded else 1)
     problems = []
     try:
         request.plan(gpu_gib)

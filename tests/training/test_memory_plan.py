@@ -102,6 +102,24 @@ def test_auto_turns_checkpointing_on_only_where_the_gpu_needs_it() -> None:
         pinned.plan(24.0)
 
 
+def test_auto_replicas_shard_a_full_fine_tune_over_the_fewest_gpus_that_hold_it() -> None:
+    from training.memory_plan import trainer_layout
+
+    def layout(gpus: int, gpu_gib: float | None = 80.0, **settings: object):
+        return trainer_layout(TrainerConfig(**settings), _request(QWEN25_7B, **settings),  # type: ignore[arg-type]
+                              gpu_gib=gpu_gib, gpus=gpus)  # fmt: skip  # one call
+
+    assert layout(8) == (4, True)  # what the refusal of one replica says would fit
+    assert layout(8, gpu_gib=141.0) == (2, True)  # H200s
+    assert layout(2) == (1, False)  # nothing fits 2 GPUs: run create refuses it
+    assert layout(8, lora_rank=16) == (1, False)  # LoRA fits one GPU
+    assert layout(8, gpu_gib=None) == (1, False)  # on the CPU
+    assert layout(8, replicas=4) == (4, True)  # shard auto: unsharded, 4 replicas do not fit
+    assert layout(8, replicas=4, shard="off") == (4, False)
+    assert trainer_layout(TrainerConfig(replicas=2), _request(MID, lora_rank=0, replicas=2),
+                          gpu_gib=141.0, gpus=8) == (2, False)  # fmt: skip  # fits unsharded
+
+
 def test_stored_true_and_false_still_read() -> None:
     from datamanager.config import RunConfig
 
@@ -239,12 +257,18 @@ def test_run_create_refuses_a_trainer_no_gpu_of_the_cluster_holds(tmp_path: Path
     full = {"policy": policy, "device": "cuda", "rollout": budgets}
     run_config_validate(data=full, user=None)  # no GPU host has reported: placement decides
     Host.objects.create(name="gpu-1", cuda_torch=True, last_seen=timezone.now(),
-                        gpus=[{"index": i, "name": "H100", "memory_gib": 80.0} for i in range(8)])  # fmt: skip
-    with pytest.raises(ConfigInvalid) as refused:
+                        gpus=[{"index": 0, "name": "H100", "memory_gib": 80.0}])  # fmt: skip
+    with pytest.raises(ConfigInvalid) as refused:  # one 80 GB GPU in the cluster
         run_config_validate(data=full, user=None)
     assert refused.value.problems[0].path == "trainer"
     assert "the largest GPU has 80 GiB" in str(refused.value)
     assert "trainer.replicas 4 with trainer.shard on" in str(refused.value)
+    Host.objects.filter(name="gpu-1").update(
+        gpus=[{"index": i, "name": "H100", "memory_gib": 80.0} for i in range(8)]
+    )
+    run_config_validate(data=full, user=None)  # auto: 4 sharded replicas of the 8 GPUs
+    with pytest.raises(ConfigInvalid):  # one replica, as asked: no GPU holds it
+        run_config_validate(data={**full, "trainer": {"replicas": 1}}, user=None)
     run_config_validate(data={**full, "trainer": {"lora_rank": 16}}, user=None)
     run_config_validate(data={**full, "trainer": {"replicas": 4, "shard": True}}, user=None)
     run_config_validate(data={**full, "device": "cpu"}, user=None)  # not a GPU run
@@ -319,3 +343,30 @@ def test_inference_memory_counts_the_weights_and_the_kv_cache() -> None:
     assert vllm_fits(shape, context_tokens=32_768, share_gib=0.9 * 80) is None
     short = vllm_fits(shape, context_tokens=32_768, share_gib=0.2 * 80)
     assert short is not None and "(16 GiB) holds less than" in short
+
+
+def test_the_agents_place_an_auto_trainer_as_its_plan_shards_it(tmp_path: Path) -> None:
+    """A 7B full fine-tune at the defaults on two hosts of 8 x 80 GB: four sharded
+    replicas on one host, and its train worker is told so."""
+    from datamanager.config import RunConfig
+    from hostagent.agent import run_needs, run_specs
+    from hostagent.cluster import ClusterPlacement, place_cluster
+    from hostagent.placement import Gpu, HostInventory
+    from training.config import REPLICAS_ENV, SHARD_ENV
+
+    policy = str(_seven_b_checkpoint(tmp_path / "qwen7b"))
+    cfg = RunConfig.from_dict({"policy": policy, "device": "cuda", "rollout": {
+        "max_prompt_tokens": 16_384, "max_new_tokens": 1024, "max_images": 5}})  # fmt: skip  # one config
+    hosts = [HostInventory(name=f"gpu-{i}", address=f"10.0.0.{i}", cuda_torch=True,
+                           gpus=tuple(Gpu(g, "H100", 80.0) for g in range(8)),
+                           env_kinds=("miniwob",)) for i in (1, 2)]  # fmt: skip  # two hosts
+    needs = run_needs(cfg, policy, hosts=hosts)
+    assert (needs.trainer_replicas, needs.shard) == (4, True)
+    plan = place_cluster(needs, hosts, taken={}, port_bases={h.name: 8200 for h in hosts},
+                         env_kinds={"miniwob"}, env_workers=2)  # fmt: skip
+    assert isinstance(plan, ClusterPlacement) and plan.hosts == ["gpu-1"]
+    (part,) = plan.parts
+    assert len(part.trainer_gpus) == 4 and part.trainer_shard
+    specs = run_specs(run_id=7, cfg=cfg, placement=part, checkpoint=policy, version=0)
+    train = next(s for s in specs if s.name == "run-7-worker-train")
+    assert train.env[REPLICAS_ENV] == "4" and train.env[SHARD_ENV] == "1"

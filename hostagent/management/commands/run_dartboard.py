@@ -204,7 +204,9 @@ class Command(BaseCommand):
                     vllm_gpus=vllm_gpus(
                         workers=cfg.rollout.inference_workers,
                         placement=cfg.rollout.vllm_gpus,
-                        trainer_replicas=cfg.trainer.replicas,
+                        trainer_replicas=max(
+                            cfg.trainer.replicas, 1
+                        ),  # auto: one on the shared stack
                     ),
                     vllm_gpu_memory=cfg.rollout.vllm_gpu_memory
                     if cfg.rollout.backend == "vllm" and _has_gpu()

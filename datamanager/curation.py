@@ -86,11 +86,16 @@ def is_stale(*, step_version: int | None, current_version: int, k: int) -> bool:
 INSTANCE_SEED_BASE = 500_000
 
 
-def group_seed(*, run_seed: int, group_pk: int, group_index: int, instances: int) -> int:
+def group_seed(
+    *, run_seed: int, group_pk: int, group_index: int, instances: int, heldout_seed: int
+) -> int:
     """The environment seed of every rollout of a task group: GRPO's advantage compares
     outcomes from the same start state. `instances` = 0: a new seed for each group;
     N > 0: a task's groups cycle through its N fixed training instances (like OSWorld's
-    fixed tasks). Decoding seeds stay per rollout (the claim's `decode_seed`)."""
+    fixed tasks). Never one of the held-out seeds (`heldout_seed` * 1000 + i, i < 1000: what
+    the held-out evaluation scores must be unseen; the fixed instances' block differs from it
+    by the run config's check). Decoding seeds stay per rollout (the claim's `decode_seed`)."""
     if instances:  # a task's group indexes count from 1
         return (INSTANCE_SEED_BASE + run_seed) * 1000 + (group_index - 1) % instances
-    return run_seed * 1_000_003 + group_pk
+    seed = run_seed * 1_000_003 + group_pk
+    return seed + 1000 if seed // 1000 == heldout_seed else seed

@@ -194,6 +194,7 @@ def task_claim(
         group_pk=group.pk,
         group_index=group.index,
         instances=cfg.tasks.instances,
+        heldout_seed=cfg.evaluation.heldout_seed,
     )
     traj = Trajectory.objects.create(
         run=run,

@@ -82,11 +82,34 @@ def test_a_version_is_evaluated_on_the_training_instances_and_on_held_out_seeds(
     # The harness plays seeds job.seed * 1000 + i: exactly the seeds the run's groups cycle
     # through (group indexes count from 1), and none of them on the held-out side.
     instance_seeds = {
-        group_seed(run_seed=3, group_pk=0, group_index=g, instances=4) for g in range(1, 9)
+        group_seed(run_seed=3, group_pk=0, group_index=g, instances=4, heldout_seed=777)
+        for g in range(1, 9)
     }
     assert {train.seed * 1000 + i for i in range(train.k)} == instance_seeds
     assert not {heldout.seed * 1000 + i for i in range(heldout.k)} & instance_seeds
     assert heldout.k == 3 and heldout.name.endswith("(held-out seeds)")
+
+
+def test_training_seeds_never_are_held_out_seeds_fixed_instances_or_fresh():
+    """What the held-out chart scores is unseen: no training group plays a held-out seed,
+    whether it cycles through fixed instances or takes a fresh seed each group
+    (tasks.instances 0), whichever run seed and however many groups the run made."""
+    for heldout_seed in (777, 0, 3):
+        heldout = {heldout_seed * 1000 + i for i in range(1000)}  # every k a job may take
+        for run_seed in (0, 1, 3):
+            fixed = {group_seed(run_seed=run_seed, group_pk=0, group_index=g, instances=100,
+                                heldout_seed=heldout_seed) for g in range(1, 101)}  # fmt: skip  # one set
+            # The groups whose primary keys would land on the held-out block, and around it.
+            near = heldout_seed * 1000 - run_seed * 1_000_003
+            fresh = {
+                group_seed(run_seed=run_seed, group_pk=pk, group_index=1, instances=0,
+                           heldout_seed=heldout_seed)
+                for pk in range(max(near - 50, 1), near + 1050)
+            }  # fmt: skip  # one set
+            assert not (fixed | fresh) & heldout, (heldout_seed, run_seed)
+    # The run config refuses the one held-out seed that is the fixed instances' block.
+    with pytest.raises(ConfigError, match="gives the training instances' seeds"):
+        RunConfig.from_dict({"seed": 3, "evaluation": {"heldout_seed": 500_003}})
 
 
 def test_evaluation_takes_its_share_of_slots_and_skips_versions_it_could_not_keep_up_with():
@@ -126,7 +149,8 @@ def test_a_run_with_many_instances_evaluates_the_first_k_of_them():
     (train,) = eval_schedule_next(run_id=run.pk)
     assert train.k == 5 and train.total == 5 * len(tasks)
     first_groups = {
-        group_seed(run_seed=0, group_pk=0, group_index=g, instances=100) for g in range(1, 6)
+        group_seed(run_seed=0, group_pk=0, group_index=g, instances=100, heldout_seed=777)
+        for g in range(1, 6)
     }
     assert {train.seed * 1000 + i for i in range(train.k)} == first_groups
     with pytest.raises(ConfigError, match="has 30 training instances per task; got 31"):

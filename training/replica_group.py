@@ -143,6 +143,18 @@ class GroupSetup:
         torch.cuda.set_device(torch.device(self.device))
         return {"device_id": torch.device(self.device)}
 
+    def join(self, store: dist.Store, *, rank: int, world: int, timeout_s: float) -> None:
+        """Form the process group at `store` as `rank` of `world`, every collective bounded
+        by `timeout_s` (the run's `trainer.replica_timeout_s`)."""
+        dist.init_process_group(
+            self.backend,
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            **self.apply(),
+        )
+
 
 def reach_peers_from(address: str) -> None:
     """Make gloo talk to the group's other hosts from the interface holding `address`
@@ -229,14 +241,7 @@ class ReplicaGroup:
             store = dist.TCPStore(
                 "127.0.0.1", port, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT
             )
-            dist.init_process_group(
-                setup.backend,
-                store=store,
-                rank=0,
-                world_size=world,
-                timeout=timedelta(seconds=timeout_s),
-                **setup.apply(),
-            )
+            setup.join(store, rank=0, world=world, timeout_s=timeout_s)
             trainer = spec.build(
                 Replicas(rank=0, world=world, sharded=spec.config.shard == "on"),
                 device=setup.device,
@@ -265,14 +270,7 @@ class ReplicaGroup:
             group_store.set(SPEC_KEY, spec.to_json())
             store.set(OPEN_KEY, prefix)
             _await_arrivals(group_store, world - 1)
-            dist.init_process_group(
-                setup.backend,
-                store=group_store,
-                rank=0,
-                world_size=world,
-                timeout=timedelta(seconds=timeout_s),
-                **setup.apply(),
-            )
+            setup.join(group_store, rank=0, world=world, timeout_s=timeout_s)
             replicas = Replicas(
                 rank=0, world=world, sharded=spec.config.shard == "on", one_host=False
             )
@@ -347,14 +345,7 @@ def follow(spec: TrainerSpec, *, store: dist.Store | None = None, one_host: bool
             is_master=False,
             timeout=RENDEZVOUS_TIMEOUT,
         )
-    dist.init_process_group(
-        setup.backend,
-        store=store,
-        rank=int(os.environ["RANK"]),
-        world_size=world,
-        timeout=timeout,
-        **setup.apply(),
-    )
+    setup.join(store, rank=int(os.environ["RANK"]), world=world, timeout_s=timeout.total_seconds())
     replicas = Replicas.from_environment(sharded=spec.config.shard == "on", one_host=one_host)
     torch.set_num_threads(1)
     try:

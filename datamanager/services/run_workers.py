@@ -25,10 +25,15 @@ from datamanager.live_work import (
     run_live_work,
     work_enqueue,
 )
-from datamanager.models import PlacementState, PolicyVersion, Run, RunStatus
+from datamanager.models import PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound
 from datamanager.selectors.evaluations import eval_jobs_under_way
-from datamanager.selectors.runs import processes_per_run, run_current_policy, run_router_url
+from datamanager.selectors.runs import (
+    processes_per_run,
+    run_current_policy,
+    run_holding_shared_workers,
+    run_router_url,
+)
 from datamanager.services import episodes
 from datamanager.services.placement import placement_queue
 from datamanager.services.runs import (
@@ -82,20 +87,20 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
 
 
 def _check_inference_free(run: Run) -> None:
-    """The shared inference workers serve one run's policy at a time: a second model run
-    would silently switch the first one's weights under it, so it is refused instead (runs
-    with their own processes, DARTBOARD_PROCESSES=per-run, each have their own)."""
+    """The shared inference workers (DARTBOARD_PROCESSES=shared, or auto with no host agent
+    reporting) serve one run's policy at a time: a second model run would silently switch
+    the first one's weights under it, so it is refused, naming the run that holds them.
+    Runs with their own processes (a host agent's) each have their own workers."""
     if run.cfg.policy == ORACLE_POLICY:
         return  # the scripted oracle uses no inference worker
-    shared = Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
-        placement__state__in=(PlacementState.STARTING, PlacementState.UP)
-    )
-    for other in shared.exclude(pk=run.pk):
-        if other.cfg.policy != ORACLE_POLICY:
-            raise RunNotStartable(
-                f"run #{other.pk} {other.name!r} is {other.status} on the shared inference "
-                "workers; stop it first (two runs would switch each other's weights)"
-            )
+    holder = run_holding_shared_workers(besides=run.pk)
+    if holder is not None:
+        raise RunNotStartable(
+            f"run #{holder.pk} {holder.name!r} is {holder.status} on the shared inference "
+            "workers, which serve one model at a time (a second model run would switch its "
+            "weights): stop it first, or give every run its own processes with a host agent "
+            "(DARTBOARD_PROCESSES=per-run)"
+        )
 
 
 def run_start_workers(*, run_id: int) -> None:

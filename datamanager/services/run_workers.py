@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 
 from datamanager.config import RunConfig
 from datamanager.live_work import (
@@ -51,6 +51,11 @@ if TYPE_CHECKING:
     from core.weight_wire import WeightSource
 
 log = logging.getLogger(__name__)
+
+
+# The transaction-scoped PostgreSQL advisory lock a model run's start takes on the shared
+# inference workers, so that two starts at once cannot both find them free.
+SHARED_WORKERS_LOCK = 0x44617274
 
 
 class RunNotStartable(Exception):
@@ -93,6 +98,11 @@ def _check_inference_free(run: Run) -> None:
     Runs with their own processes (a host agent's) each have their own workers."""
     if run.cfg.policy == ORACLE_POLICY:
         return  # the scripted oracle uses no inference worker
+    if connection.vendor == "postgresql":
+        # Two starts at once would each find no holder and both run: the second waits here
+        # until the first commits, and then finds it. (SQLite lets one writer at a time.)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [SHARED_WORKERS_LOCK])
     holder = run_holding_shared_workers(besides=run.pk)
     if holder is not None:
         raise RunNotStartable(

@@ -6,16 +6,21 @@ weights, so `run_apply` refuses it, naming the run that holds the workers, for e
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from django.contrib.messages import get_messages
+from django.db import connection
 
 from datamanager.config import RunConfig
 from datamanager.models import PlacementState, Run, RunAction
+from datamanager.services import run_workers
 from datamanager.services import runs as run_services
 from datamanager.services.placement import placement_queue, placement_set
 from datamanager.services.run_workers import RunNotStartable, run_apply
 from datamanager.services.tokens import api_token_create
 from tests.dartboard.run_helpers import make_run
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -94,3 +99,58 @@ def test_the_web_and_the_api_say_which_run_holds_the_workers(ada_client, researc
     body = api.json()
     assert body["code"] == "not_startable" and body["message"].startswith(holds), body
     assert Run.objects.get(pk=second.pk).status == "created"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_model_runs_started_at_once_on_postgresql_one_runs(monkeypatch) -> None:
+    """The second start waits for the first to commit, then finds it holding the workers:
+    without the lock, each finds them free before the other commits and both run."""
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent transactions are PostgreSQL's (TEST_DATABASE_URL)")
+    first = make_run()
+    run_apply(run_id=first.pk, action="stop")
+    a, b = second_run(first, "a"), second_run(first, "b")
+    inside, release = threading.Event(), threading.Event()
+    holder = run_workers.run_holding_shared_workers
+    asked: list[int] = []
+
+    def held(*, besides: int) -> Run | None:
+        """The first start stops here, having found no holder, its own run not committed."""
+        found = holder(besides=besides)
+        asked.append(besides)
+        if len(asked) == 1:
+            inside.set()
+            release.wait(20)
+        return found
+
+    monkeypatch.setattr(run_workers, "run_holding_shared_workers", held)
+    outcomes: dict[int, str] = {}
+
+    def start(run: Run) -> None:
+        try:
+            outcomes[run.pk] = run_apply(run_id=run.pk, action="start").status
+        except RunNotStartable as exc:
+            outcomes[run.pk] = str(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=start, args=(run,)) for run in (a, b)]
+    threads[0].start()
+    try:
+        assert inside.wait(20)
+        threads[1].start()
+
+        def second_waits_or_asks() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                               "AND NOT granted")  # fmt: skip
+                return cursor.fetchone()[0] > 0 or len(asked) > 1
+
+        wait_until(second_waits_or_asks, timeout=20, what="the second start")
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(20)
+    assert outcomes[a.pk] == "running"
+    assert outcomes[b.pk].startswith(f"run #{a.pk} 'a' is running on the shared"), outcomes
+    assert Run.objects.get(pk=b.pk).status == "created"

@@ -17,8 +17,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY requirements.lock requirements.txt requirements-osworld.txt requirements-sandbox.txt ./
+COPY requirements.lock requirements.txt requirements-osworld.txt requirements-sandbox.txt requirements-cuda.txt ./
 RUN pip install -r requirements.lock
+# A GPU host's agent (docker-compose.yml's `agent`, built with TORCH=cuda): torch's CUDA build
+# and its libraries over the lock's CPU torch, as `make torch-cuda` installs them.
+ARG TORCH=cpu
+ARG TORCH_CUDA_INDEX=https://pypi.org/simple
+RUN if [ "$TORCH" = cuda ]; then \
+      pip install --force-reinstall --no-deps --index-url "$TORCH_CUDA_INDEX" -r requirements-cuda.txt; \
+    elif [ "$TORCH" != cpu ]; then echo "TORCH is cpu or cuda, not $TORCH" >&2; exit 2; fi
 # OSWorld's wheel without its pins, and the desktop sandbox's pyautogui (see the Makefile).
 RUN pip install --no-deps -r requirements-osworld.txt \
  && pip install --no-deps --target /usr/local/sandbox-site -r requirements-sandbox.txt

@@ -1,7 +1,9 @@
-"""Helpers shared by the tests: a free local port and waiting for a condition.
+"""Helpers shared by the tests: a free local port, waiting for a condition, compose's
+variable substitution.
 
 port = free_port()
 value = wait_until(lambda: read_status() == "up", timeout=30, what="the server")
+env = {k: compose_substitute(v, {"SECRET_KEY": "s" * 50}) for k, v in service_env.items()}
 """
 
 from __future__ import annotations
@@ -94,3 +96,18 @@ def redis_commands_counted(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
     return sends
+
+
+def compose_substitute(value: object, given: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} and ${VAR:?message} in `value`, with `given` for the
+    variables set; a required variable `given` lacks fails the test, naming it."""
+    import re
+
+    def one(match: re.Match) -> str:
+        name, op, rest = match.groups()
+        if name in given:
+            return given[name]
+        assert op == ":-", f"${{{name}}} is required ({rest}) and the test gives no value"
+        return rest
+
+    return re.sub(r"\$\{([A-Z_]+)(:[-?])([^}]*)\}", one, str(value))

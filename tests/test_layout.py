@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import compose_substitute
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -80,17 +82,7 @@ def test_a_process_loads_only_the_heavy_packages_it_uses(process, setup, heavy):
 def test_every_compose_service_runs_a_real_entry_point():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {
-        "postgres",
-        "redis",
-        "web",
-        "worker-env",
-        "worker-default",
-        "worker-train",
-        "beat",
-        "vllm",
-    } <= set(services)
-    assert services["vllm"]["profiles"] == ["gpu"]
+    assert {"postgres", "redis", "minio", "web", "worker-default", "beat", "agent"} <= set(services)
     queues = set()
     for name, svc in services.items():
         cmd = svc.get("command")
@@ -129,31 +121,30 @@ def test_every_compose_service_runs_a_real_entry_point():
         else:
             raise AssertionError(f"{name}: unexpected command {cmd!r}")
     routed = {route["queue"] for route in settings.CELERY_TASK_ROUTES.values()}
-    assert routed | {settings.CELERY_TASK_DEFAULT_QUEUE} <= queues  # every task has a consumer
+    # Every task has a consumer: a placed run's env and train work goes to its own queues
+    # (datamanager.live_work.run_queue), served by the workers its host agent starts, and
+    # every service of compose that runs Django has runs placed by an agent.
+    assert routed - queues <= {"env", "train"}
+    assert settings.CELERY_TASK_DEFAULT_QUEUE in queues
+    for name, svc in _dartboard_services().items():
+        assert svc["environment"]["DARTBOARD_PROCESSES"] == "per-run", name
     assert "beat:default" in queues  # beat sends the watchdog to a queue a worker consumes
 
 
 def test_compose_keeps_internal_services_off_the_public_network():
-    """Only the TLS proxy publishes ports and joins a routable network; vLLM (whose dev mode
-    reloads weights over HTTP) is reachable only from its adapter; the services that run
-    Django hold the master token, the rollout services only their purposes' tokens."""
+    """Only the TLS proxy publishes ports on every address and joins a routable network's
+    public side; PostgreSQL, Redis and MinIO are published on the host's private address
+    alone (tests/deploy/test_compose.py); every service that runs Django holds the master
+    token, from which the agents derive their runs' tokens."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services, networks = compose["services"], compose["networks"]
-    assert networks["internal"]["internal"] is True and networks["vllm"]["internal"] is True
-    published = {name for name, svc in services.items() if svc.get("ports")}
-    assert published == {"proxy"}
+    assert networks["internal"]["internal"] is True
     for name, svc in services.items():
-        joined = set(svc["networks"])
-        assert "public" not in joined or name == "proxy", name
-        assert "vllm" not in joined or name in ("vllm", "vllm-adapter"), name
-        if name == "vllm":
-            assert joined == {"vllm"}
-        env = svc.get("environment", {})
-        if name in _rollout_services():
-            assert {"DARTBOARD_INFERENCE_TOKEN", "DARTBOARD_ADMIN_TOKEN"} <= set(env), name
-            assert not set(env) & set(DJANGO_ONLY), name
-        elif "image" not in svc or svc.get("build"):
-            assert "DARTBOARD_SERVICE_TOKEN" in env, name
+        assert "public" not in svc.get("networks", []) or name == "proxy", name
+        for port in svc.get("ports", []):
+            assert name == "proxy" or port.startswith("${DARTBOARD_HOST_ADDRESS:?"), name
+        if svc.get("build"):
+            assert "DARTBOARD_SERVICE_TOKEN" in svc["environment"], name
 
 
 def _readme_command(program: str) -> tuple[dict[str, str], list[str]]:
@@ -170,22 +161,6 @@ def _readme_command(program: str) -> tuple[dict[str, str], list[str]]:
     return env, words[words.index(program) + 1 :]
 
 
-# What only the services that run Django may hold (secrets by need, rollout/auth.py).
-DJANGO_ONLY = ("SECRET_KEY", "DATABASE_URL", "REDIS_URL", "DARTBOARD_SERVICE_TOKEN",
-               "DARTBOARD_S3_BUCKET")  # fmt: skip
-
-
-def _rollout_services() -> set[str]:
-    """The compose services that run the rollout service (router, inference workers,
-    the vLLM adapter): no Django, and none of its secrets."""
-    modules = ("rollout.router", "rollout.server", "rollout.vllm_adapter")
-    return {
-        name
-        for name, svc in _compose()["services"].items()
-        if svc.get("build") and svc["command"][1] == "-m" and svc["command"][2] in modules
-    }
-
-
 def _options(args: list[str]) -> dict[str, str]:
     """--flag value pairs (a flag without a value maps to ""); secrets' values left out."""
     out: dict[str, str] = {}
@@ -196,57 +171,25 @@ def _options(args: list[str]) -> dict[str, str]:
     return out
 
 
-def test_the_readme_runs_vllm_exactly_as_compose_does():
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+def test_the_docs_run_vllm_exactly_as_the_launcher_does():
+    """docs/scaling-out.md's `vllm serve` by hand: the arguments and environment the launcher
+    gives the vLLM it starts for a run (rollout.vllm_command), never a key on the command
+    line; the adapter's policy directory is the model vLLM serves."""
+    from rollout.vllm_command import VLLM_ENV, vllm_serve_args
+
     env, args = _readme_command("vllm")
     assert args[0] == "serve"
     readme = {"--model": args[1], **_options(args[2:])}
-    composed = _options(compose["vllm"]["command"])
+    launched = _options(vllm_serve_args(model_dir=args[1], host="127.0.0.1", port=8200))
     for deployment_only in ("--host", "--port", "--uds"):
         readme.pop(deployment_only, None)
-        composed.pop(deployment_only, None)
-    assert readme == composed
-    compose_env = dict(compose["vllm"]["environment"])
-    assert "VLLM_API_KEY" in env and "VLLM_API_KEY" in compose_env  # the key, never --api-key
-    assert "--api-key" not in readme and "--api-key" not in composed
-    env.pop("VLLM_API_KEY"), compose_env.pop("VLLM_API_KEY")
-    assert env == compose_env
+        launched.pop(deployment_only, None)
+    assert readme == launched
+    assert "VLLM_API_KEY" in env and "--api-key" not in readme  # the key, never --api-key
+    env.pop("VLLM_API_KEY")
+    assert env == VLLM_ENV
     _, adapter_args = _readme_command("rollout.vllm_adapter")
-    adapter = _options(compose["vllm-adapter"]["command"][3:])
-    assert _options(adapter_args)["--policy-dir"] == adapter["--policy-dir"] == "/models/policy"
-
-
-def test_compose_runs_vllm_with_the_launchers_arguments():
-    from rollout.vllm_command import VLLM_ENV, vllm_serve_args
-
-    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["vllm"]
-    composed = _options(service["command"])
-    launched = _options(vllm_serve_args(model_dir="/models/policy", host="0.0.0.0", port=8200))
-    assert composed == launched and "--api-key" not in composed
-    environment = service["environment"]
-    assert "VLLM_API_KEY" in environment  # read by vLLM itself: no key on a command line
-    assert {k: v for k, v in environment.items() if k != "VLLM_API_KEY"} == VLLM_ENV
-
-
-def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
-    """A service's mounts: path inside -> (source, read-only)."""
-    out = {}
-    for volume in service.get("volumes", []):
-        source, path, *mode = volume.split(":")
-        out[path] = (source, mode == ["ro"])
-    return out
-
-
-def test_vllm_reads_every_path_its_adapter_hands_it():
-    """The adapter reloads vLLM from checkpoints it names by path: the models it was started
-    with, and the versions it fetched into its artifact cache. vLLM's container must see the
-    same volume at the same path (read-only), or every version sync fails."""
-    services = _compose()["services"]
-    vllm, adapter = _mounts(services["vllm"]), _mounts(services["vllm-adapter"])
-    cache = services["vllm-adapter"]["environment"]["DARTBOARD_ARTIFACT_CACHE"]
-    for path in ("/models", cache):
-        assert path in adapter and path in vllm, path
-        assert vllm[path] == (adapter[path][0], True), path
+    assert _options(adapter_args)["--policy-dir"] == args[1]
 
 
 def _compose() -> dict:
@@ -256,20 +199,6 @@ def _compose() -> dict:
 def _dartboard_services() -> dict[str, dict]:
     """The services that run this project's image."""
     return {n: s for n, s in _compose()["services"].items() if s.get("build")}
-
-
-def _substitute(value: str, given: dict[str, str]) -> str:
-    """Compose's ${VAR:-default} and ${VAR:?message}, with `given` for the required ones."""
-    import re
-
-    def one(match: re.Match) -> str:
-        name, op, rest = match.group(1), match.group(2), match.group(3)
-        if name in given:
-            return given[name]
-        assert op == ":-", f"${{{name}}} is required ({rest}) and the test gives no value"
-        return rest
-
-    return re.sub(r"\$\{([A-Z_]+)(:[-?])([^}]*)\}", one, str(value))
 
 
 def test_the_dockerfile_installs_what_make_installs():
@@ -285,8 +214,12 @@ def test_the_dockerfile_installs_what_make_installs():
     wanted = re.search(r"^APT_PACKAGES := (.+)$", makefile, re.M).group(1).split()
     assert sorted(apt.group(1).replace("\\", " ").split()) == sorted(wanted)
     assert "pip install -r requirements.lock" in dockerfile
-    for service in _dartboard_services().values():
-        assert service["build"] == "." and service["image"] == "dartboard:latest"
+    for name, service in _dartboard_services().items():
+        if service["build"] == ".":
+            assert service["image"] == "dartboard:latest", name
+        else:  # a GPU host's agent: the same Dockerfile with torch's CUDA build
+            assert service["build"] == {"context": ".", "args": {"TORCH": "cuda"}}, name
+            assert service["image"] == "dartboard:cuda", name
 
 
 @pytest.mark.slow  # a subprocess per compose service
@@ -295,31 +228,33 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
 ):
     """Every setting a service needs is set: the settings module loads in production mode
     with exactly the environment compose gives (no value of this machine leaks in), with
-    Secure cookies that work behind the proxy and the rollout service at the router."""
+    Secure cookies that work behind the proxy and runs' processes started by host agents
+    (the agents' settings: tests/deploy/test_compose.py)."""
     import json
     import os
 
     given = {
         "SECRET_KEY": "s" * 50,
         "DARTBOARD_SERVICE_TOKEN": "t" * 40,
-        "DARTBOARD_INFERENCE_TOKEN": "i" * 40,
-        "DARTBOARD_ADMIN_TOKEN": "a" * 40,
         "FLOWER_BASIC_AUTH": "ops:" + "f" * 24,
+        "POSTGRES_PASSWORD": "p" * 32,
+        "REDIS_PASSWORD": "r" * 32,
+        "AWS_SECRET_ACCESS_KEY": "m" * 32,
     }
-    services = {n: s for n, s in _dartboard_services().items() if n not in _rollout_services()}
+    services = {n: s for n, s in _dartboard_services().items() if not n.startswith("agent")}
     flower = ("FLOWER_BASIC_AUTH", "DARTBOARD_FLOWER_URL")  # Flower's login, the web's way to it
     envs = {  # the same for all Django services (Flower and the web add only the above)
         tuple(sorted((k, v) for k, v in s["environment"].items() if k not in flower))
         for s in services.values()
     }
     assert len(envs) == 1, "the services' environments drifted apart"
-    env = {k: _substitute(v, given) for k, v in services["web"]["environment"].items()}
+    env = {k: compose_substitute(v, given) for k, v in services["web"]["environment"].items()}
     env["DARTBOARD_HOME"] = str(tmp_path)  # the container's own volume, here a scratch one
     probe = (
         "import django, json; django.setup(); from django.conf import settings as s; "
         "print(json.dumps({'secure': s.SESSION_COOKIE_SECURE and s.CSRF_COOKIE_SECURE, "
         "'proxy': list(s.SECURE_PROXY_SSL_HEADER), 'csrf': s.CSRF_TRUSTED_ORIGINS, "
-        "'db': s.DATABASES['default']['HOST'], 'inference': s.DARTBOARD_INFERENCE_URLS, "
+        "'db': s.DATABASES['default']['HOST'], 'processes': s.DARTBOARD_PROCESSES, "
         "'artifacts': s.DARTBOARD_ARTIFACTS, 'media': s.STORAGES['default']['BACKEND']}))"
     )
     done = subprocess.run(
@@ -333,41 +268,31 @@ def test_every_dartboard_service_starts_its_settings_in_production_with_what_com
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["secure"] and seen["proxy"] == ["HTTP_X_FORWARDED_PROTO", "https"]
     assert seen["csrf"] == ["https://localhost"] and seen["db"] == "postgres"
-    assert seen["inference"] == ["http://router:8100"]
+    assert seen["processes"] == "per-run"
     assert seen["artifacts"].startswith("s3://") and seen["media"].endswith("S3Storage")
 
 
 def test_no_host_path_or_volume_is_shared_between_services():
-    """Each service's disk is its own: nothing but PostgreSQL, Redis and the bucket is shared
-    (vLLM and its adapter read the one model volume of their GPU host, and the versions the
-    adapter fetched)."""
+    """Each service's disk is its own: nothing but PostgreSQL, Redis and the bucket is
+    shared."""
     users: dict[str, set[str]] = {}
     for name, svc in _compose()["services"].items():
         for volume in svc.get("volumes", []):
             users.setdefault(volume.split(":")[0], set()).add(name)
     shared = {k: v for k, v in users.items() if len(v) > 1}
-    pair = {"vllm", "vllm-adapter"}
-    assert shared == {"models": pair, "vllm-artifacts": pair}
+    assert shared == {}
     host_paths = {k: users[k] for k in users if k.startswith((".", "/"))}
     # The proxy's configuration (read-only).
     assert host_paths == {"./deploy/Caddyfile": {"proxy"}}, host_paths
     assert (ROOT / "deploy" / "Caddyfile").is_file()
 
 
-def test_inference_workers_register_with_the_router_the_platform_calls():
-    services = _compose()["services"]
-    router_url = services["web"]["environment"]["DARTBOARD_INFERENCE_URLS"]
-    assert services["router"]["command"][:3] == ["python", "-m", "rollout.router"]
-    assert router_url == "http://router:8100" and "8100" in services["router"]["command"]
-    for name in ("inference", "vllm-adapter"):
-        command = services[name]["command"]
-        assert command[command.index("--register") + 1] == router_url, name
-
-
 def test_every_long_running_service_is_health_checked_and_redis_keeps_its_data():
     services = _compose()["services"]
     one_shot = {"bucket", "migrate"}
-    unchecked = {"beat", "vllm", "vllm-adapter"}  # beat has no port; vLLM: its own image
+    # No port to ask: beat; the agents, which report to the database every 10 s (the hosts
+    # list says when each last did).
+    unchecked = {"beat", "agent", "agent-cpu"}
     for name, svc in services.items():
         if name not in one_shot | unchecked:
             assert "healthcheck" in svc, f"{name} has no healthcheck"

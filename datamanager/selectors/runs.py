@@ -25,6 +25,7 @@ from datamanager.models import (
     PolicyVersion,
     Run,
     RunPlacement,
+    RunStatus,
     SlotStatus,
     TaskGroup,
     TaskStat,
@@ -33,7 +34,7 @@ from datamanager.models import (
     Trajectory,
     TrajectoryStatus,
 )
-from datamanager.policies import policy_path
+from datamanager.policies import ORACLE_POLICY, policy_path
 from datamanager.selectors.labels import label_counts_by_task
 
 
@@ -232,6 +233,22 @@ def processes_per_run() -> bool:
         recent = timezone.now() - timedelta(seconds=HOST_ALIVE_S)
         return Host.objects.filter(last_seen__gte=recent).exists()
     return mode == "per-run"
+
+
+def run_holding_shared_workers(*, besides: int) -> Run | None:
+    """The model run, other than run `besides`, that holds the shared rollout service: running
+    or paused with no live placement (no host agent runs processes of its own for it), its
+    policy a model (the scripted oracle uses no inference worker). The shared inference
+    workers serve one policy at a time, so a second model run there would switch its
+    weights. None when there is none."""
+    own = RunPlacement.objects.exclude(state=PlacementState.ENDED).values("run_id")
+    shared = (
+        Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED))
+        .exclude(pk=besides)
+        .exclude(pk__in=own)
+        .order_by("pk")
+    )
+    return next((run for run in shared if run.cfg.policy != ORACLE_POLICY), None)
 
 
 def gpu_hosts() -> dict[str, int]:

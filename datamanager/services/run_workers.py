@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import connection, transaction
 
 from datamanager.config import RunConfig
 from datamanager.live_work import (
@@ -25,10 +25,15 @@ from datamanager.live_work import (
     run_live_work,
     work_enqueue,
 )
-from datamanager.models import PlacementState, PolicyVersion, Run, RunStatus
+from datamanager.models import PolicyVersion, Run, RunStatus
 from datamanager.policies import ORACLE_POLICY, PolicyNotFound
 from datamanager.selectors.evaluations import eval_jobs_under_way
-from datamanager.selectors.runs import processes_per_run, run_current_policy, run_router_url
+from datamanager.selectors.runs import (
+    processes_per_run,
+    run_current_policy,
+    run_holding_shared_workers,
+    run_router_url,
+)
 from datamanager.services import episodes
 from datamanager.services.placement import placement_queue
 from datamanager.services.runs import (
@@ -46,6 +51,11 @@ if TYPE_CHECKING:
     from core.weight_wire import WeightSource
 
 log = logging.getLogger(__name__)
+
+
+# The transaction-scoped PostgreSQL advisory lock a model run's start takes on the shared
+# inference workers, so that two starts at once cannot both find them free.
+SHARED_WORKERS_LOCK = 0x44617274
 
 
 class RunNotStartable(Exception):
@@ -82,20 +92,25 @@ def run_apply(*, run_id: int, action: str, user: User | None = None) -> Run:
 
 
 def _check_inference_free(run: Run) -> None:
-    """The shared inference workers serve one run's policy at a time: a second model run
-    would silently switch the first one's weights under it, so it is refused instead (runs
-    with their own processes, DARTBOARD_PROCESSES=per-run, each have their own)."""
+    """The shared inference workers (DARTBOARD_PROCESSES=shared, or auto with no host agent
+    reporting) serve one run's policy at a time: a second model run would silently switch
+    the first one's weights under it, so it is refused, naming the run that holds them.
+    Runs with their own processes (a host agent's) each have their own workers."""
     if run.cfg.policy == ORACLE_POLICY:
         return  # the scripted oracle uses no inference worker
-    shared = Run.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.PAUSED)).exclude(
-        placement__state__in=(PlacementState.STARTING, PlacementState.UP)
-    )
-    for other in shared.exclude(pk=run.pk):
-        if other.cfg.policy != ORACLE_POLICY:
-            raise RunNotStartable(
-                f"run #{other.pk} {other.name!r} is {other.status} on the shared inference "
-                "workers; stop it first (two runs would switch each other's weights)"
-            )
+    if connection.vendor == "postgresql":
+        # Two starts at once would each find no holder and both run: the second waits here
+        # until the first commits, and then finds it. (SQLite lets one writer at a time.)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [SHARED_WORKERS_LOCK])
+    holder = run_holding_shared_workers(besides=run.pk)
+    if holder is not None:
+        raise RunNotStartable(
+            f"run #{holder.pk} {holder.name!r} is {holder.status} on the shared inference "
+            "workers, which serve one model at a time (a second model run would switch its "
+            "weights): stop it first, or give every run its own processes with a host agent "
+            "(DARTBOARD_PROCESSES=per-run)"
+        )
 
 
 def run_start_workers(*, run_id: int) -> None:

@@ -124,6 +124,20 @@ def test_failed_trajectories_of_a_run_from_the_shell(shell):
     assert typo.returncode == 1 and "unknown parameter 'statuss'" in typo.stderr
 
 
+def test_a_second_model_run_on_the_shared_workers_is_refused_from_the_shell(shell):
+    """The web server runs in shared mode (no host agent reports): the CLI prints the API's
+    refusal, naming the run that holds the inference workers."""
+    first = make_run()
+    second = run_create(name="second", config=RunConfig.from_dict(first.config))
+    refused = shell("run", "start", str(second.pk))
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(
+        f"error (not_startable): run #{first.pk} 'click-run' is running on the shared "
+        "inference workers"
+    ), refused.stderr
+    assert Run.objects.get(pk=second.pk).status == RunStatus.CREATED
+
+
 def test_no_token_says_what_to_do(shell):
     refused = shell("whoami", token=None)
     assert refused.returncode == 1 and "error (not_authenticated)" in refused.stderr

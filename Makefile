@@ -13,7 +13,7 @@ APT_PACKAGES := chromium chromium-driver xvfb openbox xdotool xterm x11-utils x1
 DESKTOP_APP_PACKAGES := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird
 # What only the suite needs: Slurm's daemons and commands, for the batch script's test
 # (tests/deploy/test_slurm.py runs a two-node Slurm cluster): `make test-deps`.
-TEST_PACKAGES := slurm-wlm
+TEST_PACKAGES := slurm-wlm docker-compose
 STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 3
 ARGS ?=
@@ -45,7 +45,7 @@ desktop-apps: ## OSWorld's apps for the desktops: LibreOffice, GIMP, VLC, Thunde
 	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(DESKTOP_APP_PACKAGES)" \
 	  APT_FLAGS=--no-install-recommends
 
-test-deps: ## what only the suite needs: Slurm (slurm-wlm) for the batch script's test (apt)
+test-deps: ## what only the suite needs: Slurm (slurm-wlm) for the batch script's test, docker-compose to check the compose files (apt)
 	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(TEST_PACKAGES)" \
 	  APT_FLAGS=--no-install-recommends
 

@@ -1,6 +1,6 @@
 """An inference worker's side of a weight pull (`core.weight_wire`): ask the trainer's weight
 server for a version, receive its buffer over a two-rank gloo group into a staging buffer
-while the worker goes on serving, and check it against the digest the router handed over.
+while the worker goes on serving, and check it against the tag the router handed over.
 `WeightReceiver.load` stages a version (pulled, or read from a checkpoint) and hands it to
 the caller's `swap`, which installs it between two generation batches
 (`core.policy.install_weights`):
@@ -30,19 +30,22 @@ import torch.distributed as dist
 from core.lora import is_peft_model
 from core.policy import Policy, StagedWeights, stage_weights
 from core.weight_wire import (
+    CONNECT_S,
     READY,
     REQUESTS,
     PullRequest,
+    VersionTagger,
     WeightSource,
     WireError,
     WireHeader,
     WireMismatch,
+    WireUnreachable,
     answer_key,
     done_key,
     pull_group,
     pull_proof,
     ready_key,
-    sha256_hasher,
+    tags_equal,
     torch_dtype,
 )
 
@@ -95,10 +98,12 @@ class WeightReceiver:
 
     def pull(self, source: WeightSource, *, policy: Policy, worker: str) -> StagedWeights:
         """Receive `source`'s version and return it staged for `policy`'s model (the model is
-        only read). Raises WireMismatch when the version does not fit this model, WireError
-        for anything else (the server refused, did not answer, died, or the bytes do not hash
-        to the digest); nothing is staged then."""
+        only read). Raises WireUnreachable when the server takes no connection, WireMismatch
+        when the version does not fit this model, WireError for anything else (the server
+        refused, did not answer, died, or the bytes do not give the version's tag); nothing
+        is staged then."""
         started = time.monotonic()
+        _connect_once(source)
         try:
             store = dist.TCPStore(source.host, source.port, None, False, self.timeout)
         except Exception as exc:  # c10d raises its own error classes
@@ -119,7 +124,7 @@ class WeightReceiver:
         buffer = self._staging(header.total_bytes)
         try:
             group = _group(store, source=source, pull_id=pull_id, timeout=self.timeout)
-            digest = _receive(group, header, header_bytes, buffer)
+            tag = _receive(group, header, header_bytes, buffer, key=source.key)
         except Exception as exc:
             self._spare = buffer  # filled halfway: reused, never installed
             _tell(store, done_key(pull_id), f"failed: {exc}")
@@ -127,12 +132,12 @@ class WeightReceiver:
                 f"the pull of version {source.version} from {source.address} broke off: "
                 f"{type(exc).__name__}: {str(exc)[:300]}"
             ) from None
-        if digest != source.digest:
+        if not tags_equal(tag, source.tag):
             self._spare = buffer
-            _tell(store, done_key(pull_id), "refused: digest mismatch")
+            _tell(store, done_key(pull_id), "refused: tag mismatch")
             raise WireError(
-                f"version {source.version} from {source.address} hashes to {digest}, but the "
-                f"trainer published {source.digest}: not installed"
+                f"version {source.version} from {source.address} gives the tag {tag}, but the "
+                f"trainer published {source.tag}: not installed"
             )
         _tell(store, done_key(pull_id), "verified")
         tensors, shared = {}, False
@@ -235,17 +240,34 @@ def _group(
     return pull_group(store, pull_id=pull_id, rank=1, host=local, timeout=timeout)
 
 
+def _connect_once(source: WeightSource) -> None:
+    """One TCP connect to the server, at most CONNECT_S: the store client would retry a
+    refused connection until its timeout (120 s), and a server that is gone stays gone.
+    Raises WireUnreachable."""
+    try:
+        socket.create_connection((source.host, source.port), timeout=CONNECT_S).close()
+    except OSError as exc:
+        raise WireUnreachable(
+            f"the weight server at {source.address} takes no connection ({exc}): it is gone"
+        ) from None
+
+
 def _receive(
-    group: dist.ProcessGroupGloo, header: WireHeader, header_bytes: bytes, buffer: torch.Tensor
+    group: dist.ProcessGroupGloo,
+    header: WireHeader,
+    header_bytes: bytes,
+    buffer: torch.Tensor,
+    *,
+    key: str,
 ) -> str:
-    """Receive every window into `buffer`; each is hashed on a second thread while the next
-    arrives. Returns the digest of the header and the buffer."""
-    hasher = sha256_hasher(header_bytes)
-    with ThreadPoolExecutor(1) as hashing:
+    """Receive every window into `buffer`; each is tagged on a second thread while the next
+    arrives. Returns the tag of the header and the buffer under the version's `key`."""
+    tagger = VersionTagger(key, header.version, header_bytes)
+    with ThreadPoolExecutor(1) as tagging:
         for index, window in enumerate(header.windows(buffer)):
             group.recv([window], 0, index).wait()  # type: ignore[attr-defined]  # not in the stubs
-            hashing.submit(hasher.update, window.numpy())
-    return hasher.hexdigest()
+            tagging.submit(tagger.update, window.numpy())
+    return tagger.hexdigest()
 
 
 def _tell(store: dist.TCPStore, key: str, word: str) -> None:

@@ -103,7 +103,7 @@ def test_a_worker_that_cannot_swap_live_is_drained_and_loads_the_checkpoint(
     health = httpx.get(f"{adapter}/health").json()
     assert "swaps_live" not in health and "pulls_weights" not in health
     # The trainer runs a weight server, but this worker does not pull: it gets the checkpoint.
-    elsewhere = WeightSource("127.0.0.1", free_port(), 1, "0" * 64, "k" * 43)
+    elsewhere = WeightSource("127.0.0.1", free_port(), 1, "0" * 32, "k" * 43)
     admin.sync(str(checkpoints[1]), 1, weights=elsewhere)
     admin.wait_for_version(1, timeout=60)
     events = httpx.get(f"{router}/admin/events", headers=ADMIN).json()

@@ -88,14 +88,15 @@ def snapshot_of(
     header_bytes = header.encode()
     if buffer is None:
         buffer = torch.empty(header.total_bytes, dtype=torch.uint8)
-    buffer.zero_()  # the alignment gaps are tagged too
     key = secrets.token_urlsafe(32)
     tagger = VersionTagger(key, header.version, header_bytes)
     tagged = 0
+    ends = [e.offset for e in header.tensors[1:]] + [header.total_bytes]
     with torch.no_grad(), ThreadPoolExecutor(1) as tagging:
-        for entry in header.tensors:
+        for entry, next_offset in zip(header.tensors, ends, strict=True):
             entry.view(buffer).copy_(tensors[entry.name].detach())
             end = entry.offset + entry.nbytes
+            buffer[end:next_offset].zero_()  # the alignment gap is tagged too: no stale bytes
             if end - tagged >= TAG_CHUNK:
                 tagging.submit(tagger.update, buffer[tagged:end].numpy())
                 tagged = end

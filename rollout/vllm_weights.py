@@ -15,7 +15,8 @@ It runs in vLLM's process and environment, so it imports torch, safetensors and
 - **LoRA adapters** are pulled (megabytes) and written as an adapter directory beside the
   serving adapter's config, in memory (a directory of this process's own under /dev/shm
   where it exists), for vLLM's /v1/load_lora_adapter: vLLM loads adapters from a
-  directory only. The two newest are kept (the serving adapter and the one replacing it).
+  directory only. The two newest are kept (the serving adapter and the one replacing it);
+  the directories of vLLM processes that are gone are removed when the next one is made.
 
 Each method answers a dict (what /collective_rpc can return): what was pulled, or
 {"error", "unreachable", "mismatch"} for a pull that failed, with vLLM's weights untouched.
@@ -98,8 +99,10 @@ class WeightPullExtension:
         if pulled is None:
             return failure
         if self._dartboard_adapters is None:  # this process's own directory
+            parent = _memory_dir()
+            _forget_dead_processes_dirs(Path(parent or tempfile.gettempdir()))
             self._dartboard_adapters = Path(
-                tempfile.mkdtemp(prefix="dartboard-lora-", dir=_memory_dir())
+                tempfile.mkdtemp(prefix=f"dartboard-lora-{os.getpid()}-", dir=parent)
             )
             atexit.register(shutil.rmtree, self._dartboard_adapters, True)  # memory, not disk
         path = self._dartboard_adapters / f"v{version}"
@@ -191,6 +194,16 @@ def _saved_name(name: str) -> str:
 
 def _memory_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _forget_dead_processes_dirs(parent: Path) -> None:
+    """Remove the adapter directories of vLLM processes that are gone (vLLM ends its workers
+    without running their exit handlers, so a directory can outlive its process)."""
+    for stale in parent.glob("dartboard-lora-*-*"):
+        pid = stale.name.split("-")[2]
+        mine = stale.stat().st_uid == os.getuid()
+        if mine and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _forget_old_adapter_dirs(parent: Path, *, keep: Path) -> None:

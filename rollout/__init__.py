@@ -6,8 +6,9 @@
   sync; `registration`: a worker that joins a router by itself;
 - `asgi` and `auth`: the HTTP edge and the tokens the three servers share; `checkpoints`:
   where a worker's weights may come from; `reloads`: what a reload asks for;
-  `weight_receive`: pulling a version from the trainer's weight server into a staging
-  buffer; `local_server`: a worker as a child process;
+  `weight_pull`: one pull of a version from the trainer's weight server (torch and
+  `core` only); `weight_receive`: the transformers server's pull into a staging buffer;
+  `vllm_weights`: vLLM's worker extension that pulls into vLLM's engine; `local_server`: a worker as a child process;
   `zygote`: workers forked from a process that imported them once (how every one starts);
 - `client`: `PolicyClient`, what an episode calls, and the router's admin client;
 - `episode`: one multi-turn episode (reset, prompt, policy, parse, step, record).

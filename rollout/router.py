@@ -23,9 +23,10 @@ Endpoints:
   `swaps_live`: the transformers server) goes on serving meanwhile; any other is drained
   first (no new requests routed, its in-flight ones finish) and active again after.
   rolling=false (the synchronous baseline) drains every such worker first, then reloads
-  them all. `weights` {"host", "port", "digest", "key"}: the trainer's weight server holding
+  them all. `weights` {"host", "port", "tag", "key"}: the trainer's weight server holding
   the version (`training.weight_server`); workers that pull weights get it, and the
-  checkpoint only when the pull fails. A newer sync supersedes an older one; within a run
+  checkpoint only when the pull fails. A server that took no connection is gone: every
+  later reload loads the checkpoint until a sync names a server again. A newer sync supersedes an older one; within a run
   an older version than the target is refused (409); a new `run` starts its own version
   numbering.
 - GET /health: {"status": "up"} or {"status": "down"} (an active worker or none), open to

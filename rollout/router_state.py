@@ -6,7 +6,9 @@ A worker whose /health says `swaps_live` (the transformers server) loads a versi
 the live one and swaps it in between batches: the sync reloads it while it stays active,
 drained by nobody. Other workers (vLLM's full-weight reload) are drained first. A worker
 that says `pulls_weights` is sent the trainer's weight server, when the sync names one, and
-the checkpoint only if that pull fails.
+the checkpoint only if that pull fails; a server one worker could not connect to is gone
+(the trainer died), and every later reload goes straight to the checkpoint until a sync
+names a server again.
 
 A worker's status is a `rollout.client.WorkerStatus` (what each one means is said there). A
 background prober polls every worker's /health and brings suspect and dead workers back. No
@@ -28,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from core.weight_wire import WeightSource
+from core.weight_wire import UNREACHABLE, WeightSource
 from rollout.asgi import error_body
 from rollout.auth import ServiceTokens, bearer
 from rollout.client import WorkerInfo, WorkerStatus
@@ -196,11 +198,11 @@ class Router:
     def _event(
         self,
         worker: _Worker,
-        status: WorkerStatus | Literal["registered", "unregistered", "swapped"],
+        status: WorkerStatus | Literal["registered", "unregistered", "swapped", "pull failed"],
         detail: str = "",
     ) -> None:
-        """Record a status change (or a registration, or a version swapped in while the
-        worker served). Caller holds _cond."""
+        """Record a status change (or a registration, a version swapped in while the worker
+        served, or a pull that failed). Caller holds _cond."""
         if isinstance(status, WorkerStatus):
             if worker.status == status:
                 return
@@ -527,10 +529,7 @@ class Router:
             body = {"version": version, "weights": weights.to_json()}
             response = self._post_reload(worker, body)
             if response is not None and response.status_code not in (200, 409):
-                failure = _json_or_error(response).get("error", {}).get("message", "")
-                log.warning(
-                    "%s: pull of v%d failed (%s); its checkpoint next", worker.url, version, failure
-                )
+                self._pull_failed(worker, weights, _json_or_error(response).get("error", {}))
                 response = None  # the checkpoint, which the trainer also published
         if response is None:
             response = self._post_reload(worker, {"checkpoint": checkpoint, "version": version})
@@ -559,6 +558,17 @@ class Router:
         if live:
             with self._cond:
                 self._event(worker, "swapped", detail)
+
+    def _pull_failed(self, worker: _Worker, weights: WeightSource, error: dict[str, Any]) -> None:
+        """Record a failed pull on the worker's events; when the server took no connection,
+        forget it, so later reloads load the checkpoint without trying it (until a sync
+        names a server again)."""
+        gone = error.get("code") == UNREACHABLE
+        with self._cond:
+            if gone and self.weights is weights:
+                self.weights = None
+            detail = f"v{weights.version} from {weights.address}: {error.get('message', '')}"
+            self._event(worker, "pull failed", f"{detail}; the checkpoint instead")
 
     def _post_reload(self, worker: _Worker, body: dict[str, Any]) -> httpx.Response | None:
         """POST /v1/reload; None (the worker marked dead) when it does not answer."""

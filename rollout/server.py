@@ -13,15 +13,16 @@ Endpoints:
   `policy_version` and `mean_entropy` (with return_token_ids, as vLLM does, the prompt's
   `prompt_token_ids`, image pads expanded, and the choice's `token_ids`). Log-probs are those of the model at temperature 1.
 - POST /v1/reload {"version": int, "checkpoint": dir} or {"version": int, "weights":
-  {"host", "port", "digest", "key"}}: loads the new weights beside the live ones while
+  {"host", "port", "tag", "key"}}: loads the new weights beside the live ones while
   serving goes on (from the checkpoint, or pulled from the trainer's weight server over
   torch.distributed, `rollout.weight_receive`), then the generation thread swaps them in
   between two batches: nobody is drained or refused, a batch under way finishes on the
   weights it began with, and the version every reply reports is the one it was generated
   with. The reply: {"policy_version", "reload_s", "swap_ms" (how long generation paused),
   "source", "bytes"}. A LoRA adapter directory (`core.lora`) swaps only the adapter's weights
-  (megabytes); its base must be the one served. A pull that fails (502) or does not fit
-  this model (422) leaves the live weights and version as they were.
+  (megabytes); its base must be the one served. A pull that fails (502; its error code
+  `weight_server_unreachable` when the server took no connection) or does not fit this
+  model (422) leaves the live weights and version as they were.
 - GET /health: {"status": "ok", "policy_version", "reloading" (the version being loaded, or
   null), "swaps_live": true, "pulls_weights": true, "in_flight", "queued", "pid", ...};
   GET /v1/models: the served model (--model-name, else the directory's name).
@@ -67,7 +68,7 @@ from core.artifacts import is_ref
 from core.encoding import prompt_token_count, to_qwen_messages
 from core.generation import generate
 from core.policy import StagedWeights, install_weights, load_policy
-from core.weight_wire import WeightSource, WireError, WireMismatch
+from core.weight_wire import UNREACHABLE, WeightSource, WireError, WireMismatch, WireUnreachable
 from rollout.asgi import (
     JSONReply,
     RequestError,
@@ -594,7 +595,8 @@ def build_app(
         except WireError as exc:
             status = 422 if isinstance(exc, WireMismatch) else 502
             message = f"weights not pulled, {kept}: {exc}"
-            return _reply(app, error_body(status, message, param="weights"), status)
+            code = UNREACHABLE if isinstance(exc, WireUnreachable) else None
+            return _reply(app, error_body(status, message, param="weights", code=code), status)
         except Exception as exc:
             log.exception("reload to version %d failed", request.version)
             message = f"reload failed, {kept}: {exc}"

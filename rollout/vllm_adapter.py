@@ -16,7 +16,13 @@ POST /v1/reload {"checkpoint", "version"} with a LoRA adapter directory loads it
 beside the serving one (/v1/load_lora_adapter), sends new requests to it at once and unloads
 the old adapter when its last request ends: no pause. Full weights drain, reload in place
 (/collective_rpc, vLLM's `reload_weights`), then reset vLLM's prefix and multimodal caches
-(entries computed by the old weights would otherwise mix into new generations silently). GET /v1/models is vLLM's list;
+(entries computed by the old weights would otherwise mix into new generations silently).
+POST /v1/reload {"weights", "version"} pulls the version from the trainer's weight server
+into vLLM's own process (`rollout.vllm_weights`, vLLM's worker extension) where vLLM was
+started with it (/health says `pulls_weights`): the next LoRA adapter while one is served,
+switched to as above, else full weights, drained and loaded in place as above. A pull that
+fails (502; code `weight_server_unreachable` when the server took no connection) or does
+not fit (422) leaves vLLM's weights and the version as they were. GET /v1/models is vLLM's list;
 GET /health reports status, version, served name, image geometry (from the processor of
 --policy-dir, also in every reply) and in-flight requests. Requests name Dartboard's model;
 the adapter asks vLLM for what it serves now (the base's --served-model-name or the current
@@ -51,6 +57,7 @@ from core.generation import NEVER_GENERATED
 from core.imaging import ImageGeometry
 from core.lora import is_adapter_dir
 from core.replies import reply_text, stop_token_ids
+from core.weight_wire import UNREACHABLE, WeightSource
 from rollout.asgi import (
     JSONReply,
     TokenGate,
@@ -106,13 +113,16 @@ class Adapter:
         never_generated: tuple[int, ...] = (),
         stop_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
+        name: str = "",
+        pull_timeout_s: float = 120.0,
     ) -> None:
         """`vllm_url`: http://HOST:PORT, or unix:/PATH for vLLM on a unix socket (`vllm serve
         --uds PATH`). `token`: vLLM's API key (its VLLM_API_KEY). `geometry` is the served
         model's processor's (`--policy-dir`): clients map coordinates with it. `never_generated`:
         the token ids no reply may contain (`core.generation.NEVER_GENERATED`). `stop_ids` and
         `tokenizer`: where a reply ends and how its tokens become its text
-        (`core.replies`), as the transformers server does."""
+        (`core.replies`), as the transformers server does. `name`: this worker in the weight
+        server's log; `pull_timeout_s`: the longest wait of a pull (an answer, a window)."""
         self.vllm, transport = vllm_base(vllm_url)
         self.version = version
         self.geometry = geometry
@@ -121,6 +131,10 @@ class Adapter:
         self.never_generated = never_generated
         self.stop_ids = stop_ids
         self.tokenizer = tokenizer
+        self.name = name
+        self.pull_timeout_s = pull_timeout_s
+        self.pulls: bool | None = None  # vLLM runs the worker extension (asked once it is up)
+        self.adapter_dir: str | None = None  # the serving LoRA adapter's directory, if known
         self.model = ""  # vLLM's served name of the base model (--served-model-name)
         self.serving = ""  # what requests ask vLLM for: the base, or the current LoRA adapter
         self.status = "ok"
@@ -146,10 +160,28 @@ class Adapter:
             name = listed["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"vLLM at {self.vllm} lists no model yet: {exc}") from exc
+        try:  # vLLM started without the extension answers 500: checkpoints only
+            pulls = self._rpc("dartboard_pulls") == (200, {"pulls": True})
+        except httpx.HTTPError:
+            pulls = False
         with self.cond:
             self.model = name
             self.serving = self.serving or name
+            self.pulls = pulls
         return name
+
+    def _rpc(self, method: str, **kwargs: Any) -> tuple[int, Any]:
+        """A method of vLLM's worker through /collective_rpc: (status, the one worker's
+        result, or vLLM's error text)."""
+        response = self.http.post(
+            f"{self.vllm}/collective_rpc", json={"method": method, "kwargs": kwargs}
+        )
+        if response.status_code != 200:
+            return response.status_code, response.text[:300]
+        try:
+            return 200, response.json()["results"][0]
+        except (ValueError, KeyError, IndexError, TypeError):  # vLLM answers a None result
+            return 200, None  # with an empty body
 
     def stop(self) -> None:
         self.http.close()
@@ -257,6 +289,7 @@ class Adapter:
         with self.cond:
             old_version, old = self.version, self.serving
             self.version, self.serving, self.status = version, name, "ok"
+            self.adapter_dir = checkpoint
             # New requests go to the new adapter now; the old one goes once its last ends.
             self.cond.wait_for(lambda: self.in_flight[old_version] == 0)
         if old != self.model:
@@ -270,13 +303,15 @@ class Adapter:
             self.status = "loading"
         # vLLM's own in-place reload: checkpoint names mapped through its LoRA wrappers
         # (--enable-lora renames the base layers), LoRA, encoder and multimodal caches reset.
-        response = self.http.post(
-            f"{self.vllm}/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
-        )
-        if response.status_code != 200:
-            message = f"vLLM reload failed, kept v{self.version}: {response.text[:300]}"
+        status, failure = self._rpc("reload_weights", weights_path=checkpoint)
+        if status != 200:
+            message = f"vLLM reload failed, kept v{self.version}: {failure}"
             return 502, error_body(502, message)
+        return self._full_weights_loaded(version)
+
+    def _full_weights_loaded(self, version: int) -> tuple[int, dict[str, Any]]:
+        """After vLLM loaded `version`'s full weights in place (drained): reset its caches,
+        serve the base under the new version."""
         # Cached prefixes and image encodings were computed by the old weights: a request
         # reusing them would mix the two versions without any error. The encoder cache is
         # reset on the scheduler's side too: the reload emptied the worker's, and a request
@@ -289,9 +324,61 @@ class Adapter:
                 return 502, error_body(502, message)
         with self.cond:
             adapter, self.version, self.serving = self.serving, version, self.model
+            self.adapter_dir = None
         if adapter != self.model:  # trained on the old base: never served again
             self._unload(adapter)
         return 200, {"policy_version": version}
+
+    def reload_pulled(self, weights: WeightSource, version: int) -> tuple[int, dict[str, Any]]:
+        """Pull `version` from the trainer's weight server into vLLM (module doc): the next
+        adapter while one is served, with no pause; else full weights, drained."""
+        with self.cond:
+            if self.status != "ok":
+                return 409, error_body(409, "a reload is already running")
+            adapter = self.adapter_dir
+            self.status = "switching" if adapter else "draining"
+        pull = {
+            "weights": weights.to_json(),
+            "version": version,
+            "worker": self.name,
+            "timeout_s": self.pull_timeout_s,
+        }
+        try:
+            if adapter is not None:
+                status, pulled = self._rpc("dartboard_pull_adapter", **pull, like=adapter)
+                if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
+                    return self._pull_failed(status, pulled)
+                status, reply = self._switch_adapter(pulled["path"], version)
+            else:
+                self.base_name()
+                with self.cond:
+                    self.cond.wait_for(lambda: sum(self.in_flight.values()) == 0)
+                    self.status = "loading"
+                status, pulled = self._rpc("dartboard_pull_full", **pull)
+                if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
+                    return self._pull_failed(status, pulled)
+                status, reply = self._full_weights_loaded(version)
+            if status == 200:
+                reply.update(source="weights", bytes=pulled["bytes"], pull_s=pulled["seconds"])
+            return status, reply
+        except httpx.HTTPError as exc:
+            return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # vLLM still starting: the router syncs again
+            return 503, error_body(503, f"version {version} not loaded: {exc}")
+        finally:
+            with self.cond:
+                self.status = "ok"
+
+    def _pull_failed(self, status: int, pulled: Any) -> tuple[int, dict[str, Any]]:
+        """The reply to a pull that failed in vLLM's worker (`rollout.vllm_weights`) or
+        that vLLM refused to run; vLLM's weights are as they were."""
+        kept = f"weights not pulled, kept version {self.version}"
+        if status != 200 or not isinstance(pulled, dict):
+            return 502, error_body(502, f"{kept}: vLLM answered {status}: {pulled}")
+        code = UNREACHABLE if pulled.get("unreachable") else None
+        reply_status = 422 if pulled.get("mismatch") else 502
+        message = f"{kept}: {pulled['error']}"
+        return reply_status, error_body(reply_status, message, param="weights", code=code)
 
     def _unload(self, name: str) -> None:
         """Drop an adapter vLLM no longer serves; a refusal is logged (it holds one too many
@@ -318,6 +405,8 @@ class Adapter:
                 "serving": self.serving,
                 "image_geometry": self.geometry.to_json(),
                 "backend": "vllm",
+                # What the router reads: weights may be pulled (never swapped live: drained).
+                "pulls_weights": self.pulls is True,
             }
 
 
@@ -353,9 +442,16 @@ def build_app(adapter: Adapter, *, tokens: ServiceTokens, source: CheckpointSour
 
     async def reload(http: Request) -> Response:
         request = reload_request(await json_object(http), source)
-        if request.weights is not None:  # its /health does not say pulls_weights
-            message = "this worker loads weights from a checkpoint only"
-            return error_reply(422, message, param="weights")
+        if request.weights is not None:
+            if not adapter.pulls:  # its /health does not say pulls_weights
+                message = (
+                    "this vLLM was started without the weight-pull extension: checkpoints only"
+                )
+                return error_reply(422, message, param="weights")
+            status, reply = await run_blocking(
+                adapter.reload_pulled, request.weights, request.version
+            )
+            return JSONReply(reply, status)
         kept = f"kept version {adapter.version}"
         try:
             checkpoint = await run_blocking(local_checkpoint, request, source, kept=kept)
@@ -411,6 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         never_generated=never_generated_tokens(tokenizer),
         stop_ids=tuple(stop_token_ids(args.policy_dir, tokenizer)),
         tokenizer=tokenizer,
+        name=f"{args.host}:{args.port}",
     )
     sock = bind(args.host, args.port)
     print(f"adapting {args.vllm} on http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr)

@@ -7,6 +7,9 @@
   the project's: its pins are not the project's. `DARTBOARD_VLLM_PYTHON` names another one.
 - dev mode: /collective_rpc runs vLLM's own in-place `reload_weights` (full weights, LoRA
   layers included), and /reset_prefix_cache and /reset_mm_cache are served;
+- weights pulled from the trainer's weight server into vLLM's engine: the worker extension
+  `rollout.vllm_weights.WeightPullExtension` (`--worker-extension-cls`), imported from this
+  checkout (PYTHONPATH) inside vLLM's own environment;
 - runtime LoRA updating: /v1/load_lora_adapter (adapter sync), two adapters side by side
   (`--max-loras 2`: the new version loads while the old one finishes its requests);
 - sampling: vLLM's neutral defaults, never the checkpoint's `generation_config.json`
@@ -35,6 +38,7 @@ from rollout.limits import ServingLimits
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 VLLM_PYTHON_ENV = "DARTBOARD_VLLM_PYTHON"
+WORKER_EXTENSION = "rollout.vllm_weights.WeightPullExtension"
 
 
 def vllm_serve_args(
@@ -47,6 +51,7 @@ def vllm_serve_args(
     dtype: str = "auto",
     limits: ServingLimits | None = None,
     cpu_build: bool = False,
+    pull_weights: bool = True,
 ) -> list[str]:
     """`vllm serve`'s arguments (after the program) for the policy in `model_dir`, listening
     on `uds` (a unix socket path) or on host:port; `gpu_memory`: the fraction of its GPU it
@@ -58,7 +63,10 @@ def vllm_serve_args(
     takes each prompt in one prefill: it cannot split a seeded request's (vLLM 0.32 rewinds
     the request's generator after a partial prefill, which a CPU generator refuses, "CPU
     Generator does not use offset", and its engine dies), and its default prefill chunk is
-    2,048 tokens, less than one full-HD screenshot of UI-TARS-1.5's."""
+    2,048 tokens, less than one full-HD screenshot of UI-TARS-1.5's. `pull_weights`: load
+    the worker extension that takes versions from the trainer's weight server
+    (`WORKER_EXTENSION`; it needs this checkout on vLLM's path, `vllm_environment`), where
+    vLLM can reach that server."""
     if (uds is None) == (host is None or port is None):
         raise ValueError("vLLM listens on a unix socket (uds) or on host and port, not both")
     listen = ["--uds", uds] if uds is not None else ["--host", str(host), "--port", str(port)]
@@ -70,6 +78,7 @@ def vllm_serve_args(
         "--generation-config", "vllm", "--dtype", dtype,
         "--enable-lora", "--max-lora-rank", str((limits or ServingLimits()).max_lora_rank),
         "--max-loras", "2",
+        *(["--worker-extension-cls", WORKER_EXTENSION] if pull_weights else []),
         *(["--gpu-memory-utilization", str(gpu_memory)] if gpu_memory is not None else []),
         *(["--max-model-len", str(limits.max_model_len),
            "--limit-mm-per-prompt", json.dumps({"image": limits.max_images})]
@@ -99,7 +108,8 @@ def vllm_gpus(*, workers: int, placement: str, trainer_replicas: int) -> list[in
 
 
 def vllm_environment(*, api_key: str, cpu_build: bool = False) -> dict[str, str]:
-    """The variables vLLM needs from Dartboard: dev mode, runtime LoRA, and its API key.
+    """The variables vLLM needs from Dartboard: dev mode, runtime LoRA, its API key, and
+    this checkout on its path (the worker extension, `WORKER_EXTENSION`).
 
     On its CPU build (`cpu_build`, `vllm_cpu_build`) also `TORCHDYNAMO_DISABLE`: that build
     compiles its sampler's log-prob helper with torch's inductor (C++ through g++, in child
@@ -110,6 +120,7 @@ def vllm_environment(*, api_key: str, cpu_build: bool = False) -> dict[str, str]
     return {
         **VLLM_ENV,
         VLLM_KEY_ENV: api_key,
+        "PYTHONPATH": str(ROOT),
         **({"TORCHDYNAMO_DISABLE": "1"} if cpu_build else {}),
     }
 

@@ -1,6 +1,6 @@
-"""An inference worker's side of a weight pull (`core.weight_wire`): ask the trainer's weight
-server for a version, receive its buffer over a two-rank gloo group into a staging buffer
-while the worker goes on serving, and check it against the digest the router handed over.
+"""The transformers server's side of a weight pull (`core.weight_wire`): receive a version
+into a staging buffer while the worker goes on serving (`rollout.weight_pull`), checked
+against this worker's model and the tag the router handed over.
 `WeightReceiver.load` stages a version (pulled, or read from a checkpoint) and hands it to
 the caller's `swap`, which installs it between two generation batches
 (`core.policy.install_weights`):
@@ -15,36 +15,16 @@ weights: touching fresh pages cost 0.6 s per 1.5 GB here), once nothing points i
 
 from __future__ import annotations
 
-import json
-import secrets
-import socket
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from core.lora import is_peft_model
 from core.policy import Policy, StagedWeights, stage_weights
-from core.weight_wire import (
-    READY,
-    REQUESTS,
-    PullRequest,
-    WeightSource,
-    WireError,
-    WireHeader,
-    WireMismatch,
-    answer_key,
-    done_key,
-    pull_group,
-    pull_proof,
-    ready_key,
-    sha256_hasher,
-    torch_dtype,
-)
+from core.weight_wire import WeightSource, WireHeader, WireMismatch, torch_dtype
+from rollout.weight_pull import PullFailed, pull_version
 
 
 @dataclass(frozen=True)
@@ -95,46 +75,22 @@ class WeightReceiver:
 
     def pull(self, source: WeightSource, *, policy: Policy, worker: str) -> StagedWeights:
         """Receive `source`'s version and return it staged for `policy`'s model (the model is
-        only read). Raises WireMismatch when the version does not fit this model, WireError
-        for anything else (the server refused, did not answer, died, or the bytes do not hash
-        to the digest); nothing is staged then."""
-        started = time.monotonic()
+        only read). Raises what `rollout.weight_pull.pull_version` raises (WireUnreachable,
+        WireMismatch when the version does not fit this model, WireError); nothing is
+        staged then."""
+        live: dict[str, torch.Tensor] = {}
         try:
-            store = dist.TCPStore(source.host, source.port, None, False, self.timeout)
-        except Exception as exc:  # c10d raises its own error classes
-            raise WireError(
-                f"the weight server at {source.address} did not answer: {exc}"
-            ) from None
-        pull_id = secrets.token_hex(16)
-        proof = pull_proof(source.key, source.version, pull_id)
-        store.queue_push(REQUESTS, PullRequest(pull_id, source.version, proof, worker).encode())
-        header_bytes = self._answer(store, source, pull_id)
-        try:
-            header = WireHeader.decode(header_bytes)
-            live = _targets(policy, header)
-        except WireError as exc:
-            _tell(store, ready_key(pull_id), f"refused: {exc}")
-            raise
-        _tell(store, ready_key(pull_id), READY)
-        buffer = self._staging(header.total_bytes)
-        try:
-            group = _group(store, source=source, pull_id=pull_id, timeout=self.timeout)
-            digest = _receive(group, header, header_bytes, buffer)
-        except Exception as exc:
-            self._spare = buffer  # filled halfway: reused, never installed
-            _tell(store, done_key(pull_id), f"failed: {exc}")
-            raise WireError(
-                f"the pull of version {source.version} from {source.address} broke off: "
-                f"{type(exc).__name__}: {str(exc)[:300]}"
-            ) from None
-        if digest != source.digest:
-            self._spare = buffer
-            _tell(store, done_key(pull_id), "refused: digest mismatch")
-            raise WireError(
-                f"version {source.version} from {source.address} hashes to {digest}, but the "
-                f"trainer published {source.digest}: not installed"
+            pulled = pull_version(
+                source,
+                worker=worker,
+                timeout=self.timeout,
+                fits=lambda header: live.update(_targets(policy, header)),
+                buffer_for=self._staging,
             )
-        _tell(store, done_key(pull_id), "verified")
+        except PullFailed as exc:
+            self._spare = exc.buffer  # filled halfway or refused: reused, never installed
+            raise
+        header, buffer = pulled.header, pulled.buffer
         tensors, shared = {}, False
         for entry in header.tensors:
             target, view = live[entry.name], entry.view(buffer)
@@ -146,7 +102,7 @@ class WeightReceiver:
             self._pending = buffer
         else:
             self._spare = buffer
-        self.last = PullStats(header.total_bytes, time.monotonic() - started)
+        self.last = PullStats(header.total_bytes, pulled.seconds)
         return StagedWeights(
             header.kind, tensors, f"version {source.version} from {source.address}"
         )
@@ -169,18 +125,6 @@ class WeightReceiver:
         adapter's tensors, which stay where they are."""
         if staged.adapter_dir is None and self._live is not None:
             self._spare, self._live = self._live, None
-
-    def _answer(self, store: dist.TCPStore, source: WeightSource, pull_id: str) -> bytes:
-        try:
-            store.wait([answer_key(pull_id)], self.timeout)
-            answer = json.loads(store.get(answer_key(pull_id)))
-        except Exception as exc:
-            raise WireError(
-                f"the weight server at {source.address} did not answer the pull: {exc}"
-            ) from None
-        if "error" in answer:
-            raise WireError(f"the weight server at {source.address} refused: {answer['error']}")
-        return str(answer["header"]).encode()
 
     def _staging(self, total_bytes: int) -> torch.Tensor:
         spare, self._spare = self._spare, None
@@ -221,37 +165,3 @@ def _targets(policy: Policy, header: WireHeader) -> dict[str, torch.Tensor]:
                 "checkpoint would give other weights (publish in the served dtype)"
             )
     return params
-
-
-def _group(
-    store: dist.TCPStore, *, source: WeightSource, pull_id: str, timeout: timedelta
-) -> dist.ProcessGroupGloo:
-    """The pull's gloo group (rank 1), its socket on the address this host reaches the
-    server from."""
-    family = socket.AF_INET6 if ":" in source.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((source.host, source.port))  # no packet: only picks the route
-        local = probe.getsockname()[0]
-    return pull_group(store, pull_id=pull_id, rank=1, host=local, timeout=timeout)
-
-
-def _receive(
-    group: dist.ProcessGroupGloo, header: WireHeader, header_bytes: bytes, buffer: torch.Tensor
-) -> str:
-    """Receive every window into `buffer`; each is hashed on a second thread while the next
-    arrives. Returns the digest of the header and the buffer."""
-    hasher = sha256_hasher(header_bytes)
-    with ThreadPoolExecutor(1) as hashing:
-        for index, window in enumerate(header.windows(buffer)):
-            group.recv([window], 0, index).wait()  # type: ignore[attr-defined]  # not in the stubs
-            hashing.submit(hasher.update, window.numpy())
-    return hasher.hexdigest()
-
-
-def _tell(store: dist.TCPStore, key: str, word: str) -> None:
-    """Tell the server whether the pull goes on, or how it ended (its log); a server already
-    gone is no error here (the pull has failed already, and says so)."""
-    try:
-        store.set(key, word[:300])
-    except Exception:  # the sender died: nobody reads it
-        return

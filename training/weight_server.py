@@ -9,7 +9,7 @@ is the worker's side.
     server.close()
 
 `publish` copies the weights into one flat buffer (the snapshot; the trainer trains on
-meanwhile) and hashes it once; every pull then sends that buffer in windows over a two-rank
+meanwhile) and tags it once (`core.weight_wire.VersionTagger`); every pull then sends that buffer in windows over a two-rank
 gloo group of its own. A pull of an older version than the newest is refused: the router
 has moved on, or loads it from its checkpoint.
 
@@ -38,6 +38,7 @@ from core.weight_wire import (
     WINDOW_BYTES,
     Kind,
     PullRequest,
+    VersionTagger,
     WeightSource,
     WireError,
     WireHeader,
@@ -46,24 +47,23 @@ from core.weight_wire import (
     proof_valid,
     pull_group,
     ready_key,
-    sha256_hasher,
 )
 
 log = logging.getLogger("dartboard.weight_server")
 
-HASH_CHUNK = 64 * 1024 * 1024  # the snapshot is hashed in chunks this size as they are copied
+TAG_CHUNK = 64 * 1024 * 1024  # the snapshot is tagged in chunks this size as they are copied
 SEEN_PULLS = 4096  # pull ids remembered per version (each is served once)
 
 
 @dataclass
 class Snapshot:
-    """One published version: its buffer, layout, digest and pull key. Read-only while
+    """One published version: its buffer, layout, tag and pull key. Read-only while
     served; a pull in progress keeps it alive after a newer version replaces it."""
 
     header: WireHeader
     header_bytes: bytes
     buffer: torch.Tensor  # uint8 [header.total_bytes]
-    digest: str
+    tag: str
     key: str
     sending: int = 0  # pulls under way (WeightServer._lock): its buffer is not reused meanwhile
 
@@ -83,23 +83,25 @@ def snapshot_of(
     header: WireHeader, tensors: dict[str, torch.Tensor], *, buffer: torch.Tensor | None = None
 ) -> Snapshot:
     """Copy `tensors` into `buffer` (new when None) as `header` lays them out (casting them
-    to its dtypes), and hash it. The hash of each chunk runs on a second thread while the
-    next tensors are copied (both release the GIL)."""
+    to its dtypes), and tag it under a new pull key. Each chunk is tagged on a second thread
+    while the next tensors are copied."""
     header_bytes = header.encode()
     if buffer is None:
         buffer = torch.empty(header.total_bytes, dtype=torch.uint8)
-    buffer.zero_()  # the alignment gaps are hashed too
-    hasher = sha256_hasher(header_bytes)
-    hashed = 0
-    with torch.no_grad(), ThreadPoolExecutor(1) as hashing:
-        for entry in header.tensors:
+    key = secrets.token_urlsafe(32)
+    tagger = VersionTagger(key, header.version, header_bytes)
+    tagged = 0
+    ends = [e.offset for e in header.tensors[1:]] + [header.total_bytes]
+    with torch.no_grad(), ThreadPoolExecutor(1) as tagging:
+        for entry, next_offset in zip(header.tensors, ends, strict=True):
             entry.view(buffer).copy_(tensors[entry.name].detach())
             end = entry.offset + entry.nbytes
-            if end - hashed >= HASH_CHUNK:
-                hashing.submit(hasher.update, buffer[hashed:end].numpy())
-                hashed = end
-        hashing.submit(hasher.update, buffer[hashed:].numpy())
-    return Snapshot(header, header_bytes, buffer, hasher.hexdigest(), secrets.token_urlsafe(32))
+            buffer[end:next_offset].zero_()  # the alignment gap is tagged too: no stale bytes
+            if end - tagged >= TAG_CHUNK:
+                tagging.submit(tagger.update, buffer[tagged:end].numpy())
+                tagged = end
+        tagging.submit(tagger.update, buffer[tagged:].numpy())
+    return Snapshot(header, header_bytes, buffer, tagger.hexdigest(), key)
 
 
 class WeightServer:
@@ -160,7 +162,7 @@ class WeightServer:
         dtype: torch.dtype | None = None,
     ) -> WeightSource:
         """Make `tensors` (by parameter name) the version workers pull, in `dtype` (None: as
-        they are); returns where and how to pull it. Blocks for the copy and the hash. The
+        they are); returns where and how to pull it. Blocks for the copy and the tag. The
         previous version's buffer is filled again when no pull is reading it (no second
         copy of the weights); it is not served meanwhile."""
         header = WireHeader.plan(
@@ -194,7 +196,7 @@ class WeightServer:
             host=self.host,
             port=self.port,
             version=version,
-            digest=snapshot.digest,
+            tag=snapshot.tag,
             key=snapshot.key,
         )
 

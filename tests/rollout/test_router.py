@@ -117,7 +117,7 @@ def replay_active_counts(events: list[dict], *, since_seq: int) -> list[int]:
             status[event["worker"]] = "dead"
         elif event["status"] == "unregistered":
             status.pop(event["worker"], None)
-        elif event["status"] != "swapped":  # a version swapped in: no change of status
+        elif event["status"] not in ("swapped", "pull failed"):  # no change of status
             status[event["worker"]] = event["status"]
         if event["seq"] >= since_seq:
             counts.append(sum(s == "active" for s in status.values()))

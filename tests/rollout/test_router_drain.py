@@ -101,9 +101,10 @@ def test_a_worker_that_cannot_swap_live_is_drained_and_loads_the_checkpoint(
     admin = RouterAdmin(router)
     wait_until(lambda: [w.status for w in admin.workers()] == ["active"], what="adapter active")
     health = httpx.get(f"{adapter}/health").json()
-    assert "swaps_live" not in health and "pulls_weights" not in health
+    # A vLLM started without the weight-pull extension (the stand-in has none).
+    assert "swaps_live" not in health and health["pulls_weights"] is False
     # The trainer runs a weight server, but this worker does not pull: it gets the checkpoint.
-    elsewhere = WeightSource("127.0.0.1", free_port(), 1, "0" * 64, "k" * 43)
+    elsewhere = WeightSource("127.0.0.1", free_port(), 1, "0" * 32, "k" * 43)
     admin.sync(str(checkpoints[1]), 1, weights=elsewhere)
     admin.wait_for_version(1, timeout=60)
     events = httpx.get(f"{router}/admin/events", headers=ADMIN).json()
@@ -112,7 +113,10 @@ def test_a_worker_that_cannot_swap_live_is_drained_and_loads_the_checkpoint(
     loading = next(e for e in events if e["status"] == WorkerStatus.LOADING)
     assert loading["detail"] == f"v1 from {checkpoints[1]}"
     rpc = [body for path, body in _StandIn.posted if path == "/collective_rpc"]
-    assert rpc == [{"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints[1])}}]
+    assert rpc == [
+        {"method": "dartboard_pulls", "kwargs": {}},  # the adapter asks whether vLLM pulls
+        {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints[1])}},
+    ]
     admin.close()
 
 

@@ -4,7 +4,9 @@ the launcher starts it (`hostagent.launcher.vllm_specs`: vLLM on a unix socket i
 policy. Through the official `openai` client and Dartboard's own: completions with
 screenshots and log-probs; parity with the transformers server on the same prompts; a LoRA
 switch and a full-weight reload, each under load from 8 clients, with no failed request and
-the new weights' log-probs served afterwards; an adapter restarted beside a running vLLM."""
+the new weights' log-probs served afterwards; an adapter restarted beside a running vLLM;
+full weights and LoRA adapters pulled from the trainer's weight server into vLLM through
+the router's sync under 8 clients, with no failed request."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +35,14 @@ from core.protocol import TaskSpec
 from envmanager.sim_env import SimEnv
 from hostagent.launcher import Supervisor, vllm_specs
 from rollout.auth import ServiceTokens, bearer
-from rollout.client import PolicyClient
+from rollout.client import PolicyClient, RouterAdmin
 from rollout.local_server import LocalPolicyServer
 from rollout.vllm_command import vllm_missing
 from tests.helpers import free_port, needs, wait_until
+from tests.rollout.test_router import ADMIN, ClientLoops, start_process, stop_process
 from training.config import TrainerConfig
 from training.trainer import PolicyTrainer
+from training.weight_server import WeightServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "policies" / "tiny-grounded"
@@ -317,3 +322,101 @@ def test_a_restarted_adapter_finds_its_version_loaded_in_vllm_and_serves(vllm_st
     served = greedy(vllm_stack.url, screens(1)[0])
     assert served.policy_version == 7 and served.token_ids
     assert reload(vllm_stack, SHIPPED, 8).status_code == 200
+
+
+def _router_over(stack: VllmStack):
+    """A router process over the stack's one vLLM worker, as the launcher starts it."""
+    port = free_port()
+    args = ["rollout.router", "--port", str(port), "--probe-interval", "0.5"]
+    proc = start_process(
+        [*args, "--worker", stack.url], health_url=f"http://127.0.0.1:{port}/health"
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_versions_pulled_from_the_weight_server_into_vllm_under_8_clients_fail_no_request(
+    vllm_stack,
+):
+    """Full weights, then LoRA adapters, pulled over torch.distributed from a weight server
+    into vLLM's engine through the router's sync, while 8 clients ask the router."""
+    checkpoints = Path(settings.DARTBOARD_HOME) / "policies" / "vllm-test-pull"
+    full = _changed(SHIPPED, checkpoints, lora=False)
+    lora_run = checkpoints / "lora-pulled"
+    shutil.rmtree(lora_run, ignore_errors=True)
+    trainer = PolicyTrainer(
+        config=TrainerConfig(lr=1e-3, kl_coef=0.0, lora_rank=8, lora_alpha=16),
+        start_checkpoint=SHIPPED,
+        run_dir=lora_run,
+    )
+    prompt = screens(1)[0]
+    before = greedy(vllm_stack.url, prompt)
+    start = httpx.get(f"{vllm_stack.url}/health").json()["policy_version"]
+    assert httpx.get(f"{vllm_stack.url}/health").json()["pulls_weights"] is True
+    server = WeightServer(host="127.0.0.1", timeout_s=60, window_bytes=1 << 20)
+    proc, router = _router_over(vllm_stack)
+    admin = RouterAdmin(router)
+    try:
+        # Full weights: pulled into vLLM, not read from `full`'s files.
+        tensors = dict(load_policy(full).model.named_parameters())
+        source = server.publish(version=start + 1, kind="full", tensors=tensors)
+        with ClientLoops(router, n=8, max_tokens=6) as loops:
+            wait_until(lambda: loops.each_has(1), timeout=120, what="first answers")
+            admin.sync(str(SHIPPED), start + 1, weights=source)  # a checkpoint of other weights
+            admin.wait_for_version(start + 1, timeout=240)
+            t_done = time.monotonic()
+            wait_until(lambda: loops.each_has(1, after=t_done), timeout=120, what="answers after")
+        assert loops.errors == []
+        assert {c.completion.policy_version for c in loops.all()} == {start, start + 1}
+        assert [r.outcome for r in server.pulls] == ["verified"]
+        _served_as(vllm_stack, full, prompt, before)
+
+        # LoRA, on the shipped base again: the first adapter comes by checkpoint (nothing on
+        # the wire fits the base), the next ones over the wire, switched to while serving.
+        admin.sync(str(SHIPPED), start + 2)
+        admin.wait_for_version(start + 2, timeout=240)
+        with torch.no_grad():
+            for name, p in trainer.policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.3)
+        first = trainer.save_version(1)
+        kind, tensors = trainer.served_weights()
+        source = server.publish(version=start + 3, kind=kind, tensors=tensors)
+        admin.sync(str(first), start + 3, weights=source)
+        admin.wait_for_version(start + 3, timeout=240)
+        for step in (4, 5):
+            with torch.no_grad():  # every tensor of the adapter moves: all must travel
+                for name, p in trainer.policy.model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(std=0.3)
+                    elif "lora_A" in name:
+                        p.add_(torch.randn_like(p) * 0.05)
+            saved = trainer.save_version(step)  # what the pulled adapter must equal
+            kind, tensors = trainer.served_weights()
+            source = server.publish(version=start + step, kind=kind, tensors=tensors)
+            with ClientLoops(router, n=8, max_tokens=6) as loops:
+                wait_until(lambda: loops.each_has(1), timeout=120, what="first answers")
+                admin.sync(str(first), start + step, weights=source)  # the files: v1's adapter
+                admin.wait_for_version(start + step, timeout=240)
+                t_done = time.monotonic()
+                wait_until(lambda t=t_done: loops.each_has(1, after=t), timeout=120, what="after")
+            assert loops.errors == []
+            _served_as(vllm_stack, saved, prompt, before)
+        assert [r.outcome for r in server.pulls] == [
+            "verified",  # full weights
+            "refused: this worker serves the base model: an adapter comes by checkpoint",
+            "verified",
+            "verified",
+        ]
+        events = httpx.get(f"{router}/admin/events", headers=ADMIN).json()
+        failed = [e for e in events if e["status"] == "pull failed"]
+        assert len(failed) == 1 and "an adapter comes by checkpoint" in failed[0]["detail"]
+        health = httpx.get(f"{vllm_stack.url}/health").json()
+        assert health["policy_version"] == start + 5 and health["serving"].endswith(
+            f"-v{start + 5}"
+        )
+    finally:
+        admin.close()
+        stop_process(proc)
+        server.close()
+    r = reload(vllm_stack, SHIPPED, start + 6)  # back to the shipped weights
+    assert r.status_code == 200, r.text

@@ -1,7 +1,8 @@
 """New versions pulled over torch.distributed (gloo) from the trainer's weight server
 (`training.weight_server` -> `rollout.weight_receive`): the weights equal the checkpoint's
-bit for bit, a sync under load drains nobody and fails no request, and a pull that breaks
-off or does not hash to the published digest changes nothing."""
+bit for bit, a sync under load drains nobody and fails no request, a pull that breaks off
+or does not give the published tag changes nothing, and a sync whose weight server is gone
+loads every worker from the checkpoint, trying that server once."""
 
 from __future__ import annotations
 
@@ -150,30 +151,32 @@ def test_a_pull_without_the_versions_key_is_refused(checkpoints, weight_server):
         version=1, kind="full", tensors=dict(trained.model.named_parameters())
     )
     worker = load_policy(checkpoints[0])
-    forged = WeightSource(source.host, source.port, 1, source.digest, "a" * 43)
+    forged = WeightSource(source.host, source.port, 1, source.tag, "a" * 43)
     with pytest.raises(WireError, match="proof does not match this version's key"):
         WeightReceiver(timeout_s=30).pull(forged, policy=worker, worker="test")
-    older = WeightSource(source.host, source.port, 0, source.digest, source.key)
+    older = WeightSource(source.host, source.port, 0, source.tag, source.key)
     with pytest.raises(WireError, match="version 0 is not served; the newest is 1"):
         WeightReceiver(timeout_s=30).pull(older, policy=worker, worker="test")
     assert_same_weights(worker, load_policy(checkpoints[0]))
 
 
-def test_bytes_that_do_not_hash_to_the_published_digest_are_not_installed(
-    checkpoints, weight_server
-):
+def test_a_changed_byte_is_refused(checkpoints, weight_server):
     trained = load_policy(checkpoints[1])
     source = weight_server.publish(
         version=1, kind="full", tensors=dict(trained.model.named_parameters())
     )
     # What another party reaching the store or a socket could do: change the bytes sent.
-    weight_server._current.buffer[12345] ^= 0xFF  # type: ignore[union-attr]
+    weight_server._current.buffer[12345] ^= 0x01  # type: ignore[union-attr]
     worker = load_policy(checkpoints[0])
     with pytest.raises(WireError, match=r"but the trainer published .*: not installed"):
         WeightReceiver(timeout_s=30).pull(source, policy=worker, worker="test")
     assert_same_weights(worker, load_policy(checkpoints[0]))
     wait_until(lambda: weight_server.pulls, what="the server's record of the pull")
-    assert weight_server.pulls[0].outcome == "refused: digest mismatch"
+    assert weight_server.pulls[0].outcome == "refused: tag mismatch"
+    # The same bytes put back are taken: the tag refused the change, nothing else.
+    weight_server._current.buffer[12345] ^= 0x01  # type: ignore[union-attr]
+    pulled_into(worker, source)
+    assert_same_weights(worker, trained)
 
 
 # --------------------------------------------------------------- a real worker
@@ -236,7 +239,7 @@ SENDER = textwrap.dedent(
 
     class DiesMidway(WeightServer):
         def _send_window(self, group, window, index):
-            if index == 2:  # two windows sent, then the trainer's process is gone
+            if index == int(sys.argv[2]):  # windows sent before it, then the process is gone
                 os.kill(os.getpid(), signal.SIGKILL)
             super()._send_window(group, window, index)
 
@@ -247,6 +250,67 @@ SENDER = textwrap.dedent(
     sys.stdin.read()
     """
 )
+
+
+def test_a_sync_whose_weight_server_is_gone_loads_the_checkpoint_trying_it_once(
+    cluster, checkpoints, weight_server
+):
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, str(checkpoints[1]), "-1"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = json.loads(sender.stdout.readline())  # type: ignore[union-attr]
+    gone = WeightSource.from_json(line, version=line["version"])
+    sender.kill()  # the trainer's process dies after publishing v1
+    sender.wait(timeout=30)
+    admin = RouterAdmin(cluster.router)
+    seq_before = max(
+        e["seq"] for e in httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
+    )
+    admin.sync(str(checkpoints[1]), 1, weights=gone)
+    admin.wait_for_version(1, timeout=90)
+
+    events = httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
+    since = [e for e in events if e["seq"] > seq_before]
+    # The first worker's pull failed on its one connect, and it loaded the checkpoint; the
+    # second went to the checkpoint without trying the server.
+    failed = [e for e in since if e["status"] == "pull failed"]
+    assert len(failed) == 1, failed
+    assert "takes no connection" in failed[0]["detail"]
+    assert failed[0]["detail"].endswith("the checkpoint instead")
+    swapped = [e for e in since if e["status"] == "swapped"]
+    assert sorted(e["worker"] for e in swapped) == sorted(cluster.workers)
+    assert all("v1 from the checkpoint" in e["detail"] for e in swapped)
+    assert [w.policy_version for w in admin.workers()] == [1, 1]
+    greedy = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    served = [
+        httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=greedy, timeout=60).json()
+        for url in cluster.workers
+    ]
+    from_file = load_policy(checkpoints[1])
+    for answer in served:
+        completion_ids = [t["token_id"] for t in answer["choices"][0]["logprobs"]["content"]]
+        batch, mask = encode_prompt_response(from_file, MESSAGES, token_ids=completion_ids)
+        with torch.no_grad():
+            values, _, _ = sequence_logprobs(from_file, batch)
+        local = values[mask].tolist()
+        served_lp = [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
+        assert max(abs(a - b) for a, b in zip(local, served_lp, strict=True)) < 1e-3
+
+    # A server published again is tried again: v2 comes over the wire to both.
+    tensors = dict(load_policy(checkpoints[0]).model.named_parameters())
+    source = weight_server.publish(version=2, kind="full", tensors=tensors)
+    admin.sync(str(checkpoints[0]), 2, weights=source)
+    admin.wait_for_version(2, timeout=90)
+    events = httpx.get(f"{cluster.router}/admin/events", headers=ADMIN).json()
+    swapped = [e for e in events if e["status"] == "swapped" and "v2 " in e["detail"]]
+    assert len(swapped) == 2
+    assert all("from the weight server" in e["detail"] for e in swapped)
+    assert [r.outcome for r in weight_server.pulls] == ["verified"] * 2
+    admin.close()
 
 
 @pytest.fixture
@@ -266,7 +330,7 @@ def test_a_pull_whose_sender_dies_midway_leaves_the_worker_on_its_version(
     worker, checkpoints, weight_server
 ):
     sender = subprocess.Popen(
-        [sys.executable, "-c", SENDER, str(checkpoints[1])],
+        [sys.executable, "-c", SENDER, str(checkpoints[1]), "2"],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -64,8 +64,10 @@ READ_ELSEWHERE: dict[str, str] = {
     "trainer.lora_alpha": "training.config.TrainerConfig.lora",
     "trainer.lora_vision": "training.config.TrainerConfig.lora",
     "trainer.gradient_checkpointing": "training.trainer.PolicyTrainer",
-    "trainer.replicas": "workers.training_loop.get_trainer (followers started)",
-    "trainer.shard": "training.replica_group (FSDP2 over the replicas)",
+    "trainer.replicas": "workers.training_loop.get_trainer and hostagent.agent.run_needs "
+    "(training.memory_plan.trainer_layout at auto; followers started)",
+    "trainer.shard": "training.replica_group (FSDP2 over the replicas; trainer_layout at auto)",
+    "trainer.replica_timeout_s": "training.replica_group.GroupSetup.join (every collective)",
     # The update reads these curation knobs as they are (training.config.CurationConfig).
     "curation.high_entropy": "training.config.CurationConfig.entropy_q (the entropy filter)",
     "curation.entropy_top_q": "training.config.CurationConfig.entropy_q",

@@ -420,7 +420,8 @@ def test_the_adapter_reaches_vllm_over_its_unix_socket_with_its_key(tmp_path, ti
         server.shutdown()
         server.server_close()
     paths = [path for _, path, _ in _StandIn.seen]
-    assert paths[:3] == ["/v1/models", "/v1/chat/completions", "/collective_rpc"]
+    # It asks vLLM whether the weight-pull extension answers (/collective_rpc) as it starts.
+    assert paths[:3] == ["/v1/models", "/collective_rpc", "/v1/chat/completions"]
     assert "/reset_prefix_cache" in paths
     assert {auth for _, _, auth in _StandIn.seen} == {f"Bearer {key}"}
     assert _mode(private) == 0o700  # where the launcher puts the socket: this user only

@@ -119,9 +119,9 @@ def test_evaluation_and_rollout_share_the_run_settings() -> None:
 @pytest.mark.parametrize(
     ("trainer", "message"),
     [
-        ({"shard": True}, "needs replicas > 1"),
+        ({"shard": True, "replicas": 1}, "needs replicas > 1"),
         ({"shard": True, "replicas": 2, "lora_rank": 8}, "is for full fine-tuning"),
-        ({"replicas": 0}, "must be from 1 to 64"),
+        ({"replicas": 65}, "must be from 1 to 64, or 0 \\(auto\\)"),
     ],
 )
 def test_sharding_settings_that_cannot_work_are_refused(trainer: dict, message: str) -> None:

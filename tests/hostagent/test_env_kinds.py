@@ -28,6 +28,8 @@ def offered(*wrap: str, **env: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip  # one argument a line would hide the command
 
 
+pytestmark = pytest.mark.slow  # each case starts Django in a child process
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not Path("/usr/bin/chromium").exists(),
     reason="needs root, unshare and chromium",

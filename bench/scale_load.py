@@ -262,10 +262,11 @@ class Background:
             if not connected:
                 raise RuntimeError(f"the consumer refused the bench's viewer socket ?{query}")
             received = 0
-            while (left := until - time.time()) > 0:
+            # Open a little past the window, so that their leaving is not in its last sample.
+            while (left := until + SETTLE_S - time.time()) > 0:
                 try:  # the queue, not receive_from: its timeout would cancel the consumer
                     await asyncio.wait_for(comm.output_queue.get(), timeout=left)
-                    received += time.time() >= window_start
+                    received += window_start <= time.time() <= until
                 except TimeoutError:
                     break
             await comm.disconnect()

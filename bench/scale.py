@@ -16,8 +16,9 @@ the driver (its database pool, step writer and heartbeat threads) apart from the
 slots' (the rest of the driver's CPU), and of the load process (the watchdog, the batch
 collection and the viewers' consumer: the web's part); and, with --viewers N live sockets
 (page 1 of the env wall, an unpaged wall, then run pages and wall pages in turn), the Redis
-commands a second each viewer adds (against a control interval without them) and the events
-a second each kind of page is sent.
+round trips a second each viewer's own connections send, Redis's commands per step with and
+without the viewers (the window against a control interval before they connect) and the
+events a second each kind of page is sent.
 
 Then the dashboard pages on a database of --pages-steps recorded steps and 1,000 env slots,
 filled with bulk inserts (bench/scale_pages.py).
@@ -173,19 +174,20 @@ def _mean(values: list[float] | None) -> str:
 
 
 def viewers_table(rows: list[dict[str, Any]]) -> str:
-    """What the live sockets cost and get: Redis commands a second per viewer (the window
-    against the control interval without viewers), Redis commands per step with and without
-    them, the events a second each kind of page is sent (mean over the sockets of that kind),
-    and the CPU per step of the load process (its viewers are a web process's part)."""
+    """What the live sockets cost and get: Redis round trips a second per viewer (its own
+    connections'), Redis commands per step with and without them (the window against the
+    control interval, whoever sent them), the events a second each kind of page is sent (mean
+    over its sockets), and the CPU per step of the load process (its viewers are a web
+    process's part)."""
     out = [
-        "| slots | viewers | steps/s | Redis ops/s per viewer | Redis ops per step, with / "
+        "| slots | viewers | steps/s | Redis round trips/s per viewer | Redis ops per step, with / "
         "without viewers | events/s to a wall page / an unpaged wall / a run page | "
         "load process CPU per step (ms) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ev = r.get("viewer_events_per_s") or {}
-        per_viewer = r.get("redis_ops_per_s_per_viewer")
+        per_viewer = r.get("redis_round_trips_per_s_per_viewer")
         without = r.get("redis_ops_per_step_without_viewers")
         out.append(
             f"| {r['slots']} | {r.get('viewers', '-')} | {r['steps_per_s']:.1f} | "

@@ -15,9 +15,9 @@ oracle on `sim/click-8` .. `sim/click-12`), starts `--processes` driver processe
   `--warmup-s`);
 - holds `--viewers` sockets (default 2) on the real consumer (dartboard/consumers.py)
   through the window: page 1 of the env wall, an unpaged wall, then run pages and further
-  wall pages in turn; counts the events each is sent per second. Before they connect, a
-  control interval of CONTROL_S at the same load gives Redis's commands per step without
-  them, so the window's excess over it, per viewer, is what a watching browser costs Redis.
+  wall pages in turn; counts the events each is sent per second and the Redis round trips
+  their own connections send. Before they connect, a control interval of CONTROL_S at the
+  same load gives Redis's commands per step without them, to set beside the window's.
 
 After the window the slots finish the episodes under way; then it checks that nothing was
 lost (every step a slot recorded is a row, every trajectory ended, each trajectory's length
@@ -27,6 +27,7 @@ equals its step rows) and writes the figures to `--out` as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,27 @@ def _sample(media: Path) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _round_trips_counted(window_start: float, until: float) -> Iterator[list[int]]:
+    """Counts the Redis round trips (a command, or a pipeline) that asyncio Redis clients on
+    this thread send within the window: the viewers' channel layer, which no other code of
+    this process runs on the viewers' thread (the events publisher has a thread of its own)."""
+    from redis.asyncio.connection import AbstractConnection
+
+    counted, me, real = [0], threading.get_ident(), AbstractConnection.send_packed_command
+
+    async def send(conn: Any, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == me and window_start <= time.time() <= until:
+            counted[0] += 1
+        await real(conn, command, check_health)
+
+    AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
+    try:
+        yield counted
+    finally:
+        AbstractConnection.send_packed_command = real  # type: ignore[method-assign]
+
+
 class Background:
     """The watchdog passes and the trainer's batch collection, each on its own thread."""
 
@@ -173,6 +195,7 @@ class Background:
         self.groups_consumed = 0
         self.samples_built = 0
         self.viewer_events_per_s: dict[str, list[float]] = {}
+        self.viewer_round_trips: int | None = None
         self.errors: list[str] = []
 
     def watchdog(self) -> None:
@@ -276,7 +299,9 @@ class Background:
             return list(await asyncio.gather(*(listen(q) for _, q in queries)))
 
         try:
-            received = asyncio.run(all_of_them())
+            with _round_trips_counted(window_start, until) as round_trips:
+                received = asyncio.run(all_of_them())
+            self.viewer_round_trips = round_trips[0]
             secs = max(1.0, until - window_start)
             for (shows, _), n in zip(queries, received, strict=True):
                 self.viewer_events_per_s.setdefault(shows, []).append(n / secs)
@@ -485,14 +510,12 @@ def main() -> None:
         "slot_errors": counts["errors"],
         "viewers": args.viewers,
         "viewer_events_per_s": background.viewer_events_per_s,
-        # What one more watching browser costs Redis: commands per step with the viewers
-        # (the window) less without (the control interval), at the window's step rate.
-        "redis_ops_per_s_per_viewer": (
-            (_redis_ops_per_step(start, end) - _redis_ops_per_step(*control))
-            * (end["steps"] - start["steps"])
-            / secs
-            / args.viewers
-            if control
+        # What a watching browser costs Redis: the round trips the viewers' own connections
+        # sent in the window, per viewer and second; and Redis's commands per step with the
+        # viewers (the window) and without them (the control interval), whoever sent them.
+        "redis_round_trips_per_s_per_viewer": (
+            background.viewer_round_trips / secs / args.viewers
+            if background.viewer_round_trips is not None
             else None
         ),
         "redis_ops_per_step": _redis_ops_per_step(start, end),

@@ -281,7 +281,9 @@ class Background:
             )
             comm.scope["user"] = user
             comm.scope["url_route"] = {"kwargs": {"run_id": self.run_id}}
-            connected, _ = await comm.connect()
+            # On a saturated machine the default second is too short for the page's
+            # permission check and its subscriptions.
+            connected, _ = await comm.connect(timeout=60)
             if not connected:
                 raise RuntimeError(f"the consumer refused the bench's viewer socket ?{query}")
             received = 0

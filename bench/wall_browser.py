@@ -103,12 +103,13 @@ def _setup(home: Path, tiles: int) -> int:
     return run.pk
 
 
-def _publish(run_id: int, slot_ids: list[int], rate: float, until: float) -> int:
-    """Step events round robin over the slots at `rate` a second until `until`; how many."""
+def _publish(
+    run_id: int, slot_ids: list[int], task_ids: list[int], rate: float, until: float
+) -> int:
+    """Step events round robin over the slots at `rate` a second until `until`; how many.
+    No database access: it runs beside Playwright's event loop."""
     from datamanager.events import publish
-    from datamanager.models import TaskStat
 
-    task_ids = list(TaskStat.objects.filter(run_id=run_id).values_list("task_id", flat=True))
     sent, t0 = 0, time.time()
     while time.time() < until:
         slot = slot_ids[sent % len(slot_ids)]
@@ -151,10 +152,11 @@ def main() -> None:
         from playwright.sync_api import sync_playwright
 
         from core.procutil import terminate_pid
-        from datamanager.models import EnvSlot
+        from datamanager.models import EnvSlot, TaskStat
         from hostagent.embedded_redis import EmbeddedRedis
 
         slot_ids = list(EnvSlot.objects.filter(run_id=run_id).values_list("pk", flat=True))
+        task_ids = list(TaskStat.objects.filter(run_id=run_id).values_list("task_id", flat=True))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -184,7 +186,8 @@ def main() -> None:
                         "(() => { window.__probe.longest = 0;"
                         " return {...window.__probe, now: performance.now()}; })()"
                     )
-                    sent = _publish(run_id, slot_ids, args.steps_per_s, time.time() + args.seconds)
+                    until = time.time() + args.seconds
+                    sent = _publish(run_id, slot_ids, task_ids, args.steps_per_s, until)
                     time.sleep(1.0)  # the last flush of the socket
                     after = page.evaluate("({...window.__probe, now: performance.now()})")
                     browser.close()

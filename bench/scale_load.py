@@ -176,7 +176,7 @@ def _round_trips_counted(window_start: float, until: float) -> Iterator[list[int
             counted[0] += 1
         await real(conn, command, check_health)
 
-    AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
+    AbstractConnection.send_packed_command = send  # type: ignore[method-assign,assignment]
     try:
         yield counted
     finally:

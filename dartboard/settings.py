@@ -237,8 +237,8 @@ CELERY_BEAT_SCHEDULE = {
 
 # Publish/subscribe: a web process subscribes once to each group its sockets joined and Redis
 # pushes each event to it, so a watching browser costs no Redis command, where the list-based
-# `RedisChannelLayer` spent four or five commands on every event it delivered to every socket
-# (BZPOPMIN, ZADD, ZPOPMIN, EVAL: ~1,000 a second for one unpaged wall at 100 steps/s).
+# `RedisChannelLayer` spent four or five on every event it delivered to every socket (BZPOPMIN,
+# ZADD, ZPOPMIN and an EVAL on the socket's side, a ZADD into its channel on the writer's).
 # Nothing is queued in Redis for a socket that is gone or slow; events are live-view hints and
 # each socket coalesces its own (dartboard/consumers.py). Publish/subscribe channels span the
 # server's databases, so the prefix carries the database number: two deployments (or two

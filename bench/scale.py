@@ -1,8 +1,8 @@
 """The control plane at 100, 300 and 1,000 environments, on PostgreSQL (issue 19, item 4).
 
     .venv/bin/python bench/scale.py [--slots 100 300 1000] [--minutes 10] [--latency-scale 0.45]
-        [--pages-steps 1000000] [--skip-pages] [--pg postgres://postgres@127.0.0.1:5432]
-        [--json bench/results/scale.json]
+        [--viewers 2] [--pages-steps 1000000] [--skip-pages]
+        [--pg postgres://postgres@127.0.0.1:5432] [--json bench/results/scale.json]
 
 For each N, a fresh PostgreSQL database and a private embedded Redis (a unix socket): N
 simulated slots (the `sim` backend at OSWorld latency times --latency-scale, the scripted
@@ -13,8 +13,12 @@ rows and bytes per hour (and the screenshots' bytes); Redis commands per second;
 watchdog's pass time; the trainer's batch collection; whether anything was lost; and per
 step the CPU time of PostgreSQL's processes, of the Redis, and of the platform's own code in
 the driver (its database pool, step writer and heartbeat threads) apart from the stand-in
-slots' (the rest of the driver's CPU); and how many live events per second one browser's
-socket is sent on page 1 of the env wall and on an unpaged wall.
+slots' (the rest of the driver's CPU), and of the load process (the watchdog, the batch
+collection and the viewers' consumer: the web's part); and, with --viewers N live sockets
+(page 1 of the env wall, an unpaged wall, then run pages and wall pages in turn), the Redis
+round trips a second each viewer's own connections send, Redis's commands per step with and
+without the viewers (the window against a control interval before they connect) and the
+events a second each kind of page is sent.
 
 Then the dashboard pages on a database of --pages-steps recorded steps and 1,000 env slots,
 filled with bulk inserts (bench/scale_pages.py).
@@ -165,21 +169,33 @@ def _print_errors(result: dict[str, Any]) -> None:
         )
 
 
-def events_table(rows: list[dict[str, Any]]) -> str:
-    """Events per second the live socket sends one browser, on a page of the wall and on
-    an unpaged one (rows from runs before the measurement have none)."""
+def _mean(values: list[float] | None) -> str:
+    return "-" if not values else f"{sum(values) / len(values):.1f}"
+
+
+def viewers_table(rows: list[dict[str, Any]]) -> str:
+    """What the live sockets cost and get: Redis round trips a second per viewer (its own
+    connections'), Redis commands per step with and without them (the window against the
+    control interval, whoever sent them), the events a second each kind of page is sent (mean
+    over its sockets), and the CPU per step of the load process (its viewers are a web
+    process's part)."""
     out = [
-        "| slots | steps/s | events/s to a browser on wall page 1 (its slots) | "
-        "events/s to a browser on an unpaged wall |",
-        "|---:|---:|---:|---:|",
+        "| slots | viewers | steps/s | Redis round trips/s per viewer | Redis ops per step, with / "
+        "without viewers | events/s to a wall page / an unpaged wall / a run page | "
+        "load process CPU per step (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ev = r.get("browser_events_per_s") or {}
-        if ev:
-            out.append(
-                f"| {r['slots']} | {r['steps_per_s']:.1f} | {ev['wall_page']:.1f} "
-                f"({ev['page_slots']}) | {ev['unpaged_wall']:.1f} |"
-            )
+        ev = r.get("viewer_events_per_s") or {}
+        per_viewer = r.get("redis_round_trips_per_s_per_viewer")
+        without = r.get("redis_ops_per_step_without_viewers")
+        out.append(
+            f"| {r['slots']} | {r.get('viewers', '-')} | {r['steps_per_s']:.1f} | "
+            f"{'-' if per_viewer is None else f'{per_viewer:.1f}'} | "
+            f"{r.get('redis_ops_per_step', 0):.1f} / {'-' if without is None else f'{without:.1f}'} | "
+            f"{_mean(ev.get('wall_page'))} / {_mean(ev.get('unpaged_wall'))} / "
+            f"{_mean(ev.get('run_page'))} | {_ms(r.get('load_process_cpu_ms_per_step'))} |"
+        )
     return "\n".join(out)
 
 
@@ -216,7 +232,7 @@ def main() -> None:
     ap.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
     ap.add_argument("--keep", action="store_true", help="keep the databases")
     ap.add_argument("--json", type=Path, help="also write every N's measurements here")
-    ap.add_argument("--no-browsers", action="store_true", help="without the two viewer sockets")
+    ap.add_argument("--viewers", type=int, default=2, help="live sockets open in the window")
     args = ap.parse_args()
     tag = f"dartboard_scale_{os.getpid()}"
     results = []
@@ -228,7 +244,7 @@ def main() -> None:
                     "--latency-scale", str(args.latency_scale),
                     "--processes", str(processes), "--pool", str(args.pool),
                     "--batch-steps", str(args.batch_steps), "--switch-ms", str(args.switch_ms),
-                    *(["--no-browsers"] if args.no_browsers else [])]  # fmt: skip
+                    "--viewers", str(args.viewers)]  # fmt: skip
             results.append(_one(args, what, f"{tag}_{n}", Path(tmp) / f"load-{n}.json"))
             print(f"N={n}: {time.time() - t0:.0f} s", flush=True)
             print(load_table(results[-1:]), flush=True)
@@ -245,7 +261,7 @@ def main() -> None:
             print()
             print(split_table(results))
             print()
-            print(events_table(results))
+            print(viewers_table(results))
         if not args.skip_pages:
             pages = _one(
                 args,

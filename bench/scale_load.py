@@ -10,11 +10,14 @@ oracle on `sim/click-8` .. `sim/click-12`), starts `--processes` driver processe
 - consumes the ready groups as the trainer's batch collection does
   (datamanager.services.batches.batch_collect; the gradient step is left out) and marks
   them trained;
-- samples the database (rows, pg_database_size), Redis (commands processed) and the media
-  folder at the start and end of the sustain window (after `--warmup-s`);
-- holds two viewer sockets on the real consumer (dartboard/consumers.py) through the
-  window, one on page 1 of the env wall and one on an unpaged wall, and counts the events
-  each is sent per second.
+- samples the database (rows, pg_database_size), Redis (commands processed, by command),
+  the media folder and its own CPU at the start and end of the sustain window (after
+  `--warmup-s`);
+- holds `--viewers` sockets (default 2) on the real consumer (dartboard/consumers.py)
+  through the window: page 1 of the env wall, an unpaged wall, then run pages and further
+  wall pages in turn; counts the events each is sent per second and the Redis round trips
+  their own connections send. Before they connect, a control interval of CONTROL_S at the
+  same load gives Redis's commands per step without them, to set beside the window's.
 
 After the window the slots finish the episodes under way; then it checks that nothing was
 lost (every step a slot recorded is a row, every trajectory ended, each trajectory's length
@@ -24,14 +27,16 @@ equals its step rows) and writes the figures to `--out` as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +99,25 @@ def _process_cpu_jiffies(match: Callable[[str, str], bool]) -> float:
     return total
 
 
-def _sample(media: Path) -> dict[str, float]:
+# Seconds of the control interval (Redis commands without the viewers) and of the viewers'
+# connecting (their subscriptions) before the window.
+CONTROL_S = 60.0
+SETTLE_S = 5.0
+
+
+def _own_cpu_s() -> float:
+    """This process's CPU: the watchdog, the trainer's batch collection, the viewers' web."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _redis_ops_per_step(before: dict[str, Any], after: dict[str, Any]) -> float:
+    return (after["redis_commands"] - before["redis_commands"]) / max(
+        1, after["steps"] - before["steps"]
+    )
+
+
+def _sample(media: Path) -> dict[str, Any]:
     from django.db import connection
 
     from datamanager.live_work import redis_client
@@ -108,6 +131,7 @@ def _sample(media: Path) -> dict[str, float]:
     client = redis_client()
     try:
         commands = client.info("stats")["total_commands_processed"]
+        by_command = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}  # fmt: skip
     finally:
         client.close()
     media_bytes = sum(p.stat().st_size for p in media.rglob("*") if p.is_file())
@@ -129,12 +153,34 @@ def _sample(media: Path) -> dict[str, float]:
         "db_bytes": float(db_bytes),
         "rows_inserted": float(rows_inserted),
         "redis_commands": float(commands),
+        "redis_by_command": by_command,
         "media_bytes": float(media_bytes),
         "cpu_busy": sum(cpu) - cpu[3] - cpu[4],  # all but idle and iowait, in jiffies
         "cpu_all": sum(cpu),
         "pg_cpu": pg_cpu,
         "redis_cpu": redis_cpu,
     }
+
+
+@contextlib.contextmanager
+def _round_trips_counted(window_start: float, until: float) -> Iterator[list[int]]:
+    """Counts the Redis round trips (a command, or a pipeline) that asyncio Redis clients on
+    this thread send within the window: the viewers' channel layer, which no other code of
+    this process runs on the viewers' thread (the events publisher has a thread of its own)."""
+    from redis.asyncio.connection import AbstractConnection
+
+    counted, me, real = [0], threading.get_ident(), AbstractConnection.send_packed_command
+
+    async def send(conn: Any, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == me and window_start <= time.time() <= until:
+            counted[0] += 1
+        await real(conn, command, check_health)
+
+    AbstractConnection.send_packed_command = send  # type: ignore[method-assign,assignment]
+    try:
+        yield counted
+    finally:
+        AbstractConnection.send_packed_command = real  # type: ignore[method-assign]
 
 
 class Background:
@@ -148,7 +194,8 @@ class Background:
         self.collect_ms: list[float] = []
         self.groups_consumed = 0
         self.samples_built = 0
-        self.browser_events_per_s: dict[str, float] = {}
+        self.viewer_events_per_s: dict[str, list[float]] = {}
+        self.viewer_round_trips: int | None = None
         self.errors: list[str] = []
 
     def watchdog(self) -> None:
@@ -194,10 +241,12 @@ class Background:
         finally:
             connection.close()
 
-    def browsers(self, window_start: float, until: float) -> None:
-        """Two live sockets of a logged-in viewer on the real consumer and channel layer
-        during the window: one on page 1 of the env wall (its tiles' slots), one on an
-        unpaged wall (`?slots=all`); counts the events each is sent."""
+    def viewers(self, count: int, connect_at: float, window_start: float, until: float) -> None:
+        """`count` live sockets of a logged-in viewer on the real consumer and channel layer,
+        in this process (one web process), connected at `connect_at` and open through the
+        window: the first on page 1 of the env wall (its tiles' slots), the second on an
+        unpaged wall (`?slots=all`), then run pages (the run's own events) and wall pages 2,
+        3, ... in turn. Counts the events each is sent in the window."""
         import asyncio
 
         from channels.testing import WebsocketCommunicator
@@ -211,9 +260,19 @@ class Background:
 
         user, _ = get_user_model().objects.get_or_create(username="bench-viewer")
         user.groups.add(role_group("viewer"))
-        time.sleep(max(0.0, window_start - time.time()))
-        wall = run_slots(run=Run.objects.get(pk=self.run_id))  # the wall's page 1, as shown
-        page = [tile.id for tile in wall.tiles]
+        time.sleep(max(0.0, connect_at - time.time()))
+        run = Run.objects.get(pk=self.run_id)
+        wall_page = 1
+        queries: list[tuple[str, str]] = []  # (what it shows, the socket's query)
+        for i in range(count):
+            if i == 1:
+                queries.append(("unpaged_wall", "slots=all"))
+            elif i > 1 and i % 2 == 0:
+                queries.append(("run_page", ""))
+            else:
+                tiles = run_slots(run=run, page=wall_page).tiles  # the page as shown
+                queries.append(("wall_page", "slots=" + ",".join(str(t.id) for t in tiles)))
+                wall_page += 1
         connection.close()
 
         async def listen(query: str) -> int:
@@ -222,43 +281,49 @@ class Background:
             )
             comm.scope["user"] = user
             comm.scope["url_route"] = {"kwargs": {"run_id": self.run_id}}
-            connected, _ = await comm.connect()
+            # On a saturated machine the default second is too short for the page's
+            # permission check and its subscriptions.
+            connected, _ = await comm.connect(timeout=60)
             if not connected:
                 raise RuntimeError(f"the consumer refused the bench's viewer socket ?{query}")
             received = 0
-            while (left := until - time.time()) > 0:
+            # Open a little past the window, so that their leaving is not in its last sample.
+            while (left := until + SETTLE_S - time.time()) > 0:
                 try:  # the queue, not receive_from: its timeout would cancel the consumer
                     await asyncio.wait_for(comm.output_queue.get(), timeout=left)
-                    received += 1
+                    received += window_start <= time.time() <= until
                 except TimeoutError:
                     break
             await comm.disconnect()
             return received
 
-        async def both() -> list[int]:
-            slots = ",".join(map(str, page))
-            return list(await asyncio.gather(listen(f"slots={slots}"), listen("slots=all")))
+        async def all_of_them() -> list[int]:
+            return list(await asyncio.gather(*(listen(q) for _, q in queries)))
 
         try:
-            started = time.time()
-            page_events, all_events = asyncio.run(both())
-            secs = max(1.0, time.time() - started)
-            self.browser_events_per_s = {
-                "wall_page": page_events / secs,
-                "page_slots": len(page),
-                "unpaged_wall": all_events / secs,
-            }
+            with _round_trips_counted(window_start, until) as round_trips:
+                received = asyncio.run(all_of_them())
+            self.viewer_round_trips = round_trips[0]
+            secs = max(1.0, until - window_start)
+            for (shows, _), n in zip(queries, received, strict=True):
+                self.viewer_events_per_s.setdefault(shows, []).append(n / secs)
         except Exception as exc:
-            self.errors.append(f"browsers: {type(exc).__name__}: {exc}")
+            self.errors.append(f"viewers: {type(exc).__name__}: {exc}")
 
-    def start(self, window_start: float, until: float, browsers: bool) -> list[threading.Thread]:
+    def start(
+        self, viewers: int, connect_at: float, window_start: float, until: float
+    ) -> list[threading.Thread]:
         threads = [
             threading.Thread(target=self.watchdog, daemon=True),
             threading.Thread(target=self.trainer, daemon=True),
         ]
-        if browsers:
+        if viewers:
             threads.append(
-                threading.Thread(target=self.browsers, args=(window_start, until), daemon=True)
+                threading.Thread(
+                    target=self.viewers,
+                    args=(viewers, connect_at, window_start, until),
+                    daemon=True,
+                )
             )
         for t in threads:
             t.start()
@@ -314,7 +379,7 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=6, help="database connections per process")
     ap.add_argument("--batch-steps", type=int, default=0, help="0: one transaction a step")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="driver thread switch interval")
-    ap.add_argument("--no-browsers", action="store_true", help="no viewer sockets")
+    ap.add_argument("--viewers", type=int, default=2, help="live sockets open in the window")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -330,7 +395,12 @@ def main() -> None:
     profile = PROFILES["osworld"].scaled(args.latency_scale)
     warmup = args.warmup_s if args.warmup_s is not None else profile.reset_s[1] + 15
     t0 = time.time()
-    window_start, until = t0 + warmup, t0 + warmup + args.minutes * 60
+    # With viewers, a control interval before they connect: the Redis commands per step
+    # without them, at the same load (one run, so the difference is the viewers').
+    control_start = t0 + warmup
+    connect_at = control_start + (CONTROL_S if args.viewers else 0.0)
+    window_start = connect_at + (SETTLE_S if args.viewers else 0.0)
+    until = window_start + args.minutes * 60
     outs = [args.out.with_suffix(f".p{i}.json") for i in range(args.processes)]
     per = [args.slots // args.processes + (i < args.slots % args.processes) for i in range(args.processes)]  # fmt: skip
     procs, first = [], 0
@@ -343,11 +413,19 @@ def main() -> None:
         procs.append(subprocess.Popen(cmd, cwd=ROOT))
         first += count
     background = Background(run_id)
-    threads = background.start(window_start, until, browsers=not args.no_browsers)
+    threads = background.start(args.viewers, connect_at, window_start, until)
     media = Path(settings.MEDIA_ROOT)
+    control = []
+    if args.viewers:
+        time.sleep(max(0.0, control_start - time.time()))
+        control.append(_sample(media))
+        time.sleep(max(0.0, connect_at - time.time()))
+        control.append(_sample(media))
     time.sleep(max(0.0, window_start - time.time()))
     start = _sample(media)
+    load_cpu_start = _own_cpu_s()
     time.sleep(max(0.0, until - time.time()))
+    load_cpu_end = _own_cpu_s()
     end = _sample(media)
     drain_started = time.time()
     for p in procs:
@@ -432,7 +510,28 @@ def main() -> None:
         "heartbeat_ms_max": max((ms for r in results for ms in r["beat_ms"]), default=None),
         "lost_leases": sum(r["lost_leases"] for r in results),
         "slot_errors": counts["errors"],
-        "browser_events_per_s": background.browser_events_per_s,
+        "viewers": args.viewers,
+        "viewer_events_per_s": background.viewer_events_per_s,
+        # What a watching browser costs Redis: the round trips the viewers' own connections
+        # sent in the window, per viewer and second; and Redis's commands per step with the
+        # viewers (the window) and without them (the control interval), whoever sent them.
+        "redis_round_trips_per_s_per_viewer": (
+            background.viewer_round_trips / secs / args.viewers
+            if background.viewer_round_trips is not None
+            else None
+        ),
+        "redis_ops_per_step": _redis_ops_per_step(start, end),
+        "redis_ops_per_step_without_viewers": _redis_ops_per_step(*control) if control else None,
+        "redis_commands_per_s": {
+            k: (n - start["redis_by_command"].get(k, 0)) / secs
+            for k, n in sorted(end["redis_by_command"].items(), key=lambda kv: -kv[1])
+            if n > start["redis_by_command"].get(k, 0)
+        },
+        # The platform's CPU outside the driver, per step: this process (watchdog, batch
+        # collection, the viewers' consumer: a web process's part), PostgreSQL and Redis.
+        "load_process_cpu_ms_per_step": 1000
+        * (load_cpu_end - load_cpu_start)
+        / max(1, end["steps"] - start["steps"]),
         "errors": [e for r in results for e in r["errors"]][:3] + background.errors,
         "check": _check(run_id, counts["steps"], counts["finished"]),
     }

@@ -79,6 +79,20 @@ def artifacts_url(home: Path) -> str:
     return raw
 
 
+def redis_db(url: str) -> int:
+    """The database number a Redis URL names: `redis://host:6379/2` -> 2, `unix:///s?db=3` -> 3,
+    0 where it names none."""
+    parsed = urlparse(url)
+    if parsed.scheme == "unix":
+        query = dict(part.split("=", 1) for part in parsed.query.split("&") if "=" in part)
+        raw = query.get("db", "0")
+    else:
+        raw = parsed.path.lstrip("/") or "0"
+    if not raw.isdigit():
+        raise SettingsError(f"REDIS_URL={url!r} names database {raw!r}; use a number, e.g. /0.")
+    return int(raw)
+
+
 def celery_url(url: str) -> str:
     """Celery/kombu spell a unix socket `redis+socket:///path`."""
     if url.startswith("unix://"):

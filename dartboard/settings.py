@@ -38,6 +38,7 @@ try:
     if not ALLOWED_HOSTS:
         ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "testserver"]
     REDIS_URL, REDIS_EMBEDDED = config_env.redis_url(DARTBOARD_HOME)
+    _redis_db = config_env.redis_db(REDIS_URL)
     _database_url = config_env.database_url(DARTBOARD_HOME)
     _lease_ttl_s = config_env.env_seconds("DARTBOARD_LEASE_TTL_S", 30.0)
     _watchdog_period_s = config_env.env_seconds("DARTBOARD_WATCHDOG_PERIOD_S", 10.0)
@@ -234,15 +235,20 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 
+# Publish/subscribe: a web process subscribes once to each group its sockets joined and Redis
+# pushes each event to it, so a watching browser costs no Redis command, where the list-based
+# `RedisChannelLayer` spent four or five on every event it delivered to every socket (BZPOPMIN,
+# ZADD, ZPOPMIN and an EVAL on the socket's side, a ZADD into its channel on the writer's).
+# Nothing is queued in Redis for a socket that is gone or slow; events are live-view hints and
+# each socket coalesces its own (dartboard/consumers.py). Publish/subscribe channels span the
+# server's databases, so the prefix carries the database number: two deployments (or two
+# test workers) on one server with different databases do not hear each other.
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
         "CONFIG": {
             "hosts": [{"address": REDIS_URL}],
-            # channels_redis drops group messages past capacity silently; the dashboard
-            # sends small events at a high rate, so leave room.
-            "capacity": 2000,
-            "expiry": 30,
+            "prefix": f"dartboard-db{_redis_db}",
         },
     }
 }

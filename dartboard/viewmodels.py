@@ -94,6 +94,7 @@ class SlotWall:
     pages: int
     status: str  # the filter ("" for every status)
     query: str  # a substring of the slot's name or its current task's name
+    per_page: int
 
     @property
     def complete(self) -> bool:
@@ -101,8 +102,17 @@ class SlotWall:
         return not self.status and not self.query and self.pages <= 1
 
 
+# Tiles on a page of the env wall unless the page asks for more (`?per=`, views.py).
+WALL_PER_PAGE = 60
+
+
 def run_slots(
-    *, run: Run, status: str = "", query: str = "", page: int | str = 1, per_page: int = 60
+    *,
+    run: Run,
+    status: str = "",
+    query: str = "",
+    page: int | str = 1,
+    per_page: int = WALL_PER_PAGE,
 ) -> SlotWall:
     """A page of the run's env slots, with the latest screenshot of each slot's current
     trajectory, filtered by status (`lost` included) and by a substring of the slot's or its
@@ -150,6 +160,7 @@ def run_slots(
         pages=paginator.num_pages,
         status=status,
         query=query,
+        per_page=per_page,
     )
 
 

@@ -32,6 +32,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from dartboard import figures, svg, viewmodels
 from dartboard import flower as flower_proxy
 from dartboard import health as service_health
+from dartboard.consumers import MAX_SLOTS
 from dartboard.forms import (
     EvalCompareForm,
     EvalJobFilterForm,
@@ -218,14 +219,17 @@ def run_slots_json(request: HttpRequest, run_id: int) -> JsonResponse:
 
 
 def _wall(request: HttpRequest, run: Run) -> viewmodels.SlotWall:
-    """The env wall page the request asks for (?status=&q=&page=); an unknown status is
-    ignored rather than an error, like a stale link's page number."""
+    """The env wall page the request asks for (?status=&q=&page=&per=); an unknown status is
+    ignored rather than an error, like a stale link's page number, and `per` (tiles a page,
+    WALL_PER_PAGE unless given) is kept within what one live socket follows."""
     status = request.GET.get("status", "")
+    per = request.GET.get("per", "")
     return viewmodels.run_slots(
         run=run,
         status=status if status in viewmodels.WALL_STATUSES else "",
         query=request.GET.get("q", "").strip()[:200],
         page=request.GET.get("page", 1),
+        per_page=min(max(int(per), 1), MAX_SLOTS) if per.isdigit() else viewmodels.WALL_PER_PAGE,
     )
 
 

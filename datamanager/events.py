@@ -1,7 +1,9 @@
 """Dashboard events: published to a run's Channels group after the DB transaction commits.
 
-Producers (env slots, the trainer) call `publish_on_commit`; the consumer in
-`dartboard/consumers.py` forwards each event to the browsers watching the run.
+Producers (env slots, the trainer) call `publish_on_commit`; each is one PUBLISH per group on
+the publish/subscribe channel layer (settings.CHANNEL_LAYERS), whoever watches; the consumer in
+`dartboard/consumers.py` forwards the events to the browsers watching the run, at most a few
+times a second per tile.
 
 Publishing is fire-and-forget on one background event loop per process: a step never waits
 for Redis (measured: ~3 ms per event with a fresh `async_to_sync` loop, ~0.05 ms queued).

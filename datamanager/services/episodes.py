@@ -442,12 +442,14 @@ def trajectories_abort_orphans(
         | Q(env_slot__last_heartbeat__lt=cutoff)
     )
     count = 0
-    for traj in orphans.select_related("env_slot"):
-        if traj.env_slot is not None and traj.env_slot.name in alive_slots:
+    # Three columns, not two model instances a row: with heartbeats late (a busy database
+    # delays them) every running trajectory of the run matches, and nearly all are skipped.
+    rows = orphans.values_list("pk", "env_slot__name", "env_slot__last_heartbeat")
+    for traj_id, slot_name, beat in rows:
+        if slot_name is not None and slot_name in alive_slots:
             continue
-        beat = traj.env_slot.last_heartbeat if traj.env_slot else None
         trajectory_finish(
-            trajectory_id=traj.pk,
+            trajectory_id=traj_id,
             status=TrajectoryStatus.ABORTED,
             reward=None,
             error=f"the env worker stopped mid-episode (its last heartbeat: {beat:%Y-%m-%d %H:%M:%S} UTC)"

@@ -154,6 +154,11 @@ def test_a_wall_of_130_slots_is_paged_counted_and_filterable(ada_client):
     page2 = ada_client.get(f"/runs/{run.pk}/slots.json?page=2").json()
     assert (len(page2["slots"]), page2["page"], page2["pages"], page2["total"]) == (60, 2, 3, 130)
     assert page2["counts"] == {"busy": 116, "quarantined": 13, "lost": 1}
+    wide = ada_client.get(f"/runs/{run.pk}/?per=100&page=2").content.decode()
+    assert tiles(wide) == [f"w:{i:03d}" for i in range(100, 130)] and "page 2 of 2" in wide
+    assert "per=100&amp;page=1" in wide  # the pager keeps the page's width
+    everything = ada_client.get(f"/runs/{run.pk}/slots.json?per=100000").json()
+    assert (len(everything["slots"]), everything["pages"]) == (130, 1)  # held to MAX_SLOTS
 
 
 def test_the_run_page_reads_500_slot_leases_in_a_few_round_trips_and_folds_them(

@@ -41,7 +41,8 @@
     if (fetching) return;
     fetching = true;
     try {
-      const r = await fetch(`/runs/${runId}/slots.json`, { credentials: "same-origin" });
+      // The page's own query (its filter, page and tiles a page): the names of its tiles.
+      const r = await fetch(`/runs/${runId}/slots.json${location.search}`, { credentials: "same-origin" });
       const body = await r.json();
       Object.assign(taskNames, body.tasks);
       for (const s of body.slots) {

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from core.imaging import ImageGeometry, ProcessorNotSupported
+from core.imaging import QWEN_MERGE, QWEN_PATCH, ImageGeometry, ProcessorNotSupported
 from training.config import TrainerConfig
 
 GIB = 1024**3
@@ -99,11 +99,11 @@ class ModelShape:
         vh = int(vision.get("hidden_size") or vision.get("embed_dim") or 0)
         vi = int(vision.get("intermediate_size") or vh * float(vision.get("mlp_ratio", 4)))
         depth = int(vision.get("depth") or 0)
-        merge = int(vision.get("spatial_merge_size") or 2) ** 2
+        merge = int(vision.get("spatial_merge_size") or QWEN_MERGE) ** 2
         # Qwen2.5-VL's vision MLP is gated (three matrices), Qwen2-VL's and Qwen3-VL's two.
         mlp = 3 if config.get("model_type") == "qwen2_5_vl" else 2
         mergers = 1 + len(vision.get("deepstack_visual_indexes") or ())
-        patch = int(vision.get("patch_size") or 14)
+        patch = int(vision.get("patch_size") or QWEN_PATCH)
         pixels = int(vision.get("in_channels") or 3) * int(vision.get("temporal_patch_size") or 2)
         vision_params = (
             depth * (4 * vh * vh + mlp * vh * vi)

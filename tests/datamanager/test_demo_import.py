@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from PIL import Image
 
-from core.imaging import ImageGeometry
+from core.imaging import QWEN25_VL, ImageGeometry
 from core.prompts import PROMPT_TEMPLATES
 from datamanager.models import Task, Trajectory
 from datamanager.selectors.steps import step_reply
@@ -278,7 +278,8 @@ def test_an_imported_step_trains_on_its_action_in_the_policy_s_coordinates(tmp_p
     traj = Trajectory.objects.get()
     step = traj.steps.get(index=0)
     # A policy whose processor halves the 320x180 screen: the reply is in its pixels.
-    half = ImageGeometry(factor=28, min_pixels=28 * 28, max_pixels=160 * 90)
+    factor = QWEN25_VL.factor
+    half = ImageGeometry(factor=factor, min_pixels=factor * factor, max_pixels=160 * 90)
     reply = step_reply(
         traj, step, geometry=half, template=PROMPT_TEMPLATES["ui-tars-1.5"], coords="pixel"
     )

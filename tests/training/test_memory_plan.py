@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core.imaging import QWEN25_VL
+from core.imaging import QWEN25_VL, QWEN_MERGE, QWEN_PATCH
 from training.config import TrainerConfig
 from training.memory_plan import (
     GIB,
@@ -39,7 +39,7 @@ QWEN25_7B = {
     "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420},
 }  # fmt: skip
 # One 1920x1080 screenshot at the released processor's bounds (10,764 patches).
-SCREEN_PATCHES = QWEN25_VL.tokens(width=1920, height=1080) * 4
+SCREEN_PATCHES = QWEN25_VL.tokens(width=1920, height=1080) * QWEN_MERGE**2
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def _request(config: dict, **settings: object) -> TrainerRequest:
     trainer = TrainerConfig(**settings)  # type: ignore[arg-type]
     sample = Sample.of_budgets(
         ModelShape.from_config(config), max_prompt_tokens=16_384, max_new_tokens=1024,
-        max_images=5, image_tokens=SCREEN_PATCHES // 4,
+        max_images=5, image_tokens=SCREEN_PATCHES // QWEN_MERGE**2,
     )  # fmt: skip
     return TrainerRequest.of(trainer, shape=ModelShape.from_config(config), sample=sample)
 
@@ -238,7 +238,7 @@ def _seven_b_checkpoint(path: Path) -> Path:
     path.mkdir()
     config = {**QWEN25_7B, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
     (path / "config.json").write_text(json.dumps(config))
-    processor = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+    processor = {"patch_size": QWEN_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
                  "min_pixels": QWEN25_VL.min_pixels, "max_pixels": QWEN25_VL.max_pixels}  # fmt: skip
     (path / "preprocessor_config.json").write_text(json.dumps(processor))
     return path
@@ -286,7 +286,7 @@ def test_placement_takes_the_plans_memory(tmp_path: Path) -> None:
     shape = checkpoint_shape(policy)
     assert shape is not None
     sample = Sample.of_budgets(shape, max_prompt_tokens=16_384, max_new_tokens=1024,
-                               max_images=5, image_tokens=SCREEN_PATCHES // 4)  # fmt: skip
+                               max_images=5, image_tokens=SCREEN_PATCHES // QWEN_MERGE**2)  # fmt: skip
     host = HostInventory(name="gpu-1", cuda_torch=True,
                          gpus=tuple(Gpu(i, "H100", 80.0) for i in range(2)))  # fmt: skip
     lora = RunNeeds(inference_workers=1, backend="transformers", trainer_replicas=1,

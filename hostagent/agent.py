@@ -481,29 +481,22 @@ class HostAgent:
         self, placement: RunPlacement, cfg: RunConfig, checkpoint: str
     ) -> ClusterPlacement | None:
         """Place a queued run over the cluster and claim it, or say why it waits (None).
-        Agents place one at a time: the hosts' rows stay locked from reading what is taken
-        to the claim, so two agents never give the same GPU twice (PostgreSQL; SQLite
-        writes one transaction at a time)."""
+        A run that does not fit locks nothing (it is asked again every tick); one that fits
+        is placed again with the hosts' rows locked from reading what is taken to the claim,
+        so two agents never give the same GPU twice (PostgreSQL; SQLite writes one
+        transaction at a time)."""
+        plan = self._plan(cfg, checkpoint)
+        if isinstance(plan, str):
+            reason = f"queued: {plan}"
+            if reason != placement.reason:
+                placement_wait(placement_id=placement.pk, reason=reason)
+                run_set_message(run_id=placement.run_id, message=reason)
+            return None
         with transaction.atomic():
             list(Host.objects.select_for_update().order_by("name").values_list("pk", flat=True))
-            hosts = self._cluster()
-            taken = self._taken()
-            bases = {h.name: self.port_base for h in hosts}
-            bases[self.name] = self._free_base(taken.get(self.name, []))
-            plan = place_cluster(
-                run_needs(cfg, checkpoint, hosts=hosts),
-                hosts,
-                taken=taken,
-                port_bases=bases,
-                env_kinds={b for b, _ in cfg.env.slots()},
-                env_workers=len(cfg.env.slots()),
-            )
+            plan = self._plan(cfg, checkpoint)  # what another agent claimed meanwhile counts
             if isinstance(plan, str):
-                reason = f"queued: {plan}"
-                if reason != placement.reason:
-                    placement_wait(placement_id=placement.pk, reason=reason)
-                    run_set_message(run_id=placement.run_id, message=reason)
-                return None
+                return None  # said on the next tick
             rows = {h.name: h for h in Host.objects.filter(name__in=plan.hosts)}
             claimed = placement_claim(
                 placement_id=placement.pk,
@@ -513,6 +506,21 @@ class HostAgent:
                 router_url=plan.router_url,
             )
         return plan if claimed else None  # else another agent took it, or the run stopped
+
+    def _plan(self, cfg: RunConfig, checkpoint: str) -> ClusterPlacement | str:
+        """The run's placement over the hosts that report, beside what is placed now."""
+        hosts = self._cluster()
+        taken = self._taken()
+        bases = {h.name: self.port_base for h in hosts}
+        bases[self.name] = self._free_base(taken.get(self.name, []))
+        return place_cluster(
+            run_needs(cfg, checkpoint, hosts=hosts),
+            hosts,
+            taken=taken,
+            port_bases=bases,
+            env_kinds={b for b, _ in cfg.env.slots()},
+            env_workers=len(cfg.env.slots()),
+        )
 
     def _free_base(self, taken: list[Placement]) -> int:
         """The first block of run ports whose ports no process holds (placed runs' blocks

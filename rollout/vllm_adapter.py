@@ -47,6 +47,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -265,10 +266,17 @@ class Adapter:
             if self.status != "ok":
                 return 409, error_body(409, "a reload is already running")
             self.status = "switching" if is_adapter_dir(checkpoint) else "draining"
+        if is_adapter_dir(checkpoint):
+            return self._reloading(version, lambda: self._switch_adapter(checkpoint, version))
+        return self._reloading(version, lambda: self._reload_full(checkpoint, version))
+
+    def _reloading(
+        self, version: int, work: Callable[[], tuple[int, dict[str, Any]]]
+    ) -> tuple[int, dict[str, Any]]:
+        """Run a reload its caller began (the status set under the lock): vLLM's errors are
+        the reply, and the status is back to ok after, whatever happened."""
         try:
-            if is_adapter_dir(checkpoint):
-                return self._switch_adapter(checkpoint, version)
-            return self._reload_full(checkpoint, version)
+            return work()
         except httpx.HTTPError as exc:
             return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
         except ValueError as exc:  # vLLM still starting: the router syncs again
@@ -343,31 +351,28 @@ class Adapter:
             "worker": self.name,
             "timeout_s": self.pull_timeout_s,
         }
-        try:
-            if adapter is not None:
-                status, pulled = self._rpc("dartboard_pull_adapter", **pull, like=adapter)
-                if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
-                    return self._pull_failed(status, pulled)
-                status, reply = self._switch_adapter(pulled["path"], version)
-            else:
-                self.base_name()
-                with self.cond:
-                    self.cond.wait_for(lambda: sum(self.in_flight.values()) == 0)
-                    self.status = "loading"
-                status, pulled = self._rpc("dartboard_pull_full", **pull)
-                if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
-                    return self._pull_failed(status, pulled)
-                status, reply = self._full_weights_loaded(version)
-            if status == 200:
-                reply.update(source="weights", bytes=pulled["bytes"], pull_s=pulled["seconds"])
-            return status, reply
-        except httpx.HTTPError as exc:
-            return 502, error_body(502, f"vLLM unreachable: {type(exc).__name__}: {exc}")
-        except ValueError as exc:  # vLLM still starting: the router syncs again
-            return 503, error_body(503, f"version {version} not loaded: {exc}")
-        finally:
+        return self._reloading(version, lambda: self._pull(pull, version, adapter))
+
+    def _pull(
+        self, pull: dict[str, Any], version: int, adapter: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        if adapter is not None:
+            status, pulled = self._rpc("dartboard_pull_adapter", **pull, like=adapter)
+            if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
+                return self._pull_failed(status, pulled)
+            status, reply = self._switch_adapter(pulled["path"], version)
+        else:
+            self.base_name()
             with self.cond:
-                self.status = "ok"
+                self.cond.wait_for(lambda: sum(self.in_flight.values()) == 0)
+                self.status = "loading"
+            status, pulled = self._rpc("dartboard_pull_full", **pull)
+            if status != 200 or not isinstance(pulled, dict) or "error" in pulled:
+                return self._pull_failed(status, pulled)
+            status, reply = self._full_weights_loaded(version)
+        if status == 200:
+            reply.update(source="weights", bytes=pulled["bytes"], pull_s=pulled["seconds"])
+        return status, reply
 
     def _pull_failed(self, status: int, pulled: Any) -> tuple[int, dict[str, Any]]:
         """The reply to a pull that failed in vLLM's worker (`rollout.vllm_weights`) or
